@@ -1,0 +1,3 @@
+from exo.helpers import DEBUG, DEBUG_DISCOVERY, VERSION
+
+__all__ = ["DEBUG", "DEBUG_DISCOVERY", "VERSION"]

@@ -1,0 +1,196 @@
+"""Llama-family weights for one shard, from a GGUF file or a Hugging Face directory, as float32 numpy arrays.
+
+Every engine reads its weights through `load_shard_weights`, so they all see the same tensors under the same
+(Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout."""
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional, Tuple, Union
+
+import numpy as np
+
+from exo.inference.shard import Shard
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+  hidden_size: int
+  intermediate_size: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  vocab_size: int
+  head_dim: int
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[dict] = None  # Hugging Face form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 4096
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+  """Inverse RoPE frequencies (head_dim // 2,), with Llama-3 frequency scaling when the model asks for it."""
+  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim))
+  scaling = config.rope_scaling or {}
+  if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old_context / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= old_context / low) & (wavelen >= old_context / high)
+    inv_freq = np.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+  elif "freq_factors" in scaling:  # GGUF stores Llama-3 scaling as per-frequency divisors
+    inv_freq = inv_freq / np.asarray(scaling["freq_factors"], dtype=np.float64)
+  return inv_freq.astype(np.float32)
+
+
+def _layer_index(name: str) -> Optional[int]:
+  match = re.match(r"(?:model\.layers|blk)\.(\d+)\.", name)
+  return int(match.group(1)) if match else None
+
+
+def _wanted(name: str, shard: Shard, tied: bool) -> bool:
+  layer = _layer_index(name)
+  if layer is not None:
+    return shard.start_layer <= layer <= shard.end_layer
+  if name in ("model.embed_tokens.weight", "token_embd.weight"):
+    return shard.is_first_layer() or (tied and shard.is_last_layer())
+  return shard.is_last_layer()  # final norm, lm_head
+
+
+# GGUF name -> Hugging Face name
+_GGUF_NAMES = {
+  "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight",
+  "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+  "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _hf_name(gguf_name: str) -> Optional[str]:
+  if gguf_name in _GGUF_NAMES:
+    return _GGUF_NAMES[gguf_name]
+  match = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", gguf_name)
+  if match and match.group(2) in _GGUF_NAMES:
+    return f"model.layers.{match.group(1)}.{_GGUF_NAMES[match.group(2)]}.{match.group(3)}"
+  return None
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp stores Q/K with RoPE pairs interleaved; undo that to Hugging Face's rotate-half layout."""
+  out_features = w.shape[0]
+  return w.reshape(n_heads, out_features // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_config(reader) -> Tuple[LlamaConfig, Optional[np.ndarray]]:
+  def get(key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+  arch = get("general.architecture")
+  if arch != "llama":
+    raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+  hidden = get("llama.embedding_length")
+  n_heads = get("llama.attention.head_count")
+  vocab = get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+  names = {t.name for t in reader.tensors}
+  config = LlamaConfig(
+    hidden_size=hidden, intermediate_size=get("llama.feed_forward_length"), n_layers=get("llama.block_count"),
+    n_heads=n_heads, n_kv_heads=get("llama.attention.head_count_kv", n_heads), vocab_size=vocab,
+    head_dim=get("llama.attention.key_length", hidden // n_heads), rms_norm_eps=get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+    rope_theta=get("llama.rope.freq_base", 10000.0), tie_word_embeddings="output.weight" not in names,
+    max_position_embeddings=get("llama.context_length", 4096))
+  return config, None
+
+
+def load_gguf(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+  import gguf
+  reader = gguf.GGUFReader(str(path))
+  config, _ = _gguf_config(reader)
+  weights: Dict[str, np.ndarray] = {}
+  for tensor in reader.tensors:
+    if tensor.name == "rope_freqs.weight":
+      freq_factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+      config = LlamaConfig(**{**config.__dict__, "rope_scaling": {"freq_factors": freq_factors.tolist()}})
+      continue
+    name = _hf_name(tensor.name)
+    if name is None or not _wanted(name, shard, config.tie_word_embeddings):
+      continue
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+    if name.endswith("q_proj.weight"):
+      w = _unpermute_rope(w, config.n_heads)
+    elif name.endswith("k_proj.weight"):
+      w = _unpermute_rope(w, config.n_kv_heads)
+    weights[name] = np.ascontiguousarray(w)
+  return config, weights
+
+
+def hf_config(config_json: dict) -> LlamaConfig:
+  archs = config_json.get("architectures") or []
+  if config_json.get("model_type") not in (None, "llama") and not any(a.startswith("Llama") for a in archs):
+    raise ValueError(f"model type {config_json.get('model_type')!r} is not supported (Llama family only)")
+  hidden, n_heads = config_json["hidden_size"], config_json["num_attention_heads"]
+  return LlamaConfig(
+    hidden_size=hidden, intermediate_size=config_json["intermediate_size"], n_layers=config_json["num_hidden_layers"],
+    n_heads=n_heads, n_kv_heads=config_json.get("num_key_value_heads", n_heads), vocab_size=config_json["vocab_size"],
+    head_dim=config_json.get("head_dim") or hidden // n_heads, rms_norm_eps=config_json.get("rms_norm_eps", 1e-5),
+    rope_theta=config_json.get("rope_theta", 10000.0), rope_scaling=config_json.get("rope_scaling"),
+    tie_word_embeddings=config_json.get("tie_word_embeddings", False),
+    max_position_embeddings=config_json.get("max_position_embeddings", 4096))
+
+
+def load_hf_dir(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+  """config.json + *.safetensors (with or without model.safetensors.index.json); opens only files holding our tensors."""
+  from safetensors import safe_open
+  path = Path(path)
+  config = hf_config(json.loads((path / "config.json").read_text()))
+  index = path / "model.safetensors.index.json"
+  if index.exists():
+    weight_map: Dict[str, str] = json.loads(index.read_text())["weight_map"]
+  else:
+    weight_map = {}
+    for file in sorted(path.glob("*.safetensors")):
+      with safe_open(str(file), framework="numpy") as f:
+        weight_map.update({k: file.name for k in f.keys()})
+  wanted: Dict[str, list] = {}
+  for name, file in weight_map.items():
+    if _wanted(name, shard, config.tie_word_embeddings) and not name.endswith("rotary_emb.inv_freq"):
+      wanted.setdefault(file, []).append(name)
+  weights: Dict[str, np.ndarray] = {}
+  for file, names in wanted.items():
+    # framework="pt" would need torch; "numpy" cannot hold bfloat16, so read raw bytes for those.
+    weights.update(_read_safetensors(path / file, names))
+  return config, weights
+
+
+def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
+  """Read selected tensors from a safetensors file as float32, including bfloat16 ones (numpy has no bf16)."""
+  import struct
+  out = {}
+  with open(file, "rb") as f:
+    header_len = struct.unpack("<Q", f.read(8))[0]
+    header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+    for name in names:
+      meta = header[name]
+      start, end = meta["data_offsets"]
+      f.seek(base + start)
+      raw = np.frombuffer(f.read(end - start), dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
+      if meta["dtype"] == "BF16":
+        raw = (raw.astype(np.uint32) << 16).view(np.float32)
+      out[name] = np.ascontiguousarray(raw, dtype=np.float32)
+  return out
+
+
+def load_shard_weights(model_path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+  """The shard's own layers (plus embeddings on the first shard, final norm and head on the last)."""
+  model_path = Path(model_path)
+  if model_path.suffix == ".gguf":
+    return load_gguf(model_path, shard)
+  if model_path.is_dir() and (model_path / "config.json").exists():
+    return load_hf_dir(model_path, shard)
+  raise ValueError(f"{model_path}: neither a .gguf file nor a directory with config.json")

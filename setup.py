@@ -1,0 +1,36 @@
+from setuptools import find_packages, setup
+
+install_requires = [
+  "numpy>=1.26,<3",
+  "gguf>=0.10,<1",
+  "safetensors>=0.4,<1",
+  "tokenizers>=0.19,<1",
+  "jinja2>=3.1,<4",
+  "huggingface_hub>=0.24,<3",
+  "grpcio>=1.64,<2",
+  "protobuf>=5.27,<8",
+  "aiohttp>=3.9,<4",
+  "pluggy>=1.5,<2",
+  "pydantic>=2.5,<3",
+  "psutil>=5.9,<8",
+  "rich>=13,<16",
+]
+
+extras_require = {
+  "tinygrad": ["tinygrad>=0.10,<0.12"],
+  "mlx": ["mlx[cpu]>=0.25,<1; platform_system=='Linux'", "mlx>=0.25,<1; platform_system=='Darwin'"],
+  "test": ["pytest>=8,<10", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools>=1.64,<2"],
+}
+
+setup(
+  name="exo",
+  version="0.0.1",
+  description="Run one language model across several ordinary machines, serving many users at once",
+  packages=find_packages(include=["exo", "exo.*"]),
+  package_data={"exo": ["tinychat/**/*", "networking/grpc/*.proto"]},
+  include_package_data=True,
+  python_requires=">=3.10",
+  install_requires=install_requires,
+  extras_require=extras_require,
+  entry_points={"console_scripts": ["exo = exo.main:run"]},
+)
