@@ -26,6 +26,9 @@ class DummyInferenceEngine(InferenceEngine):
       return np.array([self.tokenizer.eos_token_id])
     return x
 
+  async def sample_batch(self, logits, params, generators) -> np.ndarray:
+    return np.array([int(np.asarray(await self.sample(x)).item()) for x in logits])
+
   async def decode(self, shard: Shard, tokens: np.ndarray) -> str:
     return "dummy" * len(tokens)
 

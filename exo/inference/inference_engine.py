@@ -4,6 +4,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from exo.inference.sampling import SamplingParams, sample_rows
 from exo.inference.shard import Shard
 
 
@@ -61,6 +62,11 @@ class InferenceEngine(ABC):
       except Exception as e:
         results.append(e)
     return results
+
+  async def sample_batch(self, logits: List[np.ndarray], params: List[SamplingParams], generators: List[np.random.Generator]) -> np.ndarray:
+    """Sample the last position of each request's logits, each with its own parameters and random stream."""
+    rows = np.stack([np.asarray(x).reshape(-1, np.shape(x)[-1])[-1] for x in logits])
+    return sample_rows(rows, params, generators)
 
   async def finish_request(self, request_id: str) -> None:
     """Free what the engine holds for a request that has ended (its KV cache)."""

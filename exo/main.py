@@ -1,0 +1,257 @@
+"""The `exo` command: start a node (and its HTTP API), or `exo run MODEL --prompt P` for answers in the terminal."""
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from exo.helpers import DEBUG, VERSION, find_available_port, get_or_create_node_id
+from exo.inference.inference_engine import inference_engine_classes
+
+os.environ.setdefault("GRPC_VERBOSITY", "error")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+ENGINES = ["numpy", "tinygrad", "mlx", "dummy"]
+
+
+def default_engine() -> str:
+  """MLX on Apple silicon; elsewhere numpy, the fastest of our engines on CPUs (see README, "Engines")."""
+  if platform.system() == "Darwin" and platform.machine() == "arm64":
+    return "mlx"
+  return "numpy"
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="exo", description="Run one language model across several machines, serving many users at once.")
+  p.add_argument("command", nargs="?", choices=["run", "eval", "train"], help="run: answer --prompt in the terminal; eval/train: MLX only")
+  p.add_argument("model_name", nargs="?", help="model id, e.g. smollm2-135m")
+  p.add_argument("--default-model", type=str, default=None, help="API fallback model (default smollm2-135m)")
+  p.add_argument("--iters", type=int, default=100)
+  p.add_argument("--save-every", type=int, default=5)
+  p.add_argument("--data", type=str, default="exo/train/data/lora")
+  p.add_argument("--batch-size", type=int, default=None,
+                 help="serving: largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE); train/eval: minibatch size")
+  p.add_argument("--batch-timeout-ms", type=float, default=None, help="longest a request waits for others to join its batch (overrides EXO_BATCH_TIMEOUT_MS)")
+  p.add_argument("--resume-checkpoint", type=str, default=None)
+  p.add_argument("--save-checkpoint-dir", type=str, default="checkpoints")
+  p.add_argument("--node-id", type=str, default=None)
+  p.add_argument("--node-host", type=str, default="0.0.0.0")
+  p.add_argument("--node-port", type=int, default=None)
+  p.add_argument("--models-seed-dir", type=str, default=None)
+  p.add_argument("--listen-port", type=int, default=5678)
+  p.add_argument("--download-quick-check", action="store_true")
+  p.add_argument("--max-parallel-downloads", type=int, default=8)
+  p.add_argument("--broadcast-port", type=int, default=5678)
+  p.add_argument("--discovery-module", type=str, choices=["udp", "tailscale", "manual"], default=None, help="default udp; `exo run` alone uses none")
+  p.add_argument("--discovery-timeout", type=int, default=30)
+  p.add_argument("--discovery-config-path", type=str, default=None)
+  p.add_argument("--wait-for-peers", type=int, default=0)
+  p.add_argument("--chatgpt-api-port", type=int, default=52415)
+  p.add_argument("--chatgpt-api-response-timeout", type=int, default=900)
+  p.add_argument("--max-generate-tokens", type=int, default=10000)
+  p.add_argument("--inference-engine", type=str, default=None, help=f"one of {', '.join(ENGINES)} (default: mlx on Apple silicon, else numpy)")
+  p.add_argument("--disable-tui", action=argparse.BooleanOptionalAction)
+  p.add_argument("--run-model", type=str, default=None)
+  p.add_argument("--prompt", type=str, action="append", default=None, help="prompt for `run`; repeat to run several concurrently")
+  p.add_argument("--prompts-file", type=str, default=None, help="`run`: one prompt a line, run concurrently")
+  p.add_argument("--default-temp", type=float, default=0.0)
+  p.add_argument("--tailscale-api-key", type=str, default=None)
+  p.add_argument("--tailnet-name", type=str, default=None)
+  p.add_argument("--node-id-filter", type=str, default=None)
+  p.add_argument("--interface-type-filter", type=str, default=None)
+  p.add_argument("--system-prompt", type=str, default=None)
+  return p
+
+
+def fail(message: str) -> None:
+  print(f"exo: error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def build_discovery(args, node_id: str, node_port: int, caps):
+  from exo.networking.discovery import NoDiscovery
+  module = args.discovery_module
+  if module is None:
+    # A lone `exo run` is a ring of one: no discovery traffic at all.
+    module = "none" if (args.command == "run" or args.run_model) and args.wait_for_peers == 0 else "udp"
+  if module == "none":
+    return NoDiscovery()
+  from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
+
+  def create_peer_handle(peer_id, address, description, device_capabilities):
+    return GRPCPeerHandle(peer_id, address, description, device_capabilities)
+  allowed_ids = args.node_id_filter.split(",") if args.node_id_filter else None
+  if module == "udp":
+    from exo.networking.udp.udp_discovery import UDPDiscovery
+    allowed_types = args.interface_type_filter.split(",") if args.interface_type_filter else None
+    return UDPDiscovery(node_id, node_port, args.listen_port, args.broadcast_port, create_peer_handle, discovery_timeout=args.discovery_timeout,
+                        device_capabilities=caps, allowed_node_ids=allowed_ids, allowed_interface_types=allowed_types)
+  if module == "manual":
+    from exo.networking.manual.manual_discovery import ManualDiscovery
+    if not args.discovery_config_path:
+      raise ValueError("--discovery-config-path is required when using manual discovery. Please provide a path to a config json file.")
+    return ManualDiscovery(args.discovery_config_path, node_id, create_peer_handle=create_peer_handle)
+  from exo.networking.tailscale.tailscale_discovery import TailscaleDiscovery
+  return TailscaleDiscovery(node_id, node_port, create_peer_handle, discovery_timeout=args.discovery_timeout, device_capabilities=caps,
+                            tailscale_api_key=args.tailscale_api_key, tailnet=args.tailnet_name, allowed_node_ids=allowed_ids)
+
+
+def read_prompts(args) -> List[str]:
+  prompts = list(args.prompt or [])
+  if args.prompts_file:
+    try:
+      prompts += [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    except OSError as e:
+      fail(f"cannot read --prompts-file: {e}")
+  return prompts or ["Who are you?"]
+
+
+async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[str], timeout: float) -> None:
+  """Run prompts concurrently through the node; one prompt streams to stdout, several print answers under each prompt."""
+  from exo.inference.sampling import SamplingParams
+  from exo.models import build_base_shard
+  from exo.orchestration.generation import generate
+
+  base_shard = build_base_shard(model_id, engine_classname)
+  await node.inference_engine.ensure_shard(node.get_current_shard(base_shard))
+  tokenizer = node.inference_engine.tokenizer
+  params = SamplingParams(temperature=node.default_sample_temperature)
+
+  async def answer(prompt: str, stream: bool) -> List[int]:
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    tokens: List[int] = []
+    printed = ""
+    async for delta, _ in generate(node, base_shard, templated, params, timeout=timeout):
+      tokens += delta
+      if stream:
+        text = tokenizer.decode([t for t in tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+          print(text[len(printed):], end="", flush=True)
+          printed = text
+    return tokens
+
+  start = time.perf_counter()
+  if len(prompts) == 1:
+    tokens = [await answer(prompts[0], stream=True)]
+    print()
+  else:
+    tokens = await asyncio.gather(*[answer(p, stream=False) for p in prompts])
+    for prompt, answer_tokens in zip(prompts, tokens):
+      text = tokenizer.decode([t for t in answer_tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+      print(f"\n>>> {prompt}\n{text}")
+  elapsed = time.perf_counter() - start
+  total = sum(len(t) for t in tokens)
+  summary = f"{len(prompts)} prompt(s), {total} tokens, {elapsed:.2f} s, {total / elapsed:.1f} tokens/s"
+  for extra in node.plugins.hook.exo_run_summary(node=node):
+    summary += f", {extra}"
+  print(summary, file=sys.stderr if len(prompts) == 1 else sys.stdout)
+
+
+async def main(args) -> int:
+  from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
+  from exo.inference.inference_engine import get_inference_engine
+  from exo.models import DEFAULT_MODEL, build_base_shard, get_supported_models, model_cards
+  from exo.orchestration.node import Node
+  from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
+
+  engine_name = args.inference_engine or default_engine()
+  if engine_name not in ENGINES:
+    fail(f"unknown inference engine {engine_name!r}; choose one of: {', '.join(ENGINES)}")
+  engine_classname = inference_engine_classes[engine_name]
+  model_id = args.model_name or args.run_model
+  if args.command == "run" or args.run_model:
+    if not model_id:
+      fail("`exo run` needs a model, e.g. `exo run smollm2-135m --prompt \"Hello\"`")
+    if model_id not in model_cards:
+      fail(f"unknown model {model_id!r}; known models: {', '.join(model_cards)}")
+    if build_base_shard(model_id, engine_classname) is None:
+      fail(f"model {model_id!r} cannot run on the {engine_name} engine; models for it: {', '.join(get_supported_models([[engine_name]]))}")
+  elif args.command in ("eval", "train"):
+    fail(f"`exo {args.command}` needs an MLX training engine, which this build does not include")
+
+  batching = None
+  try:
+    from exo.orchestration.batching.config import batching_config_from
+    batching = batching_config_from(args, os.environ)
+  except ImportError:
+    pass
+  except ValueError as e:
+    fail(str(e))
+
+  shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads)
+  try:
+    engine = get_inference_engine(engine_name, shard_downloader)
+  except ImportError as e:
+    fail(f"the {engine_name} engine is not installed ({e.name} missing); install it with: pip install 'exo[{engine_name}]'")
+  node_id = args.node_id or get_or_create_node_id()
+  node_port = args.node_port or find_available_port(args.node_host)
+  from exo.topology.device_capabilities import device_capabilities
+  try:
+    discovery = build_discovery(args, node_id, node_port, await device_capabilities(getattr(engine, "device_name", "CPU")))
+  except (ValueError, FileNotFoundError) as e:
+    fail(str(e))
+  is_run = args.command == "run" or bool(args.run_model)
+  topology_viz = None
+  if not is_run and not args.disable_tui:
+    from exo.viz.topology_viz import TopologyViz
+    topology_viz = TopologyViz(chatgpt_api_endpoints=[f"http://localhost:{args.chatgpt_api_port}/v1/chat/completions"],
+                               web_chat_urls=[f"http://localhost:{args.chatgpt_api_port}"])
+  node = Node(node_id, None, engine, discovery, shard_downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
+              max_generate_tokens=args.max_generate_tokens, default_sample_temperature=args.default_temp, topology_viz=topology_viz)
+  if batching is not None:
+    from exo.orchestration.batching.plugin import register_batching
+    register_batching(node, batching)
+  from exo.networking.discovery import NoDiscovery
+  if not isinstance(discovery, NoDiscovery):
+    from exo.networking.grpc.grpc_server import GRPCServer
+    node.server = GRPCServer(node, args.node_host, node_port)
+
+  loop = asyncio.get_running_loop()
+  stop_event = asyncio.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    loop.add_signal_handler(sig, stop_event.set)
+
+  await node.start(wait_for_peers=args.wait_for_peers)
+  try:
+    if is_run:
+      runner = asyncio.create_task(run_prompts(node, engine_classname, model_id, read_prompts(args), 300.0))
+      stopper = asyncio.create_task(stop_event.wait())
+      await asyncio.wait([runner, stopper], return_when=asyncio.FIRST_COMPLETED)
+      stopper.cancel()
+      if not runner.done():
+        runner.cancel()
+        return 130
+      runner.result()
+      if args.wait_for_peers > 0:
+        await asyncio.sleep(5)  # let peers see the final result before this node leaves the ring
+      return 0
+    from exo.api import ChatGPTAPI
+    api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout,
+                     default_model=args.default_model or DEFAULT_MODEL, system_prompt=args.system_prompt, on_quit=stop_event.set)
+    if topology_viz is not None:
+      topology_viz.start()
+    print(f"exo {VERSION}: node {node_id}, engine {engine_name}, chat at http://localhost:{args.chatgpt_api_port}", flush=True)
+    await api.run(port=args.chatgpt_api_port)
+    await stop_event.wait()
+    return 0
+  finally:
+    if topology_viz is not None:
+      topology_viz.stop()
+    await node.stop()
+
+
+def run() -> None:
+  args = build_parser().parse_args()
+  try:
+    sys.exit(asyncio.run(main(args)))
+  except KeyboardInterrupt:
+    sys.exit(130)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,3 @@
+from exo.orchestration.node import Node
+
+__all__ = ["Node"]

@@ -1,0 +1,49 @@
+"""The `exo` hook specifications: where a plugin may step into a Node's work.
+
+A Node owns a `pluggy.PluginManager("exo")` (`node.plugins`). Its own behaviour is a plugin too (the core
+implementations, registered `trylast`), so a node with no other plugin behaves exactly like upstream exo.
+Third-party plugins are found through the `exo` entry-point group; exo's batching plugin is registered by the
+CLI when EXO_BATCH_SIZE / --batch-size turn it on.
+
+Hooks that do asynchronous work return an awaitable (pluggy calls are synchronous); the Node awaits it.
+`firstresult` hooks stop at the first implementation that returns something other than None, so a plugin
+takes a piece of work over by returning an awaitable, or leaves it to the next one by returning None.
+Wrappers (`@hookimpl(wrapper=True)`) see and may replace the awaitable the inner implementations return."""
+from typing import Awaitable, Optional, Tuple
+
+import numpy as np
+import pluggy
+
+hookspec = pluggy.HookspecMarker("exo")
+hookimpl = pluggy.HookimplMarker("exo")
+
+
+@hookspec
+def exo_node_started(node) -> None:
+  """The node has started (server, discovery, first topology): start background work here."""
+
+
+@hookspec
+def exo_node_stopping(node) -> Optional[Awaitable[None]]:
+  """The node is stopping: return an awaitable that ends the plugin's background work and settles every
+  request it holds (with its result or an error). The node awaits all of them."""
+
+
+@hookspec(firstresult=True)
+def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[Tuple[np.ndarray, Optional[dict]]]]:
+  """Run this node's layers for one request: token ids (1, L) on the first shard, hidden states otherwise.
+  Return an awaitable of (output, inference_state). The core runs `engine.infer_tensor` alone; a batching
+  plugin gathers concurrent calls for the same shard into one `engine.infer_batch` step."""
+
+
+@hookspec(firstresult=True)
+def exo_process_inference_result(node, shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[None]]:
+  """What follows a forward pass (Node.process_inference_result): on the last layer sample the request's next
+  token (with its own parameters), record it, fire callbacks, broadcast it and forward it round the ring.
+  Return an awaitable doing all of it. The core samples one request at a time (`node.sample_tokens`); a
+  batching plugin samples many requests in one call and then hands each token to `node.handle_token`."""
+
+
+@hookspec
+def exo_run_summary(node) -> Optional[str]:
+  """A fragment for the summary line `exo run` prints after several prompts (e.g. "mean batch size 5.3")."""
