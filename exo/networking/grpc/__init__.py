@@ -1,0 +1,1 @@
+"""gRPC transport of the ring: node_service.proto (the wire contract), its generated stubs, codec, server, client."""

@@ -1,0 +1,163 @@
+"""Client side of the ring: one gRPC channel to one peer (wire.md §5 for options and deadlines)."""
+import asyncio
+from typing import List, Optional
+
+import grpc
+import numpy as np
+
+from exo.helpers import DEBUG
+from exo.inference.shard import Shard
+from exo.networking.grpc import node_service_pb2 as pb
+from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
+from exo.networking.grpc.codec import decode_tensor, decode_topology, encode_shard, encode_tensor
+from exo.networking.peer_handle import PeerHandle
+from exo.topology.device_capabilities import DeviceCapabilities
+from exo.topology.topology import Topology
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # prefill of long prompts exceeds gRPC's 4 MiB default
+
+# The options upstream nodes use, so both sides agree on message limits and keepalive policy.
+CHANNEL_OPTIONS = [
+  ("grpc.max_metadata_size", 32 * 1024 * 1024),
+  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+  ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+  ("grpc.keepalive_time_ms", 10000),
+  ("grpc.keepalive_timeout_ms", 5000),
+  ("grpc.keepalive_permit_without_calls", 1),
+  ("grpc.http2.max_pings_without_data", 0),
+  ("grpc.http2.min_time_between_pings_ms", 10000),
+  ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+  ("grpc.max_concurrent_streams", 100),
+  ("grpc.tcp_nodelay", 1),
+  ("grpc.optimization_target", "throughput"),
+]
+# Local only (not seen by peers): retry a lost peer every ≤2 s instead of gRPC's default backoff of up to
+# 2 minutes, so a restarted node is reachable again as soon as discovery sees it.
+RECONNECT_OPTIONS = [
+  ("grpc.initial_reconnect_backoff_ms", 500),
+  ("grpc.min_reconnect_backoff_ms", 500),
+  ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+CONNECT_TIMEOUT_S = 10.0
+HEALTH_CHECK_TIMEOUT_S = 5.0
+OPAQUE_STATUS_TIMEOUT_S = 10.0
+COLLECT_TOPOLOGY_TIMEOUT_S = 5.0
+SEND_RESULT_TIMEOUT_S = 15.0
+
+
+class GRPCPeerHandle(PeerHandle):
+  def __init__(self, _id: str, address: str, desc: str, device_capabilities: DeviceCapabilities):
+    self._id = _id
+    self.address = address
+    self.desc = desc
+    self._device_capabilities = device_capabilities
+    self.channel: Optional[grpc.aio.Channel] = None
+    self.stub: Optional[pb_grpc.NodeServiceStub] = None
+
+  def id(self) -> str:
+    return self._id
+
+  def addr(self) -> str:
+    return self.address
+
+  def description(self) -> str:
+    return self.desc
+
+  def device_capabilities(self) -> DeviceCapabilities:
+    return self._device_capabilities
+
+  def __repr__(self) -> str:
+    return f"GRPCPeerHandle({self._id}@{self.address}, {self.desc})"
+
+  # --- connection ---
+
+  def _open_channel(self) -> None:
+    if self.channel is None:
+      self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS, compression=grpc.Compression.Gzip)
+      self.stub = pb_grpc.NodeServiceStub(self.channel)
+
+  async def connect(self) -> None:
+    self._open_channel()
+    await asyncio.wait_for(self.channel.channel_ready(), CONNECT_TIMEOUT_S)
+
+  async def is_connected(self) -> bool:
+    return self.channel is not None and self.channel.get_state() == grpc.ChannelConnectivity.READY
+
+  async def disconnect(self) -> None:
+    channel, self.channel, self.stub = self.channel, None, None
+    if channel is not None:
+      await channel.close()
+
+  async def _ensure_connected(self) -> None:
+    if not await self.is_connected():
+      try:
+        await self.connect()
+      except asyncio.TimeoutError:
+        raise ConnectionError(f"peer {self._id} at {self.address} unreachable for {CONNECT_TIMEOUT_S:.0f} s") from None
+
+  async def health_check(self) -> bool:
+    # One fail-fast call (no wait for READY): a dead peer answers "unhealthy" at once, not after a connect timeout.
+    self._open_channel()
+    try:
+      response = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=HEALTH_CHECK_TIMEOUT_S)
+      return response.is_healthy
+    except grpc.aio.AioRpcError as e:
+      if DEBUG >= 4:
+        print(f"Health check of {self._id}@{self.address} failed: {e.code()} {e.details()}")
+      return False
+    except asyncio.CancelledError:
+      raise
+    except Exception as e:
+      if DEBUG >= 1:
+        print(f"Health check of {self._id}@{self.address} failed: {e!r}")
+      return False
+
+  # --- ring traffic ---
+
+  @staticmethod
+  def _wire_state(inference_state: Optional[dict]) -> pb.InferenceState:
+    # Upstream peers cannot take non-empty state (wire.md §10), and text generation never needs it: always send
+    # the empty (present) state upstream senders send.
+    if inference_state and DEBUG >= 2:
+      print(f"Not sending inference state keys {sorted(inference_state)} to a peer")
+    return pb.InferenceState()
+
+  async def send_prompt(self, shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
+    await self._ensure_connected()
+    request = pb.PromptRequest(shard=encode_shard(shard), prompt=prompt, request_id=request_id, inference_state=self._wire_state(inference_state))
+    await self.stub.SendPrompt(request)  # no deadline: the peer's first prefill may include a model download
+    return None
+
+  async def send_tensor(self, shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
+    await self._ensure_connected()
+    request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self._wire_state(inference_state))
+    await self.stub.SendTensor(request)
+    return None
+
+  async def send_example(self, shard: Shard, example: np.ndarray, target: np.ndarray, length: np.ndarray, train: bool, request_id: Optional[str] = None):
+    await self._ensure_connected()
+    request = pb.ExampleRequest(shard=encode_shard(shard), example=encode_tensor(example), target=encode_tensor(target),
+                                length=encode_tensor(length), train=train, request_id=request_id)
+    response = await self.stub.SendExample(request)
+    if train and response.HasField("grads"):
+      return response.loss, decode_tensor(response.grads)
+    return response.loss
+
+  async def send_result(self, request_id: str, result: List[int], is_finished: bool) -> None:
+    await self._ensure_connected()
+    request = pb.SendResultRequest(request_id=request_id, is_finished=is_finished)
+    if isinstance(result, np.ndarray) and result.ndim > 1:  # an image (H, W, 3) travels as a tensor
+      request.tensor.CopyFrom(encode_tensor(result))
+    else:
+      request.result.extend(int(t) for t in result)
+    await self.stub.SendResult(request, timeout=SEND_RESULT_TIMEOUT_S)
+
+  async def send_opaque_status(self, request_id: str, status: str) -> None:
+    await self._ensure_connected()
+    await self.stub.SendOpaqueStatus(pb.SendOpaqueStatusRequest(request_id=request_id, status=status), timeout=OPAQUE_STATUS_TIMEOUT_S)
+
+  async def collect_topology(self, visited: set, max_depth: int) -> Topology:
+    await self._ensure_connected()
+    response = await self.stub.CollectTopology(pb.CollectTopologyRequest(visited=sorted(visited), max_depth=max_depth), timeout=COLLECT_TOPOLOGY_TIMEOUT_S)
+    return decode_topology(response)

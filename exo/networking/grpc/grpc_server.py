@@ -1,0 +1,152 @@
+"""Server side of the ring: NodeService handlers that hand work to the Node (wire.md §6)."""
+import asyncio
+import inspect
+from typing import Set
+
+import grpc
+
+from exo.helpers import DEBUG
+from exo.inference.shard import Shard
+from exo.models import build_base_shard, model_cards
+from exo.networking.grpc import node_service_pb2 as pb
+from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
+from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_tensor, encode_topology, is_empty_tensor
+from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS
+from exo.networking.server import Server
+
+# Upstream's server options: its client's, plus no HTTP/2 stream cap. keepalive_permit_without_calls=1 and a 5 s
+# minimum ping interval are what let upstream clients ping every 10 s while idle without being sent GOAWAY.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.max_concurrent_streams", 0)]
+STOP_GRACE_S = 5.0
+
+
+class GRPCServer(Server, pb_grpc.NodeServiceServicer):
+  def __init__(self, node, host: str, port: int):
+    self.node = node
+    self.host = host
+    self.port = port
+    self.server = None
+    self._work: Set[asyncio.Task] = set()  # accepted prompts/tensors still running
+
+  async def start(self) -> None:
+    self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_NodeServiceServicer_to_server(self, self.server)
+    address = f"{self.host}:{self.port}"
+    try:
+      bound = self.server.add_insecure_port(address)
+    except RuntimeError as e:
+      raise OSError(f"cannot listen for gRPC on {address}: {e}") from e
+    if bound == 0:
+      raise OSError(f"cannot listen for gRPC on {address}")
+    await self.server.start()
+    if DEBUG >= 1:
+      print(f"Server started, listening on {address}")
+
+  async def stop(self) -> None:
+    for task in list(self._work):
+      task.cancel()
+    await asyncio.gather(*self._work, return_exceptions=True)
+    if self.server is not None:
+      await self.server.stop(grace=STOP_GRACE_S)
+      self.server = None
+      if DEBUG >= 1:
+        print("Server stopped and all connections are closed")
+
+  # --- helpers ---
+
+  def _shard(self, message: pb.Shard) -> Shard:
+    """The request's shard, checked against the model registry and this node's engine."""
+    shard = decode_shard(message)
+    card = model_cards.get(shard.model_id)
+    if card is None:
+      raise ValueError(f"unknown model {shard.model_id!r}")
+    if shard.n_layers != card["layers"]:
+      raise ValueError(f"model {shard.model_id!r} has {card['layers']} layers, the request says {shard.n_layers}")
+    engine = self.node.inference_engine.__class__.__name__
+    if build_base_shard(shard.model_id, engine) is None:
+      raise ValueError(f"model {shard.model_id!r} cannot run on this node's {engine}")
+    return shard
+
+  def _accept(self, coro, what: str) -> None:
+    """Reply now, work on in the background (allowed by wire.md §6), so each hop is free for the next message
+    and the ring pipelines. Failures end the request through the Node (fail_request), not through this reply."""
+    async def run():
+      try:
+        await coro
+      except asyncio.CancelledError:
+        raise
+      except Exception as e:
+        if DEBUG >= 1:
+          print(f"{what} failed: {e!r}")
+    task = asyncio.create_task(run())
+    self._work.add(task)
+    task.add_done_callback(self._work.discard)
+
+  # --- RPCs ---
+
+  async def SendPrompt(self, request, context):
+    try:
+      shard = self._shard(request.shard)
+      state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
+    except ValueError as e:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if DEBUG >= 5:
+      print(f"Received SendPrompt {shard} {request.request_id!r}: {request.prompt!r}")
+    self._accept(self.node.process_prompt(shard, request.prompt, request.request_id, state), f"prompt {request.request_id}")
+    return pb.Tensor()
+
+  async def SendTensor(self, request, context):
+    try:
+      shard = self._shard(request.shard)
+      if is_empty_tensor(request.tensor):
+        raise ValueError("SendTensor without a tensor")
+      tensor = decode_tensor(request.tensor)
+      state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
+    except ValueError as e:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if DEBUG >= 5:
+      print(f"Received SendTensor {shard} {request.request_id!r}: {tensor.dtype} {tensor.shape}")
+    self._accept(self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
+    return pb.Tensor()
+
+  async def SendExample(self, request, context):
+    process_example = getattr(self.node, "process_example", None)
+    if process_example is None:
+      await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not train or evaluate")
+    try:
+      shard = self._shard(request.shard)
+      example, target, length = (decode_tensor(t) for t in (request.example, request.target, request.length))
+    except ValueError as e:
+      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    result = await process_example(shard, example, target, length, request.train, request.request_id)
+    if isinstance(result, tuple):
+      loss, grads = result
+      return pb.Loss(loss=float(loss), grads=encode_tensor(grads))
+    return pb.Loss(loss=float(result))
+
+  async def CollectTopology(self, request, context):
+    # Like upstream: the cached view (self, direct peers, their edges); `visited` and `max_depth` do not matter.
+    return encode_topology(self.node.current_topology)
+
+  async def SendResult(self, request, context):
+    result = list(request.result)
+    if request.HasField("tensor") and request.tensor.tensor_data:
+      try:
+        result = decode_tensor(request.tensor)
+      except ValueError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if DEBUG >= 5:
+      print(f"Received SendResult {request.request_id!r}: {result} finished={request.is_finished}")
+    outcome = self.node.on_result(request.request_id, result, request.is_finished)
+    if inspect.isawaitable(outcome):
+      await outcome
+    return pb.Empty()
+
+  async def SendOpaqueStatus(self, request, context):
+    if DEBUG >= 8:
+      print(f"Received SendOpaqueStatus {request.request_id!r}: {request.status}")
+    self.node.on_opaque_status.trigger_all(request.request_id, request.status)
+    return pb.Empty()
+
+  async def HealthCheck(self, request, context):
+    return pb.HealthCheckResponse(is_healthy=True)

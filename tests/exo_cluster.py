@@ -1,0 +1,151 @@
+"""Helpers for tests that start real `exo` processes on loopback: free ports, manual-discovery configs, per-node
+EXO_HOME, and readiness by polling (logs, gRPC health and topology), never by fixed sleeps."""
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+  with socket.socket(socket.AF_INET, kind) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def device_caps(memory: int = 8192) -> dict:
+  return {"model": "test box", "chip": "test chip", "memory": memory, "flops": {"fp32": 0.0, "fp16": 0.0, "int8": 0.0}}
+
+
+def write_manual_config(path: Path, grpc_ports: Dict[str, int], memory: int = 8192) -> Path:
+  peers = {node_id: {"address": "127.0.0.1", "port": port, "device_capabilities": device_caps(memory)} for node_id, port in grpc_ports.items()}
+  path.write_text(json.dumps({"peers": peers}, indent=2))
+  return path
+
+
+class ExoProcess:
+  """One `exo` process: its arguments, its own EXO_HOME, and its combined output in a log file."""
+
+  def __init__(self, node_id: str, args: List[str], workdir: Path, env: Optional[Dict[str, str]] = None, prefix: Iterable[str] = ()):
+    self.node_id = node_id
+    self.args = args
+    self.workdir = workdir
+    self.home = workdir / f"exo_home_{node_id}"
+    self.home.mkdir(parents=True, exist_ok=True)
+    self.extra_env = env or {}
+    self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NAME]
+    self.proc: Optional[subprocess.Popen] = None
+    self.log_path = workdir / f"{node_id}.log"
+    self.starts = 0
+
+  def start(self) -> "ExoProcess":
+    self.starts += 1
+    env = {**os.environ, "EXO_HOME": str(self.home), "PYTHONUNBUFFERED": "1", **self.extra_env}
+    log = open(self.log_path, "a")
+    log.write(f"\n===== start {self.starts} =====\n")
+    log.flush()
+    command = self.prefix + [sys.executable, "-m", "exo.main", *self.args, "--node-id", self.node_id]
+    # Own process group, so stopping a node never touches anything else the test runs.
+    self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=REPO, start_new_session=True)
+    log.close()
+    return self
+
+  def log(self) -> str:
+    return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+  def current_log(self) -> str:
+    """Output of the latest start only."""
+    return self.log().rsplit(f"===== start {self.starts} =====", 1)[-1]
+
+  def running(self) -> bool:
+    return self.proc is not None and self.proc.poll() is None
+
+  def wait_for_log(self, pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      match = re.search(pattern, self.current_log(), re.M)
+      if match:
+        return match
+      if not self.running():
+        raise AssertionError(f"{self.node_id} exited ({self.proc.returncode}) before {pattern!r}:\n{self.current_log()[-3000:]}")
+      time.sleep(0.1)
+    raise AssertionError(f"{self.node_id}: no {pattern!r} within {timeout} s:\n{self.current_log()[-3000:]}")
+
+  def wait(self, timeout: float) -> int:
+    try:
+      return self.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+      raise AssertionError(f"{self.node_id} still running after {timeout} s:\n{self.current_log()[-3000:]}") from None
+
+  def kill(self) -> None:
+    """Abrupt death (SIGKILL), as a crash or a pulled cable looks to the rest of the ring."""
+    if self.running():
+      os.killpg(self.proc.pid, signal.SIGKILL)
+      self.proc.wait(10)
+
+  def stop(self, timeout: float = 10) -> None:
+    if self.running():
+      os.killpg(self.proc.pid, signal.SIGTERM)
+      try:
+        self.proc.wait(timeout)
+      except subprocess.TimeoutExpired:
+        self.kill()
+
+
+async def grpc_health(port: int) -> bool:
+  from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
+  from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES
+  peer = GRPCPeerHandle("probe", f"127.0.0.1:{port}", "test", UNKNOWN_DEVICE_CAPABILITIES)
+  try:
+    return await peer.health_check()
+  finally:
+    await peer.disconnect()
+
+
+async def collect_topologies(ports: Dict[str, int]) -> Dict[str, object]:
+  """Each node's own topology view, fetched over gRPC CollectTopology."""
+  from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
+  from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES
+  views = {}
+  for node_id, port in ports.items():
+    peer = GRPCPeerHandle(node_id, f"127.0.0.1:{port}", "test", UNKNOWN_DEVICE_CAPABILITIES)
+    try:
+      views[node_id] = await peer.collect_topology(set(), 1)
+    except Exception:
+      views[node_id] = None
+    finally:
+      await peer.disconnect()
+  return views
+
+
+def ring_formed(views: Dict[str, object]) -> bool:
+  """Every node sees every other as a peer, with everyone's capabilities: they all compute the same ring."""
+  members = set(views)
+  for node_id, topology in views.items():
+    if topology is None or set(topology.nodes) != members:
+      return False
+    if {c.to_id for c in topology.peer_graph.get(node_id, ())} != members - {node_id}:
+      return False
+  return len({json.dumps({k: v.to_dict() for k, v in sorted(t.nodes.items())}) for t in views.values()}) == 1
+
+
+async def wait_for_ring(ports: Dict[str, int], timeout: float, processes: Iterable[ExoProcess] = ()) -> Dict[str, object]:
+  deadline = time.monotonic() + timeout
+  views = {}
+  while time.monotonic() < deadline:
+    views = await collect_topologies(ports)
+    if ring_formed(views):
+      return views
+    for p in processes:
+      if not p.running():
+        raise AssertionError(f"{p.node_id} exited:\n{p.current_log()[-3000:]}")
+    await asyncio.sleep(0.25)
+  raise AssertionError(f"ring {sorted(ports)} not formed within {timeout} s: {[(k, v and sorted(v.nodes)) for k, v in views.items()]}")
