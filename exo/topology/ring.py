@@ -1,0 +1,31 @@
+"""Whether the ring this node sees is the ring its peers see.
+
+Every node partitions layers over its own view (self + direct peers), so a request is only safe to start
+once every peer lists the same members; right after a node joins, its peers may not know it yet."""
+import asyncio
+import time
+
+from exo.helpers import DEBUG
+from exo.topology.topology import Topology
+
+
+def peers_agree(topology: Topology, node_id: str) -> bool:
+  """True when each peer's own edges (from topology collection) cover exactly the members this node sees."""
+  members = set(topology.nodes)
+  for peer_id in members - {node_id}:
+    if {peer_id} | {c.to_id for c in topology.peer_graph.get(peer_id, ())} != members:
+      return False
+  return True
+
+
+async def wait_for_agreement(node, timeout: float, interval: float = 0.25) -> bool:
+  """Re-collect the topology until the peers agree on membership; False after `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  while not peers_agree(node.topology, node.id):
+    if time.monotonic() > deadline:
+      if DEBUG >= 1:
+        print(f"Peers still disagree on the ring after {timeout} s: {node.topology}")
+      return False
+    await asyncio.sleep(interval)
+    await node.collect_topology(set())
+  return True
