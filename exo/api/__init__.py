@@ -1,0 +1,3 @@
+from exo.api.chatgpt_api import ChatGPTAPI
+
+__all__ = ["ChatGPTAPI"]
