@@ -3,7 +3,6 @@ from setuptools import find_packages, setup
 install_requires = [
   "numpy>=1.26,<3",
   "gguf>=0.10,<1",
-  "safetensors>=0.4,<1",
   "tokenizers>=0.19,<1",
   "jinja2>=3.1,<4",
   "huggingface_hub>=0.24,<3",
@@ -19,7 +18,7 @@ install_requires = [
 extras_require = {
   "tinygrad": ["tinygrad>=0.10,<0.12"],
   "mlx": ["mlx[cpu]>=0.25,<1; platform_system=='Linux'", "mlx>=0.25,<1; platform_system=='Darwin'"],
-  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools>=1.64,<2"],
+  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools>=1.64,<2", "safetensors>=0.4,<1"],
 }
 
 setup(

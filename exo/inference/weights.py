@@ -144,37 +144,36 @@ def hf_config(config_json: dict) -> LlamaConfig:
 
 def load_hf_dir(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   """config.json + *.safetensors (with or without model.safetensors.index.json); opens only files holding our tensors."""
-  from safetensors import safe_open
   path = Path(path)
   config = hf_config(json.loads((path / "config.json").read_text()))
   index = path / "model.safetensors.index.json"
   if index.exists():
     weight_map: Dict[str, str] = json.loads(index.read_text())["weight_map"]
   else:
-    weight_map = {}
-    for file in sorted(path.glob("*.safetensors")):
-      with safe_open(str(file), framework="numpy") as f:
-        weight_map.update({k: file.name for k in f.keys()})
+    weight_map = {name: file.name for file in sorted(path.glob("*.safetensors")) for name in _safetensors_header(file)[0] if name != "__metadata__"}
   wanted: Dict[str, list] = {}
   for name, file in weight_map.items():
     if _wanted(name, shard, config.tie_word_embeddings) and not name.endswith("rotary_emb.inv_freq"):
       wanted.setdefault(file, []).append(name)
   weights: Dict[str, np.ndarray] = {}
   for file, names in wanted.items():
-    # framework="pt" would need torch; "numpy" cannot hold bfloat16, so read raw bytes for those.
     weights.update(_read_safetensors(path / file, names))
   return config, weights
 
 
+def _safetensors_header(file: Path) -> Tuple[dict, int]:
+  """The header (tensor name -> dtype, shape, offsets) and where the data starts."""
+  with open(file, "rb") as f:
+    header_len = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(header_len)), 8 + header_len
+
+
 def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
-  """Read selected tensors from a safetensors file as float32, including bfloat16 ones (numpy has no bf16)."""
-  import struct
+  """Selected tensors as float32, read directly: numpy has no bfloat16, and only our layers are read."""
+  header, base = _safetensors_header(file)
+  dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
   out = {}
   with open(file, "rb") as f:
-    header_len = struct.unpack("<Q", f.read(8))[0]
-    header = json.loads(f.read(header_len))
-    base = 8 + header_len
-    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
     for name in names:
       meta = header[name]
       start, end = meta["data_offsets"]

@@ -104,6 +104,7 @@ class Node:
     for request_id in list(self.outstanding_requests):
       self._end_request_locally(request_id)
       self._on_opaque_status.trigger_all(request_id, json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": "node stopped"}))
+    await asyncio.gather(*list(self._tasks), return_exceptions=True)  # the cache releases just started
     await self.discovery.stop()
     if self.server is not None:
       await self.server.stop()
@@ -322,6 +323,12 @@ class Node:
     changed = bool(removed or added or moved)
     if changed and DEBUG >= 1:
       print(f"Peers changed: added {[p.id() for p in added]}, removed {[p.id() for p in removed]}, moved {[p.id() for p in moved]}")
+    if changed and self.outstanding_requests:
+      # Layer ranges follow membership, so requests in flight lost their place in the ring (and KV caches):
+      # end them with an error now rather than leave their clients waiting for tokens that will not come.
+      why = f"the ring changed during the request (joined {[p.id() for p in added]}, left {[p.id() for p in removed]}, moved {[p.id() for p in moved]})"
+      for request_id in list(self.outstanding_requests):
+        self.spawn(self.fail_request(request_id, why))
     return changed
 
   async def periodic_topology_collection(self, interval: float) -> None:

@@ -1,0 +1,142 @@
+"""The numpy engine on the real SmolLM2-135M: answers, KV-cache correctness, sharding, isolation, memory."""
+import asyncio
+
+import numpy as np
+import pytest
+
+from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
+from exo.inference.numpy.llama import Llama
+from exo.inference.weights import load_shard_weights
+from tests.conftest import smollm2_shard
+
+# Logits of the same forward computed two ways (cached vs recomputed, one shard vs two) agree to this absolute
+# tolerance; float32 summation order differs between the ways, the logits themselves are O(10).
+LOGIT_ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def engine(downloader):
+  eng = NumpyDynamicShardInferenceEngine(downloader)
+  asyncio.run(eng.ensure_shard(smollm2_shard()))
+  return eng
+
+
+@pytest.fixture(scope="module")
+def full_weights(smollm2_path):
+  return load_shard_weights(smollm2_path, smollm2_shard())
+
+
+def chat(engine, text):
+  return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+async def greedy(engine, request_id, prompt, n):
+  shard = smollm2_shard()
+  logits, _ = await engine.infer_prompt(request_id, shard, prompt)
+  tokens = []
+  for _ in range(n):
+    token = int(np.argmax(logits[0, -1]))
+    tokens.append(token)
+    if token in engine.tokenizer.eos_token_ids:
+      break
+    logits, _ = await engine.infer_tensor(request_id, shard, np.array([[token]]))
+  await engine.finish_request(request_id)
+  return tokens
+
+
+@pytest.mark.parametrize("question, expected", [
+  ("What is the capital of France?", "The capital of France is Paris."),
+  ("What is 2 + 2?", "The answer to this classic math problem is 4."),
+])
+async def test_greedy_answers(engine, question, expected):
+  tokens = await greedy(engine, f"q-{question}", chat(engine, question), 24)
+  assert engine.tokenizer.decode(tokens).startswith(expected)
+
+
+async def test_output_shapes(engine):
+  logits, state = await engine.infer_prompt("shapes", smollm2_shard(), "Hello there")
+  assert logits.shape == (1, 1, 49152) and logits.dtype == np.float32
+  assert state is None
+  await engine.finish_request("shapes")
+
+
+def test_kv_cache_matches_full_recomputation(full_weights):
+  config, weights = full_weights
+  model = Llama(config, smollm2_shard(), weights)
+  ids = np.array([1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198, 504, 3575])
+  cache = model.new_cache()
+  incremental = [model.forward([ids[:10]], [cache])[0]]
+  for i in range(10, len(ids)):
+    incremental.append(model.forward([ids[i:i + 1]], [cache])[0])
+  for i, logits in enumerate(incremental):
+    full = model.forward([ids[:10 + i]], [model.new_cache()])[0]
+    np.testing.assert_allclose(logits, full, atol=LOGIT_ATOL)
+
+
+def test_two_shards_equal_whole_model(full_weights, smollm2_path):
+  config, weights = full_weights
+  ids = np.array([1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47])
+  whole_model = Llama(config, smollm2_shard(), weights)
+  whole = whole_model.forward([ids], [whole_model.new_cache()])[0]
+  first = Llama(config, smollm2_shard(0, 11), load_shard_weights(smollm2_path, smollm2_shard(0, 11))[1])
+  second_weights = load_shard_weights(smollm2_path, smollm2_shard(12, 29))[1]
+  assert not any(k.startswith("model.layers.0.") for k in second_weights), "a shard loads only its own layers"
+  second = Llama(config, smollm2_shard(12, 29), second_weights)
+  hidden = first.forward([ids], [first.new_cache()])[0]
+  assert hidden.shape == (len(ids), config.hidden_size)
+  split = second.forward([hidden], [second.new_cache()])[0]
+  np.testing.assert_allclose(split, whole, atol=LOGIT_ATOL)
+
+
+async def test_interleaved_requests_match_alone(engine):
+  questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Say hello.",
+               "What is the largest planet?", "Who wrote Hamlet?", "What is water made of?", "Count to three."]
+  prompts = [chat(engine, q) for q in questions]
+  n = 12
+  alone = [await greedy(engine, f"alone-{i}", p, n) for i, p in enumerate(prompts)]
+
+  async def one(i, prompt):
+    shard = smollm2_shard()
+    logits, _ = await engine.infer_prompt(f"mixed-{i}", shard, prompt)
+    tokens = []
+    for _ in range(n):
+      token = int(np.argmax(logits[0, -1]))
+      tokens.append(token)
+      if token in engine.tokenizer.eos_token_ids:
+        break
+      await asyncio.sleep(0)  # let the other requests take their turn: token-by-token interleaving
+      logits, _ = await engine.infer_tensor(f"mixed-{i}", shard, np.array([[token]]))
+    await engine.finish_request(f"mixed-{i}")
+    return tokens
+
+  mixed = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+  assert mixed == alone
+
+
+async def test_kv_cache_memory_returns_to_zero(engine):
+  shard = smollm2_shard()
+  for i in range(3):
+    await engine.infer_prompt(f"mem-{i}", shard, "Hello " * (i + 1))
+  assert engine.kv_cache_bytes() > 0
+  for i in range(3):
+    await engine.finish_request(f"mem-{i}")
+  assert engine.kv_cache_bytes() == 0
+
+
+async def test_cache_grows_with_use_not_preallocated(engine):
+  shard = smollm2_shard()
+  await engine.infer_prompt("grow", shard, "Hi")
+  small = engine.caches["grow"].nbytes
+  await engine.infer_prompt("grow", shard, "word " * 100)
+  assert engine.caches["grow"].nbytes > small
+  assert engine.caches["grow"].data.shape[3] < 1024, "not sized to the 8192-token context"
+  await engine.finish_request("grow")
+
+
+async def test_bad_inputs_are_clear_errors(engine):
+  shard = smollm2_shard()
+  with pytest.raises(ValueError, match="out of range"):
+    await engine.infer_tensor("bad", shard, np.array([[10**6]]))
+  with pytest.raises(ValueError, match="token ids"):
+    await engine.infer_tensor("bad", shard, np.zeros((1, 2, 576), dtype=np.float32))
+  assert "bad" not in engine.caches

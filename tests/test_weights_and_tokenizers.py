@@ -1,0 +1,125 @@
+"""Weights and tokenizers from both layouts: GGUF (the embedded SmolLM2) and Hugging Face directories."""
+import json
+import math
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from exo.inference.numpy.llama import Llama
+from exo.inference.tokenizers import resolve_tokenizer
+from exo.inference.weights import LlamaConfig, load_shard_weights, rope_inv_freq
+from tests.conftest import smollm2_shard
+
+
+@pytest.fixture(scope="module")
+def gguf_model(smollm2_path):
+  return load_shard_weights(smollm2_path, smollm2_shard())
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(smollm2_path):
+  return resolve_tokenizer(smollm2_path)
+
+
+def write_hf_dir(path, config: LlamaConfig, weights, tokenizer, split=True):
+  """A Hugging Face style model directory holding the same model (weights split over two files with an index)."""
+  path.mkdir(exist_ok=True)
+  (path / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
+    "intermediate_size": config.intermediate_size, "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+    "num_key_value_heads": config.n_kv_heads, "vocab_size": config.vocab_size, "rms_norm_eps": config.rms_norm_eps,
+    "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings}))
+  names = sorted(weights)
+  halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+  for file, part in halves.items():
+    save_file({n: weights[n] for n in part}, str(path / file))
+  (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
+  tokenizer.backend.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
+  return path
+
+
+def test_hf_directory_gives_the_same_model(tmp_path, gguf_model, gguf_tokenizer):
+  config, weights = gguf_model
+  hf = write_hf_dir(tmp_path / "smollm2", config, weights, gguf_tokenizer)
+  hf_config, hf_weights = load_shard_weights(hf, smollm2_shard())
+  assert hf_config.n_layers == 30 and hf_config.n_kv_heads == 3 and hf_config.tie_word_embeddings
+  ids = np.array(gguf_tokenizer.encode("The capital of France is"))
+  a = Llama(config, smollm2_shard(), weights)
+  b = Llama(hf_config, smollm2_shard(), hf_weights)
+  np.testing.assert_array_equal(a.forward([ids], [a.new_cache()])[0], b.forward([ids], [b.new_cache()])[0])
+
+  hf_tokenizer = resolve_tokenizer(hf)
+  conversation = [{"role": "user", "content": "Hi there! 123"}]
+  assert hf_tokenizer.encode(hf_tokenizer.apply_chat_template(conversation)) == gguf_tokenizer.encode(gguf_tokenizer.apply_chat_template(conversation))
+
+
+def test_a_shard_reads_only_its_layers(tmp_path, gguf_model, gguf_tokenizer):
+  config, weights = gguf_model
+  hf = write_hf_dir(tmp_path / "smollm2", config, weights, gguf_tokenizer)
+  _, middle = load_shard_weights(hf, smollm2_shard(10, 19))
+  layers = {int(n.split(".")[2]) for n in middle if n.startswith("model.layers.")}
+  assert layers == set(range(10, 20))
+  assert "model.embed_tokens.weight" not in middle and "model.norm.weight" not in middle
+
+
+def test_bfloat16_safetensors_without_index(tmp_path):
+  config = LlamaConfig(hidden_size=8, intermediate_size=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=10, head_dim=4)
+  rng = np.random.default_rng(0)
+  shapes = {"model.embed_tokens.weight": (10, 8), "model.norm.weight": (8,), "lm_head.weight": (10, 8),
+            "model.layers.0.input_layernorm.weight": (8,), "model.layers.0.post_attention_layernorm.weight": (8,),
+            "model.layers.0.self_attn.q_proj.weight": (8, 8), "model.layers.0.self_attn.k_proj.weight": (4, 8),
+            "model.layers.0.self_attn.v_proj.weight": (4, 8), "model.layers.0.self_attn.o_proj.weight": (8, 8),
+            "model.layers.0.mlp.gate_proj.weight": (16, 8), "model.layers.0.mlp.up_proj.weight": (16, 8), "model.layers.0.mlp.down_proj.weight": (8, 16)}
+  f32 = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+  bf16_bits = {n: (w.view(np.uint32) >> 16).astype(np.uint16) for n, w in f32.items()}
+  path = tmp_path / "tiny"
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                                                 "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10}))
+  save_file(bf16_bits, str(path / "model.safetensors"))
+  raw = (path / "model.safetensors").read_bytes()  # numpy has no bfloat16: relabel the uint16 tensors as BF16
+  header_len = int.from_bytes(raw[:8], "little")
+  header = raw[8:8 + header_len].replace(b'"U16"', b'"BF16"')
+  (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + header_len:])
+  loaded_config, loaded = load_shard_weights(path, type(smollm2_shard())("tiny", 0, 0, 1))
+  assert not loaded_config.tie_word_embeddings
+  for name, bits in bf16_bits.items():
+    np.testing.assert_array_equal(loaded[name], (bits.astype(np.uint32) << 16).view(np.float32))
+
+
+def test_llama3_rope_scaling_matches_the_published_rule():
+  scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+  config = LlamaConfig(hidden_size=2048, intermediate_size=8192, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                       head_dim=64, rope_theta=500000.0, rope_scaling=scaling)
+  got = rope_inv_freq(config)
+  for i, f in enumerate(got):
+    base = 1.0 / 500000.0 ** (2 * i / 64)
+    wavelen = 2 * math.pi / base
+    if wavelen < 8192 / 4.0:
+      want = base
+    elif wavelen > 8192 / 1.0:
+      want = base / 8.0
+    else:
+      smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+      want = (1 - smooth) * base / 8.0 + smooth * base
+    assert f == pytest.approx(want, rel=1e-6)
+
+
+def test_chat_template_renders_like_hugging_face(gguf_tokenizer):
+  text = gguf_tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+  assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                  "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+  ids = gguf_tokenizer.encode(text)
+  assert ids[:3] == [1, 9690, 198] and ids.count(2) == 2, "special tokens are single ids"
+  assert gguf_tokenizer.decode(ids) == text
+
+
+def test_end_of_turn_ids(gguf_tokenizer):
+  assert gguf_tokenizer.eos_token_id == 2  # <|im_end|>
+  assert {0, 2} <= gguf_tokenizer.eos_token_ids  # <|endoftext|> ends generation too
+
+
+def test_digits_split_individually(gguf_tokenizer):
+  assert gguf_tokenizer.encode("12345") == [33, 34, 35, 36, 37]
