@@ -219,6 +219,10 @@ async def main(args) -> int:
   await node.start(wait_for_peers=args.wait_for_peers)
   try:
     if is_run:
+      if args.wait_for_peers > 0:
+        from exo.topology.ring import wait_for_agreement
+        if not await wait_for_agreement(node, timeout=30.0):  # peers that do not know us yet would drop our tokens
+          print("exo: warning: peers do not agree on the ring yet; running anyway", file=sys.stderr)
       runner = asyncio.create_task(run_prompts(node, engine_classname, model_id, read_prompts(args), 300.0))
       stopper = asyncio.create_task(stop_event.wait())
       await asyncio.wait([runner, stopper], return_when=asyncio.FIRST_COMPLETED)
