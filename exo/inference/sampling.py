@@ -14,6 +14,7 @@ class SamplingParams:
   min_p: float = 0.0
   seed: Optional[int] = None
   max_tokens: Optional[int] = None  # None = the node's max_generate_tokens
+  ignore_eos: bool = False  # generate exactly max_tokens (benchmarks), as vLLM's extension of the same name
 
   def to_dict(self) -> dict:
     return asdict(self)

@@ -217,7 +217,7 @@ class Node:
     limit = min(state.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
     tokenizer = self.inference_engine.tokenizer
     eos_ids = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
-    is_finished = token in eos_ids or len(buffer) >= limit or state.cancelled
+    is_finished = (token in eos_ids and not state.params.ignore_eos) or len(buffer) >= limit or state.cancelled
     if DEBUG >= 2:
       print(f"[{request_id}] token {token} ({len(buffer)}/{limit}) finished={is_finished}")
     self.trigger_on_token_callbacks(request_id, [token], is_finished)
