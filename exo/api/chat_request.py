@@ -116,7 +116,15 @@ def sampling_params(body: dict, default_temperature: float) -> SamplingParams:
     min_p=_number(body, "min_p", 0.0, 0.0, 1.0, "a number between 0 and 1"),
     seed=_seed(body),
     max_tokens=_max_tokens(body),
+    ignore_eos=_flag(body, "ignore_eos"),
   )
+
+
+def _flag(body: dict, name: str) -> bool:
+  value = body.get(name, False)
+  if not isinstance(value, bool):
+    raise BadRequest(f"{name} must be true or false")
+  return value
 
 
 def _text_of(content: Any, where: str) -> str:
