@@ -55,18 +55,17 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], generators
   order = np.argsort(-cand_logits, axis=-1, kind="stable")
   cand = np.take_along_axis(cand, order, axis=-1)
   scaled = np.take_along_axis(cand_logits, order, axis=-1) / temps
-  probs = np.exp(scaled - scaled[:, :1])
-  probs /= probs.sum(axis=-1, keepdims=True)
-
-  rank = np.arange(probs.shape[-1])[None, :]
-  keep = np.ones_like(probs, dtype=bool)
-  keep &= (top_k[:, None] <= 0) | (rank < top_k[:, None])
-  keep &= probs >= min_p * probs[:, :1]
+  # Unnormalised weights with each row's own top-k applied first (then top-p renormalises over those); every sum
+  # is a prefix sum along the sorted row, so a row's result does not depend on how many candidates other rows needed.
+  weights = np.exp(scaled - scaled[:, :1])
+  rank = np.arange(weights.shape[-1])[None, :]
+  weights = np.where((top_k[:, None] <= 0) | (rank < top_k[:, None]), weights, 0.0)
+  cum = np.cumsum(weights, axis=-1)
+  keep = weights >= min_p * weights[:, :1]
   # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
-  mass_before = np.cumsum(probs, axis=-1) - probs
-  keep &= mass_before < top_p
+  keep &= cum - weights < top_p * cum[:, -1:]
   keep[:, 0] = True
-  probs = np.where(keep, probs, 0.0)
+  probs = np.where(keep, weights, 0.0)
   cdf = np.cumsum(probs, axis=-1)
   u = np.array([generators[i].random() for i in sampled], dtype=np.float64)[:, None] * cdf[:, -1:]
   pick = np.minimum((cdf <= u).sum(axis=-1), probs.shape[-1] - 1)
