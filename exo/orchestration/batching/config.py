@@ -1,0 +1,68 @@
+"""Batching settings, read once at start-up: CLI flags win over the environment.
+
+  EXO_BATCH_SIZE / --batch-size              most requests in one engine step or one sampling call (1 = off)
+  EXO_BATCH_TIMEOUT_MS / --batch-timeout-ms  longest a ready request waits for others to join its step
+  EXO_PREFILL_CHUNK / --prefill-chunk        prompt tokens a request adds to one step (0 = whole prompts)
+
+Batching is on when the size is 2 or more. A timeout or chunk size without a size is refused, like any value
+out of range, so a typo never silently leaves batching off."""
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Tuple
+
+DEFAULT_TIMEOUT_MS = 5.0  # only paid while other requests of this node are about to join; a lone request pays nothing
+DEFAULT_PREFILL_CHUNK = 128  # about one decode step's worth of work for a 16-request batch on a small model
+MAX_BATCH_SIZE = 4096
+MAX_TIMEOUT_MS = 60_000.0
+MAX_PREFILL_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+  batch_size: int
+  timeout_ms: float = DEFAULT_TIMEOUT_MS
+  prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+
+  def describe(self) -> str:
+    chunk = f"prompts in chunks of {self.prefill_chunk} tokens" if self.prefill_chunk else "whole prompts"
+    return f"batching on: up to {self.batch_size} requests per step, wait at most {self.timeout_ms:g} ms for others, {chunk}"
+
+
+def _parse_int(raw: str) -> float:
+  value = float(raw)
+  if not value.is_integer():
+    raise ValueError(raw)
+  return int(value)
+
+
+def _setting(args, flag: str, env: Mapping[str, str], name: str, parse: Callable[[str], float], low: float, high: float,
+             what: str) -> Tuple[Optional[float], str]:
+  """(value or None when unset, the name it came by). Raises ValueError naming the setting and its range."""
+  attr = flag.lstrip("-").replace("-", "_")
+  raw, source = getattr(args, attr, None), flag
+  if raw is None:
+    raw, source = env.get(name), name
+    if raw is None or not str(raw).strip():
+      return None, name
+  try:
+    value = parse(str(raw).strip())
+  except ValueError:
+    value = None
+  if value is None or not math.isfinite(value) or not low <= value <= high:
+    raise ValueError(f"{source} must be {what} from {low:g} to {high:g}, got {raw!r}")
+  return value, source
+
+
+def batching_config_from(args, environ: Mapping[str, str]) -> Optional[BatchingConfig]:
+  """The batching settings for this node, or None when batching is off. Raises ValueError (one line) on bad values."""
+  size, _ = _setting(args, "--batch-size", environ, "EXO_BATCH_SIZE", _parse_int, 1, MAX_BATCH_SIZE, "an integer")
+  timeout, timeout_name = _setting(args, "--batch-timeout-ms", environ, "EXO_BATCH_TIMEOUT_MS", float, 0, MAX_TIMEOUT_MS, "a number of milliseconds")
+  chunk, chunk_name = _setting(args, "--prefill-chunk", environ, "EXO_PREFILL_CHUNK", _parse_int, 0, MAX_PREFILL_CHUNK, "a number of tokens")
+  if size is None:
+    for value, name in ((timeout, timeout_name), (chunk, chunk_name)):
+      if value is not None:
+        raise ValueError(f"{name} is set but EXO_BATCH_SIZE is not: set EXO_BATCH_SIZE (or --batch-size) to an integer from 2 to {MAX_BATCH_SIZE} to turn batching on")
+    return None
+  if size == 1:
+    return None
+  return BatchingConfig(int(size), DEFAULT_TIMEOUT_MS if timeout is None else float(timeout), DEFAULT_PREFILL_CHUNK if chunk is None else int(chunk))
