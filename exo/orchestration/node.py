@@ -171,6 +171,9 @@ class Node:
       tokens = await self.inference_engine.encode(shard, prompt)
       result, state = await self.infer_tensor(shard, np.asarray(tokens).reshape(1, -1), request_id, inference_state)
       await self.process_inference_result(shard, result, request_id, state)
+    except asyncio.CancelledError:
+      self._end_request_locally(request_id)  # the caller gave up mid-prompt (timeout, client gone): free its state and KV cache
+      raise
     except Exception as e:
       await self.fail_request(request_id, e)
       raise
