@@ -24,7 +24,8 @@ IMAGES_DIR = Path.home() / "Documents" / "Exo" / "Images"
 MAX_BODY_BYTES = 100 * 1024 * 1024
 # Response headers a browser shows scripts without being told (CORS "safelisted"); the rest are exposed explicitly.
 SAFELISTED_HEADERS = {"cache-control", "content-language", "content-length", "content-type", "expires", "last-modified", "pragma"}
-STREAM_KEY = "exo_stream"  # request slot for a stream already sent, so a timeout cuts it instead of replacing it
+# Request slot for a stream already sent, so a timeout cuts it instead of replacing it (RequestKey: aiohttp >= 3.12).
+STREAM_KEY = web.RequestKey("exo_stream", web.StreamResponse) if hasattr(web, "RequestKey") else "exo_stream"
 
 
 class ChatGPTAPI:

@@ -1,0 +1,84 @@
+"""A real exo node (a ring of one, no networking) with its HTTP API on a free loopback port, running on its own
+event loop in a background thread, so tests can use any client: the sync `openai` package, aiohttp, a browser."""
+import asyncio
+import atexit
+import socket
+import threading
+from typing import Dict, Optional, Union
+
+from exo.api import ChatGPTAPI
+from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
+from exo.inference.dummy_inference_engine import DummyInferenceEngine
+from exo.inference.inference_engine import InferenceEngine, get_inference_engine, inference_engine_classes
+from exo.networking.discovery import NoDiscovery
+from exo.orchestration.node import Node
+from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class ApiServer:
+  def __init__(self, engine: Union[str, InferenceEngine] = "dummy", max_generate_tokens: int = 10000, **api_kwargs):
+    self.engine_spec = engine
+    self.max_generate_tokens = max_generate_tokens
+    self.api_kwargs = api_kwargs
+    self.port = free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.loop = asyncio.new_event_loop()
+    self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=f"exo-api-{self.port}")
+    self.quit_requested = threading.Event()
+    self.node: Optional[Node] = None
+    self.api: Optional[ChatGPTAPI] = None
+
+  def call(self, coro, timeout: float = 120):
+    """Run a coroutine on the server's loop and wait for its result."""
+    return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+  def start(self) -> "ApiServer":
+    self.thread.start()
+    self.call(self._start())
+    return self
+
+  async def _start(self) -> None:
+    if isinstance(self.engine_spec, str):
+      downloader = NoopShardDownloader() if self.engine_spec == "dummy" else HFShardDownloader()
+      engine = get_inference_engine(self.engine_spec, downloader)
+      classname = inference_engine_classes[self.engine_spec]
+    else:
+      # A test engine built on the dummy one runs the dummy model.
+      engine, downloader = self.engine_spec, NoopShardDownloader()
+      classname = "DummyInferenceEngine" if isinstance(engine, DummyInferenceEngine) else engine.__class__.__name__
+    self.node = Node("api-test-node", None, engine, NoDiscovery(), downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
+                     max_generate_tokens=self.max_generate_tokens)
+    await self.node.start()
+    kwargs = {"default_model": "dummy" if classname == "DummyInferenceEngine" else "smollm2-135m", **self.api_kwargs}
+    self.api = ChatGPTAPI(self.node, classname, on_quit=self.quit_requested.set, **kwargs)
+    await self.api.run(host="127.0.0.1", port=self.port)
+
+  def stop(self) -> None:
+    if not self.thread.is_alive():
+      return
+    try:
+      self.call(self._stop(), timeout=30)
+    finally:
+      self.loop.call_soon_threadsafe(self.loop.stop)
+      self.thread.join(10)
+
+  async def _stop(self) -> None:
+    await self.api.stop()
+    await self.node.stop()
+
+
+_shared: Dict[str, ApiServer] = {}
+
+
+def shared_server(engine: str) -> ApiServer:
+  """One server per engine for the whole pytest run: loading SmolLM2 takes ~15 s on two cores, so do it once."""
+  if engine not in _shared:
+    _shared[engine] = ApiServer(engine).start()
+    atexit.register(_shared[engine].stop)
+  return _shared[engine]

@@ -1,0 +1,424 @@
+"""The HTTP API over raw HTTP with the dummy engine: upstream's exact shapes and SSE quirks, every error path,
+CORS, timeouts, and that bad or failing requests never disturb the others."""
+import asyncio
+import json
+import re
+
+import aiohttp
+import numpy as np
+import pytest
+
+from api_harness import ApiServer, shared_server
+from exo.api.reply_text import ReplyText
+from exo.download.download_progress import RepoProgressEvent
+from exo.inference.dummy_inference_engine import DummyInferenceEngine
+from exo.inference.shard import Shard
+from exo.models import model_cards
+
+USER = [{"role": "user", "content": "hello"}]
+ID = r"chatcmpl-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+
+
+@pytest.fixture(scope="module")
+def server():
+  return shared_server("dummy")
+
+
+async def post(url, body, raw=False, headers=None):
+  async with aiohttp.ClientSession() as session:
+    data = body if raw else json.dumps(body)
+    async with session.post(url, data=data, headers=headers or {"Content-Type": "application/json"}) as r:
+      return r.status, r.headers, await r.text()
+
+
+async def get(url, headers=None):
+  async with aiohttp.ClientSession() as session:
+    async with session.get(url, headers=headers) as r:
+      return r.status, r.headers, await r.text()
+
+
+def events_of(text):
+  assert text.endswith("\n\n")
+  return text[:-2].split("\n\n")
+
+
+# --- upstream parity (dummy engine) ---
+
+@pytest.mark.asyncio
+async def test_non_stream_matches_upstream_byte_for_byte(server):
+  status, headers, text = await post(f"{server.url}/v1/chat/completions", {"model": "dummy", "messages": USER})
+  assert status == 200 and headers["Content-Type"] == "application/json; charset=utf-8"
+  expected = ('{"id": "ID", "object": "chat.completion", "created": T, "model": "dummy", "system_fingerprint": "exo_0.0.1", '
+              '"choices": [{"index": 0, "message": {"role": "assistant", "content": "' + "dummy" * 10 + '"}, "logprobs": null, '
+              '"finish_reason": "stop"}], "usage": {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11}}')
+  assert re.sub(r'"created": \d+', '"created": T', re.sub(ID, "ID", text)) == expected
+
+
+@pytest.mark.asyncio
+async def test_stream_matches_upstream_sse_format(server):
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{server.url}/v1/chat/completions", json={"model": "dummy", "messages": USER, "stream": True}) as r:
+      assert r.status == 200
+      assert r.headers["Content-Type"] == "text/event-stream" and r.headers["Cache-Control"] == "no-cache"
+      assert r.headers["Transfer-Encoding"] == "chunked"
+      text = await r.text()
+  events = events_of(text)
+  assert len(events) == 10 and "[DONE]" not in text
+  ids = set()
+  for i, event in enumerate(events):
+    assert event.startswith("data: {") and "\n" not in event
+    body = json.loads(event[len("data: "):])
+    ids.add(body["id"])
+    finish = "stop" if i == 9 else None
+    expected = ('{"id": "ID", "object": "chat.completion", "created": T, "model": "dummy", "system_fingerprint": "exo_0.0.1", '
+                '"choices": [{"index": 0, "message": {"role": "assistant", "content": "dummy"}, "logprobs": null, '
+                f'"finish_reason": {json.dumps(finish)}, "delta": {{"role": "assistant", "content": "dummy"}}}}]}}')
+    assert re.sub(r'"created": \d+', '"created": T', re.sub(ID, "ID", event[len("data: "):])) == expected
+  assert len(ids) == 1
+
+
+@pytest.mark.asyncio
+async def test_stream_usage_on_final_chunk_when_asked(server):
+  _, _, text = await post(f"{server.url}/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": True}})
+  bodies = [json.loads(e[6:]) for e in events_of(text)]
+  assert all("usage" not in b for b in bodies[:-1])
+  assert bodies[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11}
+  assert bodies[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("model", [None, "", "gpt-4o", "gpt-3.5-turbo", "dummy"])
+@pytest.mark.asyncio
+async def test_model_fallbacks_resolve_to_default(server, model):
+  body = {"messages": USER} if model == "" else {"model": model, "messages": USER}
+  status, _, text = await post(f"{server.url}/v1/chat/completions", body)
+  assert status == 200 and json.loads(text)["model"] == "dummy"
+
+
+@pytest.mark.parametrize("model", ["no-such-model", "llama-3.2-1b"])
+@pytest.mark.asyncio
+async def test_unknown_or_unrunnable_model_is_400_listing_supported(server, model):
+  status, headers, text = await post(f"{server.url}/v1/chat/completions", {"model": model, "messages": USER})
+  assert status == 400 and headers["Content-Type"] == "application/json; charset=utf-8"
+  assert json.loads(text) == {"detail": f"Unsupported model: {model} with inference engine DummyInferenceEngine. Supported models for this engine: ['dummy']"}
+
+
+@pytest.mark.asyncio
+async def test_token_encode(server):
+  status, _, text = await post(f"{server.url}/v1/chat/token/encode", {"messages": USER})
+  assert status == 200
+  assert text == '{"length": 22, "num_tokens": 1, "encoded_tokens": [1], "encoded_prompt": "dummy_tokenized_prompt"}'
+  status, _, _ = await post(f"{server.url}/chat/token/encode", {})
+  assert status == 200
+
+
+# --- bad input: 400 with a JSON body naming the field ---
+
+BAD_VALUES = [
+  ({"temperature": 2.5}, "temperature must be a number between 0 and 2"),
+  ({"temperature": -0.1}, "temperature must be a number between 0 and 2"),
+  ({"temperature": "hot"}, "temperature must be a number between 0 and 2"),
+  ({"temperature": True}, "temperature must be a number between 0 and 2"),
+  ({"top_p": 1.5}, "top_p must be a number between 0 and 1"),
+  ({"min_p": -1}, "min_p must be a number between 0 and 1"),
+  ({"top_k": -3}, "top_k must be an integer >= 0"),
+  ({"top_k": 2.5}, "top_k must be an integer >= 0"),
+  ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+  ({"max_tokens": "10"}, "max_tokens must be an integer >= 1"),
+  ({"max_completion_tokens": -5}, "max_completion_tokens must be an integer >= 1"),
+  ({"seed": 1.5}, "seed must be an integer"),
+  ({"seed": "42"}, "seed must be an integer"),
+  ({"stop": 42}, "stop must be a non-empty string or a list"),
+  ({"stop": ["a", ""]}, "stop must be a non-empty string or a list"),
+  ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+  ({"n": 2}, "n must be 1"),
+  ({"stream": "yes"}, "stream must be true or false"),
+  ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
+  ({"tools": {"name": "x"}}, "tools must be a list"),
+  ({"model": 7}, "model must be a string"),
+  ({"messages": []}, "messages is required"),
+  ({"messages": "hello"}, "messages is required"),
+  ({"messages": [{"content": "no role"}]}, "messages[0] must be an object"),
+  ({"messages": [{"role": "user"}]}, "messages[0] must be an object"),
+  ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string or a list"),
+  ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
+]
+
+
+@pytest.mark.parametrize("change,detail", BAD_VALUES)
+@pytest.mark.asyncio
+async def test_bad_values_are_400_saying_which_field(server, change, detail):
+  status, headers, text = await post(f"{server.url}/v1/chat/completions", {"model": "dummy", "messages": USER, **change})
+  assert status == 400 and headers["Content-Type"] == "application/json; charset=utf-8"
+  assert detail in json.loads(text)["detail"]
+
+
+@pytest.mark.parametrize("raw,detail", [("{not json", "Invalid JSON body"), ("[1, 2]", "must be a JSON object"), ("", "Invalid JSON body"),
+                                        ('{"model": "dummy"}', "messages is required")])
+@pytest.mark.asyncio
+async def test_malformed_requests_are_400_json(server, raw, detail):
+  status, _, text = await post(f"{server.url}/v1/chat/completions", raw, raw=True)
+  assert status == 400 and detail in json.loads(text)["detail"]
+
+
+@pytest.mark.asyncio
+async def test_accepted_edge_values(server):
+  # Limits of each range, nulls meaning "default", a list-of-parts message with an image, a negative seed.
+  body = {"model": None, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "max_tokens": None, "seed": -1, "stop": None, "n": 1,
+          "stream": None, "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:x"}}]}]}
+  status, _, text = await post(f"{server.url}/v1/chat/completions", body)
+  assert status == 200, text
+
+
+@pytest.mark.asyncio
+async def test_unknown_routes(server):
+  assert (await post(f"{server.url}/v1/completions", {}))[0] == 405
+  assert (await get(f"{server.url}/no/such/page"))[0] == 404
+
+
+# --- other routes ---
+
+@pytest.mark.asyncio
+async def test_models_and_initial_models(server):
+  for path in ("/v1/models", "/models"):
+    status, _, text = await get(f"{server.url}{path}")
+    assert status == 200
+    body = json.loads(text)
+    assert list(body) == ["object", "data"] and body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == list(model_cards)
+    assert body["data"][0] == {"id": list(model_cards)[0], "object": "model", "owned_by": "exo", "ready": True}
+  status, _, text = await get(f"{server.url}/initial_models")
+  assert status == 200
+  assert text == '{"dummy": {"name": "Dummy", "downloaded": null, "download_percentage": null, "total_size": null, "total_downloaded": null, "loading": true}}'
+
+
+@pytest.mark.asyncio
+async def test_modelpool_with_dummy_engine_is_only_done(server):
+  status, headers, text = await get(f"{server.url}/modelpool")
+  assert status == 200 and headers["Content-Type"] == "text/event-stream" and headers["Connection"] == "keep-alive"
+  assert text == "data: [DONE]\n\n"
+
+
+@pytest.mark.asyncio
+async def test_download_routes(server):
+  url = f"{server.url}/download"
+  status, _, text = await post(url, {})
+  assert (status, text) == (400, '{"error": "model parameter is required"}')
+  status, _, text = await post(url, {"model": "nope"})
+  assert status == 400 and text == json.dumps({"error": f"Invalid model: nope. Supported models: {list(model_cards)}"})
+  status, _, text = await post(url, {"model": "llama-3.2-1b"})
+  assert (status, text) == (400, '{"error": "Could not build shard for model llama-3.2-1b"}')
+  status, _, text = await post(url, {"model": "dummy"})
+  assert (status, text) == (200, '{"status": "success", "message": "Download started for model: dummy"}')
+
+
+@pytest.mark.asyncio
+async def test_download_progress_lists_only_in_progress(server):
+  assert (await get(f"{server.url}/v1/download/progress"))[2] == "{}"
+  shard = Shard("dummy", 0, 7, 8)
+  running = RepoProgressEvent(shard, "dummy", "main", 1, 4, 50, 50, 200, 10.0, 15.0, {}, "in_progress")
+  done = RepoProgressEvent(shard, "dummy", "main", 4, 4, 200, 200, 200, 0.0, 0.0, {}, "complete")
+  server.node.node_download_progress.update({"peer-a": running, "peer-b": done})
+  try:
+    status, _, text = await get(f"{server.url}/v1/download/progress")
+    assert status == 200 and json.loads(text) == {"peer-a": running.to_dict()}
+  finally:
+    server.node.node_download_progress.clear()
+
+
+@pytest.mark.asyncio
+async def test_delete_model(server):
+  async with aiohttp.ClientSession() as session:
+    async with session.delete(f"{server.url}/models/dummy") as r:
+      assert r.status == 404 and await r.json() == {"detail": "Model dummy files not found"}
+    async with session.delete(f"{server.url}/models/llama-3.2-1b") as r:
+      assert r.status == 500 and (await r.json())["detail"].startswith("Error deleting model:")
+
+
+@pytest.mark.asyncio
+async def test_topology_healthcheck_and_image_routes(server):
+  for path in ("/v1/topology", "/topology"):
+    status, _, text = await get(f"{server.url}{path}")
+    body = json.loads(text)
+    assert status == 200 and list(body) == ["nodes", "peer_graph", "active_node_id"] and "api-test-node" in body["nodes"]
+    assert list(body["nodes"]["api-test-node"]) == ["model", "chip", "memory", "flops"]
+  assert (await get(f"{server.url}/healthcheck"))[2] == '{"status": "ok"}'
+  status, _, text = await post(f"{server.url}/v1/image/generations", {"model": "stable-diffusion-2-1-base", "prompt": "a cat"})
+  assert (status, json.loads(text)) == (400, {"error": "Unsupported model: stable-diffusion-2-1-base with inference engine DummyInferenceEngine"})
+  status, _, text = await post(f"{server.url}/create_animation", {})
+  assert (status, text) == (400, '{"error": "replacement_image_path is required"}')
+
+
+# --- CORS ---
+
+@pytest.mark.asyncio
+async def test_cors_on_api_routes_not_on_static(server):
+  origin = {"Origin": "http://example.test:3000"}
+  _, headers, _ = await get(f"{server.url}/v1/models", headers=origin)
+  assert headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
+  assert headers["Access-Control-Allow-Credentials"] == "true"
+  assert "Access-Control-Expose-Headers" in headers
+  _, headers, _ = await post(f"{server.url}/v1/chat/completions", {"messages": USER, "stream": True}, headers={**origin, "Content-Type": "application/json"})
+  assert headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
+  _, headers, _ = await post(f"{server.url}/v1/chat/completions", {"messages": USER, "temperature": 9}, headers={**origin, "Content-Type": "application/json"})
+  assert headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
+  _, headers, _ = await get(f"{server.url}/index.js", headers=origin)
+  assert "Access-Control-Allow-Origin" not in headers
+  async with aiohttp.ClientSession() as session:
+    preflight = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,x-custom"}
+    async with session.options(f"{server.url}/v1/chat/completions", headers=preflight) as r:
+      assert r.status == 200
+      assert r.headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
+      assert r.headers["Access-Control-Allow-Methods"] == "POST"
+      assert r.headers["Access-Control-Allow-Headers"] == "content-type,x-custom"
+
+
+# --- timeouts, failures, isolation ---
+
+class SlowEngine(DummyInferenceEngine):
+  """Dummy tokens, but every ring pass after the first `fast` ones takes `delay` seconds."""
+
+  def __init__(self, delay: float, fast: int = 0):
+    super().__init__()
+    self.delay, self.fast, self.passes = delay, fast, 0
+
+  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
+    self.passes += 1
+    if self.passes > self.fast:
+      await asyncio.sleep(self.delay)
+    return await super().infer_tensor(request_id, shard, input_data, inference_state)
+
+
+class FailingEngine(DummyInferenceEngine):
+  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
+    if int(np.asarray(input_data).reshape(-1)[0]) >= 4:  # the third token's pass fails
+      raise RuntimeError("engine exploded")
+    return await super().infer_tensor(request_id, shard, input_data, inference_state)
+
+
+@pytest.fixture
+def make_server():
+  started = []
+
+  def make(*args, **kwargs):
+    started.append(ApiServer(*args, **kwargs).start())
+    return started[-1]
+  yield make
+  for s in started:
+    s.stop()
+
+
+@pytest.mark.asyncio
+async def test_timeout_before_first_token_is_408(make_server):
+  s = make_server(SlowEngine(delay=5), response_timeout=1)
+  status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER})
+  assert status == 408 and json.loads(text)["detail"] in ("Request timed out", "Response generation timed out")
+  status, _, _ = await post(f"{s.url}/v1/chat/completions", {"messages": USER, "stream": True})
+  assert status == 408
+
+
+@pytest.mark.asyncio
+async def test_timeout_during_the_prompt_leaves_nothing_behind(make_server):
+  s = make_server(SlowEngine(delay=2), response_timeout=0.5)
+  assert (await post(f"{s.url}/v1/chat/completions", {"messages": USER}))[0] == 408
+  await asyncio.sleep(2.5)  # the engine step in flight finishes, then the request must be gone
+  assert s.node.outstanding_requests == {} and s.node.requests == {}
+
+
+@pytest.mark.asyncio
+async def test_timeout_after_headers_cuts_the_stream(make_server):
+  s = make_server(SlowEngine(delay=5, fast=3), response_timeout=1.5)
+  status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER, "stream": True})
+  bodies = [json.loads(e[6:]) for e in events_of(text)]
+  assert status == 200 and 1 <= len(bodies) <= 3
+  assert all(b.get("choices", [{}])[0].get("finish_reason") is None for b in bodies)
+
+
+@pytest.mark.asyncio
+async def test_engine_failure_ends_request_with_error(make_server):
+  s = make_server(FailingEngine())
+  status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER})
+  assert status == 500 and json.loads(text)["detail"].startswith("Error processing prompt (see logs with DEBUG>=2):")
+  assert "engine exploded" in json.loads(text)["detail"]
+  status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER, "stream": True})
+  events = events_of(text)
+  assert status == 200 and json.loads(events[-1][6:])["error"]["message"].endswith("engine exploded")
+  assert all(json.loads(e[6:])["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+
+@pytest.mark.asyncio
+async def test_quit_replies_then_signals(make_server):
+  s = make_server("dummy")
+  status, _, text = await post(f"{s.url}/quit", {})
+  assert (status, text) == (200, '{"detail": "Quit signal received"}')
+  assert s.quit_requested.wait(5)
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_are_isolated_from_bad_ones(server):
+  good = [post(f"{server.url}/v1/chat/completions", {"messages": USER, "stream": i % 2 == 0, "max_tokens": 3 + i}) for i in range(8)]
+  bad = [post(f"{server.url}/v1/chat/completions", b, raw=True) for b in ("{", '{"messages": 1}', '{"messages": [], "top_k": -1}')]
+  results = await asyncio.gather(*good, *bad)
+  for i, (status, _, text) in enumerate(results[:8]):
+    assert status == 200
+    if i % 2 == 0:
+      bodies = [json.loads(e[6:]) for e in events_of(text)]
+      assert "".join(b["choices"][0]["delta"]["content"] for b in bodies) == "dummy" * min(3 + i, 10)
+    else:
+      assert json.loads(text)["usage"]["completion_tokens"] == min(3 + i, 10)
+  assert all(status == 400 for status, _, _ in results[8:])
+
+
+# --- reply text: incremental decoding and stop strings (no server) ---
+
+def fake_tokenizer(pieces):
+  """Token i decodes to pieces[i]; pieces may be bytes so multi-byte characters can split across tokens."""
+  def decode(tokens):
+    raw = b"".join(p if isinstance(p, bytes) else p.encode() for p in (pieces[t] for t in tokens))
+    return raw.decode("utf-8", errors="replace")
+  return decode
+
+
+def run(reply, tokens, eos=None):
+  chunks = []
+  for i, t in enumerate(tokens):
+    finished = i == len(tokens) - 1
+    chunks.append(reply.feed([t], finished))
+    if reply.finish_reason:
+      break
+  return chunks
+
+
+def test_stop_string_split_across_tokens_is_cut_and_never_leaks():
+  pieces = ["Hello", " wor", "ld", "!", " More", "<eos>"]
+  reply = ReplyText(fake_tokenizer(pieces), {5}, stop=["world!"])
+  chunks = run(reply, [0, 1, 2, 3, 4, 5])
+  assert reply.text == "Hello " and reply.finish_reason == "stop"
+  assert chunks[-1][-1] == "" and not any("wor" in c for cs in chunks for c in cs)
+  assert len(reply.tokens) == 4  # generation stopped at the token that completed the stop string
+
+
+def test_held_text_that_is_not_a_stop_string_is_released():
+  reply = ReplyText(fake_tokenizer(["a", "wo", "x", "<eos>"]), {3}, stop=["wor"])
+  chunks = run(reply, [0, 1, 2, 3])
+  assert chunks[:3] == [["a"], [""], ["wox"]] and chunks[3] == ["<eos>"]
+  assert reply.text == "awox<eos>" and reply.finish_reason == "stop"
+
+
+def test_final_chunk_carries_only_the_last_tokens_text():
+  reply = ReplyText(fake_tokenizer(["Par", "is", "<eos>"]), {2}, stop=["Paris!"])
+  chunks = run(reply, [0, 1, 2])
+  assert chunks == [[""], [""], ["Paris", "<eos>"]] and reply.finish_reason == "stop"
+
+
+def test_multibyte_character_split_across_tokens_waits_for_its_last_byte():
+  euro = "€".encode()
+  reply = ReplyText(fake_tokenizer(["a", euro[:1], euro[1:2], euro[2:], "b"]), set(), stop=[])
+  chunks = run(reply, [0, 1, 2, 3, 4])
+  assert chunks == [["a"], [""], [""], ["€"], ["b"]] and reply.finish_reason == "length"
+
+
+def test_length_finish_and_stop_matching_inside_the_last_token():
+  reply = ReplyText(fake_tokenizer(["one", " two", " three"]), set())
+  assert run(reply, [0, 1, 2]) == [["one"], [" two"], [" three"]] and reply.finish_reason == "length"
+  reply = ReplyText(fake_tokenizer(["one", " two", " three"]), set(), stop=["thr"])
+  assert run(reply, [0, 1, 2]) == [["one"], [" two"], [" ", ""]] and reply.finish_reason == "stop"
