@@ -1,0 +1,319 @@
+"""Throughput and latency of exo with batching off and on, measured as ../shared/bench/PROTOCOL.md describes.
+
+One command starts the server itself (a real `exo` process, or a 2-node ring on loopback), sends N concurrent
+streaming requests through the real HTTP API, alternates batching off/on for each repeat, checks that greedy
+outputs are identical, prints a table of medians and ratios, and writes JSON lines and a PNG plot.
+
+  python bench/bench.py                       # the full sweep: N = 1..32, 3 repeats, plus ring and interference
+  python bench/bench.py --quick               # N = 1, 8, 16, one repeat, 64 tokens
+"""
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+WORDS = ("river mountain lantern copper harbor violet meadow thunder pepper canyon orchard marble falcon willow "
+         "ember glacier saddle cobalt prairie timber quartz meadowlark basil cedar dune fjord garnet hollow iris").split()
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def make_prompts(n: int, prompt_tokens: int, salt: int = 0) -> List[str]:
+  """n different user messages whose chat-templated prompt is exactly prompt_tokens tokens long."""
+  from exo.download.shard_download import embedded_model_path
+  from exo.inference.tokenizers import resolve_tokenizer
+  tokenizer = make_prompts.tokenizer = getattr(make_prompts, "tokenizer", None) or resolve_tokenizer(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
+  prompts = []
+  for i in range(n):
+    words = [f"Story {salt}-{i}: tell me about"]
+    k = i * 7
+    while True:
+      text = " ".join(words)
+      length = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}])))
+      if length >= prompt_tokens:
+        break
+      words.append(WORDS[k % len(WORDS)])
+      k += 1
+    while length > prompt_tokens:  # trim characters until exact
+      if not text:
+        raise ValueError(f"the chat template alone is longer than {prompt_tokens} tokens")
+      text = text[:-1]
+      length = len(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}])))
+    prompts.append(text)
+  return prompts
+
+
+class Cluster:
+  """1 or more `exo` processes on loopback with manual discovery; batching set through the environment."""
+
+  def __init__(self, nodes: int, engine: str, batching: bool, batch_size: int, timeout_ms: float, log_dir: Path):
+    self.nodes, self.engine, self.batching, self.batch_size, self.timeout_ms, self.log_dir = nodes, engine, batching, batch_size, timeout_ms, log_dir
+    self.procs: List[subprocess.Popen] = []
+    self.api_ports: List[int] = []
+
+  async def __aenter__(self) -> "Cluster":
+    grpc_ports = [free_port() for _ in range(self.nodes)]
+    self.api_ports = [free_port() for _ in range(self.nodes)]
+    config = {"peers": {f"bench{i}": {"address": "127.0.0.1", "port": p, "device_capabilities": {
+      "model": "bench", "chip": "cpu", "memory": 1000, "flops": {"fp32": 0, "fp16": 0, "int8": 0}}} for i, p in enumerate(grpc_ports)}}
+    config_path = self.log_dir / f"peers-{self.nodes}.json"
+    config_path.write_text(json.dumps(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_BATCH")}
+    if self.batching:
+      env.update(EXO_BATCH_SIZE=str(self.batch_size), EXO_BATCH_TIMEOUT_MS=str(self.timeout_ms))
+    for i in range(self.nodes):
+      node_env = dict(env, EXO_HOME=str(self.log_dir / f"home{i}"))
+      if self.nodes > 1:
+        node_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # two nodes on two cores: one thread each
+      log = open(self.log_dir / f"node{i}-{'on' if self.batching else 'off'}.log", "ab")
+      self.procs.append(subprocess.Popen(
+        [sys.executable, "-m", "exo.main", "--inference-engine", self.engine, "--disable-tui", "--node-id", f"bench{i}",
+         "--node-host", "127.0.0.1", "--node-port", str(grpc_ports[i]), "--chatgpt-api-port", str(self.api_ports[i]),
+         "--discovery-module", "manual", "--discovery-config-path", str(config_path), "--max-generate-tokens", "100000",
+         "--default-model", MODEL], env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    await self._wait_ready()
+    return self
+
+  async def _wait_ready(self, limit: float = 180.0) -> None:
+    deadline = time.monotonic() + limit
+    async with aiohttp.ClientSession() as session:
+      for port in self.api_ports:
+        while True:
+          if any(p.poll() is not None for p in self.procs):
+            raise RuntimeError(f"an exo process exited; see logs in {self.log_dir}")
+          try:
+            async with session.get(f"http://127.0.0.1:{port}/v1/topology") as r:
+              if r.status == 200 and len((await r.json())["nodes"]) == self.nodes:
+                break
+          except aiohttp.ClientError:
+            pass
+          if time.monotonic() > deadline:
+            raise RuntimeError(f"cluster not ready after {limit} s; see logs in {self.log_dir}")
+          await asyncio.sleep(0.25)
+
+  @property
+  def url(self) -> str:
+    return f"http://127.0.0.1:{self.api_ports[0]}/v1/chat/completions"
+
+  async def __aexit__(self, *exc) -> None:
+    for p in self.procs:
+      p.send_signal(signal.SIGTERM)
+    for p in self.procs:
+      try:
+        p.wait(timeout=20)
+      except subprocess.TimeoutExpired:
+        p.kill()
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, extra: Optional[dict] = None,
+                     record: Optional[dict] = None) -> dict:
+  """One streaming request; the time of every content chunk as the client sees it (filled into `record` live)."""
+  body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True, "max_tokens": max_tokens,
+          "temperature": 0.0, "ignore_eos": True, **(extra or {})}
+  record = {} if record is None else record
+  sent = record["sent"] = time.perf_counter()
+  times = record["times"] = []
+  text = record["text_parts"] = []
+  async with session.post(url, json=body) as response:
+    if response.status != 200:
+      raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+    async for line in response.content:
+      if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+        continue
+      chunk = json.loads(line[6:])
+      choice = chunk["choices"][0] if chunk.get("choices") else None
+      if choice is None:
+        continue
+      times.append(time.perf_counter())
+      text.append((choice.get("delta") or {}).get("content") or "")
+  return {"sent": sent, "times": times, "text": "".join(text)}
+
+
+def pct(values: List[float], q: float) -> float:
+  if not values:
+    return float("nan")
+  values = sorted(values)
+  return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarise(results: List[dict]) -> dict:
+  first_send = min(r["sent"] for r in results)
+  last_token = max(r["times"][-1] for r in results)
+  tokens = sum(len(r["times"]) for r in results)
+  ttft = [r["times"][0] - r["sent"] for r in results]
+  itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+  tpot = [(r["times"][-1] - r["sent"] - (r["times"][0] - r["sent"])) / max(1, len(r["times"]) - 1) for r in results]
+  return {"tokens": tokens, "tok_s": tokens / (last_token - first_send), "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+          "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "tpot_p50": pct(tpot, 50)}
+
+
+async def burst(url: str, prompts: List[str], max_tokens: int, extra: Optional[List[dict]] = None) -> List[dict]:
+  async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    return await asyncio.gather(*[stream_one(session, url, p, max_tokens, (extra or [None] * len(prompts))[i]) for i, p in enumerate(prompts)])
+
+
+async def interference(url: str, streams: int, long_prompt_tokens: int, max_tokens: int) -> dict:
+  """While `streams` requests decode, a long prompt arrives: the largest gap each running stream sees vs its median."""
+  prompts = make_prompts(streams, 64, salt=7)
+  newcomer = make_prompts(1, long_prompt_tokens, salt=9)[0]
+  async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    records = [{} for _ in prompts]
+    running = [asyncio.create_task(stream_one(session, url, p, max_tokens, record=r)) for p, r in zip(prompts, records)]
+    while not all(len(r.get("times", [])) >= 16 for r in records):  # let every stream reach steady decode
+      await asyncio.sleep(0.05)
+    arrival = time.perf_counter()
+    late = await stream_one(session, url, newcomer, 16)
+    done = await asyncio.gather(*running)
+  ratios, worst_gap = [], 0.0
+  for r in done:
+    gaps = [b - a for a, b in zip(r["times"], r["times"][1:])]
+    around = [b - a for a, b in zip(r["times"], r["times"][1:]) if b >= arrival]
+    if gaps and around:
+      ratios.append(max(around) / statistics.median(gaps))
+      worst_gap = max(worst_gap, max(around))
+  return {"streams": streams, "long_prompt_tokens": long_prompt_tokens, "worst_gap_s": worst_gap,
+          "worst_gap_over_median": max(ratios) if ratios else float("nan"), "newcomer_ttft_s": late["times"][0] - late["sent"]}
+
+
+def print_table(rows: List[dict], ns: List[int], label: str) -> None:
+  print(f"\n{label}")
+  print(f"{'N':>4} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'TTFT p50 off/on (s)':>20} {'ITL p50 off/on (ms)':>20} {'ITL p99 off/on (ms)':>20} {'same':>5}")
+  for n in ns:
+    off = [r for r in rows if r["n"] == n and not r["batching"]]
+    on = [r for r in rows if r["n"] == n and r["batching"]]
+    if not off or not on:
+      continue
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    same = all(r.get("same_as_off", True) for r in on)
+    print(f"{n:>4} {med(off, 'tok_s'):>10.1f} {med(on, 'tok_s'):>10.1f} {med(on, 'tok_s') / med(off, 'tok_s'):>6.2f}x "
+          f"{med(off, 'ttft_p50'):>9.2f}/{med(on, 'ttft_p50'):<10.2f} {1000 * med(off, 'itl_p50'):>9.1f}/{1000 * med(on, 'itl_p50'):<10.1f} "
+          f"{1000 * med(off, 'itl_p99'):>9.1f}/{1000 * med(on, 'itl_p99'):<10.1f} {'yes' if same else 'NO':>5}")
+
+
+def plot(rows: List[dict], path: Path) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("(matplotlib not installed: no plot; pip install matplotlib)")
+    return
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for nodes in sorted({r["nodes"] for r in rows}):
+    for batching in (False, True):
+      sel = [r for r in rows if r["nodes"] == nodes and r["batching"] == batching]
+      ns = sorted({r["n"] for r in sel})
+      if ns:
+        ax.plot(ns, [statistics.median(r["tok_s"] for r in sel if r["n"] == n) for n in ns], marker="o",
+                label=f"{nodes} node{'s' if nodes > 1 else ''}, batching {'on' if batching else 'off'}")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("concurrent requests (N)")
+  ax.set_ylabel("aggregate decode tokens/s")
+  ax.set_title("exo, SmolLM2-135M: batching off vs on")
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+async def sweep(args, nodes: int, ns: List[int], out, log_dir: Path) -> List[dict]:
+  rows: List[dict] = []
+  reference: Dict[int, List[str]] = {}
+  for repeat in range(args.repeats):
+    for batching in (False, True):
+      async with Cluster(nodes, args.engine, batching, args.batch_size, args.batch_timeout_ms, log_dir) as cluster:
+        await burst(cluster.url, make_prompts(2, 48, salt=99), 8)  # warm-up: load, first allocations
+        for n in ns:
+          prompts = make_prompts(n, args.prompt_tokens)
+          results = await burst(cluster.url, prompts, args.tokens)
+          row = {"nodes": nodes, "n": n, "batching": batching, "repeat": repeat, "engine": args.engine, **summarise(results)}
+          texts = [r["text"] for r in results]
+          if not batching:
+            reference.setdefault(n, texts)
+          else:
+            row["same_as_off"] = texts == reference.get(n, texts)
+          rows.append(row)
+          out.write(json.dumps(row) + "\n")
+          out.flush()
+          print(f"  {nodes} node(s) batching {'on ' if batching else 'off'} N={n:<3} {row['tok_s']:7.1f} tok/s  "
+                f"TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1000 * row['itl_p50']:.1f}ms" + ("" if not batching else f"  same={row['same_as_off']}"), flush=True)
+        if batching and args.mixed and nodes == 1 and repeat == 0:
+          prompts = make_prompts(8, args.prompt_tokens, salt=3)
+          extra = [{"temperature": 0.3 + 0.1 * i, "top_p": 0.9, "seed": i} for i in range(8)]
+          results = await burst(cluster.url, prompts, args.tokens, extra)
+          row = {"nodes": nodes, "n": 8, "batching": True, "mixed_params": True, **summarise(results)}
+          out.write(json.dumps(row) + "\n")
+          print(f"  mixed temperatures/top-p, N=8: {row['tok_s']:.1f} tok/s, all {sum(len(r['times']) == args.tokens for r in results)}/8 complete")
+  return rows
+
+
+async def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--engine", default="numpy")
+  p.add_argument("--ns", default="1,2,4,8,16,32", help="concurrency levels")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--tokens", type=int, default=128, help="generated tokens per request")
+  p.add_argument("--prompt-tokens", type=int, default=64)
+  p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--batch-timeout-ms", type=float, default=5.0)
+  p.add_argument("--ring-ns", default="8", help="concurrency levels for the 2-node ring ('' to skip)")
+  p.add_argument("--no-interference", dest="interference", action="store_false")
+  p.add_argument("--no-mixed", dest="mixed", action="store_false")
+  p.add_argument("--quick", action="store_true", help="N = 1, 8, 16; one repeat; 64 tokens")
+  p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+  args = p.parse_args()
+  if args.quick:
+    args.ns, args.repeats, args.tokens = "1,8,16", 1, 64
+  ns = [int(n) for n in args.ns.split(",") if n]
+  ring_ns = [int(n) for n in args.ring_ns.split(",") if n]
+  out_dir = Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stamp = time.strftime("%Y%m%d-%H%M%S")
+  log_dir = Path(tempfile.mkdtemp(prefix="exo-bench-"))
+  print(f"exo bench: engine {args.engine}, N={ns}, {args.repeats} repeat(s), {args.prompt_tokens} prompt + {args.tokens} generated tokens; "
+        f"{os.cpu_count()} CPUs; logs in {log_dir}", flush=True)
+  with open(out_dir / f"{stamp}.jsonl", "w") as out:
+    rows = await sweep(args, 1, ns, out, log_dir)
+    ring_rows = await sweep(argparse.Namespace(**{**vars(args), "repeats": 1, "mixed": False}), 2, ring_ns, out, log_dir) if ring_ns else []
+    inter = {}
+    if args.interference:
+      for batching in (False, True):
+        async with Cluster(1, args.engine, batching, args.batch_size, args.batch_timeout_ms, log_dir) as cluster:
+          await burst(cluster.url, make_prompts(2, 48, salt=99), 8)
+          inter[batching] = await interference(cluster.url, 7, 512, args.tokens * 2)
+          out.write(json.dumps({"interference": True, "batching": batching, **inter[batching]}) + "\n")
+  print_table(rows, ns, "1 node (medians over repeats)")
+  if ring_rows:
+    print_table(ring_rows, ring_ns, "2-node ring on loopback")
+    for n in ring_ns:
+      single = [r["tok_s"] for r in rows if r["n"] == n and r["batching"]]
+      ring = [r["tok_s"] for r in ring_rows if r["n"] == n and r["batching"]]
+      if single and ring:
+        print(f"  ring ÷ single node, batching on, N={n}: {statistics.median(ring) / statistics.median(single):.2f}x")
+  for batching, r in inter.items():
+    print(f"prefill interference, batching {'on' if batching else 'off'}: a {r['long_prompt_tokens']}-token prompt among {r['streams']} streams: "
+          f"largest gap {1000 * r['worst_gap_s']:.0f} ms = {r['worst_gap_over_median']:.1f}x the median gap; newcomer TTFT {r['newcomer_ttft_s']:.2f} s")
+  plot(rows + ring_rows, out_dir / f"{stamp}.png")
+  print(f"\nraw figures: {out_dir / (stamp + '.jsonl')}; plot: {out_dir / (stamp + '.png')}")
+
+
+if __name__ == "__main__":
+  asyncio.run(main())
