@@ -379,7 +379,7 @@ async function pollDownloads() {
       return el("div", { class: "download" },
         el("div", {}, `${p.repo_id || (p.shard && p.shard.model_id) || "model"} on ${nodeId}`),
         el("div", { class: "bar" }, el("div", { style: `width: ${percent.toFixed(1)}%` })),
-        el("div", { class: "muted" }, `${p.status} · ${formatBytes(p.downloaded_bytes)} / ${formatBytes(p.total_bytes)} · ${formatBytes(p.overall_speed)}/s · ETA ${formatDuration(p.overall_eta)}`));
+        el("div", { class: "muted" }, `${p.status === "in_progress" ? "downloading" : p.status} · ${formatBytes(p.downloaded_bytes)} / ${formatBytes(p.total_bytes)} · ${formatBytes(p.overall_speed)}/s · ETA ${formatDuration(p.overall_eta)}`));
     }));
   } catch {
     // the node may be restarting; the next poll tries again

@@ -1,0 +1,168 @@
+"""tinychat: served as static files with no third-party fetches, and driven in headless Debian Chromium against a
+real node: a streamed answer from SmolLM2, conversations kept in localStorage, both finish kinds, errors, the
+topology and download views. Screenshots go to tests/artifacts/ (gitignored)."""
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from api_harness import ApiServer, shared_server
+from exo.download.download_progress import RepoProgressEvent
+from exo.inference.shard import Shard
+from test_api_errors import FailingEngine
+
+TINYCHAT = Path(__file__).resolve().parent.parent / "exo" / "tinychat"
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+
+
+@pytest.mark.asyncio
+async def test_static_files_are_served_without_cors():
+  server = shared_server("dummy")
+  expected = {"/": "text/html", "/index.js": "text/javascript", "/index.css": "text/css", "/favicon.svg": "image/svg+xml"}
+  async with aiohttp.ClientSession() as session:
+    for path, content_type in expected.items():
+      async with session.get(f"{server.url}{path}", headers={"Origin": "http://elsewhere.test"}) as r:
+        assert r.status == 200 and r.content_type in (content_type, "application/javascript"), (path, r.content_type)
+        assert "Access-Control-Allow-Origin" not in r.headers
+        body = await r.text()
+    async with session.get(f"{server.url}/") as r:
+      assert '<script src="/index.js"></script>' in await r.text()
+
+
+def test_no_third_party_fetches_at_run_time():
+  for path in TINYCHAT.rglob("*"):
+    if path.is_file() and path.suffix in (".html", ".js", ".css", ".svg"):
+      urls = set(re.findall(r"https?://[^\s\"')]+", path.read_text())) - {"http://www.w3.org/2000/svg"}
+      assert not urls, f"{path.name} refers to {urls}"
+
+
+# --- in the browser ---
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+  sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (never `playwright install`: we use Debian's chromium)")
+  if not Path(CHROMIUM).exists():
+    pytest.skip("needs Debian's chromium: apt-get install -y chromium")
+  with sync_api.sync_playwright() as p:
+    context = p.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
+                                                   args=FLAGS, viewport={"width": 1280, "height": 800})
+    yield context
+    context.close()
+
+
+@pytest.fixture
+def open_page(browser):
+  pages = []
+
+  def open_(url):
+    page = browser.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.evaluate("localStorage.clear()")
+    page.reload()
+    page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
+    pages.append((page, errors))
+    return page
+  yield open_
+  for page, errors in pages:
+    page.close()
+    assert not errors, errors
+
+
+def ask(page, text, timeout_s=120):
+  """Send a message and wait for its answer (or error) to be complete."""
+  replies = "document.querySelectorAll('.message.assistant, .message.error').length"
+  before = page.evaluate(replies)
+  page.fill("#prompt", text)
+  page.press("#prompt", "Enter")
+  page.wait_for_function(f"{replies} > {before} && !document.querySelector('.message.assistant.streaming')", timeout=timeout_s * 1000)
+
+
+def histories(page):
+  return json.loads(page.evaluate("localStorage.getItem('histories')") or "[]")
+
+
+def test_streamed_answer_from_smollm2(open_page):
+  server = shared_server("numpy")
+  page = open_page(server.url)
+  assert page.input_value("#model-select") == "smollm2-135m"
+  # Record every text the answer bubble shows, to see it grow token by token.
+  page.evaluate("""() => {
+    window.seen = [];
+    new MutationObserver(() => {
+      const node = document.querySelector('.message.assistant');
+      if (node && node.textContent !== window.seen[window.seen.length - 1]) window.seen.push(node.textContent);
+    }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
+  }""")
+  ask(page, "What is the capital of France?")
+  answer = page.inner_text(".message.assistant")
+  assert "Paris" in answer and "<|im_end|>" not in answer
+  seen = page.evaluate("window.seen")
+  assert len([s for s in seen if s]) >= 3, seen  # it appeared piece by piece
+  assert re.search(r"first token [\d.]+ s", page.inner_text("#stats"))
+  saved = histories(page)
+  assert len(saved) == 1 and [m["role"] for m in saved[0]["messages"]] == ["user", "assistant"]
+  assert "Paris" in saved[0]["messages"][1]["content"] and saved[0]["model"] == "smollm2-135m"
+  page.wait_for_selector("#node-list li")
+  assert "api-test-node" in page.inner_text("#node-list") and page.locator("#topology .node").count() == 1
+  ARTIFACTS.mkdir(exist_ok=True)
+  page.screenshot(path=str(ARTIFACTS / "tinychat.png"))
+
+
+def test_conversations_persist_and_stop_finish_hides_end_marker(open_page):
+  server = shared_server("dummy")
+  page = open_page(server.url)
+  ask(page, "first question")
+  # Ten tokens, the last is the end-of-turn token: its text is not part of the answer.
+  assert page.inner_text(".message.assistant").strip() == "dummy" * 9
+  page.click("#new-chat")
+  ask(page, "second question")
+  assert [h["title"] for h in histories(page)] == ["second question", "first question"]
+  page.reload()
+  page.wait_for_selector("#history-list li")
+  assert page.locator("#history-list li").count() == 2
+  page.click("#history-list li:nth-child(2)")
+  assert page.inner_text(".message.user") == "first question"
+  page.click("#history-list li:nth-child(2) .delete")
+  assert [h["title"] for h in histories(page)] == ["second question"]
+
+
+def test_length_finish_keeps_last_token_and_errors_show(open_page):
+  short = ApiServer("dummy", max_generate_tokens=5).start()
+  failing = ApiServer(FailingEngine()).start()
+  try:
+    page = open_page(short.url)
+    ask(page, "cut me short")
+    answer = page.inner_text(".message.assistant")
+    assert answer.startswith("dummy" * 5) and "dummy" * 6 not in answer and "length limit" in answer
+    page = open_page(failing.url)
+    ask(page, "break please")
+    assert "engine exploded" in page.inner_text(".message.error")
+  finally:
+    short.stop()
+    failing.stop()
+
+
+def test_download_progress_view(open_page):
+  server = shared_server("dummy")
+  page = open_page(server.url)
+  event = RepoProgressEvent(Shard("dummy", 0, 7, 8), "org/some-model", "main", 1, 3, 300 * 2**20, 300 * 2**20, 1200 * 2**20, 25 * 2**20, 36.0, {}, "in_progress")
+  server.node.node_download_progress["peer-b"] = event
+  try:
+    page.wait_for_selector(".download", timeout=5000)
+    text = page.inner_text("#downloads")
+    assert "org/some-model on peer-b" in text and "300.0 MB / 1.2 GB" in text and "25.0 MB/s" in text and "36 s" in text
+    assert page.get_attribute(".download .bar > div", "style").rstrip(";") == "width: 25.0%"
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "tinychat-downloads.png"))
+  finally:
+    server.node.node_download_progress.clear()
+  page.wait_for_selector(".download", state="detached", timeout=5000)
