@@ -1,6 +1,7 @@
 """The `exo` command: start a node (and its HTTP API), or `exo run MODEL --prompt P` for answers in the terminal."""
 import argparse
 import asyncio
+import json
 import os
 import platform
 import signal
@@ -206,6 +207,13 @@ async def main(args) -> int:
   if batching is not None:
     from exo.orchestration.batching.plugin import register_batching
     register_batching(node, batching)
+
+  def broadcast_download_progress(shard, event) -> None:
+    # wire.md §7: the ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go.
+    if event.status != "not_started":
+      status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict()}
+      node.spawn(node.broadcast_opaque_status("", json.dumps(status)))
+  shard_downloader.on_progress.register("broadcast").on_next(broadcast_download_progress)
   from exo.networking.discovery import NoDiscovery
   if not isinstance(discovery, NoDiscovery):
     from exo.networking.grpc.grpc_server import GRPCServer
