@@ -6,6 +6,7 @@ import re
 
 import aiohttp
 import numpy as np
+import openai
 import pytest
 
 from api_harness import ApiServer, shared_server
@@ -343,6 +344,12 @@ async def test_engine_failure_ends_request_with_error(make_server):
   events = events_of(text)
   assert status == 200 and json.loads(events[-1][6:])["error"]["message"].endswith("engine exploded")
   assert all(json.loads(e[6:])["choices"][0]["finish_reason"] is None for e in events[:-1])
+  # The official client turns that error event into an exception instead of a silently short answer.
+  client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="exo", max_retries=0)
+  with pytest.raises(openai.APIError, match="engine exploded"):
+    async for _ in await client.chat.completions.create(model="dummy", messages=USER, stream=True):
+      pass
+  await client.close()
 
 
 @pytest.mark.asyncio

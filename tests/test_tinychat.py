@@ -4,7 +4,6 @@ topology and download views. Screenshots go to tests/artifacts/ (gitignored)."""
 import json
 import re
 import shutil
-import time
 from pathlib import Path
 
 import aiohttp
@@ -31,7 +30,6 @@ async def test_static_files_are_served_without_cors():
       async with session.get(f"{server.url}{path}", headers={"Origin": "http://elsewhere.test"}) as r:
         assert r.status == 200 and r.content_type in (content_type, "application/javascript"), (path, r.content_type)
         assert "Access-Control-Allow-Origin" not in r.headers
-        body = await r.text()
     async with session.get(f"{server.url}/") as r:
       assert '<script src="/index.js"></script>' in await r.text()
 

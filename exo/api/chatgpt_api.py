@@ -1,6 +1,5 @@
 """The ChatGPT-compatible HTTP API every node serves, and the tinychat web page (see spec/http-api.md)."""
 import asyncio
-import json
 import shutil
 import traceback
 import uuid
@@ -17,7 +16,7 @@ from exo.download.shard_download import embedded_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
-from exo.orchestration.generation import GenerationError, generate
+from exo.orchestration.generation import generate
 
 TINYCHAT_DIR = Path(__file__).resolve().parent.parent / "tinychat"
 IMAGES_DIR = Path.home() / "Documents" / "Exo" / "Images"
@@ -43,7 +42,6 @@ class ChatGPTAPI:
     self._tokenizer_locks: Dict[str, asyncio.Lock] = {}
     self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._deadline])
     self.app.on_response_prepare.append(self._add_cors_headers)
-    self._preflight_paths = set()
     for paths, method, handler in [
       (("/v1/chat/completions", "/chat/completions"), "POST", self.handle_chat_completions),
       (("/v1/chat/token/encode", "/chat/token/encode"), "POST", self.handle_token_encode),
@@ -60,16 +58,11 @@ class ChatGPTAPI:
       (("/create_animation",), "POST", self.handle_create_animation),
     ]:
       for path in paths:
-        self._route(method, path, handler)
+        self.app.router.add_route(method, path, handler)
+        self.app.router.add_route("OPTIONS", path, self.handle_preflight)
     self.app.router.add_get("/images/{file_name}", self.handle_image_file)
     self.app.router.add_get("/", self.handle_root)
     self.app.router.add_static("/", TINYCHAT_DIR, name="tinychat")  # last: it claims every path for GET
-
-  def _route(self, method: str, path: str, handler) -> None:
-    self.app.router.add_route(method, path, handler)
-    if path not in self._preflight_paths:
-      self._preflight_paths.add(path)
-      self.app.router.add_route("OPTIONS", path, self.handle_preflight)
 
   # --- server ---
 
