@@ -6,6 +6,8 @@ import socket
 import threading
 from typing import Dict, Optional, Union
 
+import numpy as np
+
 from exo.api import ChatGPTAPI
 from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
 from exo.inference.dummy_inference_engine import DummyInferenceEngine
@@ -71,6 +73,27 @@ class ApiServer:
   async def _stop(self) -> None:
     await self.api.stop()
     await self.node.stop()
+
+
+class SlowEngine(DummyInferenceEngine):
+  """Dummy tokens, but every ring pass after the first `fast` ones takes `delay` seconds."""
+
+  def __init__(self, delay: float, fast: int = 0):
+    super().__init__()
+    self.delay, self.fast, self.passes = delay, fast, 0
+
+  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
+    self.passes += 1
+    if self.passes > self.fast:
+      await asyncio.sleep(self.delay)
+    return await super().infer_tensor(request_id, shard, input_data, inference_state)
+
+
+class FailingEngine(DummyInferenceEngine):
+  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
+    if int(np.asarray(input_data).reshape(-1)[0]) >= 4:  # the third token's pass fails
+      raise RuntimeError("engine exploded")
+    return await super().infer_tensor(request_id, shard, input_data, inference_state)
 
 
 _shared: Dict[str, ApiServer] = {}

@@ -5,14 +5,12 @@ import json
 import re
 
 import aiohttp
-import numpy as np
 import openai
 import pytest
 
-from api_harness import ApiServer, shared_server
+from api_harness import ApiServer, FailingEngine, SlowEngine, shared_server
 from exo.api.reply_text import ReplyText
 from exo.download.download_progress import RepoProgressEvent
-from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.shard import Shard
 from exo.models import model_cards
 
@@ -274,27 +272,6 @@ async def test_cors_on_api_routes_not_on_static(server):
 
 
 # --- timeouts, failures, isolation ---
-
-class SlowEngine(DummyInferenceEngine):
-  """Dummy tokens, but every ring pass after the first `fast` ones takes `delay` seconds."""
-
-  def __init__(self, delay: float, fast: int = 0):
-    super().__init__()
-    self.delay, self.fast, self.passes = delay, fast, 0
-
-  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
-    self.passes += 1
-    if self.passes > self.fast:
-      await asyncio.sleep(self.delay)
-    return await super().infer_tensor(request_id, shard, input_data, inference_state)
-
-
-class FailingEngine(DummyInferenceEngine):
-  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
-    if int(np.asarray(input_data).reshape(-1)[0]) >= 4:  # the third token's pass fails
-      raise RuntimeError("engine exploded")
-    return await super().infer_tensor(request_id, shard, input_data, inference_state)
-
 
 @pytest.fixture
 def make_server():

@@ -9,10 +9,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from api_harness import ApiServer, shared_server
+from api_harness import ApiServer, FailingEngine, shared_server
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
-from test_api_errors import FailingEngine
 
 TINYCHAT = Path(__file__).resolve().parent.parent / "exo" / "tinychat"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
