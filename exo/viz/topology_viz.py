@@ -1,5 +1,6 @@
 """Terminal view of a node (rich Live): the ring in partition order with each node's layers and memory, where to
 chat, and the latest requests. The Node pushes updates; rich redraws a few times a second from its own thread."""
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -16,6 +17,7 @@ from exo.topology.partitioning_strategy import Partition, map_partitions_to_shar
 from exo.topology.topology import Topology
 
 MAX_REQUESTS_SHOWN = 6
+CHAT_MARKUP = re.compile(r"<\|[^|>]*\|>|\bassistant\s*$")
 
 
 class RequestView:
@@ -131,6 +133,6 @@ class TopologyViz:
         state = Text(f"prompt handled in {view.elapsed_s:.2f} s")
       else:
         state = Text(f"running {time.monotonic() - view.started:.0f} s", style="yellow")
-      prompt = " ".join(view.prompt.split())[-80:]
+      prompt = " ".join(CHAT_MARKUP.sub(" ", view.prompt).split())[-80:]  # the question, not the template around it
       table.add_row(view.request_id[:8], prompt, state)
     return table
