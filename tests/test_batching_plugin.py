@@ -162,7 +162,8 @@ async def test_concurrent_requests_all_finish_and_match_unbatched(n):
   assert batched == expected
   if n >= 33:
     assert plugin.sampler.stats.mean > 1.5, plugin.sampler.stats  # requests really were sampled together
-    assert max(plugin.sampler.stats.sizes) <= 8
+    assert plugin.step_stats().mean > 1.5, plugin.step_stats()  # and ran their forward passes together
+    assert max(plugin.sampler.stats.sizes) <= 8 and max(plugin.step_stats().sizes) <= 8
 
 
 async def test_lone_request_pays_no_timeout():
@@ -224,13 +225,14 @@ async def test_a_failing_row_ends_only_its_request():
 
 
 async def test_stop_with_a_pending_flush_leaves_nothing_behind():
-  # "slow" holds its forward pass for a while, so the others wait in a batch that cannot flush before the timeout.
+  # "slow" holds the engine step it is in; requests arriving meanwhile wait for the next step when stop() comes.
   engine = ToyEngine(slow={"slow": 0.5})
   node, plugin = make_node(engine, BatchingConfig(batch_size=8, timeout_ms=60_000))
   await node.start()
-  asks = [asyncio.ensure_future(ask(node, p, SamplingParams(max_tokens=50))) for p in ["slow", "a", "b", "c"]]
+  asks = [asyncio.ensure_future(ask(node, p, SamplingParams(max_tokens=50), delay)) for p, delay in
+          [("slow", 0), ("a", 0), ("b", 0), ("c", 0.1), ("d", 0.1)]]
   await asyncio.sleep(0.2)
-  assert any(plugin.sampler._pending.values()) or plugin_waiting(plugin)
+  assert plugin_waiting(plugin)
   start = time.monotonic()
   await asyncio.wait_for(node.stop(), 10)
   results = await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 10)
@@ -243,11 +245,12 @@ async def test_stop_with_a_pending_flush_leaves_nothing_behind():
   assert not leftover_tasks()
   assert not node.outstanding_requests
   assert not any(plugin.sampler._pending.values()) and not plugin.sampler._timers and not plugin.sampler._flushing
+  assert all(not s.ready and (s._loop_task is None or s._loop_task.done()) for s in plugin.schedulers.values())
 
 
 def plugin_waiting(plugin) -> bool:
-  """Anything of the plugin's waiting for company (sampling, or engine steps once there is a scheduler)."""
-  return any(getattr(s, "ready", None) for s in getattr(plugin, "schedulers", {}).values())
+  """Anything of the plugin's waiting for company: a sampling batch or the next engine step."""
+  return any(plugin.sampler._pending.values()) or any(s.ready for s in plugin.schedulers.values())
 
 
 async def test_without_settings_no_plugin_is_registered_and_the_core_path_runs():

@@ -1,8 +1,15 @@
 """The batching plugin: the hook implementations that let concurrent requests share work on this node.
 
-Sampling on the last layer: every request whose logits are ready is sampled in one vectorised call
-(`node.sample_tokens`, each row with its own parameters and random stream), then each token goes through
-`node.handle_token` exactly as it would unbatched. Every request still travels the ring as its own message."""
+Forward passes (exo_infer_tensor): a Scheduler per shard runs every ready request in one engine step.
+Sampling on the last layer (exo_process_inference_result): every request whose logits a step produced is sampled
+in one vectorised call (`node.sample_tokens`, each row with its own parameters and random stream), then each token
+goes through `node.handle_token` exactly as it would unbatched. Every request still travels the ring as its own
+message, so nodes without this plugin (or upstream exo nodes) share the ring unchanged.
+
+Neither waits for requests that cannot come. The plugin knows which requests a step has just handed back and
+are still on this node (`returning`: being sampled, or on their way back round a ring of one) and which of them
+have not reached sampling yet (`to_sample`); a step or a sampling batch waits (at most the timeout) only for those."""
+import asyncio
 import sys
 from collections import defaultdict
 from typing import Dict, List, Optional, Set, Tuple, Union
@@ -12,9 +19,10 @@ import numpy as np
 from exo.helpers import DEBUG
 from exo.inference.sampling import make_generator
 from exo.inference.shard import Shard
-from exo.orchestration.batching.batcher import Batcher
+from exo.orchestration.batching.batcher import Batcher, BatchStats
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.hookspecs import hookimpl
+from exo.orchestration.batching.scheduler import Scheduler
 
 PLUGIN_NAME = "exo-batching"
 
@@ -25,15 +33,16 @@ class BatchingPlugin:
   def __init__(self, node, config: BatchingConfig):
     self.node, self.config = node, config
     self.sampler: Batcher[Shard, SampleItem, None] = Batcher(self._sample_group, config.batch_size, config.timeout_ms / 1000, self._nothing_else_coming)
-    # Requests in a forward pass of a last shard: each is sampled next, so a sampling batch waits for them.
-    self.forwarding: Dict[Shard, Set[str]] = defaultdict(set)
+    self.schedulers: Dict[Shard, Scheduler] = {}
+    self.engine_lock = asyncio.Lock()
+    self.returning: Dict[Shard, Set[str]] = defaultdict(set)  # handed back by a step, not yet back in line or gone
+    self.to_sample: Dict[Shard, Set[str]] = defaultdict(set)  # handed back by a last-shard step, not yet in sampling
 
   # --- hooks ---
 
-  @hookimpl(wrapper=True)
+  @hookimpl
   def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state):
-    step = yield
-    return self._tracked_forward(shard, request_id, step) if shard.is_last_layer() and step is not None else step
+    return self._infer(shard, tensor, request_id, inference_state)
 
   @hookimpl
   def exo_process_inference_result(self, node, shard, result, request_id, inference_state):
@@ -41,34 +50,81 @@ class BatchingPlugin:
       return None  # hidden states go on to the next node as they are
     return self._sample(shard, result, request_id, inference_state)
 
+  @hookimpl(wrapper=True, specname="exo_process_inference_result")
+  def account_for_inference_result(self, node, shard, result, request_id, inference_state):
+    handled = yield
+    return self._then_account(shard, request_id, handled)
+
   @hookimpl
   def exo_node_stopping(self, node):
     return self.stop()
 
   @hookimpl
   def exo_run_summary(self, node):
-    return f"mean batch size {self.sampler.stats.mean:.1f}" if self.sampler.stats.flushes else None
+    if not self.sampler.stats.flushes and not self.step_stats().flushes:
+      return None
+    return f"mean batch size {self.sampler.stats.mean:.1f} (sampling), {self.step_stats().mean:.1f} (engine steps)"
+
+  # --- forward passes ---
+
+  def scheduler(self, shard: Shard) -> Scheduler:
+    if shard not in self.schedulers:
+      self.schedulers[shard] = Scheduler(self.node.inference_engine, shard, self.config.batch_size, self.config.timeout_ms / 1000,
+                                         self.config.prefill_chunk, self.engine_lock, lambda: self._others_coming(shard),
+                                         lambda request_id: self._delivered(shard, request_id))
+    return self.schedulers[shard]
+
+  async def _infer(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
+    self.returning[shard].discard(request_id)  # back in line
+    return await self.scheduler(shard).infer(request_id, tensor, inference_state)
+
+  def _delivered(self, shard: Shard, request_id: str) -> None:
+    self.returning[shard].add(request_id)
+    if shard.is_last_layer():
+      self.to_sample[shard].add(request_id)
+
+  def _others_coming(self, shard: Shard) -> bool:
+    """Will another request of this node be ready for this shard in a moment (it is being sampled or forwarded)?"""
+    returning = self.returning.get(shard)
+    if returning:
+      returning.intersection_update(self.node.outstanding_requests)  # forget requests that ended meanwhile
+    return bool(returning)
+
+  async def _then_account(self, shard: Shard, request_id: str, handled):
+    try:
+      if handled is not None:
+        await handled
+    finally:
+      if request_id in self.to_sample[shard]:  # it failed before reaching sampling: stop waiting for it
+        self.to_sample[shard].discard(request_id)
+        self.sampler.poke(shard)
+      # Still here and about to come back (a ring of one): keep counting it; otherwise it has left this node.
+      if request_id not in self.node.outstanding_requests or not self._next_hop_is_here():
+        self.returning[shard].discard(request_id)
+      if shard in self.schedulers:
+        self.schedulers[shard].poke()
+
+  def _next_hop_is_here(self) -> bool:
+    try:
+      index = self.node.get_partition_index(offset=1)
+      return index is not None and self.node.partitions()[index].node_id == self.node.id
+    except Exception:
+      return False
+
+  def step_stats(self) -> BatchStats:
+    stats = BatchStats()
+    for scheduler in self.schedulers.values():
+      stats.sizes.update(scheduler.stats.sizes)
+    return stats
 
   # --- sampling ---
 
-  async def _tracked_forward(self, shard: Shard, request_id: str, step):
-    self.forwarding[shard].add(request_id)
-    try:
-      return await step
-    except BaseException:
-      self._left(shard, request_id)  # it will not be sampled: stop waiting for it
-      raise
-
-  def _left(self, shard: Shard, request_id: str) -> None:
-    self.forwarding[shard].discard(request_id)
-    self.sampler.poke(shard)
-
   async def _sample(self, shard: Shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> None:
-    self.forwarding[shard].discard(request_id)
+    self.to_sample[shard].discard(request_id)
     await self.sampler.submit(shard, (result, request_id, inference_state, request_id in self.node.outstanding_requests))
 
   def _nothing_else_coming(self, shard: Shard, waiting: int) -> bool:
-    coming = self.forwarding.get(shard)
+    coming = self.to_sample.get(shard)
     if coming:
       coming.intersection_update(self.node.outstanding_requests)  # forget requests that ended meanwhile
     return not coming
@@ -121,9 +177,13 @@ class BatchingPlugin:
   # --- lifecycle ---
 
   async def stop(self) -> None:
+    """Steps under way finish; requests still waiting for a step or a sampling batch end with an error."""
+    await asyncio.gather(*[scheduler.stop() for scheduler in self.schedulers.values()])
     await self.sampler.stop()
+    for _ in range(3):  # let the requests just failed reach their error handlers while the node still runs
+      await asyncio.sleep(0)
     if DEBUG >= 2:
-      print(f"[batching] stopped; sampling: {self.sampler.stats}")
+      print(f"[batching] stopped; sampling: {self.sampler.stats}; engine steps: {self.step_stats()}")
 
 
 def register_batching(node, config: BatchingConfig) -> BatchingPlugin:

@@ -1,0 +1,154 @@
+"""Continuous batching at one node, for one shard: iteration-level scheduling as in Orca (OSDI'22) and vLLM.
+
+Every engine step takes the requests that are ready for this shard, oldest first, up to the batch size: decode
+tokens, and chunks of new prompts up to `prefill_chunk` prompt tokens per step (so a long prompt shares steps with
+running streams instead of freezing them). One `engine.infer_batch` call runs them all; each request then gets
+its own output and carries on exactly as unbatched. Requests join and leave between steps; each keeps its own
+KV cache in the engine.
+
+A step starts as soon as the batch is full, or no other request of this node is about to become ready
+(`others_coming`), or the engine has been idle for `timeout_s` with requests ready. A lone request never waits."""
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from exo.inference.shard import Shard
+from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
+
+
+@dataclass(eq=False)
+class Job:
+  """One request's pending forward pass. A prompt longer than a chunk runs in several steps."""
+  request_id: str
+  tensor: np.ndarray  # what is still to run: chunks are cut off its front
+  state: Optional[dict]
+  future: asyncio.Future
+  since: float = field(default_factory=time.monotonic)  # ready since
+  outputs: List[np.ndarray] = field(default_factory=list)  # hidden states of earlier chunks, joined at the end
+
+  @property
+  def length(self) -> int:
+    """Positions this job still has to run, when its input is a (1, L, ...) sequence that can be split."""
+    shape = np.shape(self.tensor)
+    return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
+
+
+class Scheduler:
+  def __init__(self, engine, shard: Shard, batch_size: int, timeout_s: float, prefill_chunk: int, engine_lock: asyncio.Lock,
+               others_coming: Callable[[], bool] = lambda: False, delivered: Callable[[str], None] = lambda request_id: None):
+    self.engine, self.shard, self.batch_size, self.timeout_s, self.prefill_chunk = engine, shard, batch_size, timeout_s, prefill_chunk
+    self.engine_lock, self.others_coming, self.delivered = engine_lock, others_coming, delivered
+    self.ready: Dict[str, Job] = {}  # insertion order = readiness order
+    self.stats = BatchStats()  # requests per engine step
+    self._wake = asyncio.Event()
+    self._loop_task: Optional[asyncio.Task] = None
+    self._idle_since = time.monotonic()
+    self._stopped = False
+
+  async def infer(self, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Tuple[np.ndarray, Optional[dict]]:
+    if self._stopped:
+      raise BatcherStopped("batching has stopped on this node")
+    if request_id in self.ready:
+      raise RuntimeError(f"request {request_id} is already waiting for a step on {self.shard}")
+    future = asyncio.get_running_loop().create_future()
+    self.ready[request_id] = Job(request_id, tensor, state, future)
+    if self._loop_task is None:
+      self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    self.poke()
+    return await future
+
+  def poke(self) -> None:
+    """Something changed (a request became ready or went away): look again whether a step can start."""
+    self._wake.set()
+
+  def _may_start(self) -> bool:
+    return self._stopped or len(self.ready) >= self.batch_size or not self.others_coming()
+
+  async def _run(self) -> None:
+    while not self._stopped:
+      for request_id in [r for r, job in self.ready.items() if job.future.done()]:
+        del self.ready[request_id]  # its caller has gone
+      if not self.ready:
+        self._wake.clear()
+        await self._wake.wait()
+        continue
+      # The wait counts from when the engine fell idle: requests that queued behind a step still wait for company.
+      remaining = max(next(iter(self.ready.values())).since, self._idle_since) + self.timeout_s - time.monotonic()
+      if not self._may_start() and remaining > 0:
+        self._wake.clear()
+        try:
+          await asyncio.wait_for(self._wake.wait(), remaining)
+          continue  # woken early: look again
+        except asyncio.TimeoutError:
+          pass
+      await self._step(self._pick())
+    for job in self.ready.values():
+      if not job.future.done():
+        job.future.set_exception(BatcherStopped("node stopping"))
+    self.ready.clear()
+
+  def _pick(self) -> List[Tuple[Job, int]]:
+    """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget."""
+    rows, budget = [], self.prefill_chunk or float("inf")
+    for job in self.ready.values():
+      if len(rows) >= self.batch_size:
+        break
+      take = job.length
+      if take > 1:
+        if budget <= 0:
+          continue
+        take = int(min(take, budget))
+        budget -= take
+      rows.append((job, take))
+    return rows
+
+  async def _step(self, rows: List[Tuple[Job, int]]) -> None:
+    # A prompt part-way through its chunks keeps its place in line; everything else leaves the line now.
+    for job, take in rows:
+      if take == job.length:
+        del self.ready[job.request_id]
+    items = [(job.request_id, job.tensor if take == job.length else job.tensor[:, :take], job.state) for job, take in rows]
+    self.stats.record(len(items))
+    try:
+      async with self.engine_lock:  # one step at a time on this engine, whatever the shard
+        results = list(await self.engine.infer_batch(self.shard, items))
+      if len(results) != len(items):
+        raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
+    except asyncio.CancelledError:  # only when the event loop itself is torn down
+      for job, _ in rows:
+        self.ready.pop(job.request_id, None)
+        job.future.cancel()
+      raise
+    except Exception as e:  # the whole step failed: each of its requests learns why
+      results = [e] * len(items)
+    self._idle_since = time.monotonic()
+    for (job, take), result in zip(rows, results):
+      if job.future.done() or isinstance(result, BaseException):
+        self.ready.pop(job.request_id, None)
+        if not job.future.done():
+          job.future.set_exception(result)
+        continue
+      output, job.state = result
+      if take < job.length:  # a prompt chunk: nothing is sampled or forwarded until the last one
+        if not self.shard.is_last_layer():
+          job.outputs.append(output)
+        job.tensor = job.tensor[:, take:]
+        continue
+      if job.outputs:
+        output = np.concatenate(job.outputs + [output], axis=1)
+      job.future.set_result((output, job.state))
+      self.delivered(job.request_id)
+
+  async def stop(self) -> None:
+    """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
+    self._stopped = True
+    self.poke()
+    if self._loop_task is not None:
+      await asyncio.gather(self._loop_task, return_exceptions=True)
+    for job in self.ready.values():
+      if not job.future.done():
+        job.future.set_exception(BatcherStopped("node stopping"))
+    self.ready.clear()

@@ -1,0 +1,190 @@
+"""Continuous batching at one node: what each engine step takes, chunked prefill, per-request errors, stop;
+and on the real SmolLM2, 32 requests of different lengths arriving at random times give the same greedy
+tokens batched as unbatched."""
+import asyncio
+import random
+import time
+from typing import List
+
+import numpy as np
+import pytest
+
+from exo.inference.sampling import SamplingParams
+from exo.orchestration.batching.batcher import BatcherStopped
+from exo.orchestration.batching.config import BatchingConfig
+from exo.orchestration.batching.scheduler import Scheduler
+from tests.conftest import smollm2_shard
+from tests.test_batching_plugin import ToyEngine, make_node, settle, TOY
+
+FIRST, MIDDLE, LAST = (TOY.__class__("toy", 0, 1, 4), TOY.__class__("toy", 2, 2, 4), TOY.__class__("toy", 3, 3, 4))
+HIDDEN = 4
+
+
+class StepEngine:
+  """Records every step; output = input + 1 (hidden states stay hidden states), one error on request."""
+
+  def __init__(self, delay: float = 0.0, fail=(), fail_step: int = -1):
+    self.steps: List[List[tuple]] = []
+    self.delay, self.fail, self.fail_step = delay, set(fail), fail_step
+
+  async def infer_batch(self, shard, items):
+    self.steps.append([(rid, np.shape(x)) for rid, x, _ in items])
+    if len(self.steps) - 1 == self.fail_step:
+      raise RuntimeError("the whole step broke")
+    await asyncio.sleep(self.delay)
+    return [ValueError(f"bad input for {rid}") if rid in self.fail else (np.asarray(x) + 1, {"seen": (state or {}).get("seen", 0) + np.shape(x)[1]})
+            for rid, x, state in items]
+
+
+def scheduler(engine, shard=LAST, batch_size=8, timeout_s=0.0, chunk=0, others_coming=lambda: False):
+  return Scheduler(engine, shard, batch_size, timeout_s, chunk, asyncio.Lock(), others_coming)
+
+
+async def test_lone_request_does_not_wait_for_the_timeout():
+  s = scheduler(StepEngine(), timeout_s=30)
+  start = time.monotonic()
+  out, _ = await asyncio.wait_for(s.infer("a", np.array([[5]]), None), 5)
+  assert out.tolist() == [[6]] and time.monotonic() - start < 1
+  await s.stop()
+
+
+async def test_every_ready_request_shares_the_step_up_to_the_batch_size():
+  engine = StepEngine(delay=0.01)
+  s = scheduler(engine, batch_size=4)
+  outs = await asyncio.gather(*[s.infer(f"r{i}", np.array([[i]]), None) for i in range(10)])
+  assert [o.tolist() for o, _ in outs] == [[[i + 1]] for i in range(10)]
+  assert [len(step) for step in engine.steps] == [4, 4, 2]
+  assert [rid for step in engine.steps for rid, _ in step] == [f"r{i}" for i in range(10)]  # oldest first
+  await s.stop()
+
+
+async def test_a_step_waits_for_requests_about_to_come_but_at_most_the_timeout():
+  engine, coming = StepEngine(), {"b"}
+  s = scheduler(engine, timeout_s=0.2, others_coming=lambda: bool(coming))
+  a = asyncio.ensure_future(s.infer("a", np.array([[1]]), None))
+  await asyncio.sleep(0.05)
+  assert not engine.steps  # "b" is on its way: wait for it
+  coming.clear()
+  b = asyncio.ensure_future(s.infer("b", np.array([[2]]), None))
+  await asyncio.wait_for(asyncio.gather(a, b), 5)
+  assert [len(step) for step in engine.steps] == [2]
+  coming.add("c")  # "c" never comes: the timeout bounds the wait
+  start = time.monotonic()
+  await asyncio.wait_for(s.infer("d", np.array([[3]]), None), 5)
+  assert 0.1 < time.monotonic() - start < 2
+  await s.stop()
+
+
+@pytest.mark.parametrize("shard", [FIRST, LAST])
+async def test_chunked_prefill_shares_steps_with_running_decodes(shard):
+  engine = StepEngine(delay=0.005)
+  s = scheduler(engine, shard=shard, batch_size=8, chunk=64)
+  prompt = np.arange(300).reshape(1, 300) if shard is FIRST else np.ones((1, 300, HIDDEN))
+
+  async def decode(rid):
+    for t in range(12):
+      out, _ = await s.infer(rid, np.array([[t]]), None)
+      assert out.tolist() == [[t + 1]]
+
+  decodes = [asyncio.ensure_future(decode(f"d{i}")) for i in range(3)]
+  # what the plugin's accounting tells a node's scheduler: running decodes are about to come back
+  s.others_coming = lambda: any(f"d{i}" not in s.ready for i, task in enumerate(decodes) if not task.done())
+  s.timeout_s = 1.0
+  await asyncio.sleep(0.002)
+  out, state = await asyncio.wait_for(s.infer("long", prompt, None), 10)
+  await asyncio.gather(*decodes)
+  long_steps = [shape for step in engine.steps for rid, shape in step if rid == "long"]
+  assert [sh[1] for sh in long_steps] == [64, 64, 64, 64, 44]
+  assert state == {"seen": 300}  # each chunk got the state the previous one returned
+  if shard is FIRST:  # hidden states of every position go on to the next node
+    assert out.shape == (1, 300) and (out == prompt + 1).all()
+  else:  # the last shard's output is the final chunk's (only its last position is ever sampled)
+    assert out.shape == (1, 44, HIDDEN)
+  steps_with_long = [step for step in engine.steps if any(rid == "long" for rid, _ in step)]
+  assert all(len(step) == 4 for step in steps_with_long[:3])  # the decodes kept running beside each chunk
+  await s.stop()
+
+
+async def test_at_most_one_chunk_budget_of_prompt_tokens_per_step():
+  engine = StepEngine()
+  s = scheduler(engine, batch_size=8, chunk=100)
+  await asyncio.gather(*[s.infer(f"p{i}", np.zeros((1, 70), dtype=np.int64), None) for i in range(3)])
+  assert [[sh[1] for _, sh in step] for step in engine.steps] == [[70, 30], [40, 60], [10]]
+  await s.stop()
+
+
+async def test_a_failing_row_fails_alone_and_a_failing_step_fails_only_its_rows():
+  engine = StepEngine(fail={"bad"}, fail_step=1)
+  s = scheduler(engine, batch_size=4)
+  first = await asyncio.gather(*[s.infer(rid, np.array([[1]]), None) for rid in ["a", "bad", "c"]], return_exceptions=True)
+  assert isinstance(first[1], ValueError) and not isinstance(first[0], Exception) and not isinstance(first[2], Exception)
+  second = await asyncio.gather(*[s.infer(rid, np.array([[1]]), None) for rid in ["a", "c"]], return_exceptions=True)
+  assert all(isinstance(r, RuntimeError) for r in second)
+  third = await s.infer("a", np.array([[1]]), None)
+  assert third[0].tolist() == [[2]]
+  await s.stop()
+
+
+async def test_stop_lets_the_step_finish_and_fails_the_waiting():
+  engine = StepEngine(delay=0.2)
+  s = scheduler(engine, batch_size=2)
+  running = [asyncio.ensure_future(s.infer(r, np.array([[1]]), None)) for r in "ab"]
+  await asyncio.sleep(0.05)
+  waiting = asyncio.ensure_future(s.infer("c", np.array([[1]]), None))
+  await asyncio.sleep(0)
+  await asyncio.wait_for(s.stop(), 5)
+  assert [r.result()[0].tolist() for r in running] == [[[2]], [[2]]]
+  with pytest.raises(BatcherStopped):
+    await waiting
+  with pytest.raises(BatcherStopped):
+    await s.infer("d", np.array([[1]]), None)
+
+
+async def test_prompts_are_chunked_through_a_node_and_outputs_still_match():
+  from tests.test_batching_plugin import ask, reference_greedy
+  engine = ToyEngine()
+  node, plugin = make_node(engine, BatchingConfig(batch_size=6, timeout_ms=5, prefill_chunk=7))
+  prompts = [f"a rather long prompt number {i} " * (i % 3 + 1) for i in range(10)]
+  outs = await asyncio.wait_for(asyncio.gather(*[ask(node, p, SamplingParams(max_tokens=6), random.uniform(0, 0.03)) for p in prompts]), 60)
+  assert outs == [reference_greedy(p, 6) for p in prompts]
+  assert max(plugin.step_stats().sizes) > 1
+  await settle(node)
+
+
+# --- the real model ---
+
+@pytest.fixture(scope="module")
+def smollm2_engine(downloader):
+  from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
+  engine = NumpyDynamicShardInferenceEngine(downloader)
+  asyncio.run(engine.ensure_shard(smollm2_shard()))
+  return engine
+
+
+async def test_smollm2_32_requests_at_random_times_match_unbatched(smollm2_engine):
+  from exo.orchestration.generation import generate
+  from exo.orchestration.node import Node
+  rng = random.Random(7)
+  words = "sun river stone apple cloud music garden ocean paper window silver forest".split()
+  jobs = [(f"Story {i}: " + " ".join(rng.choice(words) for _ in range(rng.choice([2, 10, 40, 90]))), rng.uniform(0, 1.0)) for i in range(32)]
+  params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+  async def run(config):
+    node, plugin = make_node(smollm2_engine, config)
+    node.max_generate_tokens = 5
+
+    async def one(prompt, delay):
+      await asyncio.sleep(delay)
+      out = []
+      async for tokens, _ in generate(node, smollm2_shard(), prompt, params, timeout=300):
+        out += tokens
+      return out
+    outs = await asyncio.wait_for(asyncio.gather(*[one(p, d) for p, d in jobs]), 280)
+    await settle(node)
+    return outs, plugin
+
+  unbatched, _ = await run(None)
+  batched, plugin = await run(BatchingConfig(batch_size=16, timeout_ms=5, prefill_chunk=32))
+  assert batched == unbatched
+  assert all(len(o) == 5 for o in batched)
+  assert plugin.step_stats().mean > 2, plugin.step_stats()
