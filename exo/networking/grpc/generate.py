@@ -17,8 +17,7 @@ def generate(out_dir: Path = HERE) -> None:
   from grpc_tools import protoc
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  proto_include = Path(protoc.__file__).parent / "_proto"
-  rc = protoc.main(["grpc_tools.protoc", f"-I{HERE}", f"-I{proto_include}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", str(PROTO)])
+  rc = protoc.main(["grpc_tools.protoc", f"-I{HERE}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", str(PROTO)])
   if rc != 0:
     raise RuntimeError(f"protoc failed with exit code {rc}")
   grpc_stub = out_dir / "node_service_pb2_grpc.py"
