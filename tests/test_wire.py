@@ -267,3 +267,16 @@ async def test_health_check_of_a_dead_peer_fails_fast(monkeypatch):
   with pytest.raises(ConnectionError, match="unreachable"):
     await asyncio.wait_for(peer.send_result("r", [1], True), 5)
   await peer.disconnect()
+
+
+async def test_idle_client_keepalive_pings_do_not_get_goaway(served):
+  """Upstream clients ping every 10 s even with no call in flight. gRPC's default server answers a few such pings
+  with GOAWAY "too_many_pings" (seen here after ~17 s at one ping per 6 s); ours must keep the connection."""
+  _, _, _, port = served
+  options = dict(CHANNEL_OPTIONS, **{"grpc.keepalive_time_ms": 6000, "grpc.http2.min_time_between_pings_ms": 6000})  # faster than upstream
+  async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=list(options.items())) as channel:
+    stub = pb_grpc.NodeServiceStub(channel)
+    assert (await stub.HealthCheck(pb.HealthCheckRequest(), timeout=5)).is_healthy
+    for _ in range(20):  # idle: only keepalive pings on the wire
+      await asyncio.sleep(1)
+      assert channel.get_state() == grpc.ChannelConnectivity.READY
