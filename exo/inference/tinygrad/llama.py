@@ -1,0 +1,168 @@
+"""Llama in tinygrad, float32: one step runs many requests at once.
+
+Token-parallel work (projections, MLP, norms, head) runs on all rows of all requests together; attention runs per
+request against that request's own KV cache ("selective batching").
+
+tinygrad pays heavily for scheduling un-jitted graphs, so each decoder layer runs through a TinyJit. A jit is keyed
+by the step's shape signature (per request: rows padded to a power of two, cache capacity) and is shared by every
+layer of the shard: weights, caches, masks and start positions are all jit *inputs*, so replaying it for another
+layer or another request reads that layer's weights and that request's cache, never ones captured earlier."""
+import math
+from collections import OrderedDict
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+from tinygrad import Tensor, TinyJit, Variable
+
+from exo.inference.shard import Shard
+from exo.inference.weights import LlamaConfig, rope_inv_freq
+
+MIN_CAPACITY = 64
+MAX_JITS = 32  # shape signatures kept; each holds its own intermediate buffers
+
+
+def bucket(n: int, least: int = 1) -> int:
+  """The power of two >= n (and >= least): padded shapes keep the number of distinct jits small."""
+  return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+class KVCache:
+  """One request's keys and values: per layer one (n_kv_heads, capacity, head_dim) tensor each, capacity doubling as
+  the request grows. Positions past `length` may hold padding garbage; the attention mask never lets a query see them."""
+
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = MIN_CAPACITY):
+    self.kv = [Tensor(np.zeros((n_kv_heads, capacity, head_dim), dtype=np.float32)).realize() for _ in range(2 * n_layers)]
+    self.capacity, self.length = capacity, 0
+
+  def reserve(self, length: int) -> None:
+    if length <= self.capacity:
+      return
+    grown = bucket(length, 2 * self.capacity)
+    self.kv = [t.pad(((0, 0), (0, grown - self.capacity), (0, 0))).contiguous() for t in self.kv]
+    Tensor.realize(*self.kv)
+    self.capacity = grown
+
+  @property
+  def nbytes(self) -> int:
+    return sum(math.prod(t.shape) * 4 for t in self.kv)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+  return x * (x * x).mean(-1, keepdim=True).add(eps).rsqrt() * weight
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half], x[..., half:]
+  return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
+
+
+class Llama:
+  def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
+    self.config, self.shard = config, shard
+    self.layers: List[List[Tensor]] = []
+    for i in range(shard.start_layer, shard.end_layer + 1):
+      w = lambda name: weights[f"model.layers.{i}.{name}"]
+      # Fused, kept (out, in) so every output reduces over contiguous memory: x @ W.T.
+      self.layers.append([Tensor(np.ascontiguousarray(a)) for a in (
+        np.concatenate([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+        w("self_attn.o_proj.weight"),
+        np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
+        w("mlp.down_proj.weight"), w("input_layernorm.weight"), w("post_attention_layernorm.weight"))])
+    Tensor.realize(*[t for layer in self.layers for t in layer])
+    # Token lookup is a gather: done on the host, so only the (rows, hidden) result travels to the device.
+    self.embed = weights.get("model.embed_tokens.weight") if shard.is_first_layer() else None
+    if shard.is_last_layer():
+      self.norm = Tensor(weights["model.norm.weight"]).realize()
+      self.head = Tensor(weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))).realize()
+    self.inv_freq = rope_inv_freq(config)
+    self.jits: "OrderedDict[tuple, List[TinyJit]]" = OrderedDict()
+
+  def new_cache(self) -> KVCache:
+    return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim)
+
+  def _jit(self, key: tuple, fn, copies: int) -> List[TinyJit]:
+    if key not in self.jits:
+      self.jits[key] = [TinyJit(fn) for _ in range(copies)]
+      while len(self.jits) > MAX_JITS:
+        self.jits.popitem(last=False)
+    self.jits.move_to_end(key)
+    return self.jits[key]
+
+  def _layer(self, sig: Tuple[Tuple[int, int], ...], h: Tensor, cos: Tensor, sin: Tensor, *args) -> Tensor:
+    """One decoder layer. sig[r] = (padded rows, cache capacity) of request r; args = masks (one per request),
+    the 6 layer weights, keys and values (two per request), start positions (bound Variables, one per request)."""
+    c, n_req = self.config, len(sig)
+    masks, (qkv_w, o_w, gate_up_w, down_w, attn_norm, mlp_norm) = args[:n_req], args[n_req:n_req + 6]
+    kv, starts = args[n_req + 6:n_req + 6 + 2 * n_req], args[n_req + 6 + 2 * n_req:]
+    hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
+    group, q_size, kv_size = n_heads // n_kv, n_heads * hd, n_kv * hd
+    rows = h.shape[0]
+    qkv = rms_norm(h, attn_norm, c.rms_norm_eps) @ qkv_w.T
+    q = rope(qkv[:, :q_size].reshape(rows, n_heads, hd), cos, sin)
+    k = rope(qkv[:, q_size:q_size + kv_size].reshape(rows, n_kv, hd), cos, sin)
+    v = qkv[:, q_size + kv_size:].reshape(rows, n_kv, hd)
+    outs, offset = [], 0
+    for r, (n, capacity) in enumerate(sig):
+      keys, values, s = kv[2 * r], kv[2 * r + 1], starts[r]
+      keys[:, s:s + n].assign(k[offset:offset + n].permute(1, 0, 2)).realize()
+      values[:, s:s + n].assign(v[offset:offset + n].permute(1, 0, 2)).realize()
+      qr = q[offset:offset + n].reshape(n, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+      scores = (qr @ keys.transpose(1, 2)).reshape(n_kv, group, n, capacity) * (1.0 / math.sqrt(hd)) + masks[r]
+      out = scores.softmax(-1).reshape(n_kv, group * n, capacity) @ values  # (n_kv, group*n, hd)
+      outs.append(out.reshape(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, q_size))
+      offset += n
+    h = h + (outs[0].cat(*outs[1:]) if n_req > 1 else outs[0]) @ o_w.T
+    gate_up = rms_norm(h, mlp_norm, c.rms_norm_eps) @ gate_up_w.T
+    act = (gate_up[:, :c.intermediate_size].silu() * gate_up[:, c.intermediate_size:]).contiguous()  # once, not per output
+    return (h + act @ down_w.T).realize()
+
+  def _head(self, select: Tensor, h: Tensor, norm: Tensor, head: Tensor) -> Tensor:
+    return (rms_norm(select @ h, norm, self.config.rms_norm_eps) @ head.T).realize()
+
+  def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
+    """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
+    Returns per request: hidden states (L_i, d), or on the last shard the logits of its last position (1, vocab)."""
+    c = self.config
+    lengths = [len(x) for x in inputs]
+    padded = [bucket(n) for n in lengths]
+    for cache, n in zip(caches, padded):
+      cache.reserve(cache.length + n)
+    # Requests in signature order, so the same mix of shapes reuses one jit whatever order they came in.
+    order = sorted(range(len(inputs)), key=lambda r: (padded[r], caches[r].capacity))
+    sig = tuple((padded[r], caches[r].capacity) for r in order)
+
+    h = np.zeros((sum(padded), c.hidden_size), dtype=np.float32)  # padding rows stay zero
+    positions, masks, starts, offsets, offset = [], [], [], {}, 0
+    for slot, r in enumerate(order):
+      n, p, s, capacity = lengths[r], padded[r], caches[r].length, caches[r].capacity
+      x = np.asarray(inputs[r])
+      h[offset:offset + n] = self.embed[x.reshape(-1).astype(np.int64)] if self.embed is not None else x.reshape(n, c.hidden_size)
+      positions.append(np.arange(s, s + p))
+      # causal: query i (at position s+i) sees keys up to s+i; later slots hold old padding or nothing yet
+      masks.append(Tensor(np.where(np.arange(capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(np.float32)))
+      starts.append(Variable(f"start{slot}", 0, capacity - p).bind(s))
+      offsets[r] = offset
+      offset += p
+    angles = np.concatenate(positions)[:, None].astype(np.float32) * self.inv_freq[None, :]
+    cos, sin = Tensor(np.cos(angles)[:, None, :]), Tensor(np.sin(angles)[:, None, :])
+
+    # Two jits per signature, alternating by layer: a jit's output buffer is rewritten on its next replay, so it
+    # is never fed back into the jit that owns it.
+    jits = self._jit(("layer", sig), lambda *a: self._layer(sig, *a), 2)
+    x = Tensor(h)
+    for li, layer in enumerate(self.layers):
+      kv = [t for r in order for t in caches[r].kv[2 * li:2 * li + 2]]
+      x = jits[li % 2](x, cos, sin, *masks, *layer, *kv, *starts)
+    for cache, n in zip(caches, lengths):
+      cache.length += n
+
+    if not self.shard.is_last_layer():
+      out = x.numpy()
+      return [out[offsets[r]:offsets[r] + lengths[r]].copy() for r in range(len(inputs))]
+    select = np.zeros((len(order), x.shape[0]), dtype=np.float32)  # one-hot rows: each request's last real position
+    for slot, r in enumerate(order):
+      select[slot, offsets[r] + lengths[r] - 1] = 1.0
+    head = self._jit(("head",) + select.shape, self._head, 1)[0]
+    logits = head(Tensor(select), x, self.norm, self.head).numpy()
+    return [logits[order.index(r)][None].copy() for r in range(len(inputs))]
