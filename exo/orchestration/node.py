@@ -431,8 +431,9 @@ class Node:
       except Exception as e:
         if DEBUG >= 1:
           print(f"Error sending opaque status to {peer.id()}: {e!r}")
-    await asyncio.gather(*[send(p) for p in self.peers])
+    # Local observers first: a dead peer (up to a 10 s connect wait) must not delay, e.g., a request_error for our own client.
     self._on_opaque_status.trigger_all(request_id, status)
+    await asyncio.gather(*[send(p) for p in self.peers])
 
   def on_node_status(self, request_id: str, opaque_status: str) -> None:
     try:
