@@ -27,6 +27,7 @@ REQUEST_PARAMS = "request_params"  # a request's sampling parameters, sent befor
 CANCEL_REQUEST = "cancel_request"  # the client has gone or has what it wanted: stop generating
 REQUEST_ERROR = "request_error"  # a hop failed: the request ends with this error
 STALE_REQUEST_S = 3600.0  # forget parameters of requests that never ran here after this long
+ENDED_REQUESTS_KEPT = 10000  # ids of recently ended requests, so stragglers of them are dropped, not revived
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Node:
     self.node_download_progress: Dict[str, RepoProgressEvent] = {}
     self.outstanding_requests: Dict[str, str] = {}
     self.requests: Dict[str, RequestState] = {}
+    self.ended_requests: Dict[str, None] = {}  # insertion-ordered; trimmed to ENDED_REQUESTS_KEPT
     self.topology_inference_engines_pool: List[List[str]] = []
     self._on_token = AsyncCallbackSystem[str, Tuple[str, List[int], bool]]()
     self._on_opaque_status = AsyncCallbackSystem[str, Tuple[str, str]]()
@@ -141,6 +143,9 @@ class Node:
     await self.broadcast_opaque_status(request_id, json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": str(error) or repr(error)}))
 
   def _end_request_locally(self, request_id: str) -> None:
+    self.ended_requests[request_id] = None
+    if len(self.ended_requests) > ENDED_REQUESTS_KEPT:
+      del self.ended_requests[next(iter(self.ended_requests))]
     self.outstanding_requests.pop(request_id, None)
     self.buffered_token_output.pop(request_id, None)
     self.requests.pop(request_id, None)
@@ -181,9 +186,15 @@ class Node:
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     shard = self.get_current_shard(base_shard)
     request_id = request_id or str(uuid.uuid4())
+    if request_id in self.ended_requests:
+      # A hop still in flight when the request ended here (e.g. failed because the ring changed): going on would
+      # run it round the ring until max_generate_tokens with nobody listening.
+      return None
     self.outstanding_requests[request_id] = "processing"
     try:
       result, state = await self.infer_tensor(shard, tensor, request_id, inference_state)
+      if request_id in self.ended_requests:  # it ended while this hop ran: forward nothing
+        return None
       await self.process_inference_result(shard, result, request_id, state)
     except Exception as e:
       await self.fail_request(request_id, e)
@@ -459,8 +470,8 @@ class Node:
         self.request_state(status["request_id"]).params = SamplingParams.from_dict(status["params"])
       elif kind == CANCEL_REQUEST and status["request_id"] in self.requests:
         self.requests[status["request_id"]].cancelled = True
-      elif kind == REQUEST_ERROR and status["request_id"] in self.outstanding_requests:
-        self._end_request_locally(status["request_id"])
+      elif kind == REQUEST_ERROR and status["request_id"] not in self.ended_requests:
+        self._end_request_locally(status["request_id"])  # also when unseen here yet: a late hop must not start it
     except (KeyError, TypeError, ValueError) as e:
       if DEBUG >= 1:
         print(f"Ignoring malformed {kind} status: {e!r}")

@@ -62,9 +62,9 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       raise ValueError(f"unknown model {shard.model_id!r}")
     if shard.n_layers != card["layers"]:
       raise ValueError(f"model {shard.model_id!r} has {card['layers']} layers, the request says {shard.n_layers}")
-    engine = self.node.inference_engine.__class__.__name__
-    if build_base_shard(shard.model_id, engine) is None:
-      raise ValueError(f"model {shard.model_id!r} cannot run on this node's {engine}")
+    engine_classes = [cls.__name__ for cls in type(self.node.inference_engine).__mro__]  # subclasses run what their base runs
+    if all(build_base_shard(shard.model_id, name) is None for name in engine_classes):
+      raise ValueError(f"model {shard.model_id!r} cannot run on this node's {engine_classes[0]}")
     return shard
 
   def _accept(self, coro, what: str) -> None:

@@ -1,0 +1,313 @@
+"""Real `exo` processes forming rings on loopback with manual discovery: 2- and 3-node rings, SmolLM2 split across
+them answering token for token as one node does, each node's HTTP API, malformed gRPC input, and a node killed
+mid-generation (the request ends with an error within DEAD_NODE_ERROR_BOUND_S) then restarted (the ring re-forms).
+
+Readiness is polled (gRPC CollectTopology until every node sees the same ring, /healthcheck, log lines)."""
+import asyncio
+import json
+import re
+import sys
+import time
+
+import aiohttp
+import grpc
+import numpy as np
+import pytest
+
+from exo.download.shard_download import NoopShardDownloader
+from exo.inference.dummy_inference_engine import DummyInferenceEngine
+from exo.inference.shard import Shard
+from exo.networking.grpc import node_service_pb2 as pb
+from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
+from exo.networking.grpc.codec import encode_tensor
+from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
+from exo.networking.grpc.grpc_server import GRPCServer
+from exo.networking.manual.manual_discovery import ManualDiscovery
+from exo.orchestration.generation import GenerationError, generate
+from exo.orchestration.node import Node
+from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
+from exo_cluster import ExoProcess, free_port, wait_for_ring, write_manual_config
+
+# A request whose next hop dies ends with an error within this bound: manual discovery health-checks peers every
+# 5 s, the node refreshes its peers every 2 s and then fails every request in flight (`request_error`); a forward
+# that reaches the dead hop first fails after at most the 10 s gRPC connect wait.
+DEAD_NODE_ERROR_BOUND_S = 15
+QUESTION = "What is the capital of France?"
+TOKEN_LINE = re.compile(r"^\[(?P<rid>[^\]]+)\] token (?P<token>\d+) ", re.M)
+
+pytest.importorskip("exo.api", reason="the HTTP API (exo.api) is not installed")
+
+
+def node_args(port: int, api_port: int, config, engine: str) -> list:
+  return ["--inference-engine", engine, "--node-host", "127.0.0.1", "--node-port", str(port), "--chatgpt-api-port", str(api_port),
+          "--discovery-module", "manual", "--discovery-config-path", str(config), "--disable-tui"]
+
+
+class Cluster:
+  """exo server nodes (no command: gRPC + HTTP API) listed in one manual-discovery config."""
+
+  def __init__(self, tmp_path, ids, engine: str, env: dict):
+    self.ports = {node_id: free_port() for node_id in ids}
+    self.api_ports = {node_id: free_port() for node_id in ids}
+    self.config = write_manual_config(tmp_path / "peers.json", self.ports)
+    self.nodes = {node_id: ExoProcess(node_id, node_args(self.ports[node_id], self.api_ports[node_id], self.config, engine), tmp_path, env)
+                  for node_id in ids}
+
+  def url(self, node_id: str) -> str:
+    return f"http://127.0.0.1:{self.api_ports[node_id]}"
+
+  async def wait_api(self, node_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+      while time.monotonic() < deadline:
+        try:
+          async with session.get(f"{self.url(node_id)}/healthcheck", timeout=aiohttp.ClientTimeout(total=2)) as response:
+            if response.status == 200:
+              return
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+          pass
+        if not self.nodes[node_id].running():
+          raise AssertionError(f"{node_id} exited:\n{self.nodes[node_id].current_log()[-3000:]}")
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{node_id}'s API not up within {timeout} s")
+
+  async def start(self, ids=None, ring_timeout: float = 60) -> None:
+    ids = list(ids or self.nodes)
+    for node_id in ids:
+      self.nodes[node_id].start()
+    for node_id in ids:
+      await self.wait_api(node_id)
+    running = [i for i, node in self.nodes.items() if node.running()]
+    await wait_for_ring({i: self.ports[i] for i in running}, ring_timeout, [self.nodes[i] for i in running])
+
+  def stop(self) -> None:
+    for node in self.nodes.values():
+      node.stop()
+
+
+async def chat(url: str, model: str, content: str, timeout: float = 240, **extra) -> dict:
+  body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{url}/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+      reply = await response.json()
+      assert response.status == 200, reply
+      return reply
+
+
+def tokens_of(log: str, request_id: str) -> list:
+  return [int(m["token"]) for m in TOKEN_LINE.finditer(log) if m["rid"] == request_id]
+
+
+# --- dummy engine: ring formation, APIs, malformed input (upstream CI's two-node check) ---
+
+@pytest.fixture(scope="module")
+def dummy_pair(tmp_path_factory):
+  cluster = Cluster(tmp_path_factory.mktemp("dummy_pair"), ["node1", "node2"], "dummy", {"DEBUG": "7", "DEBUG_DISCOVERY": "7"})
+  try:
+    asyncio.run(cluster.start())  # a plain fixture: its processes outlive any one test's event loop
+    yield cluster
+  finally:
+    cluster.stop()
+
+
+async def test_two_dummy_nodes_discover_each_other_and_serve_chat_on_each_api(dummy_pair):
+  for me, other in (("node1", "node2"), ("node2", "node1")):
+    dummy_pair.nodes[me].wait_for_log(rf"^Peer statuses: \{{'{other}': 'is_connected=True, health_check=True", 15)
+  for node_id in ("node1", "node2"):
+    reply = await chat(dummy_pair.url(node_id), "dummy", "Hello")
+    assert reply["choices"][0]["message"]["content"] == "dummy" * 10 and reply["choices"][0]["finish_reason"] == "stop"
+    assert reply["usage"] == {"prompt_tokens": 1, "completion_tokens": 10, "total_tokens": 11}
+  for node in dummy_pair.nodes.values():
+    assert "Failed to connect peers:" not in node.log()
+
+
+async def test_malformed_grpc_input_gets_invalid_argument_and_the_node_keeps_serving(dummy_pair):
+  port = dummy_pair.ports["node1"]
+  bad = [
+    pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8), request_id="bad1",
+                     tensor=pb.Tensor(tensor_data=b"\1\2\3", shape=[1, 1], dtype="int64")),
+    pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8), tensor=pb.Tensor(tensor_data=b"\0" * 8, shape=[1, 1], dtype="complex-ish")),
+    pb.TensorRequest(shard=pb.Shard(model_id="llama-9000", end_layer=3, n_layers=8), tensor=encode_tensor(np.array([[1]]))),
+    pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=40, n_layers=8), tensor=encode_tensor(np.array([[1]]))),
+    pb.PromptRequest(shard=pb.Shard(model_id="dummy", n_layers=9), prompt="x"),
+  ]
+  async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    stub = pb_grpc.NodeServiceStub(channel)
+    for request in bad:
+      call = stub.SendPrompt if isinstance(request, pb.PromptRequest) else stub.SendTensor
+      with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call(request, timeout=5)
+      assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
+  assert dummy_pair.nodes["node1"].running()
+  reply = await chat(dummy_pair.url("node1"), "dummy", "still there?")
+  assert reply["choices"][0]["message"]["content"] == "dummy" * 10
+
+
+async def test_a_third_node_listed_in_the_reloaded_config_joins_the_ring(dummy_pair):
+  """The running pair re-reads its config when the file's mtime increases: node3 is added there, started, and all
+  three agree on one ring; each node's API answers through it."""
+  dummy_pair.ports["node3"] = free_port()
+  dummy_pair.api_ports["node3"] = free_port()
+  write_manual_config(dummy_pair.config, dummy_pair.ports)
+  workdir = dummy_pair.config.parent
+  dummy_pair.nodes["node3"] = ExoProcess("node3", node_args(dummy_pair.ports["node3"], dummy_pair.api_ports["node3"], dummy_pair.config, "dummy"),
+                                         workdir, {"DEBUG": "1"})
+  await dummy_pair.start(["node3"])
+  views = await wait_for_ring(dummy_pair.ports, 30)
+  assert all(set(view.nodes) == {"node1", "node2", "node3"} for view in views.values())
+  for node_id in dummy_pair.nodes:
+    reply = await chat(dummy_pair.url(node_id), "dummy", "Hi")
+    assert reply["choices"][0]["message"]["content"] == "dummy" * 10
+
+
+# --- in-process ring (real gRPC on loopback), where timing can be controlled ---
+
+class SlowDummyEngine(DummyInferenceEngine):
+  """The dummy engine, slowed so a generation is still running when the ring changes; counts hops per request."""
+
+  def __init__(self, hop_s: float):
+    super().__init__()
+    self.hop_s = hop_s
+    self.hops = {}
+
+  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
+    self.hops[request_id] = self.hops.get(request_id, 0) + 1
+    await asyncio.sleep(self.hop_s)
+    return await super().infer_tensor(request_id, shard, input_data, inference_state)
+
+
+async def start_inprocess_node(node_id: str, port: int, config) -> Node:
+  discovery = ManualDiscovery(str(config), node_id, GRPCPeerHandle, poll_interval=0.2)
+  node = Node(node_id, None, SlowDummyEngine(0.4), discovery, NoopShardDownloader(), RingMemoryWeightedPartitioningStrategy())
+  node.server = GRPCServer(node, "127.0.0.1", port)
+  await node.start()
+  return node
+
+
+async def test_a_node_joining_mid_generation_ends_the_request_with_an_error_and_leaves_no_zombie(tmp_path):
+  """Layer ranges follow membership, so a request in flight when the ring changes cannot go on: its client gets
+  an error, and no hop keeps circulating it round the new ring."""
+  ports = {"a": free_port(), "b": free_port(), "c": free_port()}
+  config = write_manual_config(tmp_path / "peers.json", {"a": ports["a"], "b": ports["b"]})
+  nodes = [await start_inprocess_node(i, ports[i], config) for i in ("a", "b")]
+  try:
+    await wait_for_ring({"a": ports["a"], "b": ports["b"]}, 20)
+    base = Shard("dummy", 0, 0, 8)
+    stream = generate(nodes[0], base, "hello", request_id="mid-join", timeout=30)
+    assert (await anext(stream))[0] == [2]
+    write_manual_config(config, ports)
+    nodes.append(await start_inprocess_node("c", ports["c"], config))
+    started = time.monotonic()
+    with pytest.raises(GenerationError, match="ring changed"):
+      async for _ in stream:
+        pass
+    assert time.monotonic() - started < 5  # membership is re-read every 2 s
+    hop_count = lambda: sum(node.inference_engine.hops.get("mid-join", 0) for node in nodes)
+    await asyncio.sleep(1.0)  # a hop already in flight may still land once, then is dropped
+    settled = hop_count()
+    await asyncio.sleep(1.5)
+    assert hop_count() == settled, "the failed request is still going round the ring"
+    assert all("mid-join" not in node.outstanding_requests for node in nodes)
+  finally:
+    await asyncio.gather(*[node.stop() for node in nodes])
+
+
+# --- SmolLM2 split across real processes ---
+
+@pytest.fixture(scope="module")
+def smol_pair(tmp_path_factory):
+  """node-a and node-b (ring order: node-b holds layers 0-14, node-a 15-29 and samples). node-a first answers alone,
+  as a ring of one: that is the one-node reference the ring must reproduce token for token. When node-b joins,
+  node-a's shard changes from the whole model to layers 15-29 and its engine must reload."""
+  cluster = Cluster(tmp_path_factory.mktemp("smol_pair"), ["node-a", "node-b"], "numpy", {"DEBUG": "2"})
+
+  async def form():
+    cluster.nodes["node-a"].start()
+    await cluster.wait_api("node-a")
+    reply = await chat(cluster.url("node-a"), "smollm2-135m", QUESTION)
+    cluster.reference_text = reply["choices"][0]["message"]["content"]
+    cluster.reference_tokens = tokens_of(cluster.nodes["node-a"].log(), reply["id"].removeprefix("chatcmpl-"))
+    assert cluster.reference_text.startswith("The capital of France is Paris."), reply
+    assert cluster.reference_tokens and len(cluster.reference_tokens) == reply["usage"]["completion_tokens"]
+    await cluster.start(["node-b"])
+  try:
+    asyncio.run(form())  # a plain fixture: its processes outlive any one test's event loop
+    yield cluster
+  finally:
+    cluster.stop()
+
+
+async def test_smollm2_split_over_two_nodes_answers_as_one_node(smol_pair):
+  reply = await chat(smol_pair.url("node-a"), "smollm2-135m", QUESTION)
+  request_id = reply["id"].removeprefix("chatcmpl-")
+  assert reply["choices"][0]["message"]["content"] == smol_pair.reference_text
+  assert tokens_of(smol_pair.nodes["node-a"].log(), request_id) == smol_pair.reference_tokens
+
+
+async def read_stream_until_error(url: str, on_content) -> tuple:
+  """Stream a long answer; call on_content(n) after each content chunk; return (chunks, error or None, end time)."""
+  body = {"model": "smollm2-135m", "stream": True, "temperature": 0, "max_tokens": 400,
+          "messages": [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]}
+  chunks, error = 0, None
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{url}/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=240)) as response:
+      assert response.status == 200
+      async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+          continue
+        event = json.loads(line[len("data: "):])
+        if "error" in event:
+          error = event["error"]
+          break
+        if event["choices"][0]["delta"].get("content"):
+          chunks += 1
+          on_content(chunks)
+  return chunks, error, time.monotonic()
+
+
+async def test_killed_node_ends_the_request_with_an_error_and_a_restart_reforms_the_ring(smol_pair):
+  killed_at = []
+
+  def kill_after_three_chunks(chunks):
+    if chunks == 3:
+      smol_pair.nodes["node-b"].kill()
+      killed_at.append(time.monotonic())
+
+  chunks, error, ended_at = await read_stream_until_error(smol_pair.url("node-a"), kill_after_three_chunks)
+  log_a = smol_pair.nodes["node-a"].log()[-4000:]
+  assert killed_at, f"the answer ended after {chunks} chunks, before the kill"
+  assert error is not None, f"stream ended without an error after {chunks} chunks:\n{log_a}"
+  assert "ring changed" in error["message"] or "next node" in error["message"], (error, log_a)
+  print(f"error {ended_at - killed_at[0]:.1f} s after the kill: {error['message']}", file=sys.stderr)
+  assert ended_at - killed_at[0] < DEAD_NODE_ERROR_BOUND_S, (error, log_a)
+
+  smol_pair.nodes["node-b"].start()
+  await smol_pair.wait_api("node-b")
+  await wait_for_ring(smol_pair.ports, 30, smol_pair.nodes.values())
+  reply = await chat(smol_pair.url("node-a"), "smollm2-135m", QUESTION)
+  assert reply["choices"][0]["message"]["content"] == smol_pair.reference_text, (reply, smol_pair.nodes["node-a"].log()[-4000:])
+  assert tokens_of(smol_pair.nodes["node-a"].log(), reply["id"].removeprefix("chatcmpl-")) == smol_pair.reference_tokens
+
+
+async def test_smollm2_split_over_three_nodes_with_exo_run_driving(smol_pair):
+  """`exo run ... --wait-for-peers 2` joins the pair as a third node (added to the config file, which the running
+  nodes re-read): its printed answer and the last node's sampled tokens equal the one-node reference. When it
+  exits, the pair re-forms as a ring of two."""
+  ports = dict(smol_pair.ports, **{"node-z": free_port()})
+  write_manual_config(smol_pair.config, ports)  # hot reload: the running nodes pick up node-z by mtime
+  workdir = smol_pair.config.parent
+  driver = ExoProcess("node-z", ["run", "smollm2-135m", "--prompt", QUESTION, "--inference-engine", "numpy", "--node-host", "127.0.0.1",
+                                 "--node-port", str(ports["node-z"]), "--discovery-module", "manual", "--discovery-config-path",
+                                 str(smol_pair.config), "--wait-for-peers", "2"], workdir, {"DEBUG": "2"})
+  log_a = len(smol_pair.nodes["node-a"].log())
+  try:
+    assert driver.start().wait(240) == 0, driver.log()[-3000:]
+  finally:
+    driver.stop()
+    write_manual_config(smol_pair.config, smol_pair.ports)
+  assert "The capital of France is Paris." in driver.log()
+  # Ring order is node-z, node-b, node-a (equal memory, ids descending): node-a holds layers 19-29 and samples.
+  new_log = smol_pair.nodes["node-a"].log()[log_a:]
+  assert tokens_of(new_log, next(TOKEN_LINE.finditer(new_log))["rid"]) == smol_pair.reference_tokens
+  await wait_for_ring(smol_pair.ports, 30, smol_pair.nodes.values())
