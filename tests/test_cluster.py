@@ -123,21 +123,22 @@ async def test_two_dummy_nodes_discover_each_other_and_serve_chat_on_each_api(du
 
 async def test_malformed_grpc_input_gets_invalid_argument_and_the_node_keeps_serving(dummy_pair):
   port = dummy_pair.ports["node1"]
+  own = pb.Shard(model_id="dummy", start_layer=4, end_layer=7, n_layers=8)  # node1's layers (node2 is P0)
   bad = [
-    pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8), request_id="bad1",
-                     tensor=pb.Tensor(tensor_data=b"\1\2\3", shape=[1, 1], dtype="int64")),
-    pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8), tensor=pb.Tensor(tensor_data=b"\0" * 8, shape=[1, 1], dtype="complex-ish")),
-    pb.TensorRequest(shard=pb.Shard(model_id="llama-9000", end_layer=3, n_layers=8), tensor=encode_tensor(np.array([[1]]))),
-    pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=40, n_layers=8), tensor=encode_tensor(np.array([[1]]))),
-    pb.PromptRequest(shard=pb.Shard(model_id="dummy", n_layers=9), prompt="x"),
+    (pb.TensorRequest(shard=own, request_id="bad1", tensor=pb.Tensor(tensor_data=b"\1\2\3", shape=[1, 1], dtype="int64")), "bytes"),
+    (pb.TensorRequest(shard=own, tensor=pb.Tensor(tensor_data=b"\0" * 8, shape=[1, 1], dtype="complex-ish")), "dtype"),
+    (pb.TensorRequest(shard=pb.Shard(model_id="llama-9000", end_layer=3, n_layers=8), tensor=encode_tensor(np.array([[1]]))), "unknown model"),
+    (pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=40, n_layers=8), tensor=encode_tensor(np.array([[1]]))), "layers"),
+    (pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8), tensor=encode_tensor(np.array([[1]]))), "ring differs"),
+    (pb.PromptRequest(shard=pb.Shard(model_id="dummy", n_layers=9), prompt="x"), "layers"),
   ]
   async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
     stub = pb_grpc.NodeServiceStub(channel)
-    for request in bad:
+    for request, detail in bad:
       call = stub.SendPrompt if isinstance(request, pb.PromptRequest) else stub.SendTensor
       with pytest.raises(grpc.aio.AioRpcError) as error:
         await call(request, timeout=5)
-      assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value
+      assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in error.value.details(), error.value
   assert dummy_pair.nodes["node1"].running()
   reply = await chat(dummy_pair.url("node1"), "dummy", "still there?")
   assert reply["choices"][0]["message"]["content"] == "dummy" * 10
@@ -282,6 +283,8 @@ async def test_killed_node_ends_the_request_with_an_error_and_a_restart_reforms_
   print(f"error {ended_at - killed_at[0]:.1f} s after the kill: {error['message']}", file=sys.stderr)
   assert ended_at - killed_at[0] < DEAD_NODE_ERROR_BOUND_S, (error, log_a)
 
+  # node-a must notice the departure first; a restart inside that window would look like a brief flap instead.
+  await wait_for_ring({"node-a": smol_pair.ports["node-a"]}, 30)
   smol_pair.nodes["node-b"].start()
   await smol_pair.wait_api("node-b")
   await wait_for_ring(smol_pair.ports, 30, smol_pair.nodes.values())

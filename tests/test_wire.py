@@ -161,6 +161,9 @@ class RecordingNode:
     self.current_topology.update_node("server", caps(4096))
     self.current_topology.add_edge("server", "client", "MAN")
 
+  def get_current_shard(self, base_shard):
+    return Shard(base_shard.model_id, 4, 7, 8) if base_shard.model_id == "dummy" else base_shard  # this node: layers 4-7
+
   async def process_prompt(self, shard, prompt, request_id=None, inference_state=None):
     self.calls.put_nowait(("prompt", shard, prompt, request_id, inference_state))
 
@@ -222,16 +225,16 @@ async def test_uncompressed_upstream_style_calls_are_accepted(served):
   node, _, _, port = served
   async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:  # no gzip, default options
     stub = pb_grpc.NodeServiceStub(channel)
-    request = pb.TensorRequest(shard=pb.Shard(model_id="dummy", start_layer=0, end_layer=3, n_layers=8),
+    request = pb.TensorRequest(shard=pb.Shard(model_id="dummy", start_layer=4, end_layer=7, n_layers=8),
                                tensor=encode_tensor(np.array([[1]])))  # no request_id, no state: read as "" and {}
     await stub.SendTensor(request)
   assert (await next_call(node))[3:] == ("", {})
 
 
 @pytest.mark.parametrize("make_request, detail", [
-  (lambda: pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8),
+  (lambda: pb.TensorRequest(shard=pb.Shard(model_id="dummy", start_layer=4, end_layer=7, n_layers=8),
                             tensor=pb.Tensor(tensor_data=b"\0" * 3, shape=[1, 1], dtype="int64")), "bytes"),
-  (lambda: pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8),
+  (lambda: pb.TensorRequest(shard=pb.Shard(model_id="dummy", start_layer=4, end_layer=7, n_layers=8),
                             tensor=pb.Tensor(tensor_data=b"\0" * 2, shape=[1, 1], dtype="bfloat16")), "dtype"),
   (lambda: pb.TensorRequest(shard=pb.Shard(model_id="no-such-model", end_layer=3, n_layers=8),
                             tensor=encode_tensor(np.array([[1]]))), "unknown model"),
@@ -241,7 +244,8 @@ async def test_uncompressed_upstream_style_calls_are_accepted(served):
                             tensor=encode_tensor(np.array([[1]]))), "layers"),
   (lambda: pb.TensorRequest(shard=pb.Shard(model_id="smollm2-135m", end_layer=3, n_layers=30),
                             tensor=encode_tensor(np.array([[1]]))), "cannot run"),
-  (lambda: pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8)), "without a tensor"),
+  (lambda: pb.TensorRequest(shard=pb.Shard(model_id="dummy", start_layer=4, end_layer=7, n_layers=8)), "without a tensor"),
+  (lambda: pb.TensorRequest(shard=pb.Shard(model_id="dummy", end_layer=3, n_layers=8), tensor=encode_tensor(np.array([[1]]))), "ring differs"),
   (lambda: pb.PromptRequest(shard=pb.Shard(model_id="", n_layers=8), prompt="x"), "model_id"),
 ])
 async def test_malformed_input_gets_invalid_argument_and_the_server_keeps_serving(served, make_request, detail):

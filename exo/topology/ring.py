@@ -1,7 +1,8 @@
 """Whether the ring this node sees is the ring its peers see.
 
-Every node partitions layers over its own view (self + direct peers), so a request is only safe to start
-once every peer lists the same members; right after a node joins, its peers may not know it yet."""
+Every node partitions layers over its own view (self + direct peers, with capabilities as last reported), so a
+request is only safe to start once every peer sees the same; right after a node joins, its peers may not know it
+yet, or still hold the capabilities discovery advertised for it rather than its own report."""
 import asyncio
 import time
 
@@ -18,10 +19,21 @@ def peers_agree(topology: Topology, node_id: str) -> bool:
   return True
 
 
+async def views_agree(node) -> bool:
+  """Every peer's own view lists the same nodes with the same capabilities as ours, so all compute one partition."""
+  async def view(peer):
+    try:
+      return await asyncio.wait_for(peer.collect_topology(set(), 0), 5)
+    except Exception:
+      return None
+  views = await asyncio.gather(*[view(peer) for peer in node.peers])
+  return all(v is not None and dict(v.nodes) == dict(node.topology.nodes) for v in views)
+
+
 async def wait_for_agreement(node, timeout: float, interval: float = 0.25) -> bool:
-  """Re-collect the topology until the peers agree on membership; False after `timeout` seconds."""
+  """Re-collect the topology until the peers agree on the ring; False after `timeout` seconds."""
   deadline = time.monotonic() + timeout
-  while not peers_agree(node.topology, node.id):
+  while not (peers_agree(node.topology, node.id) and await views_agree(node)):
     if time.monotonic() > deadline:
       if DEBUG >= 1:
         print(f"Peers still disagree on the ring after {timeout} s: {node.topology}")

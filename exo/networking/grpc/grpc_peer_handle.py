@@ -90,11 +90,20 @@ class GRPCPeerHandle(PeerHandle):
       await channel.close()
 
   async def _ensure_connected(self) -> None:
-    if not await self.is_connected():
+    """Wait (≤ CONNECT_TIMEOUT_S) for the channel to be READY, but give up at once when the last connection attempt
+    failed: a dead peer should fail the request now, not after ten seconds."""
+    self._open_channel()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CONNECT_TIMEOUT_S
+    state = self.channel.get_state(try_to_connect=True)
+    while state != grpc.ChannelConnectivity.READY:
+      if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+        raise ConnectionError(f"peer {self._id} at {self.address} unreachable")
       try:
-        await self.connect()
+        await asyncio.wait_for(self.channel.wait_for_state_change(state), deadline - loop.time())
       except asyncio.TimeoutError:
         raise ConnectionError(f"peer {self._id} at {self.address} unreachable for {CONNECT_TIMEOUT_S:.0f} s") from None
+      state = self.channel.get_state()
 
   async def health_check(self) -> bool:
     # One fail-fast call (no wait for READY): a dead peer answers "unhealthy" at once, not after a connect timeout.

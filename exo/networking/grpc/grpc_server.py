@@ -55,7 +55,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
   # --- helpers ---
 
   def _shard(self, message: pb.Shard) -> Shard:
-    """The request's shard, checked against the model registry and this node's engine."""
+    """The request's shard, checked against the model registry, this node's engine and this node's ring."""
     shard = decode_shard(message)
     card = model_cards.get(shard.model_id)
     if card is None:
@@ -65,6 +65,12 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     engine_classes = [cls.__name__ for cls in type(self.node.inference_engine).__mro__]  # subclasses run what their base runs
     if all(build_base_shard(shard.model_id, name) is None for name in engine_classes):
       raise ValueError(f"model {shard.model_id!r} cannot run on this node's {engine_classes[0]}")
+    # The sender computed our layer range from its view of the ring; if ours differs (views still converging after
+    # a membership change), running would produce garbage: refuse, so the sender ends the request with an error.
+    own = self.node.get_current_shard(shard)
+    if (own.start_layer, own.end_layer) != (shard.start_layer, shard.end_layer):
+      raise ValueError(f"the sender's ring differs from this node's: it asked for layers {shard.start_layer}-{shard.end_layer}, "
+                       f"this node holds {own.start_layer}-{own.end_layer}")
     return shard
 
   def _accept(self, coro, what: str) -> None:
