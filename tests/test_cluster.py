@@ -28,9 +28,10 @@ from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from exo_cluster import ExoProcess, free_port, wait_for_ring, write_manual_config
 
-# A request whose next hop dies ends with an error within this bound: manual discovery health-checks peers every
-# 5 s, the node refreshes its peers every 2 s and then fails every request in flight (`request_error`); a forward
-# that reaches the dead hop first fails after at most the 10 s gRPC connect wait.
+# A request whose next hop dies ends with an error within this bound. A forward to the dead node fails at once
+# (connection refused; at most the 10 s connect wait if its host vanished silently). A request waiting on the dead
+# node ends when membership changes: manual discovery health-checks peers every 5 s, the node refreshes its peers
+# every 2 s and then fails every request in flight (`request_error`), so typically within 7 s.
 DEAD_NODE_ERROR_BOUND_S = 15
 QUESTION = "What is the capital of France?"
 TOKEN_LINE = re.compile(r"^\[(?P<rid>[^\]]+)\] token (?P<token>\d+) ", re.M)

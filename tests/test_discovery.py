@@ -18,7 +18,6 @@ from exo.helpers import AsyncCallbackSystem
 from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
 from exo.networking.grpc.grpc_server import GRPCServer
-from exo.networking.manual import manual_discovery as manual_module
 from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.networking.tailscale import tailscale_discovery as tailscale_module
 from exo.networking.tailscale.tailscale_discovery import TailscaleDiscovery
