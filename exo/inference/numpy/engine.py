@@ -1,5 +1,9 @@
 import asyncio
+import ctypes
+import os
+import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -12,8 +16,29 @@ from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import load_shard_weights
 
 
+def single_threaded_blas() -> None:
+  """Run this process's OpenBLAS on one thread, unless OPENBLAS_NUM_THREADS says otherwise.
+
+  The model's products are small on purpose (see llama.py); OpenBLAS would hand some of them to helper threads
+  that spin-wait, and on a machine shared with other processes that made steps several times slower."""
+  if os.environ.get("OPENBLAS_NUM_THREADS"):
+    return
+  try:
+    libraries = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", Path("/proc/self/maps").read_text())))
+  except OSError:  # not Linux: Accelerate or MKL, nothing to do
+    return
+  for path in libraries:
+    library = ctypes.CDLL(path)
+    for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+      setter = getattr(library, name, None)
+      if setter is not None:
+        setter.argtypes = [ctypes.c_int]
+        setter(1)
+        break
+
+
 class NumpyDynamicShardInferenceEngine(InferenceEngine):
-  """Llama in float32 numpy. All model work runs on one worker thread, in order (BLAS uses the cores)."""
+  """Llama in float32 numpy. All model work runs on one worker thread, in order, with single-threaded BLAS."""
 
   def __init__(self, shard_downloader):
     self.shard_downloader = shard_downloader
@@ -22,6 +47,7 @@ class NumpyDynamicShardInferenceEngine(InferenceEngine):
     self.tokenizer = None
     self.caches: Dict[str, KVCache] = {}
     self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="numpy-engine")
+    single_threaded_blas()
     self._load_lock = asyncio.Lock()
 
   async def _run(self, fn, *args):
