@@ -6,8 +6,8 @@ install_requires = [
   "tokenizers>=0.19,<1",
   "jinja2>=3.1,<4",
   "huggingface_hub>=0.24,<3",
-  "grpcio>=1.64,<2",
-  "protobuf>=5.27,<8",
+  "grpcio>=1.85.1,<2",
+  "protobuf>=7.35.1,<8",
   "aiohttp>=3.9,<4",
   "pluggy>=1.5,<2",
   "pydantic>=2.5,<3",
@@ -19,7 +19,7 @@ extras_require = {
   "tinygrad": ["tinygrad>=0.10,<0.12"],
   "mlx": ["mlx[cpu]>=0.25,<1; platform_system=='Linux'", "mlx>=0.25,<1; platform_system=='Darwin'"],
   "bench": ["matplotlib>=3.7,<4"],
-  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools>=1.64,<2", "safetensors>=0.4,<1", "playwright>=1.40,<2"],
+  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools==1.85.1", "safetensors>=0.4,<1", "playwright>=1.40,<2"],
 }
 
 setup(
