@@ -91,12 +91,12 @@ def _gguf_field(reader, key: str, default=None):
 
 def tokenizer_from_gguf(path: Union[str, Path]) -> Tokenizer:
   """Build a byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.model == "gpt2")."""
-  import gguf
   from tokenizers import AddedToken, Regex
   from tokenizers import Tokenizer as HFTokenizer
   from tokenizers import decoders, models, pre_tokenizers
 
-  reader = gguf.GGUFReader(str(path))
+  from exo.inference.weights import gguf_reader
+  reader = gguf_reader(str(path))
   kind = _gguf_field(reader, "tokenizer.ggml.model")
   if kind != "gpt2":
     raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")

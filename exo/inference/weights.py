@@ -4,7 +4,8 @@ Every engine reads its weights through `load_shard_weights`, so they all see the
 (Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout."""
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
 
@@ -105,9 +106,16 @@ def _gguf_config(reader) -> Tuple[LlamaConfig, Optional[np.ndarray]]:
   return config, None
 
 
+@lru_cache(maxsize=4)
+def gguf_reader(path: Union[str, Path]):
+  """Parsing a GGUF's metadata takes seconds (tens of thousands of vocabulary entries): do it once per file."""
+  import gguf
+  return gguf.GGUFReader(str(path))
+
+
 def load_gguf(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   import gguf
-  reader = gguf.GGUFReader(str(path))
+  reader = gguf_reader(str(path))
   config, _ = _gguf_config(reader)
   weights: Dict[str, np.ndarray] = {}
   for tensor in reader.tensors:
