@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Tuple
 
 DEFAULT_TIMEOUT_MS = 5.0  # only paid while other requests of this node are about to join; a lone request pays nothing
-DEFAULT_PREFILL_CHUNK = 128  # about one decode step's worth of work for a 16-request batch on a small model
+DEFAULT_PREFILL_CHUNK = 64  # a step of 64 prompt tokens costs a few decode steps: running streams stall briefly
 MAX_BATCH_SIZE = 4096
 MAX_TIMEOUT_MS = 60_000.0
 MAX_PREFILL_CHUNK = 1 << 20

@@ -16,7 +16,7 @@ from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.inference.sampling import SamplingParams
 from exo.models import build_base_shard
 from exo.networking.discovery import NoDiscovery
-from exo.orchestration.batching.config import BatchingConfig
+from exo.orchestration.batching.config import DEFAULT_PREFILL_CHUNK, DEFAULT_TIMEOUT_MS, BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
 from exo.orchestration.generation import generate
 from exo.orchestration.node import Node
@@ -76,6 +76,6 @@ if __name__ == "__main__":
   p.add_argument("--tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
   p.add_argument("--words", type=int, default=50, help="prompt length in words (about a token each)")
   p.add_argument("--repeats", type=int, default=1)
-  p.add_argument("--timeout-ms", type=float, default=5.0)
-  p.add_argument("--prefill-chunk", type=int, default=128)
+  p.add_argument("--timeout-ms", type=float, default=DEFAULT_TIMEOUT_MS)
+  p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
   asyncio.run(main(p.parse_args()))
