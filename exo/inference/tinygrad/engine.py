@@ -11,6 +11,18 @@ from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import load_shard_weights
 
 
+_executor: Optional[ThreadPoolExecutor] = None
+
+
+def tinygrad_thread() -> ThreadPoolExecutor:
+  """The one thread that runs tinygrad in this process, shared by every engine: tinygrad keeps process-wide state
+  (its scheduler, jits, and a SQLite kernel cache that refuses use from any thread but the one that opened it)."""
+  global _executor
+  if _executor is None:
+    _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinygrad")
+  return _executor
+
+
 def _tinygrad_device() -> str:
   from tinygrad import Device
   return Device.DEFAULT
@@ -18,7 +30,7 @@ def _tinygrad_device() -> str:
 
 class TinygradDynamicShardInferenceEngine(InferenceEngine):
   """Llama in float32 tinygrad (CPU/CLANG, CUDA, METAL, ... whatever Device.DEFAULT is).
-  All tinygrad work runs on one worker thread, in order: tinygrad's scheduler and jits are not thread-safe."""
+  All tinygrad work runs on one worker thread, in order, so the event loop stays free."""
 
   def __init__(self, shard_downloader):
     self.shard_downloader = shard_downloader
@@ -26,7 +38,7 @@ class TinygradDynamicShardInferenceEngine(InferenceEngine):
     self.model = None
     self.tokenizer = None
     self.caches: Dict[str, "KVCache"] = {}
-    self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinygrad-engine")
+    self.executor = tinygrad_thread()
     self.device_name: str = self.executor.submit(_tinygrad_device).result()
     self._load_lock = asyncio.Lock()
 

@@ -22,23 +22,25 @@ MAX_JITS = 32  # shape signatures kept; each holds its own intermediate buffers
 
 
 def bucket(n: int, least: int = 1) -> int:
-  """The power of two >= n (and >= least): padded shapes keep the number of distinct jits small."""
-  return max(least, 1 << max(n - 1, 0).bit_length())
+  """n rounded up to a power of two (past 64: to a multiple of 64), at least `least`: padded shapes keep the number
+  of distinct kernels and jits small, without doubling the work of long prompts."""
+  n = max(n, least)
+  return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
 
 
 class KVCache:
-  """One request's keys and values: per layer one (n_kv_heads, capacity, head_dim) tensor each, capacity doubling as
+  """One request's keys and values: per layer one (2, n_kv_heads, capacity, head_dim) tensor, capacity doubling as
   the request grows. Positions past `length` may hold padding garbage; the attention mask never lets a query see them."""
 
   def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = MIN_CAPACITY):
-    self.kv = [Tensor(np.zeros((n_kv_heads, capacity, head_dim), dtype=np.float32)).realize() for _ in range(2 * n_layers)]
+    self.kv = [Tensor(np.zeros((2, n_kv_heads, capacity, head_dim), dtype=np.float32)).realize() for _ in range(n_layers)]
     self.capacity, self.length = capacity, 0
 
   def reserve(self, length: int) -> None:
     if length <= self.capacity:
       return
-    grown = bucket(length, 2 * self.capacity)
-    self.kv = [t.pad(((0, 0), (0, grown - self.capacity), (0, 0))).contiguous() for t in self.kv]
+    grown = max(bucket(length), 2 * self.capacity)
+    self.kv = [t.pad(((0, 0), (0, 0), (0, grown - self.capacity), (0, 0))).contiguous() for t in self.kv]
     Tensor.realize(*self.kv)
     self.capacity = grown
 
@@ -60,16 +62,17 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Llama:
   def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
     self.config, self.shard = config, shard
-    self.layers: List[List[Tensor]] = []
+    # Each layer's weights live in one flat tensor (the jit reads views of it): a jit's per-call cost grows with its
+    # number of inputs. Matrices are kept (out, in), so every output reduces over contiguous memory: x @ W.T.
+    self.layers: List[Tensor] = []
+    self.weight_shapes: List[Tuple[int, ...]] = []
     for i in range(shard.start_layer, shard.end_layer + 1):
       w = lambda name: weights[f"model.layers.{i}.{name}"]
-      # Fused, kept (out, in) so every output reduces over contiguous memory: x @ W.T.
-      self.layers.append([Tensor(np.ascontiguousarray(a)) for a in (
-        np.concatenate([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
-        w("self_attn.o_proj.weight"),
-        np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
-        w("mlp.down_proj.weight"), w("input_layernorm.weight"), w("post_attention_layernorm.weight"))])
-    Tensor.realize(*[t for layer in self.layers for t in layer])
+      parts = (np.concatenate([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
+               w("self_attn.o_proj.weight"), np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
+               w("mlp.down_proj.weight"), w("input_layernorm.weight"), w("post_attention_layernorm.weight"))
+      self.weight_shapes = [a.shape for a in parts]
+      self.layers.append(Tensor(np.concatenate([a.reshape(-1) for a in parts]).astype(np.float32)).realize())
     # Token lookup is a gather: done on the host, so only the (rows, hidden) result travels to the device.
     self.embed = weights.get("model.embed_tokens.weight") if shard.is_first_layer() else None
     if shard.is_last_layer():
@@ -89,30 +92,42 @@ class Llama:
     self.jits.move_to_end(key)
     return self.jits[key]
 
-  def _layer(self, sig: Tuple[Tuple[int, int], ...], h: Tensor, cos: Tensor, sin: Tensor, *args) -> Tensor:
-    """One decoder layer. sig[r] = (padded rows, cache capacity) of request r; args = masks (one per request),
-    the 6 layer weights, keys and values (two per request), start positions (bound Variables, one per request)."""
-    c, n_req = self.config, len(sig)
-    masks, (qkv_w, o_w, gate_up_w, down_w, attn_norm, mlp_norm) = args[:n_req], args[n_req:n_req + 6]
-    kv, starts = args[n_req + 6:n_req + 6 + 2 * n_req], args[n_req + 6 + 2 * n_req:]
+  def _weights(self, flat: Tensor) -> List[Tensor]:
+    out, offset = [], 0
+    for shape in self.weight_shapes:
+      out.append(flat[offset:offset + math.prod(shape)].reshape(shape))
+      offset += math.prod(shape)
+    return out
+
+  def _layer(self, sig: tuple, h: Tensor, rope_cs: Tensor, masks: Tensor, flat_weights: Tensor, *args) -> Tensor:
+    """One decoder layer. sig = (rows, then per request r: (its padded rows, its cache capacity)); rope_cs = (cos, sin) per row; masks =
+    every request's (rows, capacity) mask, flattened and concatenated; args = one KV cache per request, then one start
+    position (a bound Variable) per request."""
+    c, n_req = self.config, len(sig) - 1
+    qkv_w, o_w, gate_up_w, down_w, attn_norm, mlp_norm = self._weights(flat_weights)
+    kv, starts = args[:n_req], args[n_req:]
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     group, q_size, kv_size = n_heads // n_kv, n_heads * hd, n_kv * hd
     rows = h.shape[0]
+    cos, sin = rope_cs[0], rope_cs[1]
     qkv = rms_norm(h, attn_norm, c.rms_norm_eps) @ qkv_w.T
     q = rope(qkv[:, :q_size].reshape(rows, n_heads, hd), cos, sin)
     k = rope(qkv[:, q_size:q_size + kv_size].reshape(rows, n_kv, hd), cos, sin)
     v = qkv[:, q_size + kv_size:].reshape(rows, n_kv, hd)
-    outs, offset = [], 0
-    for r, (n, capacity) in enumerate(sig):
-      keys, values, s = kv[2 * r], kv[2 * r + 1], starts[r]
-      keys[:, s:s + n].assign(k[offset:offset + n].permute(1, 0, 2)).realize()
-      values[:, s:s + n].assign(v[offset:offset + n].permute(1, 0, 2)).realize()
+    outs, offset, mask_offset = [], 0, 0
+    for r, (n, capacity) in enumerate(sig[1:]):
+      cache, s = kv[r], starts[r]
+      cache[:, :, s:s + n].assign(k[offset:offset + n].stack(v[offset:offset + n]).permute(0, 2, 1, 3)).realize()
+      keys, values = cache[0], cache[1]
+      mask = masks[mask_offset:mask_offset + n * capacity].reshape(n, capacity)
       qr = q[offset:offset + n].reshape(n, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)
-      scores = (qr @ keys.transpose(1, 2)).reshape(n_kv, group, n, capacity) * (1.0 / math.sqrt(hd)) + masks[r]
+      scores = (qr @ keys.transpose(1, 2)).reshape(n_kv, group, n, capacity) * (1.0 / math.sqrt(hd)) + mask
       out = scores.softmax(-1).reshape(n_kv, group * n, capacity) @ values  # (n_kv, group*n, hd)
       outs.append(out.reshape(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, q_size))
-      offset += n
-    h = h + (outs[0].cat(*outs[1:]) if n_req > 1 else outs[0]) @ o_w.T
+      offset, mask_offset = offset + n, mask_offset + n * capacity
+    if offset < rows:  # rows padding the step to its bucket belong to no request
+      outs.append(Tensor.zeros(rows - offset, q_size))
+    h = h + (outs[0].cat(*outs[1:]) if len(outs) > 1 else outs[0]) @ o_w.T
     gate_up = rms_norm(h, mlp_norm, c.rms_norm_eps) @ gate_up_w.T
     act = (gate_up[:, :c.intermediate_size].silu() * gate_up[:, c.intermediate_size:]).contiguous()  # once, not per output
     return (h + act @ down_w.T).realize()
@@ -130,9 +145,10 @@ class Llama:
       cache.reserve(cache.length + n)
     # Requests in signature order, so the same mix of shapes reuses one jit whatever order they came in.
     order = sorted(range(len(inputs)), key=lambda r: (padded[r], caches[r].capacity))
-    sig = tuple((padded[r], caches[r].capacity) for r in order)
+    rows = bucket(sum(padded))  # the matmuls' shapes: few distinct ones, so few kernels to generate
+    sig = (rows,) + tuple((padded[r], caches[r].capacity) for r in order)
 
-    h = np.zeros((sum(padded), c.hidden_size), dtype=np.float32)  # padding rows stay zero
+    h = np.zeros((rows, c.hidden_size), dtype=np.float32)  # padding rows stay zero
     positions, masks, starts, offsets, offset = [], [], [], {}, 0
     for slot, r in enumerate(order):
       n, p, s, capacity = lengths[r], padded[r], caches[r].length, caches[r].capacity
@@ -140,20 +156,21 @@ class Llama:
       h[offset:offset + n] = self.embed[x.reshape(-1).astype(np.int64)] if self.embed is not None else x.reshape(n, c.hidden_size)
       positions.append(np.arange(s, s + p))
       # causal: query i (at position s+i) sees keys up to s+i; later slots hold old padding or nothing yet
-      masks.append(Tensor(np.where(np.arange(capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(np.float32)))
+      masks.append(np.where(np.arange(capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(np.float32).reshape(-1))
       starts.append(Variable(f"start{slot}", 0, capacity - p).bind(s))
       offsets[r] = offset
       offset += p
+    positions.append(np.zeros(rows - offset, dtype=np.int64))
     angles = np.concatenate(positions)[:, None].astype(np.float32) * self.inv_freq[None, :]
-    cos, sin = Tensor(np.cos(angles)[:, None, :]), Tensor(np.sin(angles)[:, None, :])
+    rope_cs = Tensor(np.stack([np.cos(angles), np.sin(angles)])[:, :, None, :])
+    masks = Tensor(np.concatenate(masks))
 
     # Two jits per signature, alternating by layer: a jit's output buffer is rewritten on its next replay, so it
     # is never fed back into the jit that owns it.
     jits = self._jit(("layer", sig), lambda *a: self._layer(sig, *a), 2)
     x = Tensor(h)
     for li, layer in enumerate(self.layers):
-      kv = [t for r in order for t in caches[r].kv[2 * li:2 * li + 2]]
-      x = jits[li % 2](x, cos, sin, *masks, *layer, *kv, *starts)
+      x = jits[li % 2](x, rope_cs, masks, layer, *[caches[r].kv[li] for r in order], *starts)
     for cache, n in zip(caches, lengths):
       cache.length += n
 

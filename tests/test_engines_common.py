@@ -1,0 +1,182 @@
+"""What every batch-capable engine must do on the real SmolLM2-135M, as helpers; test_engines_<name>.py and
+test_engine_agreement.py run them per engine. (No tests here: this module only holds the shared checks.)"""
+import asyncio
+import functools
+import sys
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+from exo.inference import weights as weights_module
+from tests.conftest import smollm2_shard
+
+# The same forward computed two ways (one shard vs two, alone vs batched, engine vs engine) agrees to this absolute
+# tolerance on the logits, which are O(10): float32 summation order differs between the ways.
+LOGIT_ATOL = 2e-3
+
+# Short plain-text openings (no chat template): different lengths, different continuations, cheap prefills.
+OPENINGS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colours are",
+            "Water is made of", "My favourite animal", "1, 2, 3, 4,", "Shakespeare wrote"]
+
+
+@functools.lru_cache(maxsize=None)
+def cached_weights(path, shard):
+  """Reading the GGUF costs seconds; every engine in the session shares one read per shard (they only copy from it)."""
+  return weights_module.load_shard_weights(path, shard)
+
+
+async def load_engine_async(cls, downloader, shard=None):
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(sys.modules[cls.__module__], "load_shard_weights", cached_weights)
+    engine = cls(downloader)
+    await engine.ensure_shard(shard or smollm2_shard())
+  return engine
+
+
+def load_engine(cls, downloader, shard=None):
+  return asyncio.run(load_engine_async(cls, downloader, shard))
+
+
+def chat(engine, text: str) -> str:
+  return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+def prompt_ids(engine, texts, template: bool = False) -> List[np.ndarray]:
+  return [np.array(engine.tokenizer.encode(chat(engine, t) if template else t), dtype=np.int64) for t in texts]
+
+
+def argmax(logits: np.ndarray) -> int:
+  return int(np.argmax(logits[0, -1]))
+
+
+async def greedy(engine, request_id: str, ids: np.ndarray, n: int, stop_at_eos: bool = True) -> List[int]:
+  """One request alone, token by token through infer_tensor."""
+  shard = smollm2_shard()
+  logits, _ = await engine.infer_tensor(request_id, shard, ids.reshape(1, -1))
+  tokens = []
+  for _ in range(n):
+    tokens.append(argmax(logits))
+    if len(tokens) == n or (stop_at_eos and tokens[-1] in engine.tokenizer.eos_token_ids):
+      break
+    logits, _ = await engine.infer_tensor(request_id, shard, np.array([[tokens[-1]]]))
+  await engine.finish_request(request_id)
+  return tokens
+
+
+async def interleaved(engine, prompts: List[np.ndarray], n: int, tag: str) -> List[List[int]]:
+  """All requests at once, each through infer_tensor, switching between them at every token."""
+  async def one(i, ids):
+    shard, request_id = smollm2_shard(), f"{tag}-{i}"
+    logits, _ = await engine.infer_tensor(request_id, shard, ids.reshape(1, -1))
+    tokens = []
+    for _ in range(n):
+      tokens.append(argmax(logits))
+      if len(tokens) == n or tokens[-1] in engine.tokenizer.eos_token_ids:
+        break
+      await asyncio.sleep(0)
+      logits, _ = await engine.infer_tensor(request_id, shard, np.array([[tokens[-1]]]))
+    await engine.finish_request(request_id)
+    return tokens
+  return list(await asyncio.gather(*[one(i, ids) for i, ids in enumerate(prompts)]))
+
+
+async def batched(engine, prompts: List[np.ndarray], n: int, tag: str, join_every: int = 1,
+                  stop_at_eos: bool = True, first_logits: Dict[int, np.ndarray] = None) -> List[List[int]]:
+  """All requests through infer_batch, one engine step per token; request i joins at step i // join_every, so with
+  join_every > 0 steps mix prompts (prefill) and single decode tokens of other requests."""
+  shard = smollm2_shard()
+  tokens: List[List[int]] = [[] for _ in prompts]
+  done = [False] * len(prompts)
+  step = 0
+  while not all(done):
+    items, who = [], []
+    for i, ids in enumerate(prompts):
+      if done[i] or step < (i // join_every if join_every else 0):
+        continue
+      items.append((f"{tag}-{i}", ids.reshape(1, -1) if not tokens[i] else np.array([[tokens[i][-1]]]), {"i": i}))
+      who.append(i)
+    if items:
+      for i, result in zip(who, await engine.infer_batch(shard, items)):
+        assert not isinstance(result, Exception), result
+        logits, state = result
+        assert logits.shape == (1, 1, engine.model.config.vocab_size) and state == {"i": i}
+        if first_logits is not None and not tokens[i]:
+          first_logits[i] = logits[0, -1]
+        tokens[i].append(argmax(logits))
+        if len(tokens[i]) == n or (stop_at_eos and tokens[i][-1] in engine.tokenizer.eos_token_ids):
+          done[i] = True
+          await engine.finish_request(f"{tag}-{i}")
+    step += 1
+  return tokens
+
+
+# --- the checks ---
+
+async def check_greedy_answer(engine):
+  ids = prompt_ids(engine, ["What is the capital of France?"], template=True)[0]
+  tokens = await greedy(engine, "capital", ids, 12)
+  assert engine.tokenizer.decode(tokens) == "The capital of France is Paris.<|im_end|>"
+
+
+async def check_shapes_and_errors(engine):
+  shard = smollm2_shard()
+  assert isinstance(engine.device_name, str) and engine.device_name
+  logits, state = await engine.infer_prompt("shapes", shard, "Hello there", {"keep": 1})
+  assert logits.shape == (1, 1, 49152) and logits.dtype == np.float32 and state == {"keep": 1}
+  sampled = await engine.sample(logits, temp=0.0)
+  assert sampled.item() == argmax(logits)
+  with pytest.raises(ValueError, match="out of range"):
+    await engine.infer_tensor("bad", shard, np.array([[10**6]]))
+  with pytest.raises(ValueError, match="token ids"):
+    await engine.infer_tensor("bad", shard, np.zeros((1, 2, 576), dtype=np.float32))
+  # one bad item fails alone; the others in its step still run
+  results = await engine.infer_batch(shard, [("bad", np.array([[-1]]), None), ("shapes", np.array([[42]]), None)])
+  assert isinstance(results[0], ValueError) and results[1][0].shape == (1, 1, 49152)
+  assert "bad" not in engine.caches
+  await engine.finish_request("shapes")
+  assert engine.kv_cache_bytes() == 0
+
+
+async def check_concurrent_match_alone(engine, n: int):
+  """8 requests with different prompts, interleaved at token granularity, each give exactly their tokens alone."""
+  prompts = prompt_ids(engine, OPENINGS)
+  alone = [await greedy(engine, f"alone-{i}", ids, n) for i, ids in enumerate(prompts)]
+  assert len(set(map(tuple, alone))) > 4, "the prompts should lead to different answers"
+  assert engine.kv_cache_bytes() == 0
+  assert await interleaved(engine, prompts, n, "mixed") == alone
+  assert engine.kv_cache_bytes() == 0
+  assert await batched(engine, prompts, n, "batch", join_every=0) == alone  # all prompts in one step, then decode
+  assert await batched(engine, prompts, n, "join", join_every=4) == alone  # half the requests join a running batch
+  assert engine.kv_cache_bytes() == 0
+
+
+async def check_split_shards_match_whole(engine, cls, downloader, tag: str):
+  """A shard split in two gives the whole model's logits, for the prompt and for the tokens after it."""
+  first = await load_engine_async(cls, downloader, smollm2_shard(0, 13))
+  second = await load_engine_async(cls, downloader, smollm2_shard(14, 29))
+  assert len(first.model.layers) == 14 and len(second.model.layers) == 16, "a shard holds only its own layers"
+  ids = prompt_ids(engine, ["What is 2 + 2?"], template=True)[0]
+  x = ids.reshape(1, -1)
+  for _ in range(3):
+    whole, _ = await engine.infer_tensor(tag, smollm2_shard(), x)
+    hidden, _ = await first.infer_tensor(tag, smollm2_shard(0, 13), x)
+    assert hidden.shape == (1, x.shape[1], 576) and hidden.dtype == np.float32
+    split, _ = await second.infer_tensor(tag, smollm2_shard(14, 29), hidden)
+    assert split.shape == whole.shape == (1, 1, 49152)
+    np.testing.assert_allclose(split, whole, atol=LOGIT_ATOL)
+    x = np.array([[argmax(whole)]])
+  for e in (engine, first, second):
+    await e.finish_request(tag)
+    assert e.kv_cache_bytes() == 0
+
+
+async def check_cache_grows_not_preallocated(engine):
+  shard = smollm2_shard()
+  await engine.infer_prompt("grow", shard, "Hi")
+  small = engine.kv_cache_bytes()
+  assert 0 < small < 30 * 2 * 3 * 1024 * 64 * 4, "not sized to the 8192-token context"
+  await engine.infer_tensor("grow", shard, np.full((1, 100), 1780, dtype=np.int64))
+  assert engine.kv_cache_bytes() > small
+  await engine.finish_request("grow")
+  assert engine.kv_cache_bytes() == 0

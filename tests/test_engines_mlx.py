@@ -1,0 +1,51 @@
+"""The MLX engine on the real SmolLM2-135M (mlx[cpu] here; Metal on Apple silicon takes the same code)."""
+import ctypes.util
+import sys
+
+import pytest
+
+import exo.inference.mlx as mlx_package  # (first: it binds OpenBLAS, which must precede mlx.core)
+
+pytest.importorskip("mlx.core")  # CI installs it; this only spares machines without the package
+
+from exo.download.shard_download import HFShardDownloader  # noqa: E402
+from exo.inference.inference_engine import get_inference_engine  # noqa: E402
+from exo.inference.mlx.engine import MLXDynamicShardInferenceEngine  # noqa: E402
+from tests import test_engines_common as common  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine(downloader):
+  return common.load_engine(MLXDynamicShardInferenceEngine, downloader)
+
+
+def test_registry_builds_it():
+  engine = get_inference_engine("mlx", HFShardDownloader())
+  assert isinstance(engine, MLXDynamicShardInferenceEngine) and engine.device_name in ("CPU", "METAL")
+
+
+async def test_greedy_answer(engine):
+  await common.check_greedy_answer(engine)
+
+
+async def test_shapes_and_errors(engine):
+  await common.check_shapes_and_errors(engine)
+
+
+async def test_concurrent_requests_match_alone(engine):
+  await common.check_concurrent_match_alone(engine, n=6)
+
+
+async def test_split_shards_match_whole(engine, downloader):
+  await common.check_split_shards_match_whole(engine, MLXDynamicShardInferenceEngine, downloader, "split")
+
+
+async def test_cache_grows_not_preallocated(engine):
+  await common.check_cache_grows_not_preallocated(engine)
+
+
+def test_openblas_bound_when_present():
+  """mlx[cpu]'s bundled reference BLAS is several times slower; with OpenBLAS on the system the engine binds it."""
+  if sys.platform != "linux" or not ctypes.util.find_library("openblas"):
+    pytest.skip("no system OpenBLAS")
+  assert mlx_package.OPENBLAS is not None
