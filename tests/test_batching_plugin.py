@@ -35,12 +35,13 @@ class ToyEngine(InferenceEngine):
   tokens up to there (its own 'KV cache'), for every position of the input, so sampling the wrong position, the wrong
   row or the wrong request shows. Every step and every sampling call sleeps, so concurrent callers interleave."""
 
-  def __init__(self, step_s: float = 0.002, sample_s: float = 0.002, slow: Optional[Dict[str, float]] = None, poison=()):
+  def __init__(self, step_s: float = 0.002, sample_s: float = 0.002, slow: Optional[Dict[str, float]] = None, poison=(), broken=()):
     self.shard = None
     self.tokenizer = SimpleNamespace(eos_token_id=EOS, eos_token_ids={EOS})
     self.step_s, self.sample_s = step_s, sample_s
     self.slow = {tuple(encode(p)): s for p, s in (slow or {}).items()}  # prompt -> seconds its prompt step takes
     self.poison = {tuple(encode(p)) for p in poison}  # prompts whose decode logits are NaN
+    self.broken = {tuple(encode(p)) for p in broken}  # prompts whose decode steps raise
     self.history: Dict[str, List[int]] = {}
     self.prompts: Dict[str, tuple] = {}
     self.batches: List[int] = []  # rows per infer_batch call
@@ -80,6 +81,8 @@ class ToyEngine(InferenceEngine):
     logits = np.stack([toy_logits(history + ids[:i + 1]) for i in range(len(ids))])[None]
     if prompt in self.poison and history:
       logits[..., 3] = np.nan  # its decode steps go bad
+    if prompt in self.broken and history:
+      raise RuntimeError("this request's forward pass broke")
     history += ids
     return logits, inference_state
 
@@ -221,6 +224,16 @@ async def test_a_failing_row_ends_only_its_request():
     assert result == reference_greedy(prompt, 8)
   assert isinstance(results[-1], GenerationError) and "NaN" in str(results[-1])
   assert max(plugin.sampler.stats.sizes) > 1
+  await settle(node)
+
+
+async def test_a_failing_forward_pass_ends_only_its_request():
+  node, plugin = make_node(ToyEngine(broken=["broken"]), BatchingConfig(batch_size=8, timeout_ms=50))
+  prompts = [f"fine {i}" for i in range(5)] + ["broken"]
+  results = await asyncio.wait_for(asyncio.gather(*[ask(node, p, SamplingParams(max_tokens=8)) for p in prompts], return_exceptions=True), 60)
+  assert results[:-1] == [reference_greedy(p, 8) for p in prompts[:-1]]
+  assert isinstance(results[-1], GenerationError) and "broke" in str(results[-1])
+  assert max(plugin.step_stats().sizes) > 1
   await settle(node)
 
 
