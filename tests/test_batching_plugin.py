@@ -3,7 +3,6 @@ which is what made upstream's batcher hang: many requests at random times all fi
 each request gets its own sampling parameters, a bad row fails alone, stop() leaves nothing behind."""
 import asyncio
 import random
-import sys
 import textwrap
 import time
 import zlib

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from exo.inference.sampling import SamplingParams
+from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatcherStopped
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.scheduler import Scheduler
 from tests.conftest import smollm2_shard
-from tests.test_batching_plugin import ToyEngine, make_node, settle, TOY
+from tests.test_batching_plugin import ToyEngine, make_node, settle
 
-FIRST, MIDDLE, LAST = (TOY.__class__("toy", 0, 1, 4), TOY.__class__("toy", 2, 2, 4), TOY.__class__("toy", 3, 3, 4))
+FIRST, LAST = Shard("toy", 0, 1, 4), Shard("toy", 2, 3, 4)
 HIDDEN = 4
 
 
@@ -163,7 +164,6 @@ def smollm2_engine(downloader):
 
 async def test_smollm2_32_requests_at_random_times_match_unbatched(smollm2_engine):
   from exo.orchestration.generation import generate
-  from exo.orchestration.node import Node
   rng = random.Random(7)
   words = "sun river stone apple cloud music garden ocean paper window silver forest".split()
   jobs = [(f"Story {i}: " + " ".join(rng.choice(words) for _ in range(rng.choice([2, 10, 40, 90]))), rng.uniform(0, 1.0)) for i in range(32)]
