@@ -17,7 +17,7 @@ LOGIT_ATOL = 2e-3
 
 # Short plain-text openings (no chat template): different lengths, different continuations, cheap prefills.
 OPENINGS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colours are",
-            "Water is made of", "My favourite animal", "1, 2, 3, 4,", "Shakespeare wrote"]
+            "Water is made of", "My favourite animal", "Two plus two is", "Shakespeare wrote"]
 
 
 @functools.lru_cache(maxsize=None)

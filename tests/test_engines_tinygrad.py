@@ -30,7 +30,7 @@ async def test_shapes_and_errors(engine):
 
 
 async def test_concurrent_requests_match_alone(engine):
-  await common.check_concurrent_match_alone(engine, n=6)
+  await common.check_concurrent_match_alone(engine, n=5)
 
 
 async def test_split_shards_match_whole(engine, downloader):

@@ -1,6 +1,6 @@
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -9,6 +9,9 @@ from exo.inference.sampling import sample_last
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import load_shard_weights
+
+if TYPE_CHECKING:
+  from exo.inference.mlx.llama import KVCache
 
 
 def _mlx_device() -> str:

@@ -100,9 +100,9 @@ class Llama:
     return out
 
   def _layer(self, sig: tuple, h: Tensor, rope_cs: Tensor, masks: Tensor, flat_weights: Tensor, *args) -> Tensor:
-    """One decoder layer. sig = (rows, then per request r: (its padded rows, its cache capacity)); rope_cs = (cos, sin) per row; masks =
-    every request's (rows, capacity) mask, flattened and concatenated; args = one KV cache per request, then one start
-    position (a bound Variable) per request."""
+    """One decoder layer. sig = (rows, then per request: (its padded rows, its cache capacity)); rope_cs = (cos, sin)
+    per row; masks = every request's (rows, capacity) mask, flattened and concatenated; args = one KV cache per
+    request, then one start position (a bound Variable) per request."""
     c, n_req = self.config, len(sig) - 1
     qkv_w, o_w, gate_up_w, down_w, attn_norm, mlp_norm = self._weights(flat_weights)
     kv, starts = args[:n_req], args[n_req:]
