@@ -172,11 +172,19 @@ async def check_split_shards_match_whole(engine, cls, downloader, tag: str):
 
 
 async def check_cache_grows_not_preallocated(engine):
+  """The cache starts small, grows past its first capacity as the request goes on, and stays exact doing so."""
   shard = smollm2_shard()
-  await engine.infer_prompt("grow", shard, "Hi")
+  ids = np.array(engine.tokenizer.encode("word " * 80), dtype=np.int64)[:72]
+  await engine.infer_tensor("grow", shard, ids[None, :40])
   small = engine.kv_cache_bytes()
   assert 0 < small < 30 * 2 * 3 * 1024 * 64 * 4, "not sized to the 8192-token context"
-  await engine.infer_tensor("grow", shard, np.full((1, 100), 1780, dtype=np.int64))
-  assert engine.kv_cache_bytes() > small
+  await engine.infer_tensor("grow", shard, ids[None, 40:70])  # crosses the first capacity
+  await engine.infer_tensor("grow", shard, ids[None, 70:71])
+  grown = engine.kv_cache_bytes()
+  incremental, _ = await engine.infer_tensor("grow", shard, ids[None, 71:72])
+  assert grown > small
+  whole, _ = await engine.infer_tensor("grow-whole", shard, ids[None, :72])
+  np.testing.assert_allclose(incremental, whole, atol=LOGIT_ATOL)
   await engine.finish_request("grow")
+  await engine.finish_request("grow-whole")
   assert engine.kv_cache_bytes() == 0

@@ -4,9 +4,12 @@ Token-parallel work (projections, MLP, norms, head) runs on all rows of all requ
 request against that request's own KV cache ("selective batching").
 
 tinygrad pays heavily for scheduling un-jitted graphs, so each decoder layer runs through a TinyJit. A jit is keyed
-by the step's shape signature (per request: rows padded to a power of two, cache capacity) and is shared by every
-layer of the shard: weights, caches, masks and start positions are all jit *inputs*, so replaying it for another
-layer or another request reads that layer's weights and that request's cache, never ones captured earlier."""
+by the step's shape signature (total rows, and per request its padded rows and cache capacity, all bucketed) and is
+shared by every layer of the shard: weights, caches, masks and start positions are all jit *inputs*, so replaying
+it for another layer or another request reads that layer's weights and that request's cache, never ones captured
+earlier. A new signature costs one eager layer and one capture (plus code generation for new kernel shapes); steady
+decoding replays. Attention reads the whole (bucketed) cache under a mask, so only the cache write needs a
+symbolic position."""
 import math
 from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
@@ -117,7 +120,7 @@ class Llama:
     outs, offset, mask_offset = [], 0, 0
     for r, (n, capacity) in enumerate(sig[1:]):
       cache, s = kv[r], starts[r]
-      cache[:, :, s:s + n].assign(k[offset:offset + n].stack(v[offset:offset + n]).permute(0, 2, 1, 3)).realize()
+      cache.shrink((None, None, (s, s + n), None)).assign(k[offset:offset + n].stack(v[offset:offset + n]).permute(0, 2, 1, 3)).realize()
       keys, values = cache[0], cache[1]
       mask = masks[mask_offset:mask_offset + n * capacity].reshape(n, capacity)
       qr = q[offset:offset + n].reshape(n, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)
