@@ -64,8 +64,8 @@ def make_prompts(n: int, prompt_tokens: int, salt: int = 0) -> List[str]:
 class Cluster:
   """1 or more `exo` processes on loopback with manual discovery; batching set through the environment."""
 
-  def __init__(self, nodes: int, engine: str, batching: bool, batch_size: int, timeout_ms: float, log_dir: Path):
-    self.nodes, self.engine, self.batching, self.batch_size, self.timeout_ms, self.log_dir = nodes, engine, batching, batch_size, timeout_ms, log_dir
+  def __init__(self, nodes: int, engine: str, batching: bool, args, log_dir: Path):
+    self.nodes, self.engine, self.batching, self.args, self.log_dir = nodes, engine, batching, args, log_dir
     self.procs: List[subprocess.Popen] = []
     self.api_ports: List[int] = []
 
@@ -76,9 +76,11 @@ class Cluster:
       "model": "bench", "chip": "cpu", "memory": 1000, "flops": {"fp32": 0, "fp16": 0, "int8": 0}}} for i, p in enumerate(grpc_ports)}}
     config_path = self.log_dir / f"peers-{self.nodes}.json"
     config_path.write_text(json.dumps(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_BATCH")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXO_BATCH", "EXO_PREFILL"))}
     if self.batching:
-      env.update(EXO_BATCH_SIZE=str(self.batch_size), EXO_BATCH_TIMEOUT_MS=str(self.timeout_ms))
+      env.update(EXO_BATCH_SIZE=str(self.args.batch_size), EXO_BATCH_TIMEOUT_MS=str(self.args.batch_timeout_ms))
+      if self.args.prefill_chunk is not None:
+        env.update(EXO_PREFILL_CHUNK=str(self.args.prefill_chunk))
     for i in range(self.nodes):
       node_env = dict(env, EXO_HOME=str(self.log_dir / f"home{i}"))
       if self.nodes > 1:
@@ -239,7 +241,7 @@ async def sweep(args, nodes: int, ns: List[int], out, log_dir: Path) -> List[dic
   reference: Dict[int, List[str]] = {}
   for repeat in range(args.repeats):
     for batching in (False, True):
-      async with Cluster(nodes, args.engine, batching, args.batch_size, args.batch_timeout_ms, log_dir) as cluster:
+      async with Cluster(nodes, args.engine, batching, args, log_dir) as cluster:
         await burst(cluster.url, make_prompts(2, 48, salt=99), 8)  # warm-up: load, first allocations
         for n in ns:
           prompts = make_prompts(n, args.prompt_tokens)
@@ -274,6 +276,7 @@ async def main() -> None:
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--batch-timeout-ms", type=float, default=5.0)
+  p.add_argument("--prefill-chunk", type=int, default=None, help="EXO_PREFILL_CHUNK for the batching runs (default: the node's)")
   p.add_argument("--ring-ns", default="8", help="concurrency levels for the 2-node ring ('' to skip)")
   p.add_argument("--no-interference", dest="interference", action="store_false")
   p.add_argument("--no-mixed", dest="mixed", action="store_false")
@@ -296,7 +299,7 @@ async def main() -> None:
     inter = {}
     if args.interference:
       for batching in (False, True):
-        async with Cluster(1, args.engine, batching, args.batch_size, args.batch_timeout_ms, log_dir) as cluster:
+        async with Cluster(1, args.engine, batching, args, log_dir) as cluster:
           await burst(cluster.url, make_prompts(2, 48, salt=99), 8)
           inter[batching] = await interference(cluster.url, 7, 512, args.tokens * 2)
           out.write(json.dumps({"interference": True, "batching": batching, **inter[batching]}) + "\n")
