@@ -215,8 +215,12 @@ async def ask_alone(prompt, params, config):
   return out
 
 
+# The toy engine knows a request by its first input, so these tests keep prompts whole (no prefill chunks).
+WHOLE_PROMPTS = BatchingConfig(batch_size=8, timeout_ms=50, prefill_chunk=0)
+
+
 async def test_a_failing_row_ends_only_its_request():
-  node, plugin = make_node(ToyEngine(poison=["poison"]), BatchingConfig(batch_size=8, timeout_ms=50))
+  node, plugin = make_node(ToyEngine(poison=["poison"]), WHOLE_PROMPTS)
   prompts = [f"fine {i}" for i in range(6)] + ["poison"]
   results = await asyncio.wait_for(asyncio.gather(*[ask(node, p, SamplingParams(max_tokens=8)) for p in prompts], return_exceptions=True), 60)
   for prompt, result in zip(prompts[:-1], results[:-1]):
@@ -227,7 +231,7 @@ async def test_a_failing_row_ends_only_its_request():
 
 
 async def test_a_failing_forward_pass_ends_only_its_request():
-  node, plugin = make_node(ToyEngine(broken=["broken"]), BatchingConfig(batch_size=8, timeout_ms=50))
+  node, plugin = make_node(ToyEngine(broken=["broken"]), WHOLE_PROMPTS)
   prompts = [f"fine {i}" for i in range(5)] + ["broken"]
   results = await asyncio.wait_for(asyncio.gather(*[ask(node, p, SamplingParams(max_tokens=8)) for p in prompts], return_exceptions=True), 60)
   assert results[:-1] == [reference_greedy(p, 8) for p in prompts[:-1]]
