@@ -2,12 +2,12 @@
 test_engine_agreement.py run them per engine. (No tests here: this module only holds the shared checks.)"""
 import asyncio
 import functools
-import sys
 from typing import Dict, List
 
 import numpy as np
 import pytest
 
+from exo.inference import llama_engine
 from exo.inference import weights as weights_module
 from tests.conftest import smollm2_shard
 
@@ -28,7 +28,7 @@ def cached_weights(path, shard):
 
 async def load_engine_async(cls, downloader, shard=None):
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(sys.modules[cls.__module__], "load_shard_weights", cached_weights)
+    mp.setattr(llama_engine, "load_shard_weights", cached_weights)
     engine = cls(downloader)
     await engine.ensure_shard(shard or smollm2_shard())
   return engine
