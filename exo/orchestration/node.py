@@ -235,7 +235,8 @@ class Node:
     if DEBUG >= 2:
       print(f"[{request_id}] token {token} ({len(buffer)}/{limit}) finished={is_finished}")
     self.trigger_on_token_callbacks(request_id, [token], is_finished)
-    self.spawn(self.broadcast_result(request_id, [token], is_finished))
+    if self.peers:
+      self.spawn(self.broadcast_result(request_id, [token], is_finished))
     self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)
 
   def forward_or_finish(self, shard: Shard, forward: np.ndarray, request_id: str, inference_state: Optional[dict], is_finished: bool) -> None:
