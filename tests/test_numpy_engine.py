@@ -39,6 +39,7 @@ async def greedy(engine, request_id, prompt, n):
     tokens.append(token)
     if token in engine.tokenizer.eos_token_ids:
       break
+    await asyncio.sleep(0)  # run concurrently, requests take turns token by token
     logits, _ = await engine.infer_tensor(request_id, shard, np.array([[token]]))
   await engine.finish_request(request_id)
   return tokens
@@ -95,21 +96,7 @@ async def test_interleaved_requests_match_alone(engine):
   n = 12
   alone = [await greedy(engine, f"alone-{i}", p, n) for i, p in enumerate(prompts)]
 
-  async def one(i, prompt):
-    shard = smollm2_shard()
-    logits, _ = await engine.infer_prompt(f"mixed-{i}", shard, prompt)
-    tokens = []
-    for _ in range(n):
-      token = int(np.argmax(logits[0, -1]))
-      tokens.append(token)
-      if token in engine.tokenizer.eos_token_ids:
-        break
-      await asyncio.sleep(0)  # let the other requests take their turn: token-by-token interleaving
-      logits, _ = await engine.infer_tensor(f"mixed-{i}", shard, np.array([[token]]))
-    await engine.finish_request(f"mixed-{i}")
-    return tokens
-
-  mixed = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+  mixed = await asyncio.gather(*[greedy(engine, f"mixed-{i}", p, n) for i, p in enumerate(prompts)])
   assert mixed == alone
 
 
