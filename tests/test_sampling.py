@@ -55,3 +55,21 @@ def test_sample_last_uses_the_last_position():
   x = np.zeros((1, 3, 10), dtype=np.float32)
   x[0, 0, 1] = x[0, -1, 7] = 10
   assert sample_last(x).item() == 7
+
+
+def test_looking_at_few_candidates_samples_exactly_as_sorting_everything(monkeypatch):
+  import exo.inference.sampling as sampling
+  rng = np.random.default_rng(5)
+  logits = (rng.normal(size=(12, 5000)) * rng.uniform(0.5, 6, size=(12, 1))).astype(np.float32)
+  logits[3, :40] = logits[3, 40]  # ties
+  params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m, seed=i)
+            for i, (t, p, k, m) in enumerate([(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.5, 0.95, 0, 0.05), (1.0, 0.5, 0, 0.0),
+                                              (2.0, 1.0, 50, 0.0), (1.0, 0.8, 1000, 0.0), (0.3, 1.0, 0, 0.1), (1.2, 0.99, 0, 0.0),
+                                              (1.0, 1.0, 0, 0.0), (0.0, 1.0, 0, 0.0), (1.0, 0.6, 3, 0.0), (1.9, 0.999, 0, 0.0)])]
+
+  def run(candidates):
+    monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+    gens = [make_generator(p.seed) for p in params]
+    return np.stack([sample_rows(logits, params, gens) for _ in range(30)])
+
+  assert (run(64) == run(5000)).all()

@@ -30,6 +30,11 @@ def make_generator(seed: Optional[int]) -> np.random.Generator:
   return np.random.Generator(np.random.PCG64(seed))
 
 
+# Most of a distribution's mass sits in a few hundred tokens: look there first, sort the whole vocabulary only for
+# rows whose kept set (top-k, top-p, min-p) might reach beyond them.
+CANDIDATES = 512
+
+
 def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]) -> np.ndarray:
   """Sample one token per row of `logits` (N, vocab); returns int64 ids (N,)."""
   logits = np.asarray(logits, dtype=np.float32).reshape(len(params), -1)
@@ -42,35 +47,49 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], generators
   top_k = np.array([params[i].top_k for i in sampled])
   top_p = np.array([params[i].top_p for i in sampled], dtype=np.float32)[:, None]
   min_p = np.array([params[i].min_p for i in sampled], dtype=np.float32)[:, None]
-
-  # Only the best k candidates can survive any filter; sort just those.
   vocab = rows.shape[-1]
-  k = int(top_k.max()) if (top_k > 0).all() else vocab
-  k = min(k, vocab)
-  if k < vocab:
-    cand = np.argpartition(-rows, k - 1, axis=-1)[:, :k]
-  else:
-    cand = np.broadcast_to(np.arange(vocab), rows.shape)
-  cand_logits = np.take_along_axis(rows, cand, axis=-1)
-  order = np.argsort(-cand_logits, axis=-1, kind="stable")
+  # A row without top-k measures top-p against its whole vocabulary's mass; with top-k, against its k best.
+  scaled_rows = rows / temps
+  full_mass = np.exp(scaled_rows - scaled_rows.max(axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)
+  picks = np.empty(len(sampled), dtype=np.int64)
+  short = _sample_candidates(rows, temps, top_k, top_p, min_p, full_mass, min(CANDIDATES, vocab), generators, sampled, picks)
+  if short.any():  # the kept set may reach past the candidates: these rows sort everything
+    idx = np.nonzero(short)[0]
+    _sample_candidates(rows[idx], temps[idx], top_k[idx], top_p[idx], min_p[idx], full_mass[idx], vocab,
+                       [generators[sampled[i]] for i in idx], list(range(len(idx))), picks_out := np.empty(len(idx), dtype=np.int64))
+    picks[idx] = picks_out
+  tokens[sampled] = picks
+  return tokens
+
+
+def _sample_candidates(rows, temps, top_k, top_p, min_p, full_mass, n, generators, gen_index, picks) -> np.ndarray:
+  """Sample each row among its `n` best tokens (ties by id), unless the kept set might extend past them: those rows
+  draw nothing and are returned as True, so that a row's result never depends on how many candidates were looked at."""
+  vocab = rows.shape[-1]
+  cand = np.argpartition(-rows, n - 1, axis=-1)[:, :n] if n < vocab else np.broadcast_to(np.arange(vocab), rows.shape)
+  cand = np.sort(cand, axis=-1)  # ties in the logits go to the lower id, as a full stable sort would
+  order = np.argsort(-np.take_along_axis(rows, cand, axis=-1), axis=-1, kind="stable")
   cand = np.take_along_axis(cand, order, axis=-1)
-  scaled = np.take_along_axis(cand_logits, order, axis=-1) / temps
-  # Unnormalised weights with each row's own top-k applied first (then top-p renormalises over those); every sum
-  # is a prefix sum along the sorted row, so a row's result does not depend on how many candidates other rows needed.
-  weights = np.exp(scaled - scaled[:, :1])
-  rank = np.arange(weights.shape[-1])[None, :]
+  scaled = np.take_along_axis(rows, cand, axis=-1) / temps
+  weights = np.exp(scaled - scaled[:, :1])  # relative to the row's best token, like full_mass
+  rank = np.arange(n)[None, :]
   weights = np.where((top_k[:, None] <= 0) | (rank < top_k[:, None]), weights, 0.0)
   cum = np.cumsum(weights, axis=-1)
+  with_k = top_k[:, None] > 0
+  mass = np.where(with_k & (top_k[:, None] <= n), cum[:, -1:], full_mass)
   keep = weights >= min_p * weights[:, :1]
-  # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
-  keep &= cum - weights < top_p * cum[:, -1:]
+  keep &= cum - weights < top_p * mass  # top-p: the smallest prefix whose mass reaches top_p
   keep[:, 0] = True
+  # Complete only if the kept set ends before the last candidate (or every token is a candidate).
+  short = keep[:, -1] & (weights[:, -1] > 0) if n < vocab else np.zeros(len(rows), dtype=bool)
+  if with_k.any():
+    short |= (with_k[:, 0] & (top_k > n))
   probs = np.where(keep, weights, 0.0)
   cdf = np.cumsum(probs, axis=-1)
-  u = np.array([generators[i].random() for i in sampled], dtype=np.float64)[:, None] * cdf[:, -1:]
-  pick = np.minimum((cdf <= u).sum(axis=-1), probs.shape[-1] - 1)
-  tokens[sampled] = cand[np.arange(len(sampled)), pick]
-  return tokens
+  for r in np.nonzero(~short)[0]:
+    u = generators[gen_index[r]].random() * cdf[r, -1]
+    picks[r] = cand[r, min(int((cdf[r] <= u).sum()), n - 1)]
+  return short
 
 
 def sample_last(x: np.ndarray, temp: float = 0.0, top_p: float = 1.0, generator: Optional[np.random.Generator] = None) -> np.ndarray:
