@@ -37,8 +37,9 @@ class StepEngine:
             for rid, x, state in items]
 
 
-def scheduler(engine, shard=LAST, batch_size=8, timeout_s=0.0, chunk=0, others_coming=lambda: False):
-  return Scheduler(engine, shard, batch_size, timeout_s, chunk, asyncio.Lock(), others_coming)
+def scheduler(engine, shard=LAST, batch_size=8, timeout_s=0.0, chunk=0, live=()):
+  """`live`: the requests still going on this node; those come back to the scheduler after each step."""
+  return Scheduler(engine, shard, batch_size, timeout_s, chunk, asyncio.Lock(), lambda request_id: request_id in live)
 
 
 async def test_lone_request_does_not_wait_for_the_timeout():
@@ -59,37 +60,71 @@ async def test_every_ready_request_shares_the_step_up_to_the_batch_size():
   await s.stop()
 
 
-async def test_a_step_waits_for_requests_about_to_come_but_at_most_the_timeout():
-  engine, coming = StepEngine(), {"b"}
-  s = scheduler(engine, timeout_s=0.2, others_coming=lambda: bool(coming))
+async def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeout():
+  engine = StepEngine()
+  s = scheduler(engine, timeout_s=0.2, live={"b", "c"})
+  await s.infer("b", np.array([[0]]), None)  # b goes on (sampled, forwarded) and will come back
   a = asyncio.ensure_future(s.infer("a", np.array([[1]]), None))
   await asyncio.sleep(0.05)
-  assert not engine.steps  # "b" is on its way: wait for it
-  coming.clear()
+  assert len(engine.steps) == 1  # b is on its way back: a waits for it
   b = asyncio.ensure_future(s.infer("b", np.array([[2]]), None))
   await asyncio.wait_for(asyncio.gather(a, b), 5)
-  assert [len(step) for step in engine.steps] == [2]
-  coming.add("c")  # "c" never comes: the timeout bounds the wait
+  assert [len(step) for step in engine.steps] == [1, 2]
+  await s.infer("c", np.array([[3]]), None)  # c goes on and never comes back: the timeout bounds the wait
   start = time.monotonic()
-  await asyncio.wait_for(s.infer("d", np.array([[3]]), None), 5)
+  await asyncio.wait_for(s.infer("d", np.array([[4]]), None), 5)
   assert 0.1 < time.monotonic() - start < 2
+  await s.stop()
+
+
+async def test_a_request_that_ended_holds_nobody_up():
+  engine = StepEngine()
+  s = scheduler(engine, timeout_s=30, live={"b"})
+  await s.infer("b", np.array([[0]]), None)
+  a = asyncio.ensure_future(s.infer("a", np.array([[1]]), None))
+  await asyncio.sleep(0.05)
+  assert not a.done()  # b may come back
+  s.forget("b")  # b ended (the node's exo_request_ended hook)
+  await asyncio.wait_for(a, 5)
+  await s.stop()
+
+
+@pytest.mark.parametrize("shard", [FIRST, LAST])
+async def test_the_first_layers_node_keeps_a_batch_together_round_the_ring(shard):
+  """a and b spend ~0.1 s in the rest of the ring between steps; c becomes ready while they are away. On the
+  first layers' node c waits for them (longer than timeout_s) so all three share a step and go round together;
+  elsewhere c waits only timeout_s and a second group forms."""
+  engine = StepEngine()
+  s = scheduler(engine, shard=shard, timeout_s=0.01, live={"a", "b", "c"})
+
+  async def go_round(request_id, rounds, start):
+    await asyncio.sleep(start)
+    for t in range(rounds):
+      await s.infer(request_id, np.array([[t]]), None)
+      await asyncio.sleep(0.1)  # the other nodes' part of the round
+
+  await asyncio.wait_for(asyncio.gather(go_round("a", 4, 0), go_round("b", 4, 0), go_round("c", 2, 0.15)), 10)
+  together = [step for step in engine.steps if len(step) == 3]
+  if shard is FIRST:
+    assert len(together) == 2 and not any(len(step) == 1 for step in engine.steps), engine.steps
+  else:
+    assert not together, engine.steps
   await s.stop()
 
 
 @pytest.mark.parametrize("shard", [FIRST, LAST])
 async def test_chunked_prefill_shares_steps_with_running_decodes(shard):
   engine = StepEngine(delay=0.005)
-  s = scheduler(engine, shard=shard, batch_size=8, chunk=64)
+  s = scheduler(engine, shard=shard, batch_size=8, chunk=64, live={"d0", "d1", "d2"})  # running decodes come back
   prompt = np.arange(300).reshape(1, 300) if shard is FIRST else np.ones((1, 300, HIDDEN))
 
   async def decode(rid):
     for t in range(12):
       out, _ = await s.infer(rid, np.array([[t]]), None)
       assert out.tolist() == [[t + 1]]
+    s.forget(rid)  # as the node's exo_request_ended hook does
 
   decodes = [asyncio.ensure_future(decode(f"d{i}")) for i in range(3)]
-  # what the plugin's accounting tells a node's scheduler: running decodes are about to come back
-  s.others_coming = lambda: any(f"d{i}" not in s.ready for i, task in enumerate(decodes) if not task.done())
   s.timeout_s = 1.0
   await asyncio.sleep(0.002)
   out, state = await asyncio.wait_for(s.infer("long", prompt, None), 10)

@@ -45,5 +45,11 @@ def exo_process_inference_result(node, shard, result: np.ndarray, request_id: st
 
 
 @hookspec
+def exo_request_ended(node, request_id: str) -> None:
+  """A request has ended on this node (finished, failed, cancelled or ended elsewhere): forget it, and stop
+  waiting for it."""
+
+
+@hookspec
 def exo_run_summary(node) -> Optional[str]:
   """A fragment for the summary line `exo run` prints after several prompts (e.g. "mean batch size 5.3")."""

@@ -6,9 +6,9 @@ in one vectorised call (`node.sample_tokens`, each row with its own parameters a
 goes through `node.handle_token` exactly as it would unbatched. Every request still travels the ring as its own
 message, so nodes without this plugin (or upstream exo nodes) share the ring unchanged.
 
-Neither waits for requests that cannot come. The plugin knows which requests a step has just handed back and
-are still on this node (`returning`: being sampled, or on their way back round a ring of one) and which of them
-have not reached sampling yet (`to_sample`); a step or a sampling batch waits (at most the timeout) only for those."""
+Neither waits for requests that cannot come. A step waits only for requests that this node's steps handed back
+and that are still going (the Scheduler keeps them); a sampling batch waits only for requests a last-shard step
+has handed back that have not reached sampling yet (`to_sample`). Both forget a request the moment it ends."""
 import asyncio
 import sys
 from collections import defaultdict
@@ -35,7 +35,6 @@ class BatchingPlugin:
     self.sampler: Batcher[Shard, SampleItem, None] = Batcher(self._sample_group, config.batch_size, config.timeout_ms / 1000, self._nothing_else_coming)
     self.schedulers: Dict[Shard, Scheduler] = {}
     self.engine_lock = asyncio.Lock()
-    self.returning: Dict[Shard, Set[str]] = defaultdict(set)  # handed back by a step, not yet back in line or gone
     self.to_sample: Dict[Shard, Set[str]] = defaultdict(set)  # handed back by a last-shard step, not yet in sampling
 
   # --- hooks ---
@@ -56,6 +55,15 @@ class BatchingPlugin:
     return self._then_account(shard, request_id, handled)
 
   @hookimpl
+  def exo_request_ended(self, node, request_id):
+    for scheduler in self.schedulers.values():
+      scheduler.forget(request_id)
+    for shard, waiting in self.to_sample.items():
+      if request_id in waiting:
+        waiting.discard(request_id)
+        self.sampler.poke(shard)
+
+  @hookimpl
   def exo_node_stopping(self, node):
     return self.stop()
 
@@ -70,25 +78,16 @@ class BatchingPlugin:
   def scheduler(self, shard: Shard) -> Scheduler:
     if shard not in self.schedulers:
       self.schedulers[shard] = Scheduler(self.node.inference_engine, shard, self.config.batch_size, self.config.timeout_ms / 1000,
-                                         self.config.prefill_chunk, self.engine_lock, lambda: self._others_coming(shard),
+                                         self.config.prefill_chunk, self.engine_lock, lambda request_id: request_id in self.node.outstanding_requests,
                                          lambda request_id: self._delivered(shard, request_id))
     return self.schedulers[shard]
 
   async def _infer(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
-    self.returning[shard].discard(request_id)  # back in line
     return await self.scheduler(shard).infer(request_id, tensor, inference_state)
 
   def _delivered(self, shard: Shard, request_id: str) -> None:
-    self.returning[shard].add(request_id)
     if shard.is_last_layer():
       self.to_sample[shard].add(request_id)
-
-  def _others_coming(self, shard: Shard) -> bool:
-    """Will another request of this node be ready for this shard in a moment (it is being sampled or forwarded)?"""
-    returning = self.returning.get(shard)
-    if returning:
-      returning.intersection_update(self.node.outstanding_requests)  # forget requests that ended meanwhile
-    return bool(returning)
 
   async def _then_account(self, shard: Shard, request_id: str, handled):
     try:
@@ -98,18 +97,6 @@ class BatchingPlugin:
       if request_id in self.to_sample[shard]:  # it failed before reaching sampling: stop waiting for it
         self.to_sample[shard].discard(request_id)
         self.sampler.poke(shard)
-      # Still here and about to come back (a ring of one): keep counting it; otherwise it has left this node.
-      if request_id not in self.node.outstanding_requests or not self._next_hop_is_here():
-        self.returning[shard].discard(request_id)
-      if shard in self.schedulers:
-        self.schedulers[shard].poke()
-
-  def _next_hop_is_here(self) -> bool:
-    try:
-      index = self.node.get_partition_index(offset=1)
-      return index is not None and self.node.partitions()[index].node_id == self.node.id
-    except Exception:
-      return False
 
   def step_stats(self) -> BatchStats:
     stats = BatchStats()
@@ -124,10 +111,7 @@ class BatchingPlugin:
     await self.sampler.submit(shard, (result, request_id, inference_state, request_id in self.node.outstanding_requests))
 
   def _nothing_else_coming(self, shard: Shard, waiting: int) -> bool:
-    coming = self.to_sample.get(shard)
-    if coming:
-      coming.intersection_update(self.node.outstanding_requests)  # forget requests that ended meanwhile
-    return not coming
+    return not self.to_sample.get(shard)
 
   async def _sample_group(self, shard: Shard, items: List[SampleItem]) -> List[Optional[BaseException]]:
     node = self.node

@@ -6,17 +6,22 @@ running streams instead of freezing them). One `engine.infer_batch` call runs th
 its own output and carries on exactly as unbatched. Requests join and leave between steps; each keeps its own
 KV cache in the engine.
 
-A step starts as soon as the batch is full, or no other request of this node is about to become ready
-(`others_coming`), or the engine has been idle for `timeout_s` with requests ready. A lone request never waits."""
+A step starts at once when the batch is full or no request is on its way back to this shard; a lone request never
+waits. Otherwise it waits for the requests a step of this shard handed back, which come back for their next token
+(see `_start_by`)."""
 import asyncio
 import time
 from dataclasses import dataclass, field
+from collections import deque
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
+
+ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
+ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
 
 
 @dataclass(eq=False)
@@ -38,10 +43,12 @@ class Job:
 
 class Scheduler:
   def __init__(self, engine, shard: Shard, batch_size: int, timeout_s: float, prefill_chunk: int, engine_lock: asyncio.Lock,
-               others_coming: Callable[[], bool] = lambda: False, delivered: Callable[[str], None] = lambda request_id: None):
+               is_live: Callable[[str], bool] = lambda request_id: False, delivered: Callable[[str], None] = lambda request_id: None):
     self.engine, self.shard, self.batch_size, self.timeout_s, self.prefill_chunk = engine, shard, batch_size, timeout_s, prefill_chunk
-    self.engine_lock, self.others_coming, self.delivered = engine_lock, others_coming, delivered
+    self.engine_lock, self.is_live, self.delivered = engine_lock, is_live, delivered
     self.ready: Dict[str, Job] = {}  # insertion order = readiness order
+    self.away: Dict[str, float] = {}  # handed back by a step and still going (sampled, or round the ring): since when
+    self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
     self.stats = BatchStats()  # requests per engine step
     self._wake = asyncio.Event()
     self._loop_task: Optional[asyncio.Task] = None
@@ -53,6 +60,9 @@ class Scheduler:
       raise BatcherStopped("batching has stopped on this node")
     if request_id in self.ready:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {self.shard}")
+    left = self.away.pop(request_id, None)
+    if left is not None:
+      self.round_trips.append(time.monotonic() - left)
     future = asyncio.get_running_loop().create_future()
     self.ready[request_id] = Job(request_id, tensor, state, future)
     if self._loop_task is None:
@@ -60,12 +70,32 @@ class Scheduler:
     self.poke()
     return await future
 
+  def forget(self, request_id: str) -> None:
+    """The request has ended on this node: it will not come back."""
+    if self.away.pop(request_id, None) is not None:
+      self.poke()
+
   def poke(self) -> None:
     """Something changed (a request became ready or went away): look again whether a step can start."""
     self._wake.set()
 
-  def _may_start(self) -> bool:
-    return self._stopped or len(self.ready) >= self.batch_size or not self.others_coming()
+  def _start_by(self) -> float:
+    """When the next step starts at the latest (monotonic time).
+
+    At once if the batch is full or no request is away. Otherwise ready work waits for the requests that are away,
+    up to `timeout_s` after the engine fell idle (or the first became ready): long enough for a batch handed on by
+    the previous node, whose messages arrive one by one, to gather here. The node of the first layers, where every
+    request's next token starts, also waits for each away request up to ROUND_TRIP_SLACK typical round trips from
+    when it left: the requests then travel the ring as one batch instead of splitting into groups, each of which
+    would pay for reading all the weights. A request away longer than that is late and holds nobody up."""
+    now = time.monotonic()
+    if self._stopped or len(self.ready) >= self.batch_size or not self.away:
+      return now
+    start_by = max(next(iter(self.ready.values())).since, self._idle_since) + self.timeout_s
+    if self.shard.is_first_layer() and self.round_trips:
+      typical = sorted(self.round_trips)[len(self.round_trips) // 2]
+      start_by = max(start_by, max(self.away.values()) + ROUND_TRIP_SLACK * typical)
+    return start_by
 
   async def _run(self) -> None:
     while not self._stopped:
@@ -75,9 +105,8 @@ class Scheduler:
         self._wake.clear()
         await self._wake.wait()
         continue
-      # The wait counts from when the engine fell idle: requests that queued behind a step still wait for company.
-      remaining = max(next(iter(self.ready.values())).since, self._idle_since) + self.timeout_s - time.monotonic()
-      if not self._may_start() and remaining > 0:
+      remaining = self._start_by() - time.monotonic()
+      if remaining > 0:
         self._wake.clear()
         try:
           await asyncio.wait_for(self._wake.wait(), remaining)
@@ -140,7 +169,9 @@ class Scheduler:
       if job.outputs:
         output = np.concatenate(job.outputs + [output], axis=1)
       job.future.set_result((output, job.state))
-      self.delivered(job.request_id)
+      if self.is_live(job.request_id):
+        self.away[job.request_id] = self._idle_since
+        self.delivered(job.request_id)
 
   async def stop(self) -> None:
     """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
