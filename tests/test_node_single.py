@@ -128,6 +128,46 @@ async def test_sampling_params_reach_the_last_node_through_opaque_status():
     await node.stop()
 
 
+class RecordingPeer:
+  """Stands in for a peer's gRPC handle (a ring of one has no real peers to receive results): records SendResults."""
+
+  def __init__(self, peer_id: str):
+    self.peer_id, self.results = peer_id, []
+
+  def id(self) -> str:
+    return self.peer_id
+
+  async def send_result(self, request_id, result, is_finished):
+    self.results.append((list(result), is_finished))
+
+  async def send_opaque_status(self, request_id, status):
+    pass
+
+
+@pytest.mark.parametrize("origin", ["asker", None])
+async def test_tokens_go_to_the_node_that_asked_and_the_end_to_every_node(origin):
+  """Each token goes only to the request's origin; the last one goes to every peer (which ends the request there).
+  Without a known origin (a request from an upstream node), every token goes to every peer, as upstream does."""
+  node = await make_node()
+  asker, bystander = RecordingPeer("asker"), RecordingPeer("bystander")
+  node.peers = [asker, bystander]
+  done = asyncio.Event()
+  node.on_token.register("test").on_next(lambda rid, tokens, fin: fin and done.set())
+  try:
+    status = {"type": "request_params", "request_id": "r1", "params": SamplingParams(max_tokens=3).to_dict()}
+    node.on_node_status("r1", json.dumps({**status, "origin": origin} if origin else status))
+    await node.process_prompt(DUMMY, "x", request_id="r1")
+    await asyncio.wait_for(done.wait(), 10)
+    while node._tasks:  # the detached SendResult tasks
+      await asyncio.gather(*list(node._tasks))
+    every_token = [([2], False), ([3], False), ([4], True)]
+    assert asker.results == every_token
+    assert bystander.results == (every_token[-1:] if origin else every_token)
+  finally:
+    node.peers = []
+    await node.stop()
+
+
 async def test_stop_leaves_no_task_behind():
   node = await make_node(max_generate_tokens=10**6)
   node.inference_engine.sample = lambda x, temp=0.0, top_p=1.0: _never_eos()

@@ -23,7 +23,7 @@ from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, 
 from exo.topology.topology import Topology
 
 # Opaque-status types this fork adds; upstream nodes ignore types they do not know.
-REQUEST_PARAMS = "request_params"  # a request's sampling parameters, sent before its prompt
+REQUEST_PARAMS = "request_params"  # a request's sampling parameters and the node that asked, sent before its prompt
 CANCEL_REQUEST = "cancel_request"  # the client has gone or has what it wanted: stop generating
 REQUEST_ERROR = "request_error"  # a hop failed: the request ends with this error
 STALE_REQUEST_S = 3600.0  # forget parameters of requests that never ran here after this long
@@ -32,8 +32,9 @@ ENDED_REQUESTS_KEPT = 10000  # ids of recently ended requests, so stragglers of 
 
 @dataclass
 class RequestState:
-  """What this node knows of one request: its sampling parameters, random stream and fate."""
+  """What this node knows of one request: its sampling parameters, random stream, origin and fate."""
   params: SamplingParams = field(default_factory=SamplingParams)
+  origin: Optional[str] = None  # the node whose client asked for it (unknown for requests from upstream nodes)
   generator: Optional[np.random.Generator] = None
   cancelled: bool = False
   created: float = field(default_factory=time.monotonic)
@@ -127,7 +128,7 @@ class Node:
 
   async def start_request(self, request_id: str, params: SamplingParams) -> None:
     """Tell every node a request's sampling parameters before its prompt enters the ring."""
-    await self.broadcast_opaque_status(request_id, json.dumps({"type": REQUEST_PARAMS, "request_id": request_id, "params": params.to_dict()}))
+    await self.broadcast_opaque_status(request_id, json.dumps({"type": REQUEST_PARAMS, "request_id": request_id, "params": params.to_dict(), "origin": self.id}))
 
   async def cancel_request(self, request_id: str) -> None:
     """Ask the ring to stop generating for a request (its client left or has what it wanted)."""
@@ -149,6 +150,7 @@ class Node:
     self.outstanding_requests.pop(request_id, None)
     self.buffered_token_output.pop(request_id, None)
     self.requests.pop(request_id, None)
+    self.plugins.hook.exo_request_ended(node=self, request_id=request_id)
     self.spawn(self.inference_engine.finish_request(request_id))
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {}) -> Optional[np.ndarray]:
@@ -234,10 +236,13 @@ class Node:
     is_finished = (token in eos_ids and not state.params.ignore_eos) or len(buffer) >= limit or state.cancelled
     if DEBUG >= 2:
       print(f"[{request_id}] token {token} ({len(buffer)}/{limit}) finished={is_finished}")
+    self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)  # the ring waits for it: first
     self.trigger_on_token_callbacks(request_id, [token], is_finished)
-    if self.peers:
-      self.spawn(self.broadcast_result(request_id, [token], is_finished))
-    self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)
+    # Each token goes to the node whose client waits for it; the last one goes to every node, which ends the request
+    # there. (Upstream sends every token to every peer; a request from an upstream node has no known origin.)
+    to = None if is_finished or state.origin is None else state.origin
+    if any(to is None or peer.id() == to for peer in self.peers):
+      self.spawn(self.broadcast_result(request_id, [token], is_finished, to))
 
   def forward_or_finish(self, shard: Shard, forward: np.ndarray, request_id: str, inference_state: Optional[dict], is_finished: bool) -> None:
     if is_finished:
@@ -427,14 +432,15 @@ class Node:
     if is_finished and (request_id in self.requests or request_id in self.outstanding_requests):
       self._end_request_locally(request_id)
 
-  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool) -> None:
+  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None) -> None:
+    """SendResult to every peer, or only to peer `to`."""
     async def send(peer):
       try:
         await asyncio.wait_for(peer.send_result(request_id, result, is_finished), 15.0)
       except Exception as e:
         if DEBUG >= 1:
           print(f"Error sending result to {peer.id()}: {e!r}")
-    await asyncio.gather(*[send(p) for p in self.peers])
+    await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() == to])
 
   async def broadcast_opaque_status(self, request_id: str, status: str) -> None:
     async def send(peer):
@@ -468,7 +474,8 @@ class Node:
       elif kind == "supported_inference_engines":
         self.topology_inference_engines_pool.append(status["engines"])
       elif kind == REQUEST_PARAMS:
-        self.request_state(status["request_id"]).params = SamplingParams.from_dict(status["params"])
+        state = self.request_state(status["request_id"])
+        state.params, state.origin = SamplingParams.from_dict(status["params"]), status.get("origin")
       elif kind == CANCEL_REQUEST and status["request_id"] in self.requests:
         self.requests[status["request_id"]].cancelled = True
       elif kind == REQUEST_ERROR and status["request_id"] not in self.ended_requests:
