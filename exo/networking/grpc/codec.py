@@ -3,6 +3,7 @@
 Decoders validate what they read and raise ValueError on malformed input, so the server can answer
 INVALID_ARGUMENT instead of crashing a handler or corrupting a request."""
 import json
+import math
 from typing import Optional
 
 import numpy as np
@@ -46,7 +47,7 @@ def decode_tensor(tensor: pb.Tensor) -> np.ndarray:
   shape = tuple(tensor.shape)
   if any(d < 0 for d in shape):
     raise ValueError(f"negative dimension in shape {shape}")
-  expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  expected = math.prod(shape) * dtype.itemsize
   if expected != len(tensor.tensor_data):
     raise ValueError(f"tensor of shape {shape} and dtype {dtype} needs {expected} bytes, got {len(tensor.tensor_data)}")
   # frombuffer gives a read-only view of the message's bytes; copy so engines may write in place.

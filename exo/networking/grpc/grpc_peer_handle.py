@@ -44,6 +44,9 @@ HEALTH_CHECK_TIMEOUT_S = 5.0
 OPAQUE_STATUS_TIMEOUT_S = 10.0
 COLLECT_TOPOLOGY_TIMEOUT_S = 5.0
 SEND_RESULT_TIMEOUT_S = 15.0
+# Calls are gzip-compressed like upstream's, except those carrying tensors and token ids: float activations hardly
+# compress, and compressing them costs more time than it saves. Servers accept both (wire.md).
+UNCOMPRESSED = grpc.Compression.NoCompression
 
 
 class GRPCPeerHandle(PeerHandle):
@@ -141,7 +144,7 @@ class GRPCPeerHandle(PeerHandle):
   async def send_tensor(self, shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     await self._ensure_connected()
     request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self._wire_state(inference_state))
-    await self.stub.SendTensor(request)
+    await self.stub.SendTensor(request, compression=UNCOMPRESSED)
     return None
 
   async def send_example(self, shard: Shard, example: np.ndarray, target: np.ndarray, length: np.ndarray, train: bool, request_id: Optional[str] = None):
@@ -160,7 +163,7 @@ class GRPCPeerHandle(PeerHandle):
       request.tensor.CopyFrom(encode_tensor(result))
     else:
       request.result.extend(int(t) for t in result)
-    await self.stub.SendResult(request, timeout=SEND_RESULT_TIMEOUT_S)
+    await self.stub.SendResult(request, timeout=SEND_RESULT_TIMEOUT_S, compression=UNCOMPRESSED)
 
   async def send_opaque_status(self, request_id: str, status: str) -> None:
     await self._ensure_connected()
