@@ -84,15 +84,16 @@ class Scheduler:
 
     At once if the batch is full or no request is away. Otherwise ready work waits for the requests that are away,
     up to `timeout_s` after the engine fell idle (or the first became ready): long enough for a batch handed on by
-    the previous node, whose messages arrive one by one, to gather here. The node of the first layers, where every
-    request's next token starts, also waits for each away request up to ROUND_TRIP_SLACK typical round trips from
-    when it left: the requests then travel the ring as one batch instead of splitting into groups, each of which
-    would pay for reading all the weights. A request away longer than that is late and holds nobody up."""
+    the previous node, whose messages arrive one by one, to gather here. When only new tokens are ready, the node of
+    the first layers, where every request's next token starts, also waits for each away request up to
+    ROUND_TRIP_SLACK typical round trips from when it left: the requests then travel the ring as one batch instead
+    of splitting into groups, each of which would pay for reading all the weights. (A prompt chunk is work enough
+    for a step of its own.) A request away longer than that is late and holds nobody up."""
     now = time.monotonic()
     if self._stopped or len(self.ready) >= self.batch_size or not self.away:
       return now
     start_by = max(next(iter(self.ready.values())).since, self._idle_since) + self.timeout_s
-    if self.shard.is_first_layer() and self.round_trips:
+    if self.shard.is_first_layer() and self.round_trips and all(job.length == 1 for job in self.ready.values()):
       typical = sorted(self.round_trips)[len(self.round_trips) // 2]
       start_by = max(start_by, max(self.away.values()) + ROUND_TRIP_SLACK * typical)
     return start_by
