@@ -236,8 +236,10 @@ class Node:
     is_finished = (token in eos_ids and not state.params.ignore_eos) or len(buffer) >= limit or state.cancelled
     if DEBUG >= 2:
       print(f"[{request_id}] token {token} ({len(buffer)}/{limit}) finished={is_finished}")
-    self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)  # the ring waits for it: first
-    self.trigger_on_token_callbacks(request_id, [token], is_finished)
+    # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
+    # next turn of the event loop, after the next hop's send has started.
+    self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)
+    asyncio.get_running_loop().call_soon(self.trigger_on_token_callbacks, request_id, [token], is_finished)
     # Each token goes to the node whose client waits for it; the last one goes to every node, which ends the request
     # there. (Upstream sends every token to every peer; a request from an upstream node has no known origin.)
     to = None if is_finished or state.origin is None else state.origin
