@@ -168,6 +168,23 @@ async def test_tokens_go_to_the_node_that_asked_and_the_end_to_every_node(origin
     await node.stop()
 
 
+async def test_stop_frees_the_cache_of_a_request_that_just_ended():
+  class Releasing(DummyInferenceEngine):
+    def __init__(self):
+      super().__init__()
+      self.released = []
+
+    async def finish_request(self, request_id):
+      await asyncio.sleep(0.05)  # a real engine hops to its worker thread
+      self.released.append(request_id)
+
+  engine = Releasing()
+  node = await make_node(engine)
+  await collect(node, DUMMY, "x", request_id="r1")
+  await node.stop()  # at once: the release of r1's cache may not have run yet
+  assert engine.released == ["r1"]
+
+
 async def test_stop_leaves_no_task_behind():
   node = await make_node(max_generate_tokens=10**6)
   node.inference_engine.sample = lambda x, temp=0.0, top_p=1.0: _never_eos()

@@ -78,6 +78,7 @@ class Node:
     self._on_opaque_status = AsyncCallbackSystem[str, Tuple[str, str]]()
     self._on_opaque_status.register("node_status").on_next(self.on_node_status)
     self._tasks: Set[asyncio.Task] = set()
+    self._releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
     self._periodic_task: Optional[asyncio.Task] = None
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
@@ -107,7 +108,7 @@ class Node:
     for request_id in list(self.outstanding_requests):
       self._end_request_locally(request_id)
       self._on_opaque_status.trigger_all(request_id, json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": "node stopped"}))
-    await asyncio.gather(*list(self._tasks), return_exceptions=True)  # the cache releases just started
+    await asyncio.gather(*list(self._releases), return_exceptions=True)
     await self.discovery.stop()
     if self.server is not None:
       await self.server.stop()
@@ -151,7 +152,9 @@ class Node:
     self.buffered_token_output.pop(request_id, None)
     self.requests.pop(request_id, None)
     self.plugins.hook.exo_request_ended(node=self, request_id=request_id)
-    self.spawn(self.inference_engine.finish_request(request_id))
+    release = asyncio.create_task(self.inference_engine.finish_request(request_id))
+    self._releases.add(release)
+    release.add_done_callback(self._releases.discard)
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {}) -> Optional[np.ndarray]:
     shard = self.get_current_shard(base_shard)
