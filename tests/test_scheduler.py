@@ -161,6 +161,25 @@ async def test_a_failing_row_fails_alone_and_a_failing_step_fails_only_its_rows(
   await s.stop()
 
 
+async def test_a_malformed_result_or_a_scheduler_bug_ends_requests_with_an_error_never_a_hang():
+  class Malformed(StepEngine):
+    async def infer_batch(self, shard, items):
+      results = await super().infer_batch(shard, items)
+      return ["not an (output, state) pair" if rid == "bad" else r for (rid, _, _), r in zip(items, results)]
+  s = scheduler(Malformed())
+  good, bad = await asyncio.wait_for(asyncio.gather(*[s.infer(rid, np.array([[1]]), None) for rid in ["good", "bad"]], return_exceptions=True), 5)
+  assert good[0].tolist() == [[2]] and isinstance(bad, ValueError)
+
+  def broken_pick():
+    raise RuntimeError("a bug in picking the rows")
+  s._pick = broken_pick
+  with pytest.raises(RuntimeError, match="a bug in picking"):
+    await asyncio.wait_for(s.infer("a", np.array([[1]]), None), 5)
+  del s._pick  # the loop survived its bug: the next request runs
+  assert (await asyncio.wait_for(s.infer("b", np.array([[1]]), None), 5))[0].tolist() == [[2]]
+  await s.stop()
+
+
 async def test_stop_lets_the_step_finish_and_fails_the_waiting():
   engine = StepEngine(delay=0.2)
   s = scheduler(engine, batch_size=2)

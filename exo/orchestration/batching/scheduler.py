@@ -100,25 +100,34 @@ class Scheduler:
 
   async def _run(self) -> None:
     while not self._stopped:
-      for request_id in [r for r, job in self.ready.items() if job.future.done()]:
-        del self.ready[request_id]  # its caller has gone
-      if not self.ready:
-        self._wake.clear()
-        await self._wake.wait()
-        continue
-      remaining = self._start_by() - time.monotonic()
-      if remaining > 0:
-        self._wake.clear()
-        try:
-          await asyncio.wait_for(self._wake.wait(), remaining)
-          continue  # woken early: look again
-        except asyncio.TimeoutError:
-          pass
-      await self._step(self._pick())
+      try:
+        await self._next_step()
+      except Exception as e:  # a bug here must not leave every waiting request hanging: they end with it
+        for job in self.ready.values():
+          if not job.future.done():
+            job.future.set_exception(e)
+        self.ready.clear()
     for job in self.ready.values():
       if not job.future.done():
         job.future.set_exception(BatcherStopped("node stopping"))
     self.ready.clear()
+
+  async def _next_step(self) -> None:
+    for request_id in [r for r, job in self.ready.items() if job.future.done()]:
+      del self.ready[request_id]  # its caller has gone
+    if not self.ready:
+      self._wake.clear()
+      await self._wake.wait()
+      return
+    remaining = self._start_by() - time.monotonic()
+    if remaining > 0:
+      self._wake.clear()
+      try:
+        await asyncio.wait_for(self._wake.wait(), remaining)
+        return  # woken early: look again
+      except asyncio.TimeoutError:
+        pass
+    await self._step(self._pick())
 
   def _pick(self) -> List[Tuple[Job, int]]:
     """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget."""
@@ -156,23 +165,31 @@ class Scheduler:
       results = [e] * len(items)
     self._idle_since = time.monotonic()
     for (job, take), result in zip(rows, results):
-      if job.future.done() or isinstance(result, BaseException):
+      try:
+        if isinstance(result, BaseException):
+          raise result
+        self._deliver(job, take, result)
+      except Exception as e:  # this request ends with its error; the others carry on
         self.ready.pop(job.request_id, None)
         if not job.future.done():
-          job.future.set_exception(result)
-        continue
-      output, job.state = result
-      if take < job.length:  # a prompt chunk: nothing is sampled or forwarded until the last one
-        if not self.shard.is_last_layer():
-          job.outputs.append(output)
-        job.tensor = job.tensor[:, take:]
-        continue
-      if job.outputs:
-        output = np.concatenate(job.outputs + [output], axis=1)
-      job.future.set_result((output, job.state))
-      if self.is_live(job.request_id):
-        self.away[job.request_id] = self._idle_since
-        self.delivered(job.request_id)
+          job.future.set_exception(e)
+
+  def _deliver(self, job: Job, take: int, result: Tuple[np.ndarray, Optional[dict]]) -> None:
+    if job.future.done():  # its caller has gone
+      self.ready.pop(job.request_id, None)
+      return
+    output, job.state = result
+    if take < job.length:  # a prompt chunk: nothing is sampled or forwarded until the last one
+      if not self.shard.is_last_layer():
+        job.outputs.append(output)
+      job.tensor = job.tensor[:, take:]
+      return
+    if job.outputs:
+      output = np.concatenate(job.outputs + [output], axis=1)
+    job.future.set_result((output, job.state))
+    if self.is_live(job.request_id):
+      self.away[job.request_id] = self._idle_since
+      self.delivered(job.request_id)
 
   async def stop(self) -> None:
     """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
