@@ -149,6 +149,18 @@ async def test_at_most_one_chunk_budget_of_prompt_tokens_per_step():
   await s.stop()
 
 
+async def test_a_prompt_alone_is_not_cut_into_small_chunks():
+  """Chunks protect other requests' streams; with nobody else here a prompt runs in steps of LONE_PROMPT_CHUNK."""
+  from exo.orchestration.batching.scheduler import LONE_PROMPT_CHUNK
+  engine = StepEngine()
+  s = scheduler(engine, chunk=64, live={"d"})
+  await s.infer("p", np.zeros((1, LONE_PROMPT_CHUNK + 88), dtype=np.int64), None)
+  await s.infer("d", np.array([[1]]), None)  # d goes on and will come back: from now on a prompt is not alone
+  await s.infer("q", np.zeros((1, 100), dtype=np.int64), None)
+  assert [[sh[1] for _, sh in step] for step in engine.steps] == [[LONE_PROMPT_CHUNK], [88], [1], [64], [36]]
+  await s.stop()
+
+
 async def test_a_failing_row_fails_alone_and_a_failing_step_fails_only_its_rows():
   engine = StepEngine(fail={"bad"}, fail_step=1)
   s = scheduler(engine, batch_size=4)

@@ -22,6 +22,7 @@ from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
 
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
 ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
+LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no other request is here (bounds a step's attention memory)
 
 
 @dataclass(eq=False)
@@ -130,8 +131,11 @@ class Scheduler:
     await self._step(self._pick())
 
   def _pick(self) -> List[Tuple[Job, int]]:
-    """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget."""
-    rows, budget = [], self.prefill_chunk or float("inf")
+    """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget.
+    Chunks only protect other requests; a prompt alone here runs in chunks of up to LONE_PROMPT_CHUNK tokens."""
+    alone = len(self.ready) == 1 and not self.away
+    budget = (max(self.prefill_chunk, LONE_PROMPT_CHUNK) if alone else self.prefill_chunk) or float("inf")
+    rows = []
     for job in self.ready.values():
       if len(rows) >= self.batch_size:
         break
