@@ -11,8 +11,8 @@ waits. Otherwise it waits for the requests a step of this shard handed back, whi
 (see `_start_by`)."""
 import asyncio
 import time
-from dataclasses import dataclass, field
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
