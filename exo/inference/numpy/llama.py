@@ -8,6 +8,7 @@ block product is then small enough for OpenBLAS's small-matrix kernel, which rea
 A plain (rows, in) @ (in, out) product would first copy ("pack") the whole weight matrix, which for a
 decode batch of 2-32 rows costs more than the arithmetic; this way 16 decode rows cost about twice one."""
 import math
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Sequence
@@ -59,19 +60,39 @@ def matmul(x: np.ndarray, blocks: np.ndarray, n_out: int) -> np.ndarray:
   return out[:, :n_out] if n_out != out.shape[1] else out
 
 
+def zeros_in_small_pages(shape) -> np.ndarray:
+  """A float32 zero array whose memory the kernel maps in 4 KiB pages as it is first written.
+
+  numpy asks for transparent huge pages for large arrays; a huge page may first need the kernel to compact memory,
+  and when several requests' caches grew in the same step that stalled the step by up to 250 ms."""
+  buffer = mmap.mmap(-1, max(1, math.prod(shape) * 4))  # anonymous, zero-filled; unmapped with the array
+  if hasattr(mmap, "MADV_NOHUGEPAGE"):
+    buffer.madvise(mmap.MADV_NOHUGEPAGE)
+  return np.frombuffer(buffer, dtype=np.float32, count=math.prod(shape)).reshape(shape)
+
+
+GROW_AHEAD = 0.75  # a cache this full may grow one step early
+
+
 class KVCache:
   """One request's keys and values for this shard's layers, grown as the request uses it."""
 
   def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = 64):
-    self.data = np.zeros((n_layers, 2, n_kv_heads, capacity, head_dim), dtype=np.float32)
+    self.data = zeros_in_small_pages((n_layers, 2, n_kv_heads, capacity, head_dim))
     self.length = 0
 
-  def reserve(self, length: int) -> None:
-    capacity = self.data.shape[3]
-    if length > capacity:
-      grown = np.zeros(self.data.shape[:3] + (max(length, 2 * capacity), self.data.shape[4]), dtype=np.float32)
-      grown[:, :, :, :self.length] = self.data[:, :, :, :self.length]
-      self.data = grown
+  @property
+  def capacity(self) -> int:
+    return self.data.shape[3]
+
+  def reserve(self, length: int) -> bool:
+    """Room for `length` positions; True if the cache had to grow (to twice its size, or more)."""
+    if length <= self.capacity:
+      return False
+    grown = zeros_in_small_pages(self.data.shape[:3] + (max(length, 2 * self.capacity), self.data.shape[4]))
+    grown[:, :, :, :self.length] = self.data[:, :, :, :self.length]
+    self.data = grown
+    return True
 
   @property
   def nbytes(self) -> int:
@@ -124,8 +145,12 @@ class Llama:
     positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
     angles = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
-    for cache, s, n in zip(caches, starts, lengths):
-      cache.reserve(s + n)
+    grew = [cache.reserve(s + n) for cache, s, n in zip(caches, starts, lengths)]
+    fullest = max(caches, key=lambda cache: (cache.length + 1) / cache.capacity)
+    if not any(grew) and fullest.length >= GROW_AHEAD * fullest.capacity:
+      # Requests that run in step fill their caches together; growing one ahead of time per step spreads the
+      # copying out instead of stalling every stream in the one step where they would all grow.
+      fullest.reserve(fullest.capacity + 1)
 
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     group, q_size, kv_size = n_heads // n_kv, n_heads * hd, n_kv * hd
