@@ -141,27 +141,23 @@ async def test_chunked_prefill_shares_steps_with_running_decodes(shard):
   await s.stop()
 
 
-async def test_each_prompt_advances_at_most_one_chunk_per_step_within_the_step_budget():
-  from exo.orchestration.batching.scheduler import STEP_PROMPT_TOKENS
+async def test_at_most_one_chunk_budget_of_prompt_tokens_per_step():
   engine = StepEngine()
   s = scheduler(engine, batch_size=8, chunk=100)
-  await asyncio.gather(*[s.infer(f"p{i}", np.zeros((1, 150), dtype=np.int64), None) for i in range(6)])
-  steps = [[sh[1] for _, sh in step] for step in engine.steps]
-  assert steps[0] == [100] * 5 + [STEP_PROMPT_TOKENS - 500]  # every prompt gets a chunk until the budget is spent
-  assert all(max(step) <= 100 and sum(step) <= STEP_PROMPT_TOKENS for step in steps)
-  assert sum(map(sum, steps)) == 6 * 150
+  await asyncio.gather(*[s.infer(f"p{i}", np.zeros((1, 70), dtype=np.int64), None) for i in range(3)])
+  assert [[sh[1] for _, sh in step] for step in engine.steps] == [[70, 30], [40, 60], [10]]
   await s.stop()
 
 
 async def test_a_prompt_alone_is_not_cut_into_small_chunks():
-  """Chunks protect other requests' streams; with nobody else here a prompt runs in steps of STEP_PROMPT_TOKENS."""
-  from exo.orchestration.batching.scheduler import STEP_PROMPT_TOKENS
+  """Chunks protect other requests' streams; with nobody else here a prompt runs in steps of LONE_PROMPT_CHUNK."""
+  from exo.orchestration.batching.scheduler import LONE_PROMPT_CHUNK
   engine = StepEngine()
   s = scheduler(engine, chunk=64, live={"d"})
-  await s.infer("p", np.zeros((1, STEP_PROMPT_TOKENS + 88), dtype=np.int64), None)
+  await s.infer("p", np.zeros((1, LONE_PROMPT_CHUNK + 88), dtype=np.int64), None)
   await s.infer("d", np.array([[1]]), None)  # d goes on and will come back: from now on a prompt is not alone
   await s.infer("q", np.zeros((1, 100), dtype=np.int64), None)
-  assert [[sh[1] for _, sh in step] for step in engine.steps] == [[STEP_PROMPT_TOKENS], [88], [1], [64], [36]]
+  assert [[sh[1] for _, sh in step] for step in engine.steps] == [[LONE_PROMPT_CHUNK], [88], [1], [64], [36]]
   await s.stop()
 
 

@@ -1,8 +1,8 @@
 """Continuous batching at one node, for one shard: iteration-level scheduling as in Orca (OSDI'22) and vLLM.
 
 Every engine step takes the requests that are ready for this shard, oldest first, up to the batch size: decode
-tokens, and chunks of new prompts of up to `prefill_chunk` tokens each (so a long prompt shares steps with running
-streams instead of freezing them). One `engine.infer_batch` call runs them all; each request then gets
+tokens, and chunks of new prompts up to `prefill_chunk` prompt tokens per step (so a long prompt shares steps with
+running streams instead of freezing them). One `engine.infer_batch` call runs them all; each request then gets
 its own output and carries on exactly as unbatched. Requests join and leave between steps; each keeps its own
 KV cache in the engine.
 
@@ -22,7 +22,7 @@ from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
 
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
 ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
-STEP_PROMPT_TOKENS = 512  # most prompt tokens in one step (or the prefill chunk, if larger)
+LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no other request is here (bounds a step's attention memory)
 
 
 @dataclass(eq=False)
@@ -131,23 +131,19 @@ class Scheduler:
     await self._step(self._pick())
 
   def _pick(self) -> List[Tuple[Job, int]]:
-    """(job, positions to run now), oldest first: decode rows whole; each prompt at most `prefill_chunk` positions,
-    so that it shares steps with the streams running beside it (alone here, a prompt need not be cut so small);
-    all prompts together at most STEP_PROMPT_TOKENS, which bounds a step's time and attention memory."""
-    if not self.prefill_chunk:
-      chunk = budget = float("inf")
-    else:
-      budget = max(self.prefill_chunk, STEP_PROMPT_TOKENS)
-      chunk = budget if len(self.ready) == 1 and not self.away else self.prefill_chunk
+    """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget.
+    Chunks only protect other requests; a prompt alone here runs in chunks of up to LONE_PROMPT_CHUNK tokens."""
+    alone = len(self.ready) == 1 and not self.away
+    budget = (max(self.prefill_chunk, LONE_PROMPT_CHUNK) if alone else self.prefill_chunk) or float("inf")
     rows = []
     for job in self.ready.values():
       if len(rows) >= self.batch_size:
         break
       take = job.length
       if take > 1:
-        take = int(min(take, chunk, budget))
-        if take <= 0:
+        if budget <= 0:
           continue
+        take = int(min(take, budget))
         budget -= take
       rows.append((job, take))
     return rows
