@@ -188,3 +188,23 @@ async def check_cache_grows_not_preallocated(engine):
   await engine.finish_request("grow")
   await engine.finish_request("grow-whole")
   assert engine.kv_cache_bytes() == 0
+
+
+class EngineChecks:
+  """The checks every engine passes. An engine's test module defines the `engine` and `engine_class` fixtures and
+  a `Test...` class that inherits these."""
+
+  async def test_greedy_answer(self, engine):
+    await check_greedy_answer(engine)
+
+  async def test_shapes_and_errors(self, engine):
+    await check_shapes_and_errors(engine)
+
+  async def test_concurrent_requests_match_alone(self, engine):
+    await check_concurrent_match_alone(engine, n=5)
+
+  async def test_split_shards_match_whole(self, engine, engine_class, downloader):
+    await check_split_shards_match_whole(engine, engine_class, downloader, "split")
+
+  async def test_cache_grows_not_preallocated(self, engine):
+    await check_cache_grows_not_preallocated(engine)

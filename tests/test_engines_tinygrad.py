@@ -16,29 +16,18 @@ def engine(downloader):
   return common.load_engine(TinygradDynamicShardInferenceEngine, downloader)
 
 
+@pytest.fixture(scope="module")
+def engine_class():
+  return TinygradDynamicShardInferenceEngine
+
+
 def test_registry_builds_it():
   engine = get_inference_engine("tinygrad", HFShardDownloader())
   assert isinstance(engine, TinygradDynamicShardInferenceEngine) and engine.device_name in ("CPU", "CLANG", "LLVM", "CUDA", "NV", "METAL", "AMD", "GPU", "CL")
 
 
-async def test_greedy_answer(engine):
-  await common.check_greedy_answer(engine)
-
-
-async def test_shapes_and_errors(engine):
-  await common.check_shapes_and_errors(engine)
-
-
-async def test_concurrent_requests_match_alone(engine):
-  await common.check_concurrent_match_alone(engine, n=5)
-
-
-async def test_split_shards_match_whole(engine, downloader):
-  await common.check_split_shards_match_whole(engine, TinygradDynamicShardInferenceEngine, downloader, "split")
-
-
-async def test_cache_grows_not_preallocated(engine):
-  await common.check_cache_grows_not_preallocated(engine)
+class TestEngineChecks(common.EngineChecks):
+  pass
 
 
 async def test_steady_decode_reuses_one_jit(engine):
