@@ -13,7 +13,7 @@ from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatcherStopped
 from exo.orchestration.batching.config import BatchingConfig
-from exo.orchestration.batching.scheduler import Scheduler
+from exo.orchestration.batching.scheduler import LONE_PROMPT_CHUNK, RUNNING_AFTER, Scheduler
 from tests.conftest import smollm2_shard
 from tests.test_batching_plugin import ToyEngine, make_node, settle
 
@@ -119,15 +119,19 @@ async def test_chunked_prefill_shares_steps_with_running_decodes(shard):
   s = scheduler(engine, shard=shard, batch_size=8, chunk=64, live={"d0", "d1", "d2"})  # running decodes come back
   prompt = np.arange(300).reshape(1, 300) if shard is FIRST else np.ones((1, 300, HIDDEN))
 
-  async def decode(rid):
-    for t in range(12):
+  running = [asyncio.Event() for _ in range(3)]
+
+  async def decode(rid, running):
+    for t in range(RUNNING_AFTER + 8):
       out, _ = await s.infer(rid, np.array([[t]]), None)
       assert out.tolist() == [[t + 1]]
+      if t + 1 == RUNNING_AFTER:
+        running.set()
     s.forget(rid)  # as the node's exo_request_ended hook does
 
-  decodes = [asyncio.ensure_future(decode(f"d{i}")) for i in range(3)]
+  decodes = [asyncio.ensure_future(decode(f"d{i}", event)) for i, event in enumerate(running)]
   s.timeout_s = 1.0
-  await asyncio.sleep(0.002)
+  await asyncio.wait_for(asyncio.gather(*[event.wait() for event in running]), 5)  # the streams are running
   out, state = await asyncio.wait_for(s.infer("long", prompt, None), 10)
   await asyncio.gather(*decodes)
   long_steps = [shape for step in engine.steps for rid, shape in step if rid == "long"]
@@ -142,23 +146,32 @@ async def test_chunked_prefill_shares_steps_with_running_decodes(shard):
   await s.stop()
 
 
-async def test_at_most_one_chunk_budget_of_prompt_tokens_per_step():
+async def test_at_most_one_chunk_budget_of_prompt_tokens_per_step_beside_a_running_stream():
   engine = StepEngine()
-  s = scheduler(engine, batch_size=8, chunk=100)
+  s = scheduler(engine, batch_size=8, chunk=100, live={"d"})
+  for t in range(RUNNING_AFTER):
+    await s.infer("d", np.array([[t]]), None)  # d's stream is running, and it is away now
   await asyncio.gather(*[s.infer(f"p{i}", np.zeros((1, 70), dtype=np.int64), None) for i in range(3)])
-  assert [[sh[1] for _, sh in step] for step in engine.steps] == [[70, 30], [40, 60], [10]]
+  assert [[sh[1] for _, sh in step] for step in engine.steps[RUNNING_AFTER:]] == [[70, 30], [40, 60], [10]]
   await s.stop()
 
 
-async def test_a_prompt_alone_is_not_cut_into_small_chunks():
-  """Chunks protect other requests' streams; with nobody else here a prompt runs in steps of LONE_PROMPT_CHUNK."""
-  from exo.orchestration.batching.scheduler import LONE_PROMPT_CHUNK
+async def test_prompts_are_not_cut_small_while_no_stream_is_running():
+  """Chunks protect running streams; a prompt alone, or beside streams that have only just started (a burst),
+  runs in steps of up to LONE_PROMPT_CHUNK."""
   engine = StepEngine()
   s = scheduler(engine, chunk=64, live={"d"})
   await s.infer("p", np.zeros((1, LONE_PROMPT_CHUNK + 88), dtype=np.int64), None)
-  await s.infer("d", np.array([[1]]), None)  # d goes on and will come back: from now on a prompt is not alone
+  for t in range(RUNNING_AFTER - 1):
+    await s.infer("d", np.array([[t]]), None)  # d has just started and is away
   await s.infer("q", np.zeros((1, 100), dtype=np.int64), None)
-  assert [[sh[1] for _, sh in step] for step in engine.steps] == [[LONE_PROMPT_CHUNK], [88], [1], [64], [36]]
+  await s.infer("d", np.array([[RUNNING_AFTER]]), None)  # now d's stream is running
+  await s.infer("r", np.zeros((1, 100), dtype=np.int64), None)
+  expected = [[LONE_PROMPT_CHUNK], [88]] + [[1]] * (RUNNING_AFTER - 1) + [[100], [1], [64], [36]]
+  assert [[sh[1] for _, sh in step] for step in engine.steps] == expected
+  s.forget("d")
+  await s.infer("t", np.zeros((1, 100), dtype=np.int64), None)  # d ended: nobody to protect
+  assert [sh[1] for _, sh in engine.steps[-1]] == [100]
   await s.stop()
 
 

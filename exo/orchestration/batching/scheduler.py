@@ -22,7 +22,8 @@ from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
 
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
 ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
-LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no other request is here (bounds a step's attention memory)
+LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no running stream is here (bounds a step's attention memory)
+RUNNING_AFTER = 4  # decode steps after which a request's stream is running, and prompt chunks protect it
 
 
 @dataclass(eq=False)
@@ -49,6 +50,7 @@ class Scheduler:
     self.engine_lock, self.is_live, self.delivered = engine_lock, is_live, delivered
     self.ready: Dict[str, Job] = {}  # insertion order = readiness order
     self.away: Dict[str, float] = {}  # handed back by a step and still going (sampled, or round the ring): since when
+    self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here
     self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
     self.stats = BatchStats()  # requests per engine step
     self._wake = asyncio.Event()
@@ -73,6 +75,7 @@ class Scheduler:
 
   def forget(self, request_id: str) -> None:
     """The request has ended on this node: it will not come back."""
+    self.decodes.pop(request_id, None)
     if self.away.pop(request_id, None) is not None:
       self.poke()
 
@@ -132,9 +135,12 @@ class Scheduler:
 
   def _pick(self) -> List[Tuple[Job, int]]:
     """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget.
-    Chunks only protect other requests; a prompt alone here runs in chunks of up to LONE_PROMPT_CHUNK tokens."""
-    alone = len(self.ready) == 1 and not self.away
-    budget = (max(self.prefill_chunk, LONE_PROMPT_CHUNK) if alone else self.prefill_chunk) or float("inf")
+
+    Chunks protect running streams, those past RUNNING_AFTER tokens here. With none here (a lone prompt, or a burst of
+    requests that arrived together) prompts run in chunks of up to LONE_PROMPT_CHUNK tokens: a burst then starts
+    decoding together in full steps, instead of its last prompts trickling in while the first ones decode."""
+    running = any(self.decodes.get(request_id, 0) >= RUNNING_AFTER for request_id in [*self.ready, *self.away])
+    budget = (self.prefill_chunk if running else max(self.prefill_chunk, LONE_PROMPT_CHUNK)) or float("inf")
     rows = []
     for job in self.ready.values():
       if len(rows) >= self.batch_size:
@@ -153,6 +159,8 @@ class Scheduler:
     for job, take in rows:
       if take == job.length:
         del self.ready[job.request_id]
+      if job.length == 1:
+        self.decodes[job.request_id] = self.decodes.get(job.request_id, 0) + 1
     items = [(job.request_id, job.tensor if take == job.length else job.tensor[:, :take], job.state) for job, take in rows]
     self.stats.record(len(items))
     try:
@@ -175,12 +183,14 @@ class Scheduler:
         self._deliver(job, take, result)
       except Exception as e:  # this request ends with its error; the others carry on
         self.ready.pop(job.request_id, None)
+        self.decodes.pop(job.request_id, None)
         if not job.future.done():
           job.future.set_exception(e)
 
   def _deliver(self, job: Job, take: int, result: Tuple[np.ndarray, Optional[dict]]) -> None:
     if job.future.done():  # its caller has gone
       self.ready.pop(job.request_id, None)
+      self.decodes.pop(job.request_id, None)
       return
     output, job.state = result
     if take < job.length:  # a prompt chunk: nothing is sampled or forwarded until the last one
@@ -194,6 +204,8 @@ class Scheduler:
     if self.is_live(job.request_id):
       self.away[job.request_id] = self._idle_since
       self.delivered(job.request_id)
+    else:
+      self.decodes.pop(job.request_id, None)
 
   async def stop(self) -> None:
     """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
