@@ -63,21 +63,23 @@ def matmul(x: np.ndarray, blocks: np.ndarray, n_out: int) -> np.ndarray:
 def zeros_in_small_pages(shape) -> np.ndarray:
   """A float32 zero array whose memory the kernel maps in 4 KiB pages as it is first written.
 
-  numpy asks for transparent huge pages for large arrays; a huge page may first need the kernel to compact memory,
-  and when several requests' caches grew in the same step that stalled the step by up to 250 ms."""
+  Untouched pages cost no memory, so a cache can reserve room for many positions up front. numpy would ask for
+  transparent huge pages; a huge page may first need the kernel to compact memory, and when several requests'
+  caches grew in the same step that stalled the step by up to 250 ms."""
   buffer = mmap.mmap(-1, max(1, math.prod(shape) * 4))  # anonymous, zero-filled; unmapped with the array
   if hasattr(mmap, "MADV_NOHUGEPAGE"):
     buffer.madvise(mmap.MADV_NOHUGEPAGE)
   return np.frombuffer(buffer, dtype=np.float32, count=math.prod(shape)).reshape(shape)
 
 
+RESERVED_POSITIONS = 1024  # a new cache's room: address space only until written, and most requests never outgrow it
 GROW_AHEAD = 0.75  # a cache this full may grow one step early
 
 
 class KVCache:
-  """One request's keys and values for this shard's layers, grown as the request uses it."""
+  """One request's keys and values for this shard's layers: (layers, k/v, kv heads, positions, head dim)."""
 
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = 64):
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = RESERVED_POSITIONS):
     self.data = zeros_in_small_pages((n_layers, 2, n_kv_heads, capacity, head_dim))
     self.length = 0
 
@@ -96,7 +98,9 @@ class KVCache:
 
   @property
   def nbytes(self) -> int:
-    return self.data.nbytes
+    """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row."""
+    rows, row_bytes = math.prod(self.data.shape[:3]), self.length * self.data.shape[4] * 4
+    return rows * -(-row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
