@@ -32,12 +32,17 @@ class AsyncCallback(Generic[T]):
     self.condition = asyncio.Condition()
     self.result: Optional[Tuple[T, ...]] = None
     self.observers: List[Callable[..., None]] = []
+    self.waiting = 0  # callers inside wait()
 
   async def wait(self, check_condition: Callable[..., bool], timeout: Optional[float] = None) -> Tuple[T, ...]:
-    async with self.condition:
-      await asyncio.wait_for(self.condition.wait_for(lambda: self.result is not None and check_condition(*self.result)), timeout)
-      assert self.result is not None
-      return self.result
+    self.waiting += 1
+    try:
+      async with self.condition:
+        await asyncio.wait_for(self.condition.wait_for(lambda: self.result is not None and check_condition(*self.result)), timeout)
+        assert self.result is not None
+        return self.result
+    finally:
+      self.waiting -= 1
 
   def on_next(self, callback: Callable[..., None]) -> None:
     self.observers.append(callback)
@@ -46,7 +51,8 @@ class AsyncCallback(Generic[T]):
     self.result = args
     for observer in self.observers:
       observer(*args)
-    asyncio.create_task(self._notify())
+    if self.waiting:  # a task per call would cost every token of every stream a task per registered callback
+      asyncio.create_task(self._notify())
 
   async def _notify(self) -> None:
     async with self.condition:
