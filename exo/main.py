@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--batch-size", type=int, default=None,
                  help="serving: largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE); train/eval: minibatch size")
   p.add_argument("--batch-timeout-ms", type=float, default=None, help="longest a request waits for others to join its batch (overrides EXO_BATCH_TIMEOUT_MS)")
-  p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens one batched step takes while other requests run, 0 = whole prompts (overrides EXO_PREFILL_CHUNK; default 24)")
+  p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens one batched step takes while other streams are running, 0 = whole prompts (overrides EXO_PREFILL_CHUNK; default 24)")
   p.add_argument("--resume-checkpoint", type=str, default=None)
   p.add_argument("--save-checkpoint-dir", type=str, default="checkpoints")
   p.add_argument("--node-id", type=str, default=None)
