@@ -50,7 +50,7 @@ class Scheduler:
     self.engine_lock, self.is_live, self.delivered = engine_lock, is_live, delivered
     self.ready: Dict[str, Job] = {}  # insertion order = readiness order
     self.away: Dict[str, float] = {}  # handed back by a step and still going (sampled, or round the ring): since when
-    self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here
+    self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here, until forget()
     self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
     self.stats = BatchStats()  # requests per engine step
     self._wake = asyncio.Event()
@@ -183,14 +183,12 @@ class Scheduler:
         self._deliver(job, take, result)
       except Exception as e:  # this request ends with its error; the others carry on
         self.ready.pop(job.request_id, None)
-        self.decodes.pop(job.request_id, None)
         if not job.future.done():
           job.future.set_exception(e)
 
   def _deliver(self, job: Job, take: int, result: Tuple[np.ndarray, Optional[dict]]) -> None:
     if job.future.done():  # its caller has gone
       self.ready.pop(job.request_id, None)
-      self.decodes.pop(job.request_id, None)
       return
     output, job.state = result
     if take < job.length:  # a prompt chunk: nothing is sampled or forwarded until the last one
