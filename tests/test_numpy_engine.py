@@ -139,3 +139,39 @@ async def test_bad_inputs_are_clear_errors(engine):
   with pytest.raises(ValueError, match="token ids"):
     await engine.infer_tensor("bad", shard, np.zeros((1, 2, 576), dtype=np.float32))
   assert "bad" not in engine.caches
+
+
+def test_a_product_split_over_the_cores_equals_it_on_one_thread():
+  from exo.inference.numpy import llama
+  rng = np.random.default_rng(0)
+  blocks = llama.block_weight(rng.standard_normal((96, 200), dtype=np.float32))  # 7 blocks: uneven slices
+  for rows in (1, llama.PARALLEL_ROWS - 1, llama.PARALLEL_ROWS, 40):
+    x = rng.standard_normal((rows, 96), dtype=np.float32)
+    alone = np.empty((rows, blocks.shape[0] * llama.BLOCK), dtype=np.float32)
+    for b in range(blocks.shape[0]):
+      alone[:, b * llama.BLOCK:(b + 1) * llama.BLOCK] = x @ blocks[b]
+    assert np.array_equal(llama.matmul(x, blocks, 200), alone[:, :200])
+
+
+def test_split_work_reports_a_workers_error_and_serves_concurrent_callers():
+  from concurrent.futures import ThreadPoolExecutor
+  from exo.inference.numpy import llama
+  if not llama._workers:
+    pytest.skip("one core: nothing is split")
+
+  def fails_in_a_worker(lo, hi):
+    if lo > 0:
+      raise ValueError("bad slice")
+  with pytest.raises(ValueError, match="bad slice"):
+    llama.split_over_cores(fails_in_a_worker, 10)
+  seen = []
+  llama.split_over_cores(lambda lo, hi: seen.append((lo, hi)), 10)  # the workers still serve after an error
+  assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 10 and sum(hi - lo for lo, hi in seen) == 10
+
+  rng = np.random.default_rng(1)
+  blocks = llama.block_weight(rng.standard_normal((64, 256), dtype=np.float32))
+  xs = [rng.standard_normal((16, 64), dtype=np.float32) for _ in range(4)]
+  expected = [llama.matmul(x, blocks, 256) for x in xs]
+  with ThreadPoolExecutor(4) as pool:  # several engines' threads at once: each gets its own product back
+    for _ in range(50):
+      assert all(np.array_equal(got, want) for got, want in zip(pool.map(lambda x: llama.matmul(x, blocks, 256), xs), expected))
