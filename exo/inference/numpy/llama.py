@@ -205,30 +205,33 @@ class Llama:
     group, q_size, kv_size = n_heads // n_kv, n_heads * hd, n_kv * hd
     rows, width = h.shape[0], max(s + n for s, n in zip(starts, lengths))
     offsets = np.cumsum([0] + lengths)
-    spans = [(cache, s, s + n, a * group, b * group, a, b) for cache, s, n, a, b in zip(caches, starts, lengths, offsets[:-1], offsets[1:])]
+    # Buffers reused by every layer, so that each request's slices of them are cut once per step, not per layer: the
+    # per-request loops below are most of a decode step's Python work.
+    q = np.empty((n_kv, rows * group, hd), dtype=np.float32)
+    new_kv = np.empty((2, n_kv, rows, hd), dtype=np.float32)
     # Scores of all requests share one (kv head, row x group, key) array so softmax runs once for the step. A row
     # sees keys up to its own position; that one mask also hides the unused tail of shorter requests' rows.
+    scores = np.empty((n_kv, rows * group, width), dtype=np.float32)
+    attn = np.empty((n_kv, rows * group, hd), dtype=np.float32)
     hidden = np.repeat(np.arange(width)[None, :] > positions[:, None], group, axis=0)
+    spans = [(cache.data[:, :, :, s:s + n], new_kv[:, :, a:b], q[:, a * group:b * group], cache.data[:, 0, :, :s + n].transpose(0, 1, 3, 2),
+              scores[:, a * group:b * group, :s + n], cache.data[:, 1, :, :s + n], attn[:, a * group:b * group])
+             for cache, s, n, a, b in zip(caches, starts, lengths, offsets[:-1], offsets[1:])]
     for li, layer in enumerate(self.layers):
       qkv = matmul(rms_norm(h, layer["attn_norm"], c.rms_norm_eps), layer["qkv"], q_size + 2 * kv_size)
-      q = self._rope(qkv[:, :q_size].reshape(-1, n_heads, hd), cos, sin) * np.float32(1.0 / math.sqrt(hd))
-      q = np.ascontiguousarray(q.reshape(rows, n_kv, group, hd).transpose(1, 0, 2, 3)).reshape(n_kv, rows * group, hd)
-      k = self._rope(qkv[:, q_size:q_size + kv_size].reshape(-1, n_kv, hd), cos, sin).transpose(1, 0, 2)
-      v = qkv[:, q_size + kv_size:].reshape(-1, n_kv, hd).transpose(1, 0, 2)
-      scores = np.empty((n_kv, rows * group, width), dtype=np.float32)
-      for cache, s, e, ga, gb, a, b in spans:
-        kv = cache.data[li]
-        kv[0, :, s:e], kv[1, :, s:e] = k[:, a:b], v[:, a:b]
-        np.matmul(q[:, ga:gb], kv[0, :, :e].transpose(0, 2, 1), out=scores[:, ga:gb, :e])
+      qk = self._rope(qkv[:, :q_size + kv_size].reshape(rows, n_heads + n_kv, hd), cos, sin)  # queries and keys turn alike
+      q.reshape(n_kv, rows, group, hd)[:] = (qk[:, :n_heads] * np.float32(1.0 / math.sqrt(hd))).reshape(rows, n_kv, group, hd).transpose(1, 0, 2, 3)
+      new_kv[0], new_kv[1] = qk[:, n_heads:].transpose(1, 0, 2), qkv[:, q_size + kv_size:].reshape(rows, n_kv, hd).transpose(1, 0, 2)
+      for kv_at, kv_new, q_rows, keys, score_rows, _, _ in spans:
+        kv_at[li] = kv_new
+        np.matmul(q_rows, keys[li], out=score_rows)
       np.copyto(scores, -np.inf, where=hidden)
       scores -= scores.max(axis=-1, keepdims=True)
       np.exp(scores, out=scores)
       scores /= scores.sum(axis=-1, keepdims=True)
-      attn = np.empty((n_kv, rows * group, hd), dtype=np.float32)
-      for cache, s, e, ga, gb, a, b in spans:
-        np.matmul(scores[:, ga:gb, :e], cache.data[li, 1, :, :e], out=attn[:, ga:gb])
-      attn = attn.reshape(n_kv, rows, group, hd).transpose(1, 0, 2, 3).reshape(rows, q_size)
-      h = h + matmul(attn, layer["o"], c.hidden_size)
+      for _, _, _, _, score_rows, values, attn_rows in spans:
+        np.matmul(score_rows, values[li], out=attn_rows)
+      h = h + matmul(attn.reshape(n_kv, rows, group, hd).transpose(1, 0, 2, 3).reshape(rows, q_size), layer["o"], c.hidden_size)
       gate_up = matmul(rms_norm(h, layer["mlp_norm"], c.rms_norm_eps), layer["gate_up"], 2 * c.intermediate_size)
       gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
       h = h + matmul((gate / (1.0 + np.exp(-gate))) * up, layer["down"], c.hidden_size)
