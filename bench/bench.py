@@ -295,7 +295,7 @@ async def main() -> None:
         f"{os.cpu_count()} CPUs; logs in {log_dir}", flush=True)
   with open(out_dir / f"{stamp}.jsonl", "w") as out:
     rows = await sweep(args, 1, ns, out, log_dir)
-    ring_rows = await sweep(argparse.Namespace(**{**vars(args), "repeats": 1, "mixed": False}), 2, ring_ns, out, log_dir) if ring_ns else []
+    ring_rows = await sweep(argparse.Namespace(**{**vars(args), "mixed": False}), 2, ring_ns, out, log_dir) if ring_ns else []
     inter: Dict[bool, List[dict]] = {}
     if args.interference:
       for batching in (False, True):
