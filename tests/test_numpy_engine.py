@@ -175,3 +175,26 @@ def test_split_work_reports_a_workers_error_and_serves_concurrent_callers():
   with ThreadPoolExecutor(4) as pool:  # several engines' threads at once: each gets its own product back
     for _ in range(50):
       assert all(np.array_equal(got, want) for got, want in zip(pool.map(lambda x: llama.matmul(x, blocks, 256), xs), expected))
+
+
+async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, monkeypatch):
+  from exo.inference.numpy import llama
+  from tests.test_engines_common import OPENINGS, batched, greedy, prompt_ids
+  prompts = prompt_ids(engine, OPENINGS + [f"{opening} (again)" for opening in OPENINGS])  # 16: decode steps of 16 rows
+  alone = [await greedy(engine, f"alone-{i}", ids, 6, stop_at_eos=False) for i, ids in enumerate(prompts)]
+  shared, original = [], llama.balanced_groups
+  monkeypatch.setattr(llama, "balanced_groups", lambda lengths, parts: shared.append(original(lengths, parts)) or shared[-1])
+  assert await batched(engine, prompts, 6, "cores", join_every=0, stop_at_eos=False) == alone
+  if llama.CORES > 1:
+    assert len(shared) == 6 and all(len(groups) == llama.CORES for groups in shared[1:]), "each decode step was shared among the cores"
+  assert engine.kv_cache_bytes() == 0
+
+
+def test_rows_are_shared_evenly_or_not_at_all():
+  from exo.inference.numpy.llama import balanced_groups
+  assert balanced_groups([1] * 16, 2) == [(0, 8), (8, 16)]
+  assert balanced_groups([1] * 17, 2) == [(0, 9), (9, 17)]
+  assert balanced_groups([64] * 8, 2) == [(0, 4), (4, 8)]
+  assert balanced_groups([1] * 15, 2) == [(0, 15)]  # too few rows: the products are split instead
+  assert balanced_groups([512] + [1] * 7, 2) == [(0, 8)]  # one prompt is most of the step
+  assert balanced_groups([1] * 16, 1) == [(0, 16)]
