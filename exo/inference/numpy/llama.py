@@ -1,7 +1,8 @@
 """Llama in numpy, float32: one step runs many requests at once.
 
 Token-parallel work (projections, MLP, norms, head) runs on all rows of all requests together; attention
-runs per request against that request's own KV cache ("selective batching").
+runs per request against that request's own KV cache ("selective batching"). The cores share a big step by
+requests, each running every layer for its own (`balanced_groups`), and a smaller one by each product's columns.
 
 Weights are stored in column blocks, (out / BLOCK, in, BLOCK), and multiplied a few rows at a time: each
 block product is then small enough for OpenBLAS's small-matrix kernel, which reads the weights as they lie.
