@@ -198,3 +198,32 @@ def test_rows_are_shared_evenly_or_not_at_all():
   assert balanced_groups([1] * 15, 2) == [(0, 15)]  # too few rows: the products are split instead
   assert balanced_groups([512] + [1] * 7, 2) == [(0, 8)]  # one prompt is most of the step
   assert balanced_groups([1] * 16, 1) == [(0, 16)]
+
+
+def test_a_forked_child_still_splits_its_products():
+  import os
+  import time
+  from exo.inference.numpy import llama
+  if not hasattr(os, "fork") or not llama._workers:
+    pytest.skip("no fork, or one core: nothing is split")
+  rng = np.random.default_rng(2)
+  blocks = llama.block_weight(rng.standard_normal((64, 256), dtype=np.float32))
+  x = rng.standard_normal((16, 64), dtype=np.float32)
+  expected = llama.matmul(x, blocks, 256)
+  child = os.fork()
+  if child == 0:  # the parent's workers do not exist here: without new ones this product would wait forever
+    try:
+      os._exit(0 if np.array_equal(llama.matmul(x, blocks, 256), expected) else 1)
+    finally:
+      os._exit(2)
+  deadline = time.monotonic() + 30
+  while True:
+    done, status = os.waitpid(child, os.WNOHANG)
+    if done:
+      break
+    if time.monotonic() > deadline:
+      os.kill(child, 9)
+      os.waitpid(child, 0)
+      pytest.fail("the forked child's split product never finished")
+    time.sleep(0.05)
+  assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

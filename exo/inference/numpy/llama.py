@@ -65,8 +65,17 @@ class _Worker:
 # The small-matrix kernel runs on one thread; a step with enough rows splits its blocks over the cores instead.
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 PARALLEL_ROWS = 8  # below this the hand-over costs more than the other cores save (measured: 4 rows 2% faster, 8 rows 10%)
-_workers = [_Worker() for _ in range(CORES - 1)]
-_workers_busy = threading.Lock()  # one product at a time; another engine's thread in this process meanwhile runs alone
+
+
+def _start_workers() -> None:
+  global _workers, _workers_busy
+  _workers = [_Worker() for _ in range(CORES - 1)]
+  _workers_busy = threading.Lock()  # one product at a time; another engine's thread in this process meanwhile runs alone
+
+
+_start_workers()
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_start_workers)  # a forked child has none of its parent's threads to hand work to
 
 
 def split_over_cores(part: Callable[[int, int], None], n: int) -> None:
