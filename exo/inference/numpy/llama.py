@@ -273,22 +273,25 @@ class Llama:
     scores = np.empty((n_kv, rows * group, width), dtype=np.float32)
     attn = np.empty((n_kv, rows * group, hd), dtype=np.float32)
     hidden = np.repeat(np.arange(width)[None, :] > positions[:, None], group, axis=0)
-    spans = [(cache.data[:, :, :, s:s + n], new_kv[:, :, a:b], q[:, a * group:b * group], cache.data[:, 0, :, :s + n].transpose(0, 1, 3, 2),
-              scores[:, a * group:b * group, :s + n], cache.data[:, 1, :, :s + n], attn[:, a * group:b * group])
+    spans = [(cache.data, s, s + n, slice(a, b), slice(a * group, b * group))
              for cache, s, n, a, b in zip(caches, starts, lengths, offsets[:-1], offsets[1:])]
+    # per request: (where its new keys and values go, they, its queries, its keys transposed, its scores) ...
+    scoring = [(kv[:, :, :, s:e], new_kv[:, :, r], q[:, g], kv[:, 0, :, :e].transpose(0, 1, 3, 2), scores[:, g, :e]) for kv, s, e, r, g in spans]
+    # ... and (its weights, its values, its output rows)
+    mixing = [(scores[:, g, :e], kv[:, 1, :, :e], attn[:, g]) for kv, s, e, r, g in spans]
     for li, layer in enumerate(self.layers):
       qkv = matmul(rms_norm(h, layer["attn_norm"], c.rms_norm_eps), layer["qkv"], q_size + 2 * kv_size)
       qk = self._rope(qkv[:, :q_size + kv_size].reshape(rows, n_heads + n_kv, hd), cos, sin)  # queries and keys turn alike
       q.reshape(n_kv, rows, group, hd)[:] = (qk[:, :n_heads] * np.float32(1.0 / math.sqrt(hd))).reshape(rows, n_kv, group, hd).transpose(1, 0, 2, 3)
       new_kv[0], new_kv[1] = qk[:, n_heads:].transpose(1, 0, 2), qkv[:, q_size + kv_size:].reshape(rows, n_kv, hd).transpose(1, 0, 2)
-      for kv_at, kv_new, q_rows, keys, score_rows, _, _ in spans:
+      for kv_at, kv_new, q_rows, keys, score_rows in scoring:
         kv_at[li] = kv_new
         np.matmul(q_rows, keys[li], out=score_rows)
       np.copyto(scores, -np.inf, where=hidden)
       scores -= scores.max(axis=-1, keepdims=True)
       np.exp(scores, out=scores)
       scores /= scores.sum(axis=-1, keepdims=True)
-      for _, _, _, _, score_rows, values, attn_rows in spans:
+      for score_rows, values, attn_rows in mixing:
         np.matmul(score_rows, values[li], out=attn_rows)
       h = h + matmul(attn.reshape(n_kv, rows, group, hd).transpose(1, 0, 2, 3).reshape(rows, q_size), layer["o"], c.hidden_size)
       gate_up = matmul(rms_norm(h, layer["mlp_norm"], c.rms_norm_eps), layer["gate_up"], 2 * c.intermediate_size)
