@@ -53,7 +53,8 @@ class Scheduler:
     self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here, until forget()
     self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
     self.stats = BatchStats()  # requests per engine step
-    self._wake = asyncio.Event()
+    self._due = asyncio.Event()  # set when the next step may start
+    self._due_timer: Optional[asyncio.TimerHandle] = None
     self._loop_task: Optional[asyncio.Task] = None
     self._idle_since = time.monotonic()
     self._stopped = False
@@ -80,8 +81,20 @@ class Scheduler:
       self.poke()
 
   def poke(self) -> None:
-    """Something changed (a request became ready or went away): look again whether a step can start."""
-    self._wake.set()
+    """Something changed (a request became ready or went away): look again when the next step can start.
+
+    This only re-arms a timer: in a burst of arrivals (a batch handed on by the previous node comes as one message
+    per request) the loop task wakes once, when the step is due, not once per message."""
+    if self._due_timer is not None:
+      self._due_timer.cancel()
+      self._due_timer = None
+    if not self.ready and not self._stopped:
+      return
+    delay = self._start_by() - time.monotonic()
+    if delay <= 0:
+      self._due.set()
+    else:
+      self._due_timer = asyncio.get_running_loop().call_later(delay, self._due.set)
 
   def _start_by(self) -> float:
     """When the next step starts at the latest (monotonic time).
@@ -117,21 +130,13 @@ class Scheduler:
     self.ready.clear()
 
   async def _next_step(self) -> None:
+    await self._due.wait()
+    self._due.clear()
     for request_id in [r for r, job in self.ready.items() if job.future.done()]:
       del self.ready[request_id]  # its caller has gone
-    if not self.ready:
-      self._wake.clear()
-      await self._wake.wait()
-      return
-    remaining = self._start_by() - time.monotonic()
-    if remaining > 0:
-      self._wake.clear()
-      try:
-        await asyncio.wait_for(self._wake.wait(), remaining)
-        return  # woken early: look again
-      except asyncio.TimeoutError:
-        pass
-    await self._step(self._pick())
+    if self.ready and not self._stopped and self._start_by() <= time.monotonic():
+      await self._step(self._pick())
+    self.poke()
 
   def _pick(self) -> List[Tuple[Job, int]]:
     """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget.
