@@ -77,6 +77,27 @@ async def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeo
   await s.stop()
 
 
+async def test_a_batch_handed_on_gathers_while_its_messages_keep_coming():
+  """x is away; six requests arrive 0.08 s apart, each well within timeout_s of the last but the whole batch not
+  within timeout_s of the first: they share one step. Twelve at that pace would outlast GATHER_LIMIT timeouts
+  from the first, so the wait stops short of the last of them."""
+  for count in (6, 12):
+    engine = StepEngine()
+    s = scheduler(engine, batch_size=32, timeout_s=0.2, live={"x"})
+    await s.infer("x", np.array([[0]]), None)  # x goes on and stays away
+    arrivals = []
+    for i in range(count):
+      arrivals.append(asyncio.ensure_future(s.infer(f"r{i}", np.ones((1, 3, HIDDEN)), None)))
+      await asyncio.sleep(0.08)
+    await asyncio.wait_for(asyncio.gather(*arrivals), 10)
+    sizes = [len(step) for step in engine.steps[1:]]
+    if count == 6:
+      assert sizes == [6]
+    else:
+      assert 3 < sizes[0] < 12 and sum(sizes) == 12, sizes
+    await s.stop()
+
+
 async def test_a_request_that_ended_holds_nobody_up():
   engine = StepEngine()
   s = scheduler(engine, timeout_s=30, live={"b"})

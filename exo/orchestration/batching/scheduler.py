@@ -20,6 +20,7 @@ import numpy as np
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
 
+GATHER_LIMIT = 4  # a batch handed on may gather for up to this many timeouts, while its messages keep coming
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
 ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
 LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no running stream is here (bounds a step's attention memory)
@@ -100,16 +101,19 @@ class Scheduler:
     """When the next step starts at the latest (monotonic time).
 
     At once if the batch is full or no request is away. Otherwise ready work waits for the requests that are away,
-    up to `timeout_s` after the engine fell idle (or the first became ready): long enough for a batch handed on by
-    the previous node, whose messages arrive one by one, to gather here. When only new tokens are ready, the node of
-    the first layers, where every request's next token starts, also waits for each away request up to
+    up to `timeout_s` after the engine fell idle or the latest request became ready, and at most GATHER_LIMIT
+    timeouts after the first: a batch handed on by the previous node arrives one message per request (prompts' big
+    messages several ms apart), and gathers here while its messages keep coming. When only new tokens are ready,
+    the node of the first layers, where every request's next token starts, also waits for each away request up to
     ROUND_TRIP_SLACK typical round trips from when it left: the requests then travel the ring as one batch instead
     of splitting into groups, each of which would pay for reading all the weights. (A prompt chunk is work enough
     for a step of its own.) A request away longer than that is late and holds nobody up."""
     now = time.monotonic()
     if self._stopped or len(self.ready) >= self.batch_size or not self.away:
       return now
-    start_by = max(next(iter(self.ready.values())).since, self._idle_since) + self.timeout_s
+    first = max(next(iter(self.ready.values())).since, self._idle_since)
+    latest = max(next(reversed(self.ready.values())).since, self._idle_since)
+    start_by = min(latest + self.timeout_s, first + GATHER_LIMIT * self.timeout_s)
     if self.shard.is_first_layer() and self.round_trips and all(job.length == 1 for job in self.ready.values()):
       typical = sorted(self.round_trips)[len(self.round_trips) // 2]
       start_by = max(start_by, max(self.away.values()) + ROUND_TRIP_SLACK * typical)
