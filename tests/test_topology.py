@@ -138,3 +138,16 @@ def test_tui_starts_and_stops():
   viz.start()
   viz.update_visualization(topology_of({"a": 1}), [Partition("a", 0, 1)], "a")
   viz.stop()
+
+
+def test_a_nodes_shard_follows_every_change_of_its_topology():
+  """Node caches its partitions and shards (every message asks several times); a change must show at once."""
+  from exo.orchestration.node import Node
+  node = Node("a", None, None, None, None, RingMemoryWeightedPartitioningStrategy())
+  node.topology = topology_of({"a": 1 * GIB, "b": 1 * GIB})
+  base = Shard("smollm2-135m", 0, 0, 30)
+  assert (node.get_current_shard(base).start_layer, node.get_partition_index(offset=1)) == (15, 0)
+  node.topology.update_node("b", caps(3 * GIB))  # b now takes three quarters, from the start of the ring
+  assert layers([node.get_current_shard(base)]) == [(22, 29)]
+  node.topology = topology_of({"a": 1 * GIB})  # a fresh topology object (as each collection makes): b has gone
+  assert layers([node.get_current_shard(base)]) == [(0, 29)] and node.get_partition_index(offset=1) == 0

@@ -80,6 +80,8 @@ class Node:
     self._tasks: Set[asyncio.Task] = set()
     self._releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
     self._periodic_task: Optional[asyncio.Task] = None
+    self._partitions: Tuple[Optional[tuple], List[Partition]] = (None, [])  # (what they were computed from, partitions)
+    self._shards: Dict[Tuple[str, int], List[Shard]] = {}  # (model id, layers) -> each partition's shard, for _partitions
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
     self.plugins.register(CorePlugin(), name="exo-core")
@@ -267,7 +269,12 @@ class Node:
   def partitions(self) -> List[Partition]:
     if self.id not in self.topology.nodes:  # before the first topology collection: a ring of one
       self.topology.update_node(self.id, self.device_capabilities)
-    return self.partitioning_strategy.partition(self.topology)
+    # Every message asks several times; the answer changes only with the topology.
+    key = (self.partitioning_strategy, self.topology, self.topology.version)
+    if self._partitions[0] != key:
+      self._partitions = (key, self.partitioning_strategy.partition(self.topology))
+      self._shards.clear()
+    return self._partitions[1]
 
   def get_partition_index(self, offset: int = 0) -> Optional[int]:
     if not self.partitioning_strategy:
@@ -283,8 +290,10 @@ class Node:
       return Shard(base_shard.model_id, 0, base_shard.n_layers - 1, base_shard.n_layers)
     if index is None:
       index = self.get_partition_index()
-    shards = map_partitions_to_shards(self.partitions(), base_shard.n_layers, base_shard.model_id)
-    return shards[index]
+    partitions, model = self.partitions(), (base_shard.model_id, base_shard.n_layers)
+    if model not in self._shards:
+      self._shards[model] = map_partitions_to_shards(partitions, base_shard.n_layers, base_shard.model_id)
+    return self._shards[model][index]
 
   def _target(self, target_index: int) -> Tuple[str, Optional[object]]:
     target_id = self.partitions()[target_index].node_id

@@ -25,9 +25,11 @@ class Topology:
     self.nodes: Dict[str, DeviceCapabilities] = {}
     self.peer_graph: Dict[str, Set[PeerConnection]] = {}
     self.active_node_id: Optional[str] = None
+    self.version = 0  # bumped by every change to `nodes`, so partitions computed from them can be reused until then
 
   def update_node(self, node_id: str, device_capabilities: DeviceCapabilities):
     self.nodes[node_id] = device_capabilities
+    self.version += 1
 
   def get_node(self, node_id: str) -> Optional[DeviceCapabilities]:
     return self.nodes.get(node_id)
