@@ -45,8 +45,10 @@ OPAQUE_STATUS_TIMEOUT_S = 10.0
 COLLECT_TOPOLOGY_TIMEOUT_S = 5.0
 SEND_RESULT_TIMEOUT_S = 15.0
 # Calls are gzip-compressed like upstream's, except those carrying tensors and token ids: float activations hardly
-# compress, and compressing them costs more time than it saves. Servers accept both (wire.md).
-UNCOMPRESSED = grpc.Compression.NoCompression
+# compress, and compressing them costs more time than it saves (about 6 ms of the sender's event loop for a 64-token
+# prompt's hidden states). Servers accept both (wire.md). The channel has no default compression, because a call
+# cannot turn a channel's default off (grpc.aio ignores compression=NoCompression then); the others ask for gzip.
+GZIP = grpc.Compression.Gzip
 
 
 class GRPCPeerHandle(PeerHandle):
@@ -77,7 +79,7 @@ class GRPCPeerHandle(PeerHandle):
 
   def _open_channel(self) -> None:
     if self.channel is None:
-      self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS, compression=grpc.Compression.Gzip)
+      self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
       self.stub = pb_grpc.NodeServiceStub(self.channel)
 
   async def connect(self) -> None:
@@ -112,7 +114,7 @@ class GRPCPeerHandle(PeerHandle):
     # One fail-fast call (no wait for READY): a dead peer answers "unhealthy" at once, not after a connect timeout.
     self._open_channel()
     try:
-      response = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=HEALTH_CHECK_TIMEOUT_S)
+      response = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, compression=GZIP)
       return response.is_healthy
     except grpc.aio.AioRpcError as e:
       if DEBUG >= 4:
@@ -138,20 +140,20 @@ class GRPCPeerHandle(PeerHandle):
   async def send_prompt(self, shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     await self._ensure_connected()
     request = pb.PromptRequest(shard=encode_shard(shard), prompt=prompt, request_id=request_id, inference_state=self._wire_state(inference_state))
-    await self.stub.SendPrompt(request)  # no deadline: the peer's first prefill may include a model download
+    await self.stub.SendPrompt(request, compression=GZIP)  # no deadline: the peer's first prefill may include a model download
     return None
 
   async def send_tensor(self, shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     await self._ensure_connected()
     request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self._wire_state(inference_state))
-    await self.stub.SendTensor(request, compression=UNCOMPRESSED)
+    await self.stub.SendTensor(request)
     return None
 
   async def send_example(self, shard: Shard, example: np.ndarray, target: np.ndarray, length: np.ndarray, train: bool, request_id: Optional[str] = None):
     await self._ensure_connected()
     request = pb.ExampleRequest(shard=encode_shard(shard), example=encode_tensor(example), target=encode_tensor(target),
                                 length=encode_tensor(length), train=train, request_id=request_id)
-    response = await self.stub.SendExample(request)
+    response = await self.stub.SendExample(request, compression=GZIP)
     if train and response.HasField("grads"):
       return response.loss, decode_tensor(response.grads)
     return response.loss
@@ -163,13 +165,15 @@ class GRPCPeerHandle(PeerHandle):
       request.tensor.CopyFrom(encode_tensor(result))
     else:
       request.result.extend(int(t) for t in result)
-    await self.stub.SendResult(request, timeout=SEND_RESULT_TIMEOUT_S, compression=UNCOMPRESSED)
+    await self.stub.SendResult(request, timeout=SEND_RESULT_TIMEOUT_S)
 
   async def send_opaque_status(self, request_id: str, status: str) -> None:
     await self._ensure_connected()
-    await self.stub.SendOpaqueStatus(pb.SendOpaqueStatusRequest(request_id=request_id, status=status), timeout=OPAQUE_STATUS_TIMEOUT_S)
+    request = pb.SendOpaqueStatusRequest(request_id=request_id, status=status)
+    await self.stub.SendOpaqueStatus(request, timeout=OPAQUE_STATUS_TIMEOUT_S, compression=GZIP)
 
   async def collect_topology(self, visited: set, max_depth: int) -> Topology:
     await self._ensure_connected()
-    response = await self.stub.CollectTopology(pb.CollectTopologyRequest(visited=sorted(visited), max_depth=max_depth), timeout=COLLECT_TOPOLOGY_TIMEOUT_S)
+    request = pb.CollectTopologyRequest(visited=sorted(visited), max_depth=max_depth)
+    response = await self.stub.CollectTopology(request, timeout=COLLECT_TOPOLOGY_TIMEOUT_S, compression=GZIP)
     return decode_topology(response)
