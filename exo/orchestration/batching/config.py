@@ -25,7 +25,7 @@ class BatchingConfig:
 
   def describe(self) -> str:
     chunk = f"prompts in chunks of {self.prefill_chunk} tokens" if self.prefill_chunk else "whole prompts"
-    return f"batching on: up to {self.batch_size} requests per step, wait at most {self.timeout_ms:g} ms for others, {chunk}"
+    return f"batching on: up to {self.batch_size} requests per step, wait up to {self.timeout_ms:g} ms after the latest arrival for others, {chunk}"
 
 
 def _parse_int(raw: str) -> float:
