@@ -14,6 +14,7 @@ from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatcherStopped
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.scheduler import LONE_PROMPT_CHUNK, RUNNING_AFTER, Scheduler
+from exo.orchestration.forward_started import FORWARD_STARTED
 from tests.conftest import smollm2_shard
 from tests.test_batching_plugin import ToyEngine, make_node, settle
 
@@ -74,6 +75,25 @@ async def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeo
   start = time.monotonic()
   await asyncio.wait_for(s.infer("d", np.array([[4]]), None), 5)
   assert 0.5 < time.monotonic() - start < 4
+  await s.stop()
+
+
+async def test_each_request_hears_when_its_step_starts():
+  """The gRPC server replies to a message when its forward pass starts (FORWARD_STARTED): for a request that waits
+  in line that is its step, not its arrival, and a prompt hears it with its first chunk."""
+  engine = StepEngine(delay=0.05)
+  s = scheduler(engine, batch_size=1)
+  heard = {}
+
+  async def infer(request_id, x):
+    started = asyncio.get_running_loop().create_future()
+    FORWARD_STARTED.set(started)  # this task's own context, as the server sets it for each message
+    started.add_done_callback(lambda _: heard.setdefault(request_id, len(engine.steps)))
+    return await s.infer(request_id, x, None)
+
+  await asyncio.gather(infer("prompt", np.zeros((1, LONE_PROMPT_CHUNK + 3, HIDDEN))), infer("token", np.array([[7]])))
+  assert [rid for step in engine.steps for rid, _ in step] == ["prompt", "prompt", "token"]  # two chunks, then the token
+  assert heard == {"prompt": 1, "token": 3}  # announced as its step began, so len(steps) counts that step
   await s.stop()
 
 

@@ -19,7 +19,9 @@ from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import (decode_inference_state, decode_tensor, decode_topology, encode_inference_state,
                                        encode_tensor, encode_topology, is_empty_tensor)
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS, GRPCPeerHandle
+from exo.networking.grpc import grpc_server
 from exo.networking.grpc.grpc_server import SERVER_OPTIONS, GRPCServer
+from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
 from exo.topology.topology import Topology
 from exo_cluster import free_port
@@ -218,6 +220,39 @@ async def test_large_hidden_states_pass(served):
   hidden = np.random.default_rng(0).standard_normal((1, 2048, 1536)).astype(np.float32)  # 12 MiB, beyond gRPC's 4 MiB default
   await peer.send_tensor(Shard("dummy", 4, 7, 8), hidden, request_id="big")
   assert np.array_equal((await next_call(node))[2], hidden)
+
+
+async def test_a_tensor_is_answered_when_its_forward_pass_starts(served, monkeypatch):
+  """Replying costs the server about as much as receiving: a batch's messages are answered while its step runs,
+  once the node announces the pass, or when the work ends, or after REPLY_WAIT_S at the latest."""
+  node, _, peer, _ = served
+  gates = {rid: (asyncio.Event(), asyncio.Event()) for rid in ("announced", "ended", "stuck")}
+
+  async def process_tensor(shard, tensor, request_id=None, inference_state=None):
+    start, end = gates[request_id]
+    node.calls.put_nowait(("tensor", request_id))
+    await start.wait()
+    if request_id == "announced":
+      announce(FORWARD_STARTED.get())
+    await end.wait()
+  node.process_tensor = process_tensor
+  monkeypatch.setattr(grpc_server, "REPLY_WAIT_S", 60.0)
+  sends = {rid: asyncio.ensure_future(peer.send_tensor(DUMMY, np.ones((1, 1, 4), np.float32), request_id=rid)) for rid in ("announced", "ended")}
+  assert {await next_call(node), await next_call(node)} == {("tensor", "announced"), ("tensor", "ended")}
+  done, _ = await asyncio.wait(sends.values(), timeout=0.3)
+  assert not done  # both are waiting for their forward pass
+  gates["announced"][0].set()
+  await asyncio.wait_for(sends["announced"], 5)  # answered while its work goes on
+  assert not sends["ended"].done()
+  gates["ended"][0].set()
+  gates["ended"][1].set()  # ends without announcing (a node without batching that failed, say)
+  await asyncio.wait_for(sends["ended"], 5)
+  monkeypatch.setattr(grpc_server, "REPLY_WAIT_S", 0.05)
+  await asyncio.wait_for(peer.send_tensor(DUMMY, np.ones((1, 1, 4), np.float32), request_id="stuck"), 5)
+  assert await next_call(node) == ("tensor", "stuck")
+  gates["announced"][1].set()
+  gates["stuck"][0].set()
+  gates["stuck"][1].set()
 
 
 async def test_tensors_travel_uncompressed_and_other_calls_gzipped(served):

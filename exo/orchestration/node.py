@@ -18,6 +18,7 @@ from exo.inference.sampling import SamplingParams, make_generator
 from exo.inference.shard import Shard
 from exo.orchestration.batching import hookspecs
 from exo.orchestration.batching.hookspecs import hookimpl
+from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities, device_capabilities
 from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, map_partitions_to_shards
 from exo.topology.topology import Topology
@@ -45,6 +46,7 @@ class CorePlugin:
 
   @hookimpl(trylast=True)
   def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state):
+    announce(FORWARD_STARTED.get())  # the engine takes it up as soon as the returned coroutine runs
     return node.inference_engine.infer_tensor(request_id, shard, tensor, inference_state)
 
   @hookimpl(trylast=True)

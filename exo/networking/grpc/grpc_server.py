@@ -13,11 +13,13 @@ from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_tensor, encode_topology, is_empty_tensor
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS
 from exo.networking.server import Server
+from exo.orchestration.forward_started import FORWARD_STARTED, announce
 
 # Upstream's server options: its client's, plus no HTTP/2 stream cap. keepalive_permit_without_calls=1 and a 5 s
 # minimum ping interval are what let upstream clients ping every 10 s while idle without being sent GOAWAY.
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.max_concurrent_streams", 0)]
 STOP_GRACE_S = 5.0
+REPLY_WAIT_S = 0.1  # a reply waits at most this long for the forward pass to start
 
 
 class GRPCServer(Server, pb_grpc.NodeServiceServicer):
@@ -73,20 +75,33 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
                        f"this node holds {own.start_layer}-{own.end_layer}")
     return shard
 
-  def _accept(self, coro, what: str) -> None:
-    """Reply now, work on in the background (allowed by wire.md §6), so each hop is free for the next message
-    and the ring pipelines. Failures end the request through the Node (fail_request), not through this reply."""
+  async def _accept(self, work, what: str) -> None:
+    """Work on in the background (allowed by wire.md §6), so each hop is free for the next message and the ring
+    pipelines; reply once the forward pass has started (see forward_started), the work has ended, or REPLY_WAIT_S
+    has passed. Failures end the request through the Node (fail_request), not through this reply."""
     async def run():
       try:
-        await coro
+        await work()
       except asyncio.CancelledError:
         raise
       except Exception as e:
         if DEBUG >= 1:
           print(f"{what} failed: {e!r}")
-    task = asyncio.create_task(run())
+    loop = asyncio.get_running_loop()
+    started = loop.create_future()
+    token = FORWARD_STARTED.set(started)
+    try:
+      task = asyncio.create_task(run())  # the task's context holds `started`
+    finally:
+      FORWARD_STARTED.reset(token)
     self._work.add(task)
     task.add_done_callback(self._work.discard)
+    task.add_done_callback(lambda _: announce(started))
+    timer = loop.call_later(REPLY_WAIT_S, announce, started)
+    try:
+      await started
+    finally:
+      timer.cancel()
 
   # --- RPCs ---
 
@@ -98,7 +113,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if DEBUG >= 5:
       print(f"Received SendPrompt {shard} {request.request_id!r}: {request.prompt!r}")
-    self._accept(self.node.process_prompt(shard, request.prompt, request.request_id, state), f"prompt {request.request_id}")
+    await self._accept(lambda: self.node.process_prompt(shard, request.prompt, request.request_id, state), f"prompt {request.request_id}")
     return pb.Tensor()
 
   async def SendTensor(self, request, context):
@@ -112,7 +127,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if DEBUG >= 5:
       print(f"Received SendTensor {shard} {request.request_id!r}: {tensor.dtype} {tensor.shape}")
-    self._accept(self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
+    await self._accept(lambda: self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
     return pb.Tensor()
 
   async def SendExample(self, request, context):

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from exo.inference.shard import Shard
+from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
 
 GATHER_LIMIT = 4  # a batch handed on may gather for up to this many timeouts, while its messages keep coming
@@ -36,6 +37,7 @@ class Job:
   future: asyncio.Future
   since: float = field(default_factory=time.monotonic)  # ready since
   outputs: List[np.ndarray] = field(default_factory=list)  # hidden states of earlier chunks, joined at the end
+  started: Optional[asyncio.Future] = field(default_factory=FORWARD_STARTED.get)  # announced with its first step
 
   @property
   def length(self) -> int:
@@ -174,6 +176,8 @@ class Scheduler:
     self.stats.record(len(items))
     try:
       async with self.engine_lock:  # one step at a time on this engine, whatever the shard
+        for job, _ in rows:
+          announce(job.started)  # its reply goes out when this task yields: for our engines, once their thread has the step
         results = list(await self.engine.infer_batch(self.shard, items))
       if len(results) != len(items):
         raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
