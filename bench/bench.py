@@ -236,34 +236,54 @@ def plot(rows: List[dict], path: Path) -> None:
   fig.savefig(path, dpi=110)
 
 
-async def sweep(args, nodes: int, ns: List[int], out, log_dir: Path) -> List[dict]:
+async def sweep(args, nodes: int, ns: List[int], out, log_dir: Path, paired_single: bool = False) -> List[dict]:
+  """Alternating off/on clusters of `nodes` nodes, `args.repeats` times. With `paired_single`, each batching-on
+  cluster has a single node measured right before or after it (rows marked "paired"), so that the ring's figure
+  is compared with one taken under the same machine load, not minutes earlier on a machine whose speed drifts."""
   rows: List[dict] = []
   reference: Dict[int, List[str]] = {}
   for repeat in range(args.repeats):
     for batching in (False, True):
-      async with Cluster(nodes, args.engine, batching, args, log_dir) as cluster:
-        await burst(cluster.url, make_prompts(2, 48, salt=99), 8)  # warm-up: load, first allocations
-        for n in ns:
-          prompts = make_prompts(n, args.prompt_tokens)
-          results = await burst(cluster.url, prompts, args.tokens)
-          row = {"nodes": nodes, "n": n, "batching": batching, "repeat": repeat, "engine": args.engine, **summarise(results)}
-          texts = [r["text"] for r in results]
-          if not batching:
-            reference.setdefault(n, texts)
-          else:
-            row["same_as_off"] = texts == reference.get(n, texts)
-          rows.append(row)
-          out.write(json.dumps(row) + "\n")
-          out.flush()
-          print(f"  {nodes} node(s) batching {'on ' if batching else 'off'} N={n:<3} {row['tok_s']:7.1f} tok/s  "
-                f"TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1000 * row['itl_p50']:.1f}ms" + ("" if not batching else f"  same={row['same_as_off']}"), flush=True)
-        if batching and args.mixed and nodes == 1 and repeat == 0:
-          prompts = make_prompts(8, args.prompt_tokens, salt=3)
-          extra = [{"temperature": 0.3 + 0.1 * i, "top_p": 0.9, "seed": i} for i in range(8)]
-          results = await burst(cluster.url, prompts, args.tokens, extra)
-          row = {"nodes": nodes, "n": 8, "batching": True, "mixed_params": True, **summarise(results)}
-          out.write(json.dumps(row) + "\n")
-          print(f"  mixed temperatures/top-p, N=8: {row['tok_s']:.1f} tok/s, all {sum(len(r['times']) == args.tokens for r in results)}/8 complete")
+      runs = [(nodes, False)]
+      if batching and paired_single:
+        runs.append((1, True))
+        if repeat % 2:
+          runs.reverse()  # take turns going first, so that a drift in the machine's speed favours neither
+      for cluster_nodes, paired in runs:
+        rows += await measure(args, cluster_nodes, batching, ns, repeat, reference, out, log_dir, paired)
+  return rows
+
+
+async def measure(args, nodes: int, batching: bool, ns: List[int], repeat: int, reference: Dict[int, List[str]], out, log_dir: Path,
+                  paired: bool = False) -> List[dict]:
+  """One cluster: a burst of N requests for each N; batching-on outputs are checked against the first off run's."""
+  rows: List[dict] = []
+  async with Cluster(nodes, args.engine, batching, args, log_dir) as cluster:
+    await burst(cluster.url, make_prompts(2, 48, salt=99), 8)  # warm-up: load, first allocations
+    for n in ns:
+      prompts = make_prompts(n, args.prompt_tokens)
+      results = await burst(cluster.url, prompts, args.tokens)
+      row = {"nodes": nodes, "n": n, "batching": batching, "repeat": repeat, "engine": args.engine, **summarise(results)}
+      texts = [r["text"] for r in results]
+      if not batching:
+        reference.setdefault(n, texts)
+      else:
+        row["same_as_off"] = texts == reference.get(n, texts)
+      if paired:
+        row["paired"] = True
+      rows.append(row)
+      out.write(json.dumps(row) + "\n")
+      out.flush()
+      print(f"  {nodes} node(s) batching {'on ' if batching else 'off'} N={n:<3} {row['tok_s']:7.1f} tok/s  "
+            f"TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1000 * row['itl_p50']:.1f}ms" + ("" if not batching else f"  same={row['same_as_off']}")
+            + ("  (paired with the ring)" if paired else ""), flush=True)
+    if batching and args.mixed and nodes == 1 and repeat == 0:
+      prompts = make_prompts(8, args.prompt_tokens, salt=3)
+      extra = [{"temperature": 0.3 + 0.1 * i, "top_p": 0.9, "seed": i} for i in range(8)]
+      results = await burst(cluster.url, prompts, args.tokens, extra)
+      row = {"nodes": nodes, "n": 8, "batching": True, "mixed_params": True, **summarise(results)}
+      out.write(json.dumps(row) + "\n")
+      print(f"  mixed temperatures/top-p, N=8: {row['tok_s']:.1f} tok/s, all {sum(len(r['times']) == args.tokens for r in results)}/8 complete")
   return rows
 
 
@@ -295,7 +315,9 @@ async def main() -> None:
         f"{os.cpu_count()} CPUs; logs in {log_dir}", flush=True)
   with open(out_dir / f"{stamp}.jsonl", "w") as out:
     rows = await sweep(args, 1, ns, out, log_dir)
-    ring_rows = await sweep(argparse.Namespace(**{**vars(args), "mixed": False}), 2, ring_ns, out, log_dir) if ring_ns else []
+    ring_rows = await sweep(argparse.Namespace(**{**vars(args), "mixed": False}), 2, ring_ns, out, log_dir, paired_single=True) if ring_ns else []
+    paired_rows = [r for r in ring_rows if r.get("paired")]
+    ring_rows = [r for r in ring_rows if not r.get("paired")]
     inter: Dict[bool, List[dict]] = {}
     if args.interference:
       for batching in (False, True):
@@ -308,10 +330,12 @@ async def main() -> None:
   if ring_rows:
     print_table(ring_rows, ring_ns, "2-node ring on loopback")
     for n in ring_ns:
-      single = [r["tok_s"] for r in rows if r["n"] == n and r["batching"]]
-      ring = [r["tok_s"] for r in ring_rows if r["n"] == n and r["batching"]]
-      if single and ring:
-        print(f"  ring ÷ single node, batching on, N={n}: {statistics.median(ring) / statistics.median(single):.2f}x")
+      pairs = [(ring["tok_s"], single["tok_s"]) for ring in ring_rows for single in paired_rows
+               if ring["n"] == single["n"] == n and ring["batching"] and ring["repeat"] == single["repeat"]]
+      if pairs:
+        ratios = [ring / single for ring, single in pairs]
+        print(f"  ring ÷ single node, batching on, N={n}: {statistics.median(ratios):.2f}x (median of each ring run ÷ the single node "
+              f"run next to it: {', '.join(f'{x:.2f}x' for x in ratios)}; single node {statistics.median(s for _, s in pairs):.1f} tok/s)")
   for batching, runs in inter.items():
     r = sorted(runs, key=lambda run: run["worst_gap_over_median"])[len(runs) // 2]
     every = ", ".join(f"{run['worst_gap_over_median']:.1f}x" for run in runs)
