@@ -75,13 +75,13 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
                        f"this node holds {own.start_layer}-{own.end_layer}")
     return shard
 
-  async def _accept(self, work, what: str) -> None:
+  async def _accept(self, coro, what: str) -> None:
     """Work on in the background (allowed by wire.md §6), so each hop is free for the next message and the ring
     pipelines; reply once the forward pass has started (see forward_started), the work has ended, or REPLY_WAIT_S
     has passed. Failures end the request through the Node (fail_request), not through this reply."""
     async def run():
       try:
-        await work()
+        await coro
       except asyncio.CancelledError:
         raise
       except Exception as e:
@@ -113,7 +113,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if DEBUG >= 5:
       print(f"Received SendPrompt {shard} {request.request_id!r}: {request.prompt!r}")
-    await self._accept(lambda: self.node.process_prompt(shard, request.prompt, request.request_id, state), f"prompt {request.request_id}")
+    await self._accept(self.node.process_prompt(shard, request.prompt, request.request_id, state), f"prompt {request.request_id}")
     return pb.Tensor()
 
   async def SendTensor(self, request, context):
@@ -127,7 +127,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if DEBUG >= 5:
       print(f"Received SendTensor {shard} {request.request_id!r}: {tensor.dtype} {tensor.shape}")
-    await self._accept(lambda: self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
+    await self._accept(self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
     return pb.Tensor()
 
   async def SendExample(self, request, context):

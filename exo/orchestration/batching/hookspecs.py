@@ -33,7 +33,9 @@ def exo_node_stopping(node) -> Optional[Awaitable[None]]:
 def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[Tuple[np.ndarray, Optional[dict]]]]:
   """Run this node's layers for one request: token ids (1, L) on the first shard, hidden states otherwise.
   Return an awaitable of (output, inference_state). The core runs `engine.infer_tensor` alone; a batching
-  plugin gathers concurrent calls for the same shard into one `engine.infer_batch` step."""
+  plugin gathers concurrent calls for the same shard into one `engine.infer_batch` step. Whoever starts the pass
+  calls `forward_started.announce` with the future FORWARD_STARTED held when it was called: the gRPC server
+  replies to the message then (else when the work ends, or after 0.1 s)."""
 
 
 @hookspec(firstresult=True)

@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from exo.inference.shard import Shard
-from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
+from exo.orchestration.forward_started import FORWARD_STARTED, announce
 
 GATHER_LIMIT = 4  # a batch handed on may gather for up to this many timeouts, while its messages keep coming
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
