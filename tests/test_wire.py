@@ -14,12 +14,12 @@ import pytest
 from exo.helpers import AsyncCallbackSystem
 from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.shard import Shard
+from exo.networking.grpc import grpc_server
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import (decode_inference_state, decode_tensor, decode_topology, encode_inference_state,
                                        encode_tensor, encode_topology, is_empty_tensor)
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS, GRPCPeerHandle
-from exo.networking.grpc import grpc_server
 from exo.networking.grpc.grpc_server import SERVER_OPTIONS, GRPCServer
 from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
