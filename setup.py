@@ -13,6 +13,7 @@ install_requires = [
   "pydantic>=2.5,<3",
   "psutil>=5.9,<8",
   "rich>=13,<16",
+  "uvloop>=0.19,<1; sys_platform!='win32'",
 ]
 
 extras_require = {

