@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo.download.shard_download import HFShardDownloader  # noqa: E402
-from exo.inference.inference_engine import get_inference_engine  # noqa: E402
+from exo.inference.engines import get_inference_engine  # noqa: E402
 from exo.inference.shard import Shard  # noqa: E402
 
 WARMUP = 4

@@ -8,9 +8,9 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
-from exo.helpers import DEBUG, VERSION, find_available_port, get_or_create_node_id
+from exo.helpers import VERSION, find_available_port, get_or_create_node_id
 from exo.inference.inference_engine import inference_engine_classes
 
 os.environ.setdefault("GRPC_VERBOSITY", "error")
@@ -29,18 +29,13 @@ def default_engine() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="exo", description="Run one language model across several machines, serving many users at once.")
-  p.add_argument("command", nargs="?", choices=["run", "eval", "train"], help="run: answer --prompt in the terminal; eval/train: MLX only")
+  p.add_argument("command", nargs="?", choices=["run", "eval", "train"], help="run: answer --prompt in the terminal (eval/train are not in this build)")
   p.add_argument("model_name", nargs="?", help="model id, e.g. smollm2-135m")
   p.add_argument("--default-model", type=str, default=None, help="API fallback model (default smollm2-135m)")
-  p.add_argument("--iters", type=int, default=100)
-  p.add_argument("--save-every", type=int, default=5)
-  p.add_argument("--data", type=str, default="exo/train/data/lora")
   p.add_argument("--batch-size", type=int, default=None,
-                 help="serving: largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE); train/eval: minibatch size")
+                 help="largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE)")
   p.add_argument("--batch-timeout-ms", type=float, default=None, help="longest a request waits for others to join its batch (overrides EXO_BATCH_TIMEOUT_MS)")
   p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens one batched step takes while other streams are running, 0 = whole prompts (overrides EXO_PREFILL_CHUNK; default 24)")
-  p.add_argument("--resume-checkpoint", type=str, default=None)
-  p.add_argument("--save-checkpoint-dir", type=str, default="checkpoints")
   p.add_argument("--node-id", type=str, default=None)
   p.add_argument("--node-host", type=str, default="0.0.0.0")
   p.add_argument("--node-port", type=int, default=None)
@@ -156,7 +151,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
 
 async def main(args) -> int:
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
-  from exo.inference.inference_engine import get_inference_engine
+  from exo.inference.engines import get_inference_engine
   from exo.models import DEFAULT_MODEL, build_base_shard, get_supported_models, model_cards
   from exo.orchestration.node import Node
   from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy

@@ -9,9 +9,9 @@ import exo.inference.mlx as mlx_package  # (first: it binds OpenBLAS, which must
 pytest.importorskip("mlx.core")  # CI installs it; this only spares machines without the package
 
 from exo.download.shard_download import HFShardDownloader  # noqa: E402
-from exo.inference.inference_engine import get_inference_engine  # noqa: E402
+from exo.inference.engines import get_inference_engine  # noqa: E402
 from exo.inference.mlx.engine import MLXDynamicShardInferenceEngine  # noqa: E402
-from tests import test_engines_common as common  # noqa: E402
+from tests.support import engines as common  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ import pytest
 pytest.importorskip("tinygrad")  # CI installs it; this only spares machines without the package
 
 from exo.download.shard_download import HFShardDownloader  # noqa: E402
-from exo.inference.inference_engine import get_inference_engine  # noqa: E402
+from exo.inference.engines import get_inference_engine  # noqa: E402
 from exo.inference.tinygrad.engine import TinygradDynamicShardInferenceEngine  # noqa: E402
-from tests import test_engines_common as common  # noqa: E402
-from tests.conftest import smollm2_shard  # noqa: E402
+from tests.support import engines as common  # noqa: E402
+from tests.support.models import smollm2_shard  # noqa: E402
 
 
 @pytest.fixture(scope="module")

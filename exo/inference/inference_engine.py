@@ -1,4 +1,3 @@
-import os
 from abc import ABC, abstractmethod
 from typing import List, Optional, Tuple
 
@@ -10,7 +9,6 @@ from exo.inference.shard import Shard
 
 class InferenceEngine(ABC):
   """Runs a shard's layers for requests, each with its own KV cache keyed by request_id."""
-  session = {}
 
   @abstractmethod
   async def encode(self, shard: Shard, prompt: str) -> np.ndarray:
@@ -32,22 +30,9 @@ class InferenceEngine(ABC):
   async def load_checkpoint(self, shard: Shard, path: str):
     ...
 
-  async def save_checkpoint(self, shard: Shard, path: str):
-    pass
-
-  async def save_session(self, key, value):
-    self.session[key] = value
-
-  async def clear_session(self):
-    self.session.clear()
-
   async def infer_prompt(self, request_id: str, shard: Shard, prompt: str, inference_state: Optional[dict] = None) -> Tuple[np.ndarray, Optional[dict]]:
     tokens = await self.encode(shard, prompt)
-    if shard.model_id != "stable-diffusion-2-1-base":
-      x = tokens.reshape(1, -1)
-    else:
-      x = tokens
-    return await self.infer_tensor(request_id, shard, x, inference_state)
+    return await self.infer_tensor(request_id, shard, tokens.reshape(1, -1), inference_state)
 
   # --- exo additions (optional; every engine works without overriding them) ---
 
@@ -78,21 +63,3 @@ inference_engine_classes = {
   "numpy": "NumpyDynamicShardInferenceEngine",
   "dummy": "DummyInferenceEngine",
 }
-
-
-def get_inference_engine(inference_engine_name: str, shard_downloader) -> InferenceEngine:
-  if inference_engine_name == "numpy":
-    from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-    return NumpyDynamicShardInferenceEngine(shard_downloader)
-  if inference_engine_name == "mlx":
-    from exo.inference.mlx.engine import MLXDynamicShardInferenceEngine
-    return MLXDynamicShardInferenceEngine(shard_downloader)
-  if inference_engine_name == "tinygrad":
-    from exo.inference.tinygrad.engine import TinygradDynamicShardInferenceEngine
-    import tinygrad.helpers
-    tinygrad.helpers.DEBUG.value = int(os.getenv("TINYGRAD_DEBUG", default="0"))
-    return TinygradDynamicShardInferenceEngine(shard_downloader)
-  if inference_engine_name == "dummy":
-    from exo.inference.dummy_inference_engine import DummyInferenceEngine
-    return DummyInferenceEngine()
-  raise ValueError(f"Unsupported inference engine: {inference_engine_name}")

@@ -16,8 +16,8 @@ from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference.sampling import SamplingParams, make_generator
 from exo.inference.shard import Shard
-from exo.orchestration.batching import hookspecs
-from exo.orchestration.batching.hookspecs import hookimpl
+from exo.orchestration import hookspecs
+from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities, device_capabilities
 from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, map_partitions_to_shards

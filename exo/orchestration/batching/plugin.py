@@ -21,7 +21,7 @@ from exo.inference.sampling import make_generator
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import Batcher, BatchStats
 from exo.orchestration.batching.config import BatchingConfig
-from exo.orchestration.batching.hookspecs import hookimpl
+from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.batching.scheduler import Scheduler
 
 PLUGIN_NAME = "exo-batching"

@@ -11,7 +11,8 @@ import numpy as np
 from exo.api import ChatGPTAPI
 from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
 from exo.inference.dummy_inference_engine import DummyInferenceEngine
-from exo.inference.inference_engine import InferenceEngine, get_inference_engine, inference_engine_classes
+from exo.inference.engines import get_inference_engine
+from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.networking.discovery import NoDiscovery
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
