@@ -2,25 +2,29 @@
 N concurrent requests with different prompts, batching off then on (alternating), aggregate decode tokens/s,
 the ratio on ÷ off measured in the same run, and whether greedy outputs were identical.
 
-  python -m exo.orchestration.batching.measure --n 1 8 16 --tokens 64 --repeats 1
+  python bench/measure.py --n 1 8 16 --tokens 64 --repeats 1
 
-The project's HTTP benchmark (bench/) is the reference; this is the quick loop for engine and scheduler work."""
+The HTTP benchmark (bench/bench.py) is the reference; this is the quick loop for engine and scheduler work."""
 import argparse
 import asyncio
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
-from exo.download.shard_download import HFShardDownloader
-from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-from exo.inference.sampling import SamplingParams
-from exo.models import build_base_shard
-from exo.networking.discovery import NoDiscovery
-from exo.orchestration.batching.config import DEFAULT_PREFILL_CHUNK, DEFAULT_TIMEOUT_MS, BatchingConfig
-from exo.orchestration.batching.plugin import register_batching
-from exo.orchestration.generation import generate
-from exo.orchestration.node import Node
-from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exo.download.shard_download import HFShardDownloader  # noqa: E402
+from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine  # noqa: E402
+from exo.inference.sampling import SamplingParams  # noqa: E402
+from exo.models import build_base_shard  # noqa: E402
+from exo.networking.discovery import NoDiscovery  # noqa: E402
+from exo.orchestration.batching.config import DEFAULT_PREFILL_CHUNK, DEFAULT_TIMEOUT_MS, BatchingConfig  # noqa: E402
+from exo.orchestration.batching.plugin import register_batching  # noqa: E402
+from exo.orchestration.generation import generate  # noqa: E402
+from exo.orchestration.node import Node  # noqa: E402
+from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy  # noqa: E402
 
 WORDS = "river stone lantern orchard copper meadow harbor violet thunder canyon pepper glacier saddle marble falcon cedar".split()
 
@@ -48,7 +52,7 @@ async def run_once(engine, n: int, tokens: int, words: int, config: Optional[Bat
   start = time.perf_counter()
   outputs = await asyncio.gather(*[one(i) for i in range(n)])
   await node.stop()
-  # bench/PROTOCOL.md's aggregate decode tokens/s: all completion tokens / (last token time - first send time)
+  # docs/benchmark.md's aggregate decode tokens/s: all completion tokens / (last token time - first send time)
   return {"outputs": outputs, "tokens_per_s": sum(len(o) for o in outputs) / (max(lasts) - start),
           "steps": plugin.step_stats().mean if plugin else 1.0}
 

@@ -9,7 +9,7 @@ from exo.helpers import DEBUG
 from exo.inference.shard import Shard
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
-from exo.networking.grpc.codec import decode_tensor, decode_topology, encode_shard, encode_tensor
+from exo.networking.grpc.codec import decode_topology, encode_shard, encode_tensor
 from exo.networking.peer_handle import PeerHandle
 from exo.topology.device_capabilities import DeviceCapabilities
 from exo.topology.topology import Topology
@@ -148,15 +148,6 @@ class GRPCPeerHandle(PeerHandle):
     request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self._wire_state(inference_state))
     await self.stub.SendTensor(request)
     return None
-
-  async def send_example(self, shard: Shard, example: np.ndarray, target: np.ndarray, length: np.ndarray, train: bool, request_id: Optional[str] = None):
-    await self._ensure_connected()
-    request = pb.ExampleRequest(shard=encode_shard(shard), example=encode_tensor(example), target=encode_tensor(target),
-                                length=encode_tensor(length), train=train, request_id=request_id)
-    response = await self.stub.SendExample(request, compression=GZIP)
-    if train and response.HasField("grads"):
-      return response.loss, decode_tensor(response.grads)
-    return response.loss
 
   async def send_result(self, request_id: str, result: List[int], is_finished: bool) -> None:
     await self._ensure_connected()
