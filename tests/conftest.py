@@ -8,15 +8,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 from exo.download.shard_download import HFShardDownloader, embedded_model_path  # noqa: E402
-from exo.inference.shard import Shard  # noqa: E402
-
-SMOLLM2 = "smollm2-135m"
-SMOLLM2_LAYERS = 30
-
-
-def smollm2_shard(start: int = 0, end: int = SMOLLM2_LAYERS - 1) -> Shard:
-  return Shard(SMOLLM2, start, end, SMOLLM2_LAYERS)
-
 
 @pytest.fixture(scope="session")
 def smollm2_path():

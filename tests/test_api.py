@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from api_harness import shared_server
+from tests.support.api_server import shared_server
 
 MODEL = "smollm2-135m"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

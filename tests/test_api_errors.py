@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import pytest
 
-from api_harness import ApiServer, FailingEngine, SlowEngine, shared_server
+from tests.support.api_server import ApiServer, FailingEngine, SlowEngine, shared_server
 from exo.api.reply_text import ReplyText
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard

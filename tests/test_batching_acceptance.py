@@ -14,9 +14,9 @@ import pytest
 import exo.inference.mlx  # noqa: F401  (first: it binds OpenBLAS, which must precede mlx.core)
 from exo.inference.sampling import SamplingParams
 from exo.orchestration.batching.config import BatchingConfig
-from tests import test_engines_common as common
-from tests.conftest import smollm2_shard
-from tests.test_batching_plugin import make_node, settle
+from tests.support import engines as common
+from tests.support.models import smollm2_shard
+from tests.support.toy import make_node, settle
 
 WORDS = "sun river stone apple cloud music garden ocean paper window silver forest".split()
 BATCHING = BatchingConfig(batch_size=16, timeout_ms=5, prefill_chunk=32)

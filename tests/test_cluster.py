@@ -26,7 +26,7 @@ from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.orchestration.generation import GenerationError, generate
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
-from exo_cluster import ExoProcess, free_port, wait_for_ring, write_manual_config
+from tests.support.cluster import ExoProcess, free_port, wait_for_ring, write_manual_config
 
 # A request whose next hop dies ends with an error within this bound. A forward to the dead node fails at once
 # (connection refused; at most the 10 s connect wait if its host vanished silently). A request waiting on the dead

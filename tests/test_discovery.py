@@ -26,7 +26,7 @@ from exo.networking.udp.interfaces import priority_by_name
 from exo.networking.udp.udp_discovery import UDPDiscovery, subnet_broadcast_address
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
 from exo.topology.topology import Topology
-from exo_cluster import ExoProcess, device_caps, free_port, write_manual_config
+from tests.support.cluster import ExoProcess, device_caps, free_port, write_manual_config
 
 
 class FakePeer:

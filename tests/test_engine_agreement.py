@@ -6,7 +6,7 @@ import pytest
 
 import exo.inference.mlx  # noqa: F401  (first: it binds OpenBLAS, which must precede mlx.core)
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-from tests import test_engines_common as common
+from tests.support import engines as common
 
 TOKENS = 32
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

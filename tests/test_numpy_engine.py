@@ -9,7 +9,7 @@ import pytest
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.inference.numpy.llama import Llama
 from exo.inference.weights import load_shard_weights
-from tests.conftest import smollm2_shard
+from tests.support.models import smollm2_shard
 
 # Logits of the same forward computed two ways (cached vs recomputed, one shard vs two) agree to this absolute
 # tolerance; float32 summation order differs between the ways, the logits themselves are O(10).
@@ -179,7 +179,7 @@ def test_split_work_reports_a_workers_error_and_serves_concurrent_callers():
 
 async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, monkeypatch):
   from exo.inference.numpy import llama
-  from tests.test_engines_common import OPENINGS, batched, greedy, prompt_ids
+  from tests.support.engines import OPENINGS, batched, greedy, prompt_ids
   prompts = prompt_ids(engine, OPENINGS + [f"{opening} (again)" for opening in OPENINGS])  # 16: decode steps of 16 rows
   alone = [await greedy(engine, f"alone-{i}", ids, 6, stop_at_eos=False) for i, ids in enumerate(prompts)]
   shared, original = [], llama.balanced_groups

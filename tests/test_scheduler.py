@@ -15,8 +15,8 @@ from exo.orchestration.batching.batcher import BatcherStopped
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.scheduler import LONE_PROMPT_CHUNK, RUNNING_AFTER, Scheduler
 from exo.orchestration.forward_started import FORWARD_STARTED
-from tests.conftest import smollm2_shard
-from tests.test_batching_plugin import ToyEngine, make_node, settle
+from tests.support.models import smollm2_shard
+from tests.support.toy import ToyEngine, make_node, settle
 
 FIRST, LAST = Shard("toy", 0, 1, 4), Shard("toy", 2, 3, 4)
 HIDDEN = 4
@@ -263,7 +263,7 @@ async def test_stop_lets_the_step_finish_and_fails_the_waiting():
 
 
 async def test_prompts_are_chunked_through_a_node_and_outputs_still_match():
-  from tests.test_batching_plugin import ask, reference_greedy
+  from tests.support.toy import ask, reference_greedy
   engine = ToyEngine()
   node, plugin = make_node(engine, BatchingConfig(batch_size=6, timeout_ms=5, prefill_chunk=7))
   prompts = [f"a rather long prompt number {i} " * (i % 3 + 1) for i in range(10)]

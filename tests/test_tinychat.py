@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from api_harness import ApiServer, FailingEngine, shared_server
+from tests.support.api_server import ApiServer, FailingEngine, shared_server
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
 

@@ -9,7 +9,7 @@ from safetensors.numpy import save_file
 from exo.inference.numpy.llama import Llama
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import LlamaConfig, load_shard_weights, rope_inv_freq
-from tests.conftest import smollm2_shard
+from tests.support.models import smollm2_shard
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,6 @@ def test_a_shard_reads_only_its_layers(tmp_path, gguf_model, gguf_tokenizer):
 
 
 def test_bfloat16_safetensors_without_index(tmp_path):
-  config = LlamaConfig(hidden_size=8, intermediate_size=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=10, head_dim=4)
   rng = np.random.default_rng(0)
   shapes = {"model.embed_tokens.weight": (10, 8), "model.norm.weight": (8,), "lm_head.weight": (10, 8),
             "model.layers.0.input_layernorm.weight": (8,), "model.layers.0.post_attention_layernorm.weight": (8,),

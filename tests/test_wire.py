@@ -24,7 +24,7 @@ from exo.networking.grpc.grpc_server import SERVER_OPTIONS, GRPCServer
 from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
 from exo.topology.topology import Topology
-from exo_cluster import free_port
+from tests.support.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 GRPC_DIR = REPO / "exo" / "networking" / "grpc"

@@ -1,5 +1,5 @@
-"""What every batch-capable engine must do on the real SmolLM2-135M, as helpers; test_engines_<name>.py and
-test_engine_agreement.py run them per engine. (No tests here: this module only holds the shared checks.)"""
+"""What every batch-capable engine must do on the real SmolLM2-135M: the checks, and `EngineChecks`, which an
+engine's test module (tests/test_engines_<name>.py) inherits to run them on its engine."""
 import asyncio
 import functools
 from typing import Dict, List
@@ -9,7 +9,7 @@ import pytest
 
 from exo.inference import llama_engine
 from exo.inference import weights as weights_module
-from tests.conftest import smollm2_shard
+from tests.support.models import smollm2_shard
 
 # The same forward computed two ways (one shard vs two, alone vs batched, engine vs engine) agrees to this absolute
 # tolerance on the logits, which are O(10): float32 summation order differs between the ways.
