@@ -1,4 +1,4 @@
-"""Throughput and latency of exo with batching off and on, measured as ../shared/bench/PROTOCOL.md describes.
+"""Throughput and latency of exo with batching off and on, measured as docs/benchmark.md describes.
 
 One command starts the server itself (a real `exo` process, or a 2-node ring on loopback), sends N concurrent
 streaming requests through the real HTTP API, alternates batching off/on for each repeat, checks that greedy
@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Dict, List, Optional
 
