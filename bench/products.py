@@ -88,7 +88,11 @@ def main() -> None:
   p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
   p.add_argument("--threads", type=int, default=kernels.CORES, choices=[1, kernels.CORES])
   p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--peak", action="store_true", help="print only the sgemm peak, GFLOP/s")
   args = p.parse_args()
+  if args.peak:
+    print(f"{sgemm_peak():.1f}")
+    return
   single_threaded_blas()
   rows_list = [int(r) for r in args.rows.split(",")]
   split = args.threads > 1
