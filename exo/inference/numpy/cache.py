@@ -25,7 +25,7 @@ from typing import List, Tuple
 
 import numpy as np
 
-SLAB_SLOTS = 16
+SLAB_SLOTS = 64  # the most requests one batched attention product can take
 # Linux's flag (Python 3.11's mmap module lacks the name): the slab is address space, not memory set aside.
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 

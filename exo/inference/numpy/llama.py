@@ -229,7 +229,12 @@ class Llama:
       def gate_up(a: int, b: int) -> None:
         pairs = (x @ layer["gate_up"][:, a:b]).reshape(rows, -1, 2, PAIR)
         gate, up = pairs[:, :, 0], pairs[:, :, 1]
-        act[:, a // 2:b // 2] = ((gate / (1.0 + np.exp(-gate))) * up).reshape(rows, -1)
+        out = act[:, a // 2:b // 2].reshape(rows, -1, PAIR)
+        np.negative(gate, out=out)  # silu(gate) * up, in place: these are the layer's largest elementwise arrays
+        np.exp(out, out=out)
+        out += 1.0
+        np.divide(gate, out, out=out)
+        out *= up
 
       def down(a: int, b: int) -> None:
         h[:, a:b] += act @ layer["down"][:, a:b]
