@@ -209,20 +209,21 @@ def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
   caches = [KVCache(pool) for _ in range(20)]
   for cache in caches:
     cache.length = 100
+  jobs = lambda step: [job for group in step.job_groups for job in group]
+  slots = lambda job: list(range(job.slot, job.slot + len(job.ends)))
   decode = llama.Step(pool, caches[:16], [1] * 16)
-  runs = [job for group in decode.job_groups for job in group]
-  assert all(job[0] == "decode" for job in runs) and sum(job[3] - job[2] for job in runs) == 16
+  assert all(isinstance(job, llama.DecodeRun) for job in jobs(decode)) and sum(map(slots, jobs(decode)), []) == list(range(16))
   if llama.CORES > 1:
-    assert len(decode.job_groups) == llama.CORES and {sum(j[3] - j[2] for j in g) for g in decode.job_groups} == {16 // llama.CORES}
-  gaps = llama.Step(pool, [caches[i] for i in (0, 1, 2, 5, 6, 9)], [1] * 6)
-  assert sorted((j[2], j[3]) for g in gaps.job_groups for j in g) == [(0, 3), (5, 7), (9, 10)], "one run per stretch of consecutive slots"
+    assert len(decode.job_groups) == llama.CORES and {sum(len(j.ends) for j in g) for g in decode.job_groups} == {16 // llama.CORES}
+  assert [slots(job) for job in llama.share(jobs(llama.Step(pool, [caches[i] for i in (0, 1, 2, 5, 6, 9)], [1] * 6)), 1)[0]] == \
+    [[0, 1, 2], [5, 6], [9]], "one run per stretch of consecutive slots"
   caches[3].length = 1000  # far longer than its neighbours: padding them all to it would waste most of the run
-  mixed = llama.Step(pool, caches[:8], [1] * 8)
-  assert len([j for g in mixed.job_groups for j in g]) >= 3
-  prompt = llama.Step(pool, caches[:4], [1, 30, 1, 1])
-  jobs = [j for g in prompt.job_groups for j in g]
-  assert [j[2] for j in jobs if j[0] == "prompt"] == [1], "a prompt chunk attends on its own"
-  assert sorted(slot for j in jobs if j[0] == "decode" for slot in range(j[2], j[3])) == [0, 2, 3]
+  assert len(jobs(llama.Step(pool, caches[:8], [1] * 8))) >= 3
+  prompt = jobs(llama.Step(pool, caches[:4], [1, 30, 1, 1]))
+  assert [job.slot for job in prompt if isinstance(job, llama.PromptChunk)] == [1], "a prompt chunk attends on its own"
+  assert sum((slots(job) for job in prompt if isinstance(job, llama.DecodeRun)), []) == [0, 2, 3]
+  costs = [sum(job.cost for job in group) for group in llama.share(jobs(llama.Step(pool, caches[4:20], [1] * 16)), 2)]
+  assert len(costs) == 2 and max(costs) <= 1.1 * min(costs), "the cores read about as many cached positions each"
 
 
 async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, monkeypatch):

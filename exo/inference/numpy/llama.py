@@ -43,77 +43,120 @@ def split_columns(part, n_cols: int, align: int, rows: int) -> None:
     run(0, panels)
 
 
+class DecodeRun:
+  """Requests in consecutive slots of one slab, one new row each (rows first..first + n of the step): their
+  attention is one batched product over a view of those slots, each row masked to its own length."""
+
+  def __init__(self, slab: np.ndarray, slot: int, first: int, ends: np.ndarray):
+    self.slab, self.slot, self.first, self.ends = slab, slot, first, ends  # ends: positions each row sees
+    self.width = int(ends.max())
+    hidden = np.arange(self.width)[None, :] >= ends[:, None]
+    self.mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
+
+  @property
+  def cost(self) -> int:  # cached positions read
+    return len(self.ends) * self.width
+
+  def split(self, n: int) -> Tuple["DecodeRun", "DecodeRun"]:
+    return (DecodeRun(self.slab, self.slot, self.first, self.ends[:n]),
+            DecodeRun(self.slab, self.slot + n, self.first + n, self.ends[n:]))
+
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+    n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
+    rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
+    keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
+    scores = np.matmul(q[rows].reshape(n, n_kv, n_heads // n_kv, hd), keys.swapaxes(-1, -2))
+    scores += self.mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    out = np.matmul(scores, values)
+    out /= scores.sum(axis=-1, keepdims=True)
+    attn[rows] = out.reshape(n, n_heads * hd)
+
+
+class PromptChunk:
+  """n rows of one request's prompt (rows first..first + n of the step), from position `start`: causal attention
+  over its own slot."""
+
+  def __init__(self, slab: np.ndarray, slot: int, first: int, start: int, n: int):
+    self.slab, self.slot, self.first, self.n, self.width = slab, slot, first, n, start + n
+    causal = np.arange(self.width)[None, :] > (start + np.arange(n))[:, None]
+    self.mask = np.where(causal, -np.inf, 0.0).astype(np.float32)
+
+  @property
+  def cost(self) -> float:  # in cached positions read: its rows share each read, and they are compute-bound
+    return self.n * self.width / 2
+
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+    n, width, (_, n_heads, hd) = self.n, self.width, q.shape
+    group = n_heads // n_kv
+    keys, values = self.slab[self.slot, li, 0, :, :width], self.slab[self.slot, li, 1, :, :width]  # (kv heads, width, head dim)
+    queries = q[self.first:self.first + n].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+    scores = np.matmul(queries, keys.swapaxes(-1, -2)).reshape(n_kv, group, n, width)
+    scores += self.mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    out = np.matmul(scores.reshape(n_kv, group * n, width), values).reshape(n_kv, group, n, hd)
+    out /= scores.sum(axis=-1, keepdims=True)
+    attn[self.first:self.first + n] = out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
+
+
 class Step:
-  """What every layer of one step shares: where each row's keys go, and who attends with whom."""
+  """What every layer of one step shares: where each row's keys go, and who attends with whom. The requests come
+  in slot order."""
 
   def __init__(self, pool: KVPool, caches: Sequence[KVCache], lengths: Sequence[int]):
     starts = [cache.length for cache in caches]
     self.rows = sum(lengths)
     self.positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    offsets = np.cumsum([0] + list(lengths))
     # Cache writes, one per slab: (slab, row range, slot index per row, position per row).
     self.writes: List[Tuple[np.ndarray, slice, np.ndarray, np.ndarray]] = []
     slot_of_row = np.repeat([cache.slot for cache in caches], lengths)
-    slab_of_row = slot_of_row // SLAB_SLOTS
-    for slab in np.unique(slab_of_row):
-      rows = np.flatnonzero(slab_of_row == slab)
+    for slab in np.unique(slot_of_row // SLAB_SLOTS):
+      rows = np.flatnonzero(slot_of_row // SLAB_SLOTS == slab)
       self.writes.append((pool.slabs[slab], slice(rows[0], rows[-1] + 1), slot_of_row[rows] % SLAB_SLOTS, self.positions[rows]))
 
-    # Attention jobs, each with its cost in cached positions read (a prompt chunk's rows share one read).
-    jobs: List[Tuple[float, tuple]] = []
-    run: List[int] = []
+    jobs: List = []
+    run: List[int] = []  # requests of the decode run being gathered
+    offsets = np.cumsum([0] + list(lengths))
 
     def close_run():
       if run:
-        ends = [starts[r] + 1 for r in run]
-        width = max(ends)
-        hidden = np.arange(width)[None, :] >= np.array(ends)[:, None]
-        slab, first = pool.where(caches[run[0]].slot)
-        jobs.append((len(run) * width, ("decode", slab, first, first + len(run), width, offsets[run],
-                                        np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, None, :])))
+        slab, index = pool.where(caches[run[0]].slot)
+        jobs.append(DecodeRun(slab, index, int(offsets[run[0]]), np.array([starts[r] + 1 for r in run])))
         run.clear()
 
     for r, (cache, n) in enumerate(zip(caches, lengths)):
       if n > 1:
         close_run()
-        width = starts[r] + n
-        causal = np.arange(width)[None, :] > (starts[r] + np.arange(n))[:, None]
-        slab, index = pool.where(cache.slot)
-        jobs.append((n * width / 2, ("prompt", slab, index, n, width, offsets[r], np.where(causal, -np.inf, 0.0).astype(np.float32))))
+        jobs.append(PromptChunk(*pool.where(cache.slot), int(offsets[r]), starts[r], n))
         continue
       if run:
-        last = caches[run[-1]]
         widths = [starts[i] + 1 for i in run] + [starts[r] + 1]
-        padded = len(widths) * max(widths)
-        if cache.slot != last.slot + 1 or cache.slot % SLAB_SLOTS == 0 or padded > PADDING_LIMIT * sum(widths):
+        if cache.slot != caches[run[-1]].slot + 1 or cache.slot % SLAB_SLOTS == 0 or len(widths) * max(widths) > PADDING_LIMIT * sum(widths):
           close_run()
       run.append(r)
     close_run()
-    self.job_groups = self._share(jobs) if self.rows >= PARALLEL_ROWS and CORES > 1 else [[job for _, job in jobs]]
+    self.job_groups = share(jobs, CORES) if self.rows >= PARALLEL_ROWS and CORES > 1 else [jobs]
 
-  @staticmethod
-  def _share(jobs: List[Tuple[float, tuple]]) -> List[List[tuple]]:
-    """The jobs in CORES consecutive groups of about equal cost; a decode run is cut where a group fills up."""
-    total = sum(cost for cost, _ in jobs)
-    groups: List[List[tuple]] = [[] for _ in range(CORES)]
-    g, filled = 0, 0.0
-    for cost, job in jobs:
-      while job is not None:
-        room = total * (g + 1) / CORES - filled
-        if job[0] == "decode" and g < CORES - 1 and cost > room and job[3] - job[2] > 1:
-          _, slab, a, b, width, rows, mask = job
-          take = min(b - a - 1, max(1, round(room / width)))
-          groups[g].append(("decode", slab, a, a + take, width, rows[:take], mask[:take]))
-          filled += take * width
-          job, cost = ("decode", slab, a + take, b, width, rows[take:], mask[take:]), (b - a - take) * width
-          g += 1
-          continue
-        groups[g].append(job)
-        filled += cost
-        job = None
-        if g < CORES - 1 and filled >= total * (g + 1) / CORES:
-          g += 1
-    return [group for group in groups if group]
+
+def share(jobs: List, parts: int) -> List[List]:
+  """The jobs in `parts` consecutive groups of about equal cost; a decode run is cut where a group fills up."""
+  total = sum(job.cost for job in jobs)
+  groups: List[List] = [[] for _ in range(parts)]
+  g, filled = 0, 0.0
+  for job in jobs:
+    while job is not None:
+      room = total * (g + 1) / parts - filled
+      if isinstance(job, DecodeRun) and g < parts - 1 and job.cost > room and len(job.ends) > 1:
+        head, job = job.split(min(len(job.ends) - 1, max(1, round(room / job.width))))
+      else:
+        head, job = job, None
+      groups[g].append(head)
+      filled += head.cost
+      if g < parts - 1 and (job is not None or filled >= total * (g + 1) / parts):
+        g += 1
+  return [group for group in groups if group]
 
 
 class Llama:
@@ -193,7 +236,7 @@ class Llama:
   def _layers(self, h: np.ndarray, step: Step) -> np.ndarray:
     c = self.config
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
-    group, rows = n_heads // n_kv, step.rows
+    rows = step.rows
     angles = step.positions[:, None].astype(np.float32) * self.inv_freq[None, :]
     cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
     scale = np.float32(1.0 / math.sqrt(hd))
@@ -221,7 +264,7 @@ class Llama:
       def attend(lo: int, hi: int) -> None:
         for g in range(lo, hi):
           for job in step.job_groups[g]:
-            self._attend(job, li, q, attn, group)
+            job.attend(li, q, attn, n_kv)
 
       def o_proj(a: int, b: int) -> None:
         h[:, a:b] += attn @ layer["o"][:, a:b]
@@ -250,30 +293,3 @@ class Llama:
       split_columns(gate_up, 2 * c.intermediate_size, 2 * PAIR, rows)
       split_columns(down, c.hidden_size, 32, rows)
     return h
-
-  @staticmethod
-  def _attend(job: tuple, li: int, q: np.ndarray, attn: np.ndarray, group: int) -> None:
-    """One job's attention for layer li: its rows of `attn` from their queries and the cache."""
-    rows_total, n_heads, hd = q.shape
-    n_kv = n_heads // group
-    if job[0] == "decode":  # one row per request, requests in consecutive slots
-      _, slab, a, b, width, rows, mask = job
-      keys, values = slab[a:b, li, 0, :, :width], slab[a:b, li, 1, :, :width]  # (n, kv, width, hd), views
-      scores = np.matmul(q[rows].reshape(b - a, n_kv, group, hd), keys.swapaxes(-1, -2))
-      scores += mask
-      scores -= scores.max(axis=-1, keepdims=True)
-      np.exp(scores, out=scores)
-      out = np.matmul(scores, values)
-      out /= scores.sum(axis=-1, keepdims=True)
-      attn[rows] = out.reshape(b - a, n_heads * hd)
-      return
-    _, slab, index, n, width, first, mask = job  # a prompt chunk: n rows of one request
-    keys, values = slab[index, li, 0, :, :width], slab[index, li, 1, :, :width]  # (kv, width, hd)
-    queries = q[first:first + n].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
-    scores = np.matmul(queries, keys.swapaxes(-1, -2)).reshape(n_kv, group, n, width)
-    scores += mask
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    out = np.matmul(scores.reshape(n_kv, group * n, width), values).reshape(n_kv, group, n, hd)
-    out /= scores.sum(axis=-1, keepdims=True)
-    attn[first:first + n] = out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
