@@ -1,9 +1,12 @@
 """The numpy engine's kernels: weight products, and work shared among the cores.
 
 A weight is kept once, as an (in, out) row-major matrix, and `x @ w` is a plain OpenBLAS sgemm whatever the rows.
-On this 2-core EPYC VM that is the fastest form from 1 row to 512 (bench/products.py measures it; it also measures
-the 32-column blocked layout this engine used before, which no row count favours once the weights come from memory
-rather than cache).
+bench/products.py compares it with the 32-column blocked layout this engine used before (one small product per
+block) on SmolLM2's shapes, weights coming from memory as in a real step. On this 2-core VM sgemm is 1.2-1.5x
+faster from 16 rows up, and on one core (where a 1-row step runs) at every row count; the blocked form wins only
+for 2-8 rows on both cores, by 0-30% depending on the shape (the head's 49152 columns most). One copy means one
+layout, and this is the one that pays where batches are; the (out, in) layout checkpoints store is slower still
+for sgemm (x @ w.T: 10-40% at 4-64 rows).
 
 OpenBLAS runs single-threaded here (see engine.py): its own threads spin between calls, which on a shared machine
 made steps several times slower. The engine shares work itself: `split_over_cores` hands slices of a task to worker
@@ -89,22 +92,27 @@ def split_over_cores(part: Callable[[int, int], None], n: int) -> None:
       raise error
 
 
-PARALLEL_ROWS = 4  # from this many rows a product's columns are shared among the cores (bench/products.py: 2 rows gain nothing)
-COLUMN_ALIGN = 64  # slices of whole 64-column panels, so that each core's share keeps sgemm's blocking
+PARALLEL_ROWS = 2  # from 2 rows a step shares its work among the cores (2 rows: 20% faster; 1 row, memory-bound: 20% slower)
+
+
+def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, rows: int) -> None:
+  """part(a, b) over slices of range(n_cols) cut at multiples of `align`, shared among the cores if rows are enough."""
+  panels = -(-n_cols // align)
+
+  def run(lo: int, hi: int) -> None:
+    if lo < hi:
+      part(lo * align, min(n_cols, hi * align))
+  if rows >= PARALLEL_ROWS:
+    split_over_cores(run, panels)
+  else:
+    run(0, panels)
 
 
 def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
   """x (rows, in) @ w (in, out), its columns shared among the cores when there are rows enough."""
-  rows, n_out = x.shape[0], w.shape[1]
-  if rows < PARALLEL_ROWS or CORES < 2:
-    return x @ w
-  out = np.empty((rows, n_out), dtype=np.float32)
-  panels = -(-n_out // COLUMN_ALIGN)
+  out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
 
-  def part(lo: int, hi: int) -> None:
-    a, b = lo * COLUMN_ALIGN, min(n_out, hi * COLUMN_ALIGN)
-    if a < b:
-      np.matmul(x, w[:, a:b], out=out[:, a:b])
-
-  split_over_cores(part, panels)
+  def part(a: int, b: int) -> None:
+    np.matmul(x, w[:, a:b], out=out[:, a:b])
+  split_columns(part, w.shape[1], 64, x.shape[0])
   return out

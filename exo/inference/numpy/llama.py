@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
-from exo.inference.numpy.kernels import CORES, PARALLEL_ROWS, split_over_cores
+from exo.inference.numpy.kernels import CORES, PARALLEL_ROWS, split_columns, split_over_cores
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig, rope_inv_freq
 
@@ -31,16 +31,6 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
   half = x.shape[-1] // 2
   x1, x2 = x[..., :half], x[..., half:]
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def split_columns(part, n_cols: int, align: int, rows: int) -> None:
-  """part(a, b) over slices of range(n_cols) cut at multiples of `align`, shared among the cores if rows are enough."""
-  panels = -(-n_cols // align)
-  run = lambda lo, hi: part(lo * align, min(n_cols, hi * align)) if lo < hi else None
-  if rows >= PARALLEL_ROWS:
-    split_over_cores(run, panels)
-  else:
-    run(0, panels)
 
 
 class DecodeRun:
