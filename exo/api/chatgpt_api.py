@@ -53,6 +53,7 @@ class ChatGPTAPI:
       (("/models/{model_name}",), "DELETE", self.handle_delete_model),
       (("/v1/topology", "/topology"), "GET", self.handle_topology),
       (("/healthcheck",), "GET", self.handle_healthcheck),
+      (("/v1/state",), "GET", self.handle_state),
       (("/quit",), "POST", self.handle_quit),
       (("/v1/image/generations",), "POST", self.handle_image_generations),
       (("/create_animation",), "POST", self.handle_create_animation),
@@ -112,8 +113,9 @@ class ChatGPTAPI:
   # --- helpers ---
 
   async def tokenizer_for(self, model_id: str):
-    """The API node's tokenizer for a model: the engine's if it holds that model, else from local files (the
-    embedded model or $EXO_HOME/downloads), else by loading this node's own shard of it."""
+    """The API node's tokenizer for a model: the engine's if it holds that model, else read from the model's files
+    (the embedded model, $EXO_HOME/downloads, or downloaded). The engine never loads a model just for its
+    tokenizer: that would wipe the KV caches of the requests it serves."""
     engine = self.node.inference_engine
     shard = getattr(engine, "shard", None)
     if shard is not None and shard.model_id == model_id and getattr(engine, "tokenizer", None) is not None:
@@ -123,12 +125,14 @@ class ChatGPTAPI:
     async with self._tokenizer_locks.setdefault(model_id, asyncio.Lock()):
       if model_id not in self._tokenizers:
         repo = get_repo(model_id, self.inference_engine_classname)
-        local = "dummy" if repo == "dummy" else embedded_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
-        if local is not None:
-          self._tokenizers[model_id] = await asyncio.to_thread(resolve_tokenizer, local)
+        if repo == "dummy":
+          self._tokenizers[model_id] = await asyncio.to_thread(resolve_tokenizer, "dummy")
         else:
-          await engine.ensure_shard(self.node.get_current_shard(build_base_shard(model_id, self.inference_engine_classname)))
-          self._tokenizers[model_id] = engine.tokenizer
+          local = embedded_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
+          if local is None:
+            base = build_base_shard(model_id, self.inference_engine_classname)
+            local = await self.node.shard_downloader.ensure_shard(self.node.get_current_shard(base), self.inference_engine_classname)
+          self._tokenizers[model_id] = await asyncio.to_thread(resolve_tokenizer, local)
     return self._tokenizers[model_id]
 
   async def _read_body(self, request: web.Request) -> dict:
@@ -331,6 +335,10 @@ class ChatGPTAPI:
 
   async def handle_healthcheck(self, request: web.Request) -> web.Response:
     return responses.json_reply({"status": "ok"})
+
+  async def handle_state(self, request: web.Request) -> web.Response:
+    """This node's live requests (id, model, status, positions, KV bytes) and its KV memory in all."""
+    return responses.json_reply(self.node.state())
 
   async def handle_quit(self, request: web.Request) -> web.StreamResponse:
     response = responses.json_reply({"detail": "Quit signal received"})

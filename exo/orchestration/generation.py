@@ -6,6 +6,7 @@ from typing import AsyncIterator, List, Optional, Tuple
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration.node import Node
+from exo.orchestration.requests import RequestEvent
 
 
 class GenerationError(Exception):
@@ -20,10 +21,16 @@ async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingP
   takes longer than `timeout`. Leaving early (break, client gone, exception) cancels generation in the ring."""
   request_id = request_id or str(uuid.uuid4())
   events = node.watch(request_id)
-  finished = False
+  finished, prefill = False, None
+
+  def prefill_done(task: asyncio.Task) -> None:  # its failure is an event like the others (ends reach us at once)
+    if not task.cancelled() and task.exception() is not None:
+      events.put_nowait(RequestEvent([], True, str(task.exception()) or repr(task.exception())))
   try:
     await node.start_request(request_id, params)
-    await asyncio.wait_for(node.process_prompt(base_shard, prompt, request_id=request_id), timeout)
+    # The prompt runs beside the wait for events: an end that arrives mid-prefill reaches the client at once.
+    prefill = asyncio.ensure_future(node.process_prompt(base_shard, prompt, request_id=request_id))
+    prefill.add_done_callback(prefill_done)
     while not finished:
       event = await asyncio.wait_for(events.get(), timeout)
       if event.error is not None:
@@ -34,3 +41,6 @@ async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingP
     node.unwatch(request_id)
     if not finished:
       await node.cancel_request(request_id)
+    if prefill is not None and not prefill.done():
+      prefill.cancel()
+      await asyncio.gather(prefill, return_exceptions=True)

@@ -419,12 +419,16 @@ class Node(RingMember):
         if await self.update_peers():
           await self.broadcast_supported_engines(self.get_supported_inference_engines())
         await self.collect_topology(set())
-        for request in self.requests.sweep():
-          if request.model is None:  # parameters for a request that never came here
-            self.requests.end(request.id, Status.CANCELLED)
+        self.forget_stale()
       except Exception as e:
         if DEBUG >= 1:
           print(f"Error collecting topology: {e!r}")
+
+  def forget_stale(self, now: Optional[float] = None) -> None:
+    """Forget old ended ids, and parameters a peer sent for requests that never came here."""
+    for request in self.requests.sweep(now):
+      if request.model is None:
+        self.requests.end(request.id, Status.CANCELLED)
 
   async def collect_topology(self, visited: Set[str], max_depth: int = 4):
     topology = await super().collect_topology(visited, max_depth)
