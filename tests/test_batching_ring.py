@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("exo.api", reason="the HTTP API (exo.api) is not installed")
 
-from test_cluster import Cluster, chat  # noqa: E402
+from tests.support.cluster import Cluster, chat  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in Spanish.",
            "Write one sentence about the sea and the wind over it at night.", "Who wrote Hamlet?"]
