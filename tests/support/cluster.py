@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Optional
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout, two folders up from tests/support
 QUESTION = "What is the capital of France?"
 TOKEN_LINE = re.compile(r"^\[(?P<rid>[^\]]+)\] token (?P<token>\d+) ", re.M)  # DEBUG=2 logs each sampled token
 
