@@ -178,10 +178,10 @@ class Node(RingMember):
     request = self.requests.end(request_id, status)
     if request is None:
       return False
+    if request.model is not None:
+      self._release(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
     self.model_gate.leave(request_id)
     self.plugins.hook.exo_request_ended(node=self, request_id=request_id)
-    if request.model is not None:
-      self._release(request_id)
     watcher = self._watchers.get(request_id)
     if watcher is not None and status is not Status.FINISHED:
       watcher.put_nowait(RequestEvent([], True, error or f"the request was {status.value}"))
@@ -313,7 +313,7 @@ class Node(RingMember):
 
   async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str]) -> List[int]:
     """Sample each request's next token from its logits, each with its own parameters and random stream."""
-    requests = [self.requests.get(rid) or self._open(rid) or Request(rid, SamplingParams()) for rid in request_ids]
+    requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
     for request in requests:
       if request.generator is None:
         request.generator = make_generator(request.params.seed)
