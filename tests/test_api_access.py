@@ -7,23 +7,10 @@ import aiohttp
 import openai
 import pytest
 
-from tests.support.api_server import ApiServer
 from exo.api.settings import ApiSettings
 
 USER = [{"role": "user", "content": "hello"}]
 EVIL = "http://evil.test"
-
-
-@pytest.fixture
-def make_server():
-  started = []
-
-  def make(*args, **kwargs):
-    started.append(ApiServer(*args, **kwargs).start())
-    return started[-1]
-  yield make
-  for s in started:
-    s.stop()
 
 
 async def request(method, url, body=None, headers=None, content_type="application/json"):

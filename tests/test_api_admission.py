@@ -2,36 +2,16 @@
 KV budget holding requests back, waiting requests that leave the queue with their clients, and /health."""
 import asyncio
 import json
-import time
 
 import aiohttp
 import pytest
 
-from tests.support.api_server import ApiServer, SlowEngine, shared_server
+from tests.support.api_server import SlowEngine, eventually, shared_server
 from exo.api.admission import Admission
 from exo.api.errors import ApiError, BadRequest
 from exo.api.settings import ApiSettings
 
 USER = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture
-def make_server():
-  started = []
-
-  def make(*args, **kwargs):
-    started.append(ApiServer(*args, **kwargs).start())
-    return started[-1]
-  yield make
-  for s in started:
-    s.stop()
-
-
-async def wait_for(condition, timeout=30.0):
-  deadline = time.monotonic() + timeout
-  while not await condition():
-    assert time.monotonic() < deadline, "condition not met in time"
-    await asyncio.sleep(0.05)
 
 
 async def health(session, url) -> dict:
@@ -77,15 +57,15 @@ async def test_a_waiting_request_whose_client_leaves_gives_up_its_place(make_ser
   long = {"messages": USER, "max_tokens": 200, "ignore_eos": True}  # ~20 s unless cancelled
   async with aiohttp.ClientSession() as session:
     running = asyncio.create_task(chat(session, s.url, long))
-    await wait_for(lambda: _is(session, s.url, running=1, waiting=0))
+    await eventually(lambda: _is(session, s.url, running=1, waiting=0))
     waiting = asyncio.create_task(chat(session, s.url, long))
-    await wait_for(lambda: _is(session, s.url, running=1, waiting=1))
+    await eventually(lambda: _is(session, s.url, running=1, waiting=1))
     assert (await health(session, s.url))["http"] == 503  # every place taken: not ready for more
     assert (await chat(session, s.url, {"messages": USER}))[0] == 429
     waiting.cancel()  # its client hangs up
-    await wait_for(lambda: _is(session, s.url, running=1, waiting=0))
+    await eventually(lambda: _is(session, s.url, running=1, waiting=0))
     third = asyncio.create_task(chat(session, s.url, {"messages": USER}))  # takes the freed place in the queue
-    await wait_for(lambda: _is(session, s.url, running=1, waiting=1))
+    await eventually(lambda: _is(session, s.url, running=1, waiting=1))
     running.cancel()
     status, _, text = await third
     assert status == 200 and content_of(text) == "dummy" * 10
@@ -110,7 +90,7 @@ async def test_the_kv_budget_holds_a_request_back_until_the_running_one_ends():
   try:
     async with aiohttp.ClientSession() as session:
       both = asyncio.gather(chat(session, server.url, body), chat(session, server.url, body))
-      await wait_for(lambda: _is(session, server.url, running=1, waiting=1))
+      await eventually(lambda: _is(session, server.url, running=1, waiting=1))
       assert [json.loads(text)["usage"]["completion_tokens"] for _, _, text in await both] == [60, 60]
       status, _, text = await chat(session, server.url, {**body, "max_tokens": 200})
       error = json.loads(text)["error"]

@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.support.api_server import ApiServer, FailingEngine, SlowEngine, shared_server
+from tests.support.api_server import FailingEngine, SlowEngine, eventually, shared_server
 from exo.api.reply_text import ReplyText
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
@@ -302,25 +302,6 @@ async def test_topology_healthcheck_and_image_routes(server):
 
 # --- timeouts, failures, isolation ---
 
-@pytest.fixture
-def make_server():
-  started = []
-
-  def make(*args, **kwargs):
-    started.append(ApiServer(*args, **kwargs).start())
-    return started[-1]
-  yield make
-  for s in started:
-    s.stop()
-
-
-async def wait_for(condition, timeout=20.0):
-  deadline = time.monotonic() + timeout
-  while not condition():
-    assert time.monotonic() < deadline, "condition not met in time"
-    await asyncio.sleep(0.05)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.asyncio
 async def test_timeout_before_first_token_is_504(make_server, stream):
@@ -335,7 +316,7 @@ async def test_timeout_during_the_prompt_leaves_nothing_behind(make_server):
   s = make_server(SlowEngine(delay=2), response_timeout=0.5)
   assert (await post(f"{s.url}/v1/chat/completions", {"messages": USER}))[0] == 504
   # The engine step in flight finishes, then the request must be gone.
-  await wait_for(lambda: s.node.outstanding_requests == {} and s.node.requests == {})
+  await eventually(lambda: s.node.outstanding_requests == {} and s.node.requests == {})
 
 
 @pytest.mark.asyncio
