@@ -120,6 +120,10 @@ async def test_token_encode(server):
   assert text == '{"length": 22, "num_tokens": 1, "encoded_tokens": [1], "encoded_prompt": "dummy_tokenized_prompt"}'
   status, _, _ = await post(f"{server.url}/chat/token/encode", {})
   assert status == 200
+  error = error_of(*await post(f"{server.url}/v1/chat/token/encode", {"messages": USER, "tools": "x"}))
+  assert error["param"] == "tools"
+  error = error_of(*await post(f"{server.url}/v1/chat/token/encode", {"messages": [{"role": "wizard", "content": "x"}]}))
+  assert error["param"] == "messages[0].role"
 
 
 # --- bad input: 400 with an OpenAI-style error naming the field ---

@@ -226,7 +226,8 @@ def parse_messages(messages: Any, required: bool = True) -> List[Dict[str, Any]]
   return out
 
 
-def _tools(body: dict) -> Optional[List[Any]]:
+def parse_tools(body: dict) -> Optional[List[Any]]:
+  """The tools the chat template is given (none when tool_choice is "none")."""
   tools, choice = body.get("tools"), body.get("tool_choice")
   if tools is not None and not isinstance(tools, list):
     raise BadRequest("tools must be a list", param="tools")
@@ -249,7 +250,7 @@ def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classnam
   user = body.get("user")
   if user is not None and not isinstance(user, str):
     raise BadRequest("user must be a string", param="user")
-  return ChatRequest(model, messages, stream, sampling_params(body, default_temperature), _stop(body), _tools(body),
+  return ChatRequest(model, messages, stream, sampling_params(body, default_temperature), _stop(body), parse_tools(body),
                      bool((options or {}).get("include_usage")))
 
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from exo.api import responses
 from exo.api.access import Access
 from exo.api.admission import Admission
-from exo.api.chat_request import ChatRequest, build_prompt, parse_chat_request, parse_json_body, parse_messages, resolve_model
+from exo.api.chat_request import ChatRequest, build_prompt, parse_chat_request, parse_json_body, parse_messages, parse_tools, resolve_model
 from exo.api.errors import ApiError, BadRequest
 from exo.api.event_stream import STREAM_KEY, EventStream
 from exo.api.metrics import ApiMetrics
@@ -306,12 +306,11 @@ class ChatGPTAPI:
   async def handle_token_encode(self, request: web.Request) -> web.Response:
     body = await self._read_json(request)
     model = resolve_model(body.get("model"), self.default_model, self.inference_engine_classname)
-    tools = body.get("tools")
-    messages = parse_messages(body.get("messages"), required=False)
+    messages, tools = parse_messages(body.get("messages"), required=False), parse_tools(body)
     tokenizer = await self.tokenizer_for(model)
 
     def encode() -> Tuple[str, list]:
-      prompt = build_prompt(tokenizer, messages, tools if isinstance(tools, list) else None)
+      prompt = build_prompt(tokenizer, messages, tools)
       return prompt, [int(t) for t in tokenizer.encode(prompt)]
     prompt, tokens = await self._in_thread(encode)
     return responses.json_reply({"length": len(prompt), "num_tokens": len(tokens), "encoded_tokens": tokens, "encoded_prompt": prompt})
