@@ -26,10 +26,10 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def own_hosts() -> Set[str]:
-  """The names and addresses this machine answers to."""
+  """The names and addresses this machine answers to (no DNS lookups: this runs on the event loop)."""
   hosts = {"localhost", "127.0.0.1", "::1"}
   name = socket.gethostname().lower()
-  hosts |= {name, f"{name}.local", socket.getfqdn().lower()}
+  hosts |= {name, f"{name}.local"}
   for addresses in psutil.net_if_addrs().values():
     hosts |= {a.address.split("%")[0].lower() for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)}
   return hosts
