@@ -12,6 +12,7 @@ install_requires = [
   "pluggy>=1.5,<2",
   "pydantic>=2.5,<3",
   "psutil>=5.9,<8",
+  "prometheus-client>=0.17,<1",
   "rich>=13,<16",
   "uvloop>=0.19,<1; sys_platform!='win32'",
 ]

@@ -49,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--discovery-config-path", type=str, default=None)
   p.add_argument("--wait-for-peers", type=int, default=0)
   p.add_argument("--chatgpt-api-port", type=int, default=52415)
+  p.add_argument("--chatgpt-api-host", type=str, default="0.0.0.0", help="address the HTTP API listens on (127.0.0.1: this machine only)")
   p.add_argument("--chatgpt-api-response-timeout", type=int, default=900)
+  p.add_argument("--max-concurrent-requests", type=int, default=None, help="requests the API serves at once (overrides EXO_MAX_CONCURRENT_REQUESTS; default 256)")
+  p.add_argument("--max-queued-requests", type=int, default=None, help="requests that may wait for a place; beyond them 429 (overrides EXO_MAX_QUEUED_REQUESTS; default 1024)")
+  p.add_argument("--kv-budget-mb", type=float, default=None, help="KV cache the running requests may claim (overrides EXO_KV_BUDGET_MB; default half the memory available at start)")
+  p.add_argument("--max-request-body-mb", type=float, default=None, help="largest request body (overrides EXO_MAX_REQUEST_BODY_MB; default 8)")
+  p.add_argument("--allowed-origins", type=str, default=None, help="comma-separated web origins, besides the node's own, whose pages may use the API; * for any (overrides EXO_ALLOWED_ORIGINS)")
+  p.add_argument("--api-key", type=str, default=None, help="require this key as 'Authorization: Bearer <key>' (overrides EXO_API_KEY)")
   p.add_argument("--max-generate-tokens", type=int, default=10000)
   p.add_argument("--inference-engine", type=str, default=None, help=f"one of {', '.join(ENGINES)} (default: mlx on Apple silicon, else numpy)")
   p.add_argument("--disable-tui", action=argparse.BooleanOptionalAction)
@@ -171,6 +178,12 @@ async def main(args) -> int:
   elif args.command in ("eval", "train"):
     fail(f"`exo {args.command}` needs an MLX training engine, which this build does not include")
 
+  from exo.api.settings import api_settings_from
+  try:
+    api_settings = api_settings_from(args, os.environ)
+  except ValueError as e:
+    fail(str(e))
+
   batching = None
   try:
     from exo.orchestration.batching.config import batching_config_from
@@ -239,12 +252,13 @@ async def main(args) -> int:
         await asyncio.sleep(5)  # let peers see the final result before this node leaves the ring
       return 0
     from exo.api import ChatGPTAPI
-    api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout,
-                     default_model=args.default_model or DEFAULT_MODEL, system_prompt=args.system_prompt, on_quit=stop_event.set)
+    api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout, default_model=args.default_model or DEFAULT_MODEL,
+                     system_prompt=args.system_prompt, on_quit=stop_event.set, settings=api_settings)
     if topology_viz is not None:
       topology_viz.start()
     print(f"exo {VERSION}: node {node_id}, engine {engine_name}, chat at http://localhost:{args.chatgpt_api_port}", flush=True)
-    await api.run(port=args.chatgpt_api_port)
+    print(f"exo: {api_settings.describe()}; listening on {args.chatgpt_api_host}:{args.chatgpt_api_port}", file=sys.stderr, flush=True)
+    await api.run(host=args.chatgpt_api_host, port=args.chatgpt_api_port)
     await stop_event.wait()
     return 0
   finally:

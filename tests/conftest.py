@@ -8,6 +8,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 from exo.download.shard_download import HFShardDownloader, embedded_model_path  # noqa: E402
+from tests.support.api_server import ApiServer  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2_path():
@@ -19,3 +20,16 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def downloader():
   return HFShardDownloader()
+
+
+@pytest.fixture
+def make_server():
+  """Start ApiServers for one test; they stop when it ends."""
+  started = []
+
+  def make(*args, **kwargs):
+    started.append(ApiServer(*args, **kwargs).start())
+    return started[-1]
+  yield make
+  for s in started:
+    s.stop()

@@ -201,3 +201,11 @@ def load_shard_weights(model_path: Union[str, Path], shard: Shard) -> Tuple[Llam
   if model_path.is_dir() and (model_path / "config.json").exists():
     return load_hf_dir(model_path, shard)
   raise ValueError(f"{model_path}: neither a .gguf file nor a directory with config.json")
+
+
+def load_config(model_path: Union[str, Path]) -> LlamaConfig:
+  """The model's configuration alone, without its weights (GGUF metadata, or config.json)."""
+  model_path = Path(model_path)
+  if model_path.suffix == ".gguf":
+    return _gguf_config(gguf_reader(str(model_path)))[0]
+  return hf_config(json.loads((model_path / "config.json").read_text()))

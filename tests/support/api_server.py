@@ -2,8 +2,10 @@
 event loop in a background thread, so tests can use any client: the sync `openai` package, aiohttp, a browser."""
 import asyncio
 import atexit
+import inspect
 import socket
 import threading
+import time
 from typing import Dict, Optional, Union
 
 import numpy as np
@@ -111,3 +113,11 @@ def shared_server(engine: str) -> ApiServer:
     _shared[engine] = ApiServer(engine).start()
     atexit.register(_shared[engine].stop)
   return _shared[engine]
+
+
+async def eventually(condition, timeout: float = 30.0) -> None:
+  """Poll `condition` (a function, or a coroutine function) until it holds; fail past `timeout`."""
+  deadline = time.monotonic() + timeout
+  while not (await result if inspect.isawaitable(result := condition()) else result):
+    assert time.monotonic() < deadline, "condition not met in time"
+    await asyncio.sleep(0.05)
