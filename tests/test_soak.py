@@ -6,11 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(900)
 def test_a_minute_of_soak_leaves_nothing_behind(tmp_path):
-  run = subprocess.run([sys.executable, "bench/soak.py", "--seconds", "30", "--rings", "1,2", "--log-dir", str(tmp_path)],
+  # One request for the second model (the first client's first), so the nodes switch models once each way.
+  run = subprocess.run([sys.executable, "bench/soak.py", "--seconds", "30", "--rings", "1,2", "--second-model-fraction", "0", "--log-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
   report = run.stdout[-4000:] + run.stderr[-4000:]
   results = [json.loads(line) for line in (tmp_path / "soak.jsonl").read_text().splitlines()]

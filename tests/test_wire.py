@@ -13,7 +13,7 @@ import pytest
 
 from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.shard import Shard
-from exo.networking.grpc import grpc_server
+from exo.networking.grpc import grpc_peer_handle, grpc_server
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import (decode_inference_state, decode_tensor, decode_topology, encode_inference_state,
@@ -387,3 +387,35 @@ async def test_idle_client_keepalive_pings_do_not_get_goaway(served):
     for _ in range(20):  # idle: only keepalive pings on the wire
       await asyncio.sleep(1)
       assert channel.get_state() == grpc.ChannelConnectivity.READY
+
+
+async def test_a_refused_stream_is_sent_again_and_other_errors_are_not(monkeypatch):
+  """A peer over its per-connection stream limit refuses the stream (RST_STREAM code 7) without processing it; the
+  call goes again. Anything else (here: a deadline) is the caller's to handle, sent once."""
+  monkeypatch.setattr(grpc_peer_handle, "REFUSED_RETRY_WAITS_S", (0, 0, None))
+  refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 details="Stream removed (RST_STREAM (Received RST_STREAM with error code 7))")
+  calls = []
+
+  async def flaky(request, **options):
+    calls.append(request)
+    if len(calls) == 1:
+      raise refused
+    return "ok"
+  assert await GRPCPeerHandle._unless_refused(flaky, "r") == "ok" and calls == ["r", "r"]
+
+  async def always_refused(request, **options):
+    calls.append(request)
+    raise refused
+  calls.clear()
+  with pytest.raises(grpc.aio.AioRpcError):
+    await GRPCPeerHandle._unless_refused(always_refused, "r")
+  assert len(calls) == 3
+
+  async def late(request, **options):
+    calls.append(request)
+    raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="late")
+  calls.clear()
+  with pytest.raises(grpc.aio.AioRpcError):
+    await GRPCPeerHandle._unless_refused(late, "r")
+  assert len(calls) == 1

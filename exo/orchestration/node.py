@@ -235,8 +235,9 @@ class Node(RingMember):
       await self._run(shard, tokens, request, inference_state)
     except RequestEnded:
       pass
-    except asyncio.CancelledError:
-      self.end_request(request.id, Status.CANCELLED)  # the caller gave up mid-prompt (timeout, client gone)
+    except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
+      if self.end_request(request.id, Status.CANCELLED):
+        self.spawn(self.broadcast_opaque_status(request.id, statuses.cancel_request(request.id)))
       raise
     except Exception as e:
       await self.fail_request(request.id, e)
