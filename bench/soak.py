@@ -35,11 +35,11 @@ PROMPT_TOKENS = [30, 60, 120, 250, 500, 800, 1100, 1500]  # 30: SmolLM2's chat t
 ANSWER_TOKENS = 24
 
 
-def prompt_pool(salt: int) -> List[Tuple[str, str]]:
+def prompt_pool(salt: int, lengths: List[int]) -> List[Tuple[str, str]]:
   """(model, prompt): two for the second model, then SmolLM2 prompts of each length (so SmolLM2 is loaded when the
   solo runs end and the soak starts)."""
   second = [(SECOND_MODEL, make_prompts(1, n, salt=salt + 2 * n)[0]) for n in (30, 90)]
-  return second + [(MODEL, make_prompts(1, n, salt=salt + n)[0]) for n in PROMPT_TOKENS]
+  return second + [(MODEL, make_prompts(1, n, salt=salt + n)[0]) for n in lengths]
 
 
 async def stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str, parts: List[str]) -> Optional[str]:
@@ -73,8 +73,9 @@ def resident_mib(cluster: Cluster) -> List[float]:
   return [round(psutil.Process(p.pid).memory_info().rss / 2**20, 1) for p in cluster.procs]
 
 
-async def soak(cluster: Cluster, seconds: float, clients: int, cancel_fraction: float, second_model_fraction: float, seed: int) -> dict:
-  pool = prompt_pool(seed)
+async def soak(cluster: Cluster, args) -> dict:
+  seconds, clients, cancel_fraction, second_model_fraction, seed = args.seconds, args.clients, args.cancel_fraction, args.second_model_fraction, args.seed
+  pool = prompt_pool(seed, args.prompt_tokens)
   timeout = aiohttp.ClientTimeout(total=1800)
   async with aiohttp.ClientSession(timeout=timeout) as session:
     solo: Dict[Tuple[str, str], str] = {}
@@ -170,7 +171,7 @@ async def main(args) -> int:
     for i in range(nodes):
       install_second_model(log_dir / f"home{i}")
     async with Cluster(nodes, args.engine, True, args, log_dir) as cluster:
-      result = await soak(cluster, args.seconds, args.clients, args.cancel_fraction, args.second_model_fraction, args.seed)
+      result = await soak(cluster, args)
     results.append(result)
     print(json.dumps(result), flush=True)
   with open(log_dir / "soak.jsonl", "a") as out:
@@ -191,6 +192,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--seconds", type=float, default=600)
   p.add_argument("--clients", type=int, default=64)
+  p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=PROMPT_TOKENS, help="the prompt lengths asked for")
   p.add_argument("--rings", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2], help="ring sizes to soak, e.g. 1,2")
   p.add_argument("--cancel-fraction", type=float, default=0.25)
   p.add_argument("--second-model-fraction", type=float, default=0.03)
