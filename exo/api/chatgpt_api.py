@@ -12,7 +12,7 @@ from aiohttp import web
 from exo.api import responses
 from exo.api.chat_request import BadRequest, ChatRequest, build_prompt, parse_chat_request, parse_json_object, parse_messages, resolve_model
 from exo.api.reply_text import ReplyText
-from exo.download.shard_download import embedded_model_path, repo_dir
+from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
@@ -123,7 +123,7 @@ class ChatGPTAPI:
     async with self._tokenizer_locks.setdefault(model_id, asyncio.Lock()):
       if model_id not in self._tokenizers:
         repo = get_repo(model_id, self.inference_engine_classname)
-        local = "dummy" if repo == "dummy" else embedded_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
+        local = "dummy" if repo == "dummy" else local_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
         if local is not None:
           self._tokenizers[model_id] = await asyncio.to_thread(resolve_tokenizer, local)
         else:
