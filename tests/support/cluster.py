@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: `python -m exo.main` from here runs its exo
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
