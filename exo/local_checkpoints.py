@@ -6,9 +6,9 @@ ring message, so in a ring every node needs the checkpoint at that same path.
 
 A node reads only the paths its operator allowed: those named on its command line (`exo run PATH`, `--default-model
 PATH`) and anything under a `--models-dir DIR`. A path in an HTTP request's `model`, or in a shard a peer sends, is
-checked against that list before the file system is looked at, so a client can neither make the node open any other
-file nor probe which files exist. (llama.cpp's server likewise loads only what its operator names, and vLLM confines
-local file inputs to its --allowed-local-media-path.)"""
+checked against that list before any file is opened, and refused in the same words whether or not it exists, so a
+client can neither make the node read any other file nor probe which files exist. (llama.cpp's server likewise
+loads only what its operator names, and vLLM confines local file inputs to its --allowed-local-media-path.)"""
 import json
 import os
 from pathlib import Path

@@ -27,15 +27,6 @@ class QuantizedWeight:
   def shape(self):
     return self.packed.shape[0], self.packed.shape[1] * 32 // self.bits
 
-  @property
-  def nbytes(self) -> int:
-    return sum(a.nbytes for a in (self.packed, self.scales, self.biases) if a is not None)
-
-  def rows(self, index) -> "QuantizedWeight":
-    """The quantized rows at `index` (rows are quantized independently): for row concatenation and lookups."""
-    pick = lambda a: None if a is None else a[index]
-    return QuantizedWeight(pick(self.packed), pick(self.scales), pick(self.biases), self.group_size, self.bits, self.mode)
-
   def same_format(self, other: "QuantizedWeight") -> bool:
     return (self.group_size, self.bits, self.mode) == (other.group_size, other.bits, other.mode)
 
@@ -51,6 +42,14 @@ class QuantizedWeight:
     else:
       raise ValueError(f"quantization mode {self.mode!r} is not supported (only {', '.join(MODES)})")
     return np.ascontiguousarray(w.reshape(out, n_in), dtype=np.float32)
+
+
+def stack_rows(parts) -> QuantizedWeight:
+  """Matrices quantized alike, one above the other (rows are quantized independently): fused q/k/v, gate/up."""
+  join = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)
+  first = parts[0]
+  return QuantizedWeight(join([p.packed for p in parts]), join([p.scales for p in parts]), join([p.biases for p in parts]),
+                         first.group_size, first.bits, first.mode)
 
 
 def unpack_codes(packed: np.ndarray, bits: int, n: int) -> np.ndarray:

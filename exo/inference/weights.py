@@ -199,7 +199,7 @@ def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
       raw = np.fromfile(f, dtype=dtype, count=(end - start) // dtype.itemsize).reshape(meta["shape"])  # writable, one copy
       if meta["dtype"] == "BF16":
         raw = (raw.astype(np.uint32) << 16).view(np.float32)
-      out[name] = np.ascontiguousarray(raw, dtype=np.float32 if meta["dtype"][0] in "FB" else raw.dtype)
+      out[name] = np.ascontiguousarray(raw, dtype=np.float32 if meta["dtype"] in ("F32", "F16", "BF16", "F64") else raw.dtype)
   return out
 
 

@@ -8,19 +8,20 @@ Quantized checkpoints stay quantized in memory and run through mx.quantized_matm
 the model computes in the checkpoint's own precision (bf16/fp16); on the CPU in float32, where MLX's kernels are
 fastest. MLX's CPU quantized matmul has no BLAS behind it and its cost grows with every row (about 3x a float32
 matmul for one row, 30-40x at 16): for steps of more than QMM_MAX_ROWS rows (prefill, big batches) the CPU
-dequantises each matrix just for that product and uses BLAS, which keeps memory at the quantized size."""
+dequantises each matrix just for that product and uses BLAS, which keeps memory at the quantized size. (SmolLM2 4-bit,
+one step: quantized matmul 0.6x the time of dequantise+BLAS at 4 rows, 1.4x at 8.)"""
 import math
 from typing import Dict, List, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from exo.inference.quantized import QuantizedWeight
+from exo.inference.quantized import QuantizedWeight, stack_rows
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig, rope_inv_freq
 
 MIN_CAPACITY = 64
-QMM_MAX_ROWS = 4
+QMM_MAX_ROWS = 6
 ON_GPU = mx.default_device().type == mx.DeviceType.gpu
 
 
@@ -42,10 +43,10 @@ class Matrix:
       self.biases = None if w.biases is None else mx.array(w.biases).astype(dtype)
       self.format = {"group_size": w.group_size, "bits": w.bits, **({"mode": w.mode} if w.mode != "affine" else {})}
     else:
-      self.weight, self.scales = mx.array(w).astype(dtype), None
+      self.weight, self.scales, self.biases = mx.array(w).astype(dtype), None, None
 
   def arrays(self) -> List[mx.array]:
-    return [a for a in (self.weight, self.scales, getattr(self, "biases", None)) if a is not None]
+    return [a for a in (self.weight, self.scales, self.biases) if a is not None]
 
   def _dense(self, weight, scales, biases) -> mx.array:
     return mx.dequantize(weight, scales, biases, **self.format).astype(self.dtype)
@@ -78,13 +79,10 @@ class Stacked:
 
 def fused(parts: Sequence, dtype: mx.Dtype):
   """Parts stacked along their outputs (q/k/v, gate/up), as one matrix where they are stored alike: one product."""
-  first = parts[0]
   if not any(isinstance(p, QuantizedWeight) for p in parts):
     return Matrix(np.concatenate(parts), dtype)
-  if all(isinstance(p, QuantizedWeight) and p.same_format(first) for p in parts):
-    join = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)
-    return Matrix(QuantizedWeight(join([p.packed for p in parts]), join([p.scales for p in parts]), join([p.biases for p in parts]),
-                                  first.group_size, first.bits, first.mode), dtype)
+  if all(isinstance(p, QuantizedWeight) and p.same_format(parts[0]) for p in parts):
+    return Matrix(stack_rows(parts), dtype)
   return Stacked([Matrix(p, dtype) for p in parts])
 
 
@@ -137,14 +135,14 @@ class Llama:
       })
     embed = weights.get("model.embed_tokens.weight")
     self.embed = Matrix(embed, dtype) if shard.is_first_layer() else None
-    held = [a for layer in self.layers for v in layer.values() for a in (v.arrays() if hasattr(v, "arrays") else [v])]
     if shard.is_last_layer():
       self.norm = vector(weights["model.norm.weight"])
       head = weights.get("lm_head.weight")
       # A tied head is the embedding itself: one matrix serves lookup and head.
-      self.head = Matrix(head, dtype) if head is not None else self.embed or Matrix(embed, dtype)
-      held += [self.norm, *self.head.arrays()]
-    mx.eval(held, self.embed.arrays() if self.embed is not None else [])
+      self.head = Matrix(head, dtype) if head is not None else self.embed if self.embed is not None else Matrix(embed, dtype)
+    arrays = lambda v: v.arrays() if isinstance(v, (Matrix, Stacked)) else v
+    mx.eval([[arrays(v) for v in layer.values()] for layer in self.layers],
+            [arrays(v) for v in (self.embed, getattr(self, "norm", None), getattr(self, "head", None)) if v is not None])
     self.inv_freq = rope_inv_freq(config)
 
   def new_cache(self) -> KVCache:
