@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import grpc
@@ -39,19 +40,25 @@ def templated_ids(tokenizer, prompt: str):
   return tokenizer.encode(text)
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_checkpoints):
-  """mlx-lm's own greedy answers on each quantized checkpoint, for the same prompt tokens exo sends."""
+def mlx_lm_answers(checkpoints) -> dict:
   from mlx_lm import load, stream_generate
   answers = {}
   for kind in ("q8", "q4"):
-    tokenizer = resolve_tokenizer(smollm2_checkpoints[kind])
-    model, mlx_tokenizer = load(str(smollm2_checkpoints[kind]))
+    tokenizer = resolve_tokenizer(checkpoints[kind])
+    model, mlx_tokenizer = load(str(checkpoints[kind]))
     answers[kind] = []
     for prompt in PROMPTS:
       tokens = [r.token for r in stream_generate(model, mlx_tokenizer, templated_ids(tokenizer, prompt), max_tokens=MAX_TOKENS)]
       answers[kind].append(tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids]))
   return answers
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_checkpoints):
+  """mlx-lm's own greedy answers on each quantized checkpoint, for the same prompt tokens exo sends: computed on a
+  thread while the first tests' exo processes run (one core each), read with .result()."""
+  with ThreadPoolExecutor(max_workers=1) as pool:
+    yield pool.submit(mlx_lm_answers, smollm2_checkpoints)
 
 
 def answers_printed(output: str):
@@ -72,7 +79,7 @@ def run_args(path) -> list:
 def test_exo_run_path_answers_as_mlx_lm(smollm2_checkpoints, reference, tmp_path, kind):
   node = ExoProcess("alone", run_args(smollm2_checkpoints[kind]), tmp_path)
   assert node.start().wait(240) == 0, node.log()[-3000:]
-  assert answers_printed(node.log()) == reference[kind]
+  assert answers_printed(node.log()) == reference.result(timeout=600)[kind]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +122,7 @@ def test_exo_run_path_split_over_two_processes_answers_as_mlx_lm(smollm2_checkpo
     driver.stop()
     # The peer must see the driver leave before the next one joins, or that one's request meets a changing ring.
     asyncio.run(wait_for_ring({"node-b": ports["node-b"]}, 30, [peer]))
-  assert answers_printed(driver.log()) == reference[kind]
+  assert answers_printed(driver.log()) == reference.result(timeout=600)[kind]
   # The peer did its half: it forwarded hidden states to node-a, or sampled the tokens itself.
   assert re.search(r"forward (tensor|prompt) .* to node-a|\] token \d+ ", peer.log()[before:]), peer.log()[-3000:]
 
@@ -226,7 +233,7 @@ async def test_the_api_serves_the_path_and_lists_it(api, reference):
   server, model = api
   status, reply = await post_chat(server.url, model, PROMPTS[0], max_tokens=MAX_TOKENS)
   assert status == 200 and reply["model"] == model, reply
-  assert reply["choices"][0]["message"]["content"] == reference["q4"][0]
+  assert reply["choices"][0]["message"]["content"] == reference.result(timeout=600)["q4"][0]
   async with aiohttp.ClientSession() as session:
     async with session.get(f"{server.url}/v1/models") as response:
       assert model in [m["id"] for m in (await response.json())["data"]]
