@@ -21,6 +21,7 @@ class LlamaShardEngine(InferenceEngine):
   logits of each request's last position (1, vocab)."""
 
   device_name = "CPU"
+  keeps_quantized = False  # True: the model class takes MLX-quantized matrices as QuantizedWeight, not float32
 
   def __init__(self, shard_downloader, executor: ThreadPoolExecutor):
     self.shard_downloader = shard_downloader
@@ -38,7 +39,7 @@ class LlamaShardEngine(InferenceEngine):
     return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
   def _load(self, path, shard: Shard):
-    config, weights = load_shard_weights(path, shard)
+    config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized)
     return self.new_model(config, shard, weights), resolve_tokenizer(path)
 
   async def ensure_shard(self, shard: Shard) -> None:
