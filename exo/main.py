@@ -30,8 +30,10 @@ def default_engine() -> str:
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="exo", description="Run one language model across several machines, serving many users at once.")
   p.add_argument("command", nargs="?", choices=["run", "eval", "train"], help="run: answer --prompt in the terminal (eval/train are not in this build)")
-  p.add_argument("model_name", nargs="?", help="model id, e.g. smollm2-135m")
-  p.add_argument("--default-model", type=str, default=None, help="API fallback model (default smollm2-135m)")
+  p.add_argument("model_name", nargs="?", help="model id, e.g. smollm2-135m, or a local checkpoint: a Hugging Face or MLX directory, or a .gguf file")
+  p.add_argument("--default-model", type=str, default=None, help="API fallback model (default smollm2-135m); a model id or a local checkpoint's path")
+  p.add_argument("--models-dir", type=str, action="append", default=[],
+                 help="serve local checkpoints under this directory, named by absolute path in the API's `model` and by ring peers (repeatable)")
   p.add_argument("--batch-size", type=int, default=None,
                  help="largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE)")
   p.add_argument("--batch-timeout-ms", type=float, default=None, help="longest a request waits for others to join its batch (overrides EXO_BATCH_TIMEOUT_MS)")
@@ -159,6 +161,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
 async def main(args) -> int:
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
+  from exo.local_checkpoints import serve as serve_local_checkpoints
   from exo.models import DEFAULT_MODEL, build_base_shard, get_supported_models, model_cards
   from exo.orchestration.node import Node
   from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
@@ -168,11 +171,15 @@ async def main(args) -> int:
     fail(f"unknown inference engine {engine_name!r}; choose one of: {', '.join(ENGINES)}")
   engine_classname = inference_engine_classes[engine_name]
   model_id = args.model_name or args.run_model
+  try:
+    model_id, args.default_model = serve_local_checkpoints([model_id, args.default_model], args.models_dir)
+  except ValueError as e:
+    fail(str(e))
   if args.command == "run" or args.run_model:
     if not model_id:
       fail("`exo run` needs a model, e.g. `exo run smollm2-135m --prompt \"Hello\"`")
     if model_id not in model_cards:
-      fail(f"unknown model {model_id!r}; known models: {', '.join(model_cards)}")
+      fail(f"unknown model {model_id!r}; known models: {', '.join(model_cards)} (or a local checkpoint's path)")
     if build_base_shard(model_id, engine_classname) is None:
       fail(f"model {model_id!r} cannot run on the {engine_name} engine; models for it: {', '.join(get_supported_models([[engine_name]]))}")
   elif args.command in ("eval", "train"):

@@ -33,3 +33,19 @@ def make_server():
   yield make
   for s in started:
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoints(smollm2_path, tmp_path_factory):
+  """The embedded SmolLM2 as a float32 Hugging Face directory ("fp32") and mlx-lm's conversions of it: 8-bit ("q8"),
+  4-bit ("q4") and a mixed-precision one with per-layer overrides ("mixed"). Built once per session."""
+  from exo.inference.tokenizers import resolve_tokenizer
+  from exo.inference.weights import load_shard_weights
+  from tests.support.checkpoints import mixed_precision, mlx_convert, write_hf_dir
+  from tests.support.models import smollm2_shard
+  root = tmp_path_factory.mktemp("checkpoints")
+  config, weights = load_shard_weights(smollm2_path, smollm2_shard())
+  fp32 = write_hf_dir(root / "fp32", config, weights, resolve_tokenizer(smollm2_path), split=False)
+  del weights
+  return {"fp32": fp32, "q8": mlx_convert(fp32, root / "q8", q_bits=8), "q4": mlx_convert(fp32, root / "q4", q_bits=4),
+          "mixed": mlx_convert(fp32, root / "mixed", q_bits=4, quant_predicate=mixed_precision)}

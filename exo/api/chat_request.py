@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from exo.api.errors import BadRequest
 from exo.inference.sampling import SamplingParams
+from exo.local_checkpoints import model_card
 from exo.models import get_repo, model_cards
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -85,7 +86,7 @@ def supported_models(engine_classname: str) -> List[str]:
 
 
 def resolve_model(requested: Any, default_model: str, engine_classname: str) -> str:
-  """The registry id a request runs on.
+  """The registry id (or served local checkpoint path, see exo/local_checkpoints.py) a request runs on.
 
   Upstream's fallbacks are kept: an omitted, null or empty `model`, and any `gpt-*` name (OpenAI clients send those
   by habit), mean the default model. Unlike upstream, a name that is neither a registry id nor such a fallback is
@@ -95,6 +96,10 @@ def resolve_model(requested: Any, default_model: str, engine_classname: str) -> 
   if requested is not None and not isinstance(requested, str):
     raise BadRequest("model must be a string", param="model")
   model = default_model if not requested or requested.startswith("gpt-") else requested
+  try:
+    model_card(model)  # a local checkpoint's path joins the registry here, if this node serves it
+  except ValueError as e:
+    raise BadRequest(str(e)) from None
   if get_repo(model, engine_classname) is None:
     raise BadRequest(f"Unsupported model: {model} with inference engine {engine_classname}. "
                      f"Supported models for this engine: {supported_models(engine_classname)}", param="model", code="model_not_found")

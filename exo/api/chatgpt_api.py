@@ -29,7 +29,7 @@ from exo.api.metrics import ApiMetrics
 from exo.api.model_limits import ModelLimits
 from exo.api.reply_text import ReplyText
 from exo.api.settings import ApiSettings
-from exo.download.shard_download import embedded_model_path, repo_dir
+from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import load_config
@@ -191,7 +191,7 @@ class ChatGPTAPI:
     """Where a model's tokenizer and config are on this machine: the embedded model, $EXO_HOME/downloads, or None."""
     if repo == "dummy":
       return "dummy"
-    return embedded_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
+    return local_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
 
   async def model_profile(self, model_id: str) -> Tuple[object, ModelLimits]:
     """A model's tokenizer and limits, read from its files: the embedded model, $EXO_HOME/downloads, or downloaded.

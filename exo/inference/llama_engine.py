@@ -25,6 +25,7 @@ class LlamaShardEngine(InferenceEngine):
   logits of each request's last position (1, vocab)."""
 
   device_name = "CPU"
+  keeps_quantized = False  # True: the model class takes MLX-quantized matrices as QuantizedWeight, not float32
 
   def __init__(self, shard_downloader, executor: ThreadPoolExecutor):
     self.shard_downloader = shard_downloader
@@ -48,7 +49,7 @@ class LlamaShardEngine(InferenceEngine):
       raise EngineBusy(f"{len(self.caches)} request(s) still hold KV caches of {self.shard.model_id} "
                        f"(layers {self.shard.start_layer}-{self.shard.end_layer}); {shard.model_id} can load once they end")
     self.shard = self.model = self.tokenizer = None  # the old weights go before the new ones arrive
-    config, weights = load_shard_weights(path, shard)
+    config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized)
     model, tokenizer = self.new_model(config, shard, weights), resolve_tokenizer(path)
     self.model, self.tokenizer, self.shard = model, tokenizer, shard
 

@@ -6,7 +6,8 @@ import grpc
 
 from exo.helpers import DEBUG
 from exo.inference.shard import Shard
-from exo.models import build_base_shard, model_cards
+from exo.local_checkpoints import model_card
+from exo.models import build_base_shard
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_topology, is_empty_tensor
@@ -57,9 +58,10 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
   # --- helpers ---
 
   def _shard(self, message: pb.Shard) -> Shard:
-    """The request's shard, checked against the model registry, this node's engine and this node's ring."""
+    """The request's shard, checked against the model registry (or the local checkpoints this node serves), this
+    node's engine and this node's ring."""
     shard = decode_shard(message)
-    card = model_cards.get(shard.model_id)
+    card = model_card(shard.model_id)
     if card is None:
       raise ValueError(f"unknown model {shard.model_id!r}")
     if shard.n_layers != card["layers"]:
