@@ -21,7 +21,7 @@ from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference.sampling import SamplingParams, make_generator
 from exo.inference.shard import Shard
-from exo.models import model_cards
+from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
 from exo.orchestration.forward_started import FORWARD_STARTED, announce
 from exo.orchestration.hookspecs import hookimpl
@@ -532,7 +532,10 @@ class Node(RingMember):
   async def _preload(self, shard: Shard) -> None:
     """Start loading our own layers as soon as any node starts a prompt for a model, unless that would disturb the
     requests this node serves."""
-    card = model_cards.get(shard.model_id)
+    try:
+      card = model_card(shard.model_id)
+    except ValueError:  # a local checkpoint this node does not serve
+      return
     if card is None or card["layers"] != shard.n_layers or not self.model_gate.idle_for(shard.model_id):
       return
     try:
