@@ -79,7 +79,8 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
 
   async def _from_member(self, context) -> Optional[str]:
     """The caller's address, if it is a ring member's; otherwise the call ends with PERMISSION_DENIED. Messages
-    about requests come only from the ring: a stranger must not start, feed or end anyone's generation."""
+    about requests come only from the ring: a stranger must not start, feed or end anyone's generation. (A malformed
+    message gets INVALID_ARGUMENT first, from anyone: that tells nothing and runs nothing.)"""
     host = caller_host(context.peer())
     if not self.node.is_member_host(host):
       await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{host or context.peer()} is not a member of this node's ring")
@@ -116,12 +117,12 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
   # --- RPCs ---
 
   async def SendPrompt(self, request, context):
-    await self._from_member(context)
     try:
       shard = self._shard(request.shard)
       state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    await self._from_member(context)
     try:
       self.node.accepts_prompt(request.request_id)
     except ValueError as e:
@@ -132,7 +133,6 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     return pb.Tensor()
 
   async def SendTensor(self, request, context):
-    await self._from_member(context)
     try:
       shard = self._shard(request.shard)
       if is_empty_tensor(request.tensor):
@@ -141,6 +141,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    await self._from_member(context)
     if DEBUG >= 5:
       print(f"Received SendTensor {shard} {request.request_id!r}: {tensor.dtype} {tensor.shape}")
     await self._accept(self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
