@@ -4,7 +4,10 @@ import asyncio
 
 import aiohttp
 import pytest
+
 from prometheus_client.parser import text_string_to_metric_families
+
+from exo.orchestration.batching.config import BatchingConfig
 
 from tests.support.api_server import ApiServer, SlowEngine, eventually, shared_server
 
@@ -28,7 +31,7 @@ async def post(url, body):
 
 @pytest.mark.asyncio
 async def test_counters_and_histograms_move_as_requests_are_served():
-  s = ApiServer(SlowEngine(delay=0.01), batch_size=4).start()
+  s = ApiServer(SlowEngine(delay=0.01), batching=BatchingConfig(4)).start()
   try:
     before = await scrape(s.url)
     assert before[("exo_requests_running", ())] == 0 and before[("exo_requests_waiting", ())] == 0

@@ -32,7 +32,7 @@ from exo.api.settings import ApiSettings
 from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.tokenizers import resolve_tokenizer
-from exo.inference.weights import LlamaConfig, load_config
+from exo.inference.weights import load_config
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
 from exo.orchestration.generation import generate
 
@@ -75,6 +75,7 @@ class ChatGPTAPI:
       (("/models/{model_name}",), "DELETE", self.handle_delete_model),
       (("/v1/topology", "/topology"), "GET", self.handle_topology),
       (("/healthcheck",), "GET", self.handle_healthcheck),
+      (("/v1/state",), "GET", self.handle_state),
       (("/health",), "GET", self.handle_health),
       (("/metrics",), "GET", self.handle_metrics),
       (("/quit",), "POST", self.handle_quit),
@@ -193,8 +194,8 @@ class ChatGPTAPI:
     return local_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
 
   async def model_profile(self, model_id: str) -> Tuple[object, ModelLimits]:
-    """A model's tokenizer and limits: from local files (the embedded model or $EXO_HOME/downloads), else from the
-    engine after loading this node's own shard of it."""
+    """A model's tokenizer and limits, read from its files: the embedded model, $EXO_HOME/downloads, or downloaded.
+    Never by loading the engine, which would wipe the KV caches of the requests it serves."""
     if model_id in self._profiles:
       return self._profiles[model_id]
     async with self._profile_locks.setdefault(model_id, asyncio.Lock()):
@@ -204,11 +205,10 @@ class ChatGPTAPI:
           profile = (resolve_tokenizer("dummy"), ModelLimits())
         elif local is not None:
           profile = (await asyncio.to_thread(resolve_tokenizer, local), ModelLimits.of(await asyncio.to_thread(load_config, local)))
-        else:
-          engine = self.node.inference_engine
-          await engine.ensure_shard(self.node.get_current_shard(build_base_shard(model_id, self.inference_engine_classname)))
-          config = getattr(getattr(engine, "model", None), "config", None)
-          profile = (engine.tokenizer, ModelLimits.of(config) if isinstance(config, LlamaConfig) else ModelLimits())
+        else:  # its files first (this node's shard of them): loading the engine would wipe the caches of the requests it serves
+          base = build_base_shard(model_id, self.inference_engine_classname)
+          path = await self.node.shard_downloader.ensure_shard(self.node.get_current_shard(base), self.inference_engine_classname)
+          profile = (await asyncio.to_thread(resolve_tokenizer, path), ModelLimits.of(await asyncio.to_thread(load_config, path)))
         self._profiles[model_id] = profile
     return self._profiles[model_id]
 
@@ -389,6 +389,10 @@ class ChatGPTAPI:
 
   async def handle_healthcheck(self, request: web.Request) -> web.Response:
     return responses.json_reply({"status": "ok"})
+
+  async def handle_state(self, request: web.Request) -> web.Response:
+    """This node's live requests (id, model, status, positions, KV bytes) and its KV memory in all."""
+    return responses.json_reply(self.node.state())
 
   async def handle_health(self, request: web.Request) -> web.Response:
     """Readiness: 200 while this node takes new requests; 503 while it is stopping or every place is taken."""

@@ -79,6 +79,17 @@ def shard_file_patterns(shard: Shard, weight_map: Optional[Dict[str, str]]) -> L
   return patterns + sorted(files)
 
 
+def has_shard_files(path: Path, shard: Shard) -> bool:
+  """Whether a downloaded checkpoint directory holds the config, tokenizer and weight files a shard needs."""
+  if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
+    return False
+  index = path / "model.safetensors.index.json"
+  if not index.exists():
+    return any(path.glob("*.safetensors"))
+  weight_files = [f for f in shard_file_patterns(shard, json.loads(index.read_text())["weight_map"]) if f.endswith(".safetensors")]
+  return all((path / f).exists() for f in weight_files)
+
+
 class HFShardDownloader(ShardDownloader):
   """Downloads through huggingface_hub into $EXO_HOME/downloads/<org>--<repo>, reporting progress per shard."""
 
@@ -106,6 +117,8 @@ class HFShardDownloader(ShardDownloader):
   def _download(self, repo_id: str, shard: Shard, loop: asyncio.AbstractEventLoop) -> Path:
     from huggingface_hub import hf_hub_download, snapshot_download
     target = repo_dir(repo_id)
+    if has_shard_files(target, shard):  # already here: no round trip to the hub (nor its retries when offline)
+      return target
     try:
       index = hf_hub_download(repo_id, "model.safetensors.index.json", local_dir=target)
       weight_map = json.loads(Path(index).read_text())["weight_map"]

@@ -29,10 +29,10 @@ def free_port() -> int:
 
 
 class ApiServer:
-  def __init__(self, engine: Union[str, InferenceEngine] = "dummy", max_generate_tokens: int = 10000, batch_size: int = 1, **api_kwargs):
+  def __init__(self, engine: Union[str, InferenceEngine] = "dummy", max_generate_tokens: int = 10000, batching: Optional[BatchingConfig] = None, **api_kwargs):
     self.engine_spec = engine
     self.max_generate_tokens = max_generate_tokens
-    self.batch_size = batch_size
+    self.batching = batching
     self.api_kwargs = api_kwargs
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
@@ -62,8 +62,8 @@ class ApiServer:
       classname = "DummyInferenceEngine" if isinstance(engine, DummyInferenceEngine) else engine.__class__.__name__
     self.node = Node("api-test-node", None, engine, NoDiscovery(), downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
                      max_generate_tokens=self.max_generate_tokens)
-    if self.batch_size > 1:
-      register_batching(self.node, BatchingConfig(self.batch_size))
+    if self.batching is not None:
+      register_batching(self.node, self.batching)
     await self.node.start()
     kwargs = {"default_model": "dummy" if classname == "DummyInferenceEngine" else "smollm2-135m", **self.api_kwargs}
     self.api = ChatGPTAPI(self.node, classname, on_quit=self.quit_requested.set, **kwargs)

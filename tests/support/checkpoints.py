@@ -1,12 +1,19 @@
-"""Checkpoints built from the embedded SmolLM2 on disk: a Hugging Face directory, and mlx-lm's own conversions of it
-(the format mlx-community publishes). The network reaches no model hub, so tests make what users download."""
+"""Checkpoints built on disk: the embedded SmolLM2 as a Hugging Face directory, mlx-lm's own conversions of it (the
+format mlx-community publishes), and small random-weight stand-ins for other model cards. The network reaches no model
+hub, so tests make what users download."""
 import json
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 from safetensors.numpy import save_file
 
+from exo.download.shard_download import embedded_model_path, repo_dir
+from exo.inference.tokenizers import tokenizer_from_gguf
 from exo.inference.weights import LlamaConfig
+from exo.models import get_repo, model_cards
+
+SMOLLM2_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: bool = True) -> Path:
@@ -29,6 +36,29 @@ def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: boo
   tokenizer.backend.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
   return path
+
+
+def install_random_model(model_id: str, engine_classname: str = "NumpyDynamicShardInferenceEngine", hidden: int = 64) -> Path:
+  """A Llama with random weights, the card's layer count and SmolLM2's tokenizer, written into $EXO_HOME/downloads
+  under the card's repo name, where the node finds it as downloaded."""
+  tokenizer = tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO))
+  config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, n_layers=model_cards[model_id]["layers"], n_heads=4, n_kv_heads=2,
+                       vocab_size=tokenizer.backend.get_vocab_size(), head_dim=hidden // 4, tie_word_embeddings=True, max_position_embeddings=2048)
+  rng = np.random.default_rng(0)
+
+  def weight(*shape):
+    return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+  q, kv, ffn = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.intermediate_size
+  weights = {"model.embed_tokens.weight": weight(config.vocab_size, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
+  for i in range(config.n_layers):
+    p = f"model.layers.{i}."
+    weights.update({p + "input_layernorm.weight": np.ones(hidden, np.float32), p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+                    p + "self_attn.q_proj.weight": weight(q, hidden), p + "self_attn.k_proj.weight": weight(kv, hidden),
+                    p + "self_attn.v_proj.weight": weight(kv, hidden), p + "self_attn.o_proj.weight": weight(hidden, q),
+                    p + "mlp.gate_proj.weight": weight(ffn, hidden), p + "mlp.up_proj.weight": weight(ffn, hidden), p + "mlp.down_proj.weight": weight(hidden, ffn)})
+  path = repo_dir(get_repo(model_id, engine_classname))
+  path.mkdir(parents=True, exist_ok=True)
+  return write_hf_dir(path, config, weights, tokenizer, split=False)
 
 
 def mixed_precision(path: str, module) -> object:
