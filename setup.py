@@ -12,6 +12,7 @@ install_requires = [
   "pluggy>=1.5,<2",
   "pydantic>=2.5,<3",
   "psutil>=5.9,<8",
+  "prometheus-client>=0.17,<1",
   "rich>=13,<16",
   "uvloop>=0.19,<1; sys_platform!='win32'",
 ]
@@ -20,7 +21,9 @@ extras_require = {
   "tinygrad": ["tinygrad>=0.10,<0.12"],
   "mlx": ["mlx[cpu]>=0.26.5,<1; platform_system=='Linux'", "mlx>=0.26.5,<1; platform_system=='Darwin'"],
   "bench": ["matplotlib>=3.7,<4"],
-  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools==1.85.1", "safetensors>=0.4,<1", "playwright>=1.40,<2"],
+  # mlx-lm: tests convert checkpoints with its converter and compare with its generate (never a runtime dependency)
+  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools==1.85.1", "safetensors>=0.4,<1", "playwright>=1.40,<2",
+           "mlx-lm>=0.28,<1"],
 }
 
 setup(

@@ -30,8 +30,10 @@ def default_engine() -> str:
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="exo", description="Run one language model across several machines, serving many users at once.")
   p.add_argument("command", nargs="?", choices=["run", "eval", "train"], help="run: answer --prompt in the terminal (eval/train are not in this build)")
-  p.add_argument("model_name", nargs="?", help="model id, e.g. smollm2-135m")
-  p.add_argument("--default-model", type=str, default=None, help="API fallback model (default smollm2-135m)")
+  p.add_argument("model_name", nargs="?", help="model id, e.g. smollm2-135m, or a local checkpoint: a Hugging Face or MLX directory, or a .gguf file")
+  p.add_argument("--default-model", type=str, default=None, help="API fallback model (default smollm2-135m); a model id or a local checkpoint's path")
+  p.add_argument("--models-dir", type=str, action="append", default=[],
+                 help="serve local checkpoints under this directory, named by absolute path in the API's `model` and by ring peers (repeatable)")
   p.add_argument("--batch-size", type=int, default=None,
                  help="largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE)")
   p.add_argument("--batch-timeout-ms", type=float, default=None, help="longest a request waits for others to join its batch (overrides EXO_BATCH_TIMEOUT_MS)")
@@ -49,7 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--discovery-config-path", type=str, default=None)
   p.add_argument("--wait-for-peers", type=int, default=0)
   p.add_argument("--chatgpt-api-port", type=int, default=52415)
+  p.add_argument("--chatgpt-api-host", type=str, default="0.0.0.0", help="address the HTTP API listens on (127.0.0.1: this machine only)")
   p.add_argument("--chatgpt-api-response-timeout", type=int, default=900)
+  p.add_argument("--max-concurrent-requests", type=int, default=None, help="requests the API serves at once (overrides EXO_MAX_CONCURRENT_REQUESTS; default 256)")
+  p.add_argument("--max-queued-requests", type=int, default=None, help="requests that may wait for a place; beyond them 429 (overrides EXO_MAX_QUEUED_REQUESTS; default 1024)")
+  p.add_argument("--kv-budget-mb", type=float, default=None, help="KV cache the running requests may claim (overrides EXO_KV_BUDGET_MB; default half the memory available at start)")
+  p.add_argument("--max-request-body-mb", type=float, default=None, help="largest request body (overrides EXO_MAX_REQUEST_BODY_MB; default 8)")
+  p.add_argument("--allowed-origins", type=str, default=None, help="comma-separated web origins, besides the node's own, whose pages may use the API; * for any (overrides EXO_ALLOWED_ORIGINS)")
+  p.add_argument("--api-key", type=str, default=None, help="require this key as 'Authorization: Bearer <key>' (overrides EXO_API_KEY)")
   p.add_argument("--max-generate-tokens", type=int, default=10000)
   p.add_argument("--inference-engine", type=str, default=None, help=f"one of {', '.join(ENGINES)} (default: mlx on Apple silicon, else numpy)")
   p.add_argument("--disable-tui", action=argparse.BooleanOptionalAction)
@@ -152,6 +161,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
 async def main(args) -> int:
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
+  from exo.local_checkpoints import serve as serve_local_checkpoints
   from exo.models import DEFAULT_MODEL, build_base_shard, get_supported_models, model_cards
   from exo.orchestration.node import Node
   from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
@@ -161,15 +171,25 @@ async def main(args) -> int:
     fail(f"unknown inference engine {engine_name!r}; choose one of: {', '.join(ENGINES)}")
   engine_classname = inference_engine_classes[engine_name]
   model_id = args.model_name or args.run_model
+  try:
+    model_id, args.default_model = serve_local_checkpoints([model_id, args.default_model], args.models_dir)
+  except ValueError as e:
+    fail(str(e))
   if args.command == "run" or args.run_model:
     if not model_id:
       fail("`exo run` needs a model, e.g. `exo run smollm2-135m --prompt \"Hello\"`")
     if model_id not in model_cards:
-      fail(f"unknown model {model_id!r}; known models: {', '.join(model_cards)}")
+      fail(f"unknown model {model_id!r}; known models: {', '.join(model_cards)} (or a local checkpoint's path)")
     if build_base_shard(model_id, engine_classname) is None:
       fail(f"model {model_id!r} cannot run on the {engine_name} engine; models for it: {', '.join(get_supported_models([[engine_name]]))}")
   elif args.command in ("eval", "train"):
     fail(f"`exo {args.command}` needs an MLX training engine, which this build does not include")
+
+  from exo.api.settings import api_settings_from
+  try:
+    api_settings = api_settings_from(args, os.environ)
+  except ValueError as e:
+    fail(str(e))
 
   batching = None
   try:
@@ -239,12 +259,13 @@ async def main(args) -> int:
         await asyncio.sleep(5)  # let peers see the final result before this node leaves the ring
       return 0
     from exo.api import ChatGPTAPI
-    api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout,
-                     default_model=args.default_model or DEFAULT_MODEL, system_prompt=args.system_prompt, on_quit=stop_event.set)
+    api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout, default_model=args.default_model or DEFAULT_MODEL,
+                     system_prompt=args.system_prompt, on_quit=stop_event.set, settings=api_settings)
     if topology_viz is not None:
       topology_viz.start()
     print(f"exo {VERSION}: node {node_id}, engine {engine_name}, chat at http://localhost:{args.chatgpt_api_port}", flush=True)
-    await api.run(port=args.chatgpt_api_port)
+    print(f"exo: {api_settings.describe()}; listening on {args.chatgpt_api_host}:{args.chatgpt_api_port}", file=sys.stderr, flush=True)
+    await api.run(host=args.chatgpt_api_host, port=args.chatgpt_api_port)
     await stop_event.wait()
     return 0
   finally:

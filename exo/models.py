@@ -49,6 +49,13 @@ pretty_name: Dict[str, str] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def register_model(model_id: str, layers: int, name: str) -> dict:
+  """A card added at run time for a local checkpoint: every Llama engine loads it from its path, the model id."""
+  model_cards[model_id] = _card(layers, model_id)
+  pretty_name[model_id] = name
+  return model_cards[model_id]
+
+
 def get_repo(model_id: str, inference_engine_classname: str) -> Optional[str]:
   return model_cards.get(model_id, {}).get("repo", {}).get(inference_engine_classname)
 

@@ -8,6 +8,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 from exo.download.shard_download import HFShardDownloader, embedded_model_path  # noqa: E402
+from tests.support.api_server import ApiServer  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2_path():
@@ -19,3 +20,32 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def downloader():
   return HFShardDownloader()
+
+
+@pytest.fixture
+def make_server():
+  """Start ApiServers for one test; they stop when it ends."""
+  started = []
+
+  def make(*args, **kwargs):
+    started.append(ApiServer(*args, **kwargs).start())
+    return started[-1]
+  yield make
+  for s in started:
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoints(smollm2_path, tmp_path_factory):
+  """The embedded SmolLM2 as a float32 Hugging Face directory ("fp32") and mlx-lm's conversions of it: 8-bit ("q8"),
+  4-bit ("q4") and a mixed-precision one with per-layer overrides ("mixed"). Built once per session."""
+  from exo.inference.tokenizers import resolve_tokenizer
+  from exo.inference.weights import load_shard_weights
+  from tests.support.checkpoints import mixed_precision, mlx_convert, write_hf_dir
+  from tests.support.models import smollm2_shard
+  root = tmp_path_factory.mktemp("checkpoints")
+  config, weights = load_shard_weights(smollm2_path, smollm2_shard())
+  fp32 = write_hf_dir(root / "fp32", config, weights, resolve_tokenizer(smollm2_path), split=False)
+  del weights
+  return {"fp32": fp32, "q8": mlx_convert(fp32, root / "q8", q_bits=8), "q4": mlx_convert(fp32, root / "q4", q_bits=4),
+          "mixed": mlx_convert(fp32, root / "mixed", q_bits=4, quant_predicate=mixed_precision)}

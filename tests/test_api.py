@@ -112,10 +112,11 @@ def test_sampling_filters_are_honoured(client):
 def test_bad_parameter_raises_bad_request_in_the_client(client):
   with pytest.raises(openai.BadRequestError) as e:
     client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=3)
-  assert e.value.status_code == 400 and e.value.body == {"detail": "temperature must be a number between 0 and 2"}
+  assert e.value.status_code == 400 and e.value.body == {"message": "temperature must be a number between 0 and 2", "type": "invalid_request_error",
+                                                         "param": "temperature", "code": None}
   with pytest.raises(openai.BadRequestError) as e:
     client.chat.completions.create(model="llama-9000", messages=FRANCE)
-  assert "Supported models for this engine: ['smollm2-135m'" in e.value.body["detail"]
+  assert "Supported models for this engine: ['smollm2-135m'" in e.value.body["message"] and e.value.code == "model_not_found"
 
 
 def test_concurrent_requests_each_get_their_own_parameters(client):

@@ -1,17 +1,21 @@
-"""The HTTP API over raw HTTP with the dummy engine: upstream's exact shapes and SSE quirks, every error path,
-CORS, timeouts, and that bad or failing requests never disturb the others."""
+"""The HTTP API over raw HTTP with the dummy engine: upstream's exact shapes and SSE quirks, every error path in
+OpenAI's error shape, timeouts, and that bad or failing requests never disturb the others."""
 import asyncio
 import json
 import re
+import subprocess
+import sys
+import time
 
 import aiohttp
 import openai
 import pytest
 
-from tests.support.api_server import ApiServer, FailingEngine, SlowEngine, shared_server
+from tests.support.api_server import FailingEngine, SlowEngine, eventually, shared_server
 from exo.api.reply_text import ReplyText
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
+from exo.orchestration.requests import Status
 from exo.models import model_cards
 
 USER = [{"role": "user", "content": "hello"}]
@@ -34,6 +38,15 @@ async def get(url, headers=None):
   async with aiohttp.ClientSession() as session:
     async with session.get(url, headers=headers) as r:
       return r.status, r.headers, await r.text()
+
+
+def error_of(status, headers, text, expected_status=400):
+  """The error object of an OpenAI-shaped error reply."""
+  assert status == expected_status, text
+  assert headers["Content-Type"] == "application/json; charset=utf-8"
+  body = json.loads(text)
+  assert list(body) == ["error"] and list(body["error"]) == ["message", "type", "param", "code"], body
+  return body["error"]
 
 
 def events_of(text):
@@ -96,9 +109,9 @@ async def test_model_fallbacks_resolve_to_default(server, model):
 @pytest.mark.parametrize("model", ["no-such-model", "llama-3.2-1b"])
 @pytest.mark.asyncio
 async def test_unknown_or_unrunnable_model_is_400_listing_supported(server, model):
-  status, headers, text = await post(f"{server.url}/v1/chat/completions", {"model": model, "messages": USER})
-  assert status == 400 and headers["Content-Type"] == "application/json; charset=utf-8"
-  assert json.loads(text) == {"detail": f"Unsupported model: {model} with inference engine DummyInferenceEngine. Supported models for this engine: ['dummy']"}
+  error = error_of(*await post(f"{server.url}/v1/chat/completions", {"model": model, "messages": USER}))
+  assert error == {"message": f"Unsupported model: {model} with inference engine DummyInferenceEngine. Supported models for this engine: ['dummy']",
+                   "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
 
 
 @pytest.mark.asyncio
@@ -108,21 +121,30 @@ async def test_token_encode(server):
   assert text == '{"length": 22, "num_tokens": 1, "encoded_tokens": [1], "encoded_prompt": "dummy_tokenized_prompt"}'
   status, _, _ = await post(f"{server.url}/chat/token/encode", {})
   assert status == 200
+  error = error_of(*await post(f"{server.url}/v1/chat/token/encode", {"messages": USER, "tools": "x"}))
+  assert error["param"] == "tools"
+  error = error_of(*await post(f"{server.url}/v1/chat/token/encode", {"messages": [{"role": "wizard", "content": "x"}]}))
+  assert error["param"] == "messages[0].role"
 
 
-# --- bad input: 400 with a JSON body naming the field ---
+# --- bad input: 400 with an OpenAI-style error naming the field ---
 
 BAD_VALUES = [
   ({"temperature": 2.5}, "temperature must be a number between 0 and 2"),
   ({"temperature": -0.1}, "temperature must be a number between 0 and 2"),
   ({"temperature": "hot"}, "temperature must be a number between 0 and 2"),
   ({"temperature": True}, "temperature must be a number between 0 and 2"),
+  ({"temperature": 10**400}, "temperature must be a number between 0 and 2"),
   ({"top_p": 1.5}, "top_p must be a number between 0 and 1"),
   ({"min_p": -1}, "min_p must be a number between 0 and 1"),
   ({"top_k": -3}, "top_k must be an integer >= 0"),
   ({"top_k": 2.5}, "top_k must be an integer >= 0"),
+  ({"top_k": 1e29}, "top_k must be an integer >= 0"),
+  ({"top_k": 10**29}, "top_k must be an integer >= 0"),
   ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
   ({"max_tokens": "10"}, "max_tokens must be an integer >= 1"),
+  ({"max_tokens": 1e23}, "max_tokens must be an integer >= 1"),
+  ({"max_tokens": 10**23}, "max_tokens must be an integer >= 1"),
   ({"max_completion_tokens": -5}, "max_completion_tokens must be an integer >= 1"),
   ({"seed": 1.5}, "seed must be an integer"),
   ({"seed": "42"}, "seed must be an integer"),
@@ -130,48 +152,79 @@ BAD_VALUES = [
   ({"stop": ["a", ""]}, "stop must be a non-empty string or a list"),
   ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
   ({"n": 2}, "n must be 1"),
+  ({"n": True}, "n must be 1"),
+  ({"n": 1.0}, "n must be 1"),
   ({"stream": "yes"}, "stream must be true or false"),
   ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
+  ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options"),
   ({"tools": {"name": "x"}}, "tools must be a list"),
+  ({"tool_choice": "required"}, "tool_choice is not supported"),
   ({"model": 7}, "model must be a string"),
+  ({"user": 7}, "user must be a string"),
   ({"messages": []}, "messages is required"),
   ({"messages": "hello"}, "messages is required"),
   ({"messages": [{"content": "no role"}]}, "messages[0] must be an object"),
   ({"messages": [{"role": "user"}]}, "messages[0] must be an object"),
+  ({"messages": [{"role": "wizard", "content": "abracadabra"}]}, "messages[0].role must be one of"),
   ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string or a list"),
   ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
+  # Parameters this server does not implement are refused, never silently ignored.
+  ({"logprobs": True}, "logprobs is not supported by this server"),
+  ({"top_logprobs": 5}, "top_logprobs is not supported"),
+  ({"frequency_penalty": 99}, "frequency_penalty is not supported"),
+  ({"presence_penalty": "x"}, "presence_penalty is not supported"),
+  ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
+  ({"response_format": "json"}, "response_format is not supported"),
+  ({"logit_bias": {"42": 5}}, "logit_bias is not supported"),
+  ({"temprature": 0.5}, "Unrecognized request argument supplied: temprature"),
 ]
 
 
-@pytest.mark.parametrize("change,detail", BAD_VALUES)
+@pytest.mark.parametrize("change,message", BAD_VALUES)
 @pytest.mark.asyncio
-async def test_bad_values_are_400_saying_which_field(server, change, detail):
-  status, headers, text = await post(f"{server.url}/v1/chat/completions", {"model": "dummy", "messages": USER, **change})
-  assert status == 400 and headers["Content-Type"] == "application/json; charset=utf-8"
-  assert detail in json.loads(text)["detail"]
+async def test_bad_values_are_400_naming_the_field(server, change, message):
+  error = error_of(*await post(f"{server.url}/v1/chat/completions", {"model": "dummy", "messages": USER, **change}))
+  assert message in error["message"] and error["type"] == "invalid_request_error"
+  assert error["param"].startswith(next(iter(change))), error
 
 
-@pytest.mark.parametrize("raw,detail", [("{not json", "Invalid JSON body"), ("[1, 2]", "must be a JSON object"), ("", "Invalid JSON body"),
-                                        ('{"model": "dummy"}', "messages is required")])
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("raw,message,param", [
+  ("{not json", "Invalid JSON body", None), ("[1, 2]", "must be a JSON object", None), ("", "Invalid JSON body", None),
+  ('{"model": "dummy"}', "messages is required", "messages"),
+  (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8 (invalid continuation byte at byte 46)", None),
+  ('{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content contains a lone surrogate", "messages[0].content"),
+  ('{"messages": [{"role": "user", "content": "ok"}], "stop": ["\\udfff"]}', "stop[0] contains a lone surrogate", "stop[0]"),
+  ('{"messages": ' + DEEP + '}', "nested too deeply", None),
+  ('{"messages": [{"role": "user", "content": "hi"}], "tools": ' + "[" * 80 + "]" * 80 + '}', "nested too deeply", "tools"),
+])
 @pytest.mark.asyncio
-async def test_malformed_requests_are_400_json(server, raw, detail):
-  status, _, text = await post(f"{server.url}/v1/chat/completions", raw, raw=True)
-  assert status == 400 and detail in json.loads(text)["detail"]
+async def test_malformed_bodies_are_400_json(server, raw, message, param):
+  error = error_of(*await post(f"{server.url}/v1/chat/completions", raw, raw=True))
+  assert message in error["message"] and (param is None or error["param"].startswith(param)), error
 
 
 @pytest.mark.asyncio
 async def test_accepted_edge_values(server):
-  # Limits of each range, nulls meaning "default", a list-of-parts message with an image, a negative seed.
+  # Limits of each range, nulls meaning "default", a list-of-parts message with an image, a negative seed, and the
+  # values of unimplemented parameters that ask for nothing.
   body = {"model": None, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "max_tokens": None, "seed": -1, "stop": None, "n": 1,
-          "stream": None, "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:x"}}]}]}
+          "stream": None, "logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0, "response_format": {"type": "text"},
+          "tool_choice": "auto", "user": "someone", "stream_options": None,
+          "messages": [{"role": "developer", "content": "be brief"},
+                       {"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:x"}}]}]}
   status, _, text = await post(f"{server.url}/v1/chat/completions", body)
   assert status == 200, text
 
 
 @pytest.mark.asyncio
-async def test_unknown_routes(server):
-  assert (await post(f"{server.url}/v1/completions", {}))[0] == 405
-  assert (await get(f"{server.url}/no/such/page"))[0] == 404
+async def test_unknown_routes_and_methods(server):
+  error = error_of(*await post(f"{server.url}/v1/completions", {}), expected_status=405)
+  assert error["message"] == "POST is not allowed on /v1/completions"
+  error = error_of(*await get(f"{server.url}/no/such/page"), expected_status=404)
+  assert error["type"] == "not_found_error"
 
 
 # --- other routes ---
@@ -200,12 +253,15 @@ async def test_modelpool_with_dummy_engine_is_only_done(server):
 @pytest.mark.asyncio
 async def test_download_routes(server):
   url = f"{server.url}/download"
-  status, _, text = await post(url, {})
-  assert (status, text) == (400, '{"error": "model parameter is required"}')
-  status, _, text = await post(url, {"model": "nope"})
-  assert status == 400 and text == json.dumps({"error": f"Invalid model: nope. Supported models: {list(model_cards)}"})
-  status, _, text = await post(url, {"model": "llama-3.2-1b"})
-  assert (status, text) == (400, '{"error": "Could not build shard for model llama-3.2-1b"}')
+  error = error_of(*await post(url, {}))
+  assert error["message"].startswith("model is required") and error["param"] == "model"
+  error = error_of(*await post(url, {"model": ["dummy"]}))
+  assert error["message"].startswith("model is required")
+  error = error_of(*await post(url, {"model": "nope"}), expected_status=404)
+  assert error == {"message": f"Invalid model: nope. Supported models: {list(model_cards)}", "type": "not_found_error", "param": "model",
+                   "code": "model_not_found"}
+  error = error_of(*await post(url, {"model": "llama-3.2-1b"}))
+  assert error["message"].startswith("Could not build shard for model llama-3.2-1b") and error["code"] == "model_not_supported"
   status, _, text = await post(url, {"model": "dummy"})
   assert (status, text) == (200, '{"status": "success", "message": "Download started for model: dummy"}')
 
@@ -227,10 +283,11 @@ async def test_download_progress_lists_only_in_progress(server):
 @pytest.mark.asyncio
 async def test_delete_model(server):
   async with aiohttp.ClientSession() as session:
-    async with session.delete(f"{server.url}/models/dummy") as r:
-      assert r.status == 404 and await r.json() == {"detail": "Model dummy files not found"}
-    async with session.delete(f"{server.url}/models/llama-3.2-1b") as r:
-      assert r.status == 500 and (await r.json())["detail"].startswith("Error deleting model:")
+    for model, status, message in [("dummy", 404, "Model dummy files not found"), ("llama-3.2-1b", 400, "model llama-3.2-1b has no files for"),
+                                   ("no-such-model", 404, "Invalid model: no-such-model")]:
+      async with session.delete(f"{server.url}/models/{model}") as r:
+        error = error_of(r.status, r.headers, await r.text(), expected_status=status)
+        assert error["message"].startswith(message) and error["param"] == "model_name", error
 
 
 @pytest.mark.asyncio
@@ -241,92 +298,96 @@ async def test_topology_healthcheck_and_image_routes(server):
     assert status == 200 and list(body) == ["nodes", "peer_graph", "active_node_id"] and "api-test-node" in body["nodes"]
     assert list(body["nodes"]["api-test-node"]) == ["model", "chip", "memory", "flops"]
   assert (await get(f"{server.url}/healthcheck"))[2] == '{"status": "ok"}'
-  status, _, text = await post(f"{server.url}/v1/image/generations", {"model": "stable-diffusion-2-1-base", "prompt": "a cat"})
-  assert (status, json.loads(text)) == (400, {"error": "Unsupported model: stable-diffusion-2-1-base with inference engine DummyInferenceEngine"})
-  status, _, text = await post(f"{server.url}/create_animation", {})
-  assert (status, text) == (400, '{"error": "replacement_image_path is required"}')
-
-
-# --- CORS ---
-
-@pytest.mark.asyncio
-async def test_cors_on_api_routes_not_on_static(server):
-  origin = {"Origin": "http://example.test:3000"}
-  _, headers, _ = await get(f"{server.url}/v1/models", headers=origin)
-  assert headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
-  assert headers["Access-Control-Allow-Credentials"] == "true"
-  assert "Access-Control-Expose-Headers" in headers
-  _, headers, _ = await post(f"{server.url}/v1/chat/completions", {"messages": USER, "stream": True}, headers={**origin, "Content-Type": "application/json"})
-  assert headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
-  _, headers, _ = await post(f"{server.url}/v1/chat/completions", {"messages": USER, "temperature": 9}, headers={**origin, "Content-Type": "application/json"})
-  assert headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
-  _, headers, _ = await get(f"{server.url}/index.js", headers=origin)
-  assert "Access-Control-Allow-Origin" not in headers
-  async with aiohttp.ClientSession() as session:
-    preflight = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,x-custom"}
-    async with session.options(f"{server.url}/v1/chat/completions", headers=preflight) as r:
-      assert r.status == 200
-      assert r.headers["Access-Control-Allow-Origin"] == "http://example.test:3000"
-      assert r.headers["Access-Control-Allow-Methods"] == "POST"
-      assert r.headers["Access-Control-Allow-Headers"] == "content-type,x-custom"
+  error = error_of(*await post(f"{server.url}/v1/image/generations", {"model": "stable-diffusion-2-1-base", "prompt": "a cat"}))
+  assert error["message"] == "Unsupported model: stable-diffusion-2-1-base with inference engine DummyInferenceEngine"
+  assert error_of(*await post(f"{server.url}/create_animation", {}))["param"] == "replacement_image_path"
+  error = error_of(*await post(f"{server.url}/create_animation", {"replacement_image_path": "/tmp/x.png"}), expected_status=501)
+  assert error["type"] == "not_implemented_error"
 
 
 # --- timeouts, failures, isolation ---
 
-@pytest.fixture
-def make_server():
-  started = []
-
-  def make(*args, **kwargs):
-    started.append(ApiServer(*args, **kwargs).start())
-    return started[-1]
-  yield make
-  for s in started:
-    s.stop()
-
-
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.asyncio
-async def test_timeout_before_first_token_is_408(make_server):
+async def test_timeout_before_first_token_is_504(make_server, stream):
   s = make_server(SlowEngine(delay=5), response_timeout=1)
-  status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER})
-  assert status == 408 and json.loads(text)["detail"] in ("Request timed out", "Response generation timed out")
-  status, _, _ = await post(f"{s.url}/v1/chat/completions", {"messages": USER, "stream": True})
-  assert status == 408
+  error = error_of(*await post(f"{s.url}/v1/chat/completions", {"messages": USER, "stream": stream}), expected_status=504)
+  assert error["message"] == "the reply took longer than this node's response timeout of 1 s (--chatgpt-api-response-timeout)"
+  assert (error["type"], error["code"]) == ("timeout_error", "response_timeout")
 
 
 @pytest.mark.asyncio
 async def test_timeout_during_the_prompt_leaves_nothing_behind(make_server):
   s = make_server(SlowEngine(delay=2), response_timeout=0.5)
-  assert (await post(f"{s.url}/v1/chat/completions", {"messages": USER}))[0] == 408
-  await asyncio.sleep(2.5)  # the engine step in flight finishes, then the request must be gone
-  assert s.node.outstanding_requests == {} and s.node.requests == {}
+  assert (await post(f"{s.url}/v1/chat/completions", {"messages": USER}))[0] == 504
+  # The engine step in flight finishes, then the request must be gone.
+  await eventually(lambda: s.node.outstanding_requests == {} and len(s.node.requests) == 0)
 
 
 @pytest.mark.asyncio
-async def test_timeout_after_headers_cuts_the_stream(make_server):
+async def test_timeout_after_headers_ends_the_stream_with_an_error_event(make_server):
   s = make_server(SlowEngine(delay=5, fast=3), response_timeout=1.5)
   status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER, "stream": True})
   bodies = [json.loads(e[6:]) for e in events_of(text)]
-  assert status == 200 and 1 <= len(bodies) <= 3
-  assert all(b.get("choices", [{}])[0].get("finish_reason") is None for b in bodies)
+  assert status == 200 and 2 <= len(bodies) <= 4
+  assert all(b["choices"][0]["finish_reason"] is None and "error" not in b for b in bodies[:-1])
+  last = bodies[-1]
+  assert last["choices"][0]["finish_reason"] == "error" and last["choices"][0]["delta"]["content"] == ""
+  assert last["error"] == {"message": "the reply took longer than this node's response timeout of 1.5 s (--chatgpt-api-response-timeout)",
+                           "type": "timeout_error", "param": None, "code": "response_timeout"}
+  client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="exo", max_retries=0)
+  with pytest.raises(openai.APIError, match="response timeout of 1.5 s"):
+    async for _ in await client.chat.completions.create(model="dummy", messages=USER, stream=True):
+      pass
+  await client.close()
 
 
 @pytest.mark.asyncio
 async def test_engine_failure_ends_request_with_error(make_server):
   s = make_server(FailingEngine())
-  status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER})
-  assert status == 500 and json.loads(text)["detail"].startswith("Error processing prompt (see logs with DEBUG>=2):")
-  assert "engine exploded" in json.loads(text)["detail"]
+  error = error_of(*await post(f"{s.url}/v1/chat/completions", {"messages": USER}), expected_status=500)
+  assert error["message"].startswith("Error processing prompt (see logs with DEBUG>=2):") and "engine exploded" in error["message"]
+  assert (error["type"], error["code"]) == ("server_error", "generation_failed")
   status, _, text = await post(f"{s.url}/v1/chat/completions", {"messages": USER, "stream": True})
-  events = events_of(text)
-  assert status == 200 and json.loads(events[-1][6:])["error"]["message"].endswith("engine exploded")
-  assert all(json.loads(e[6:])["choices"][0]["finish_reason"] is None for e in events[:-1])
+  events = [json.loads(e[6:]) for e in events_of(text)]
+  assert status == 200 and events[-1]["error"]["message"].endswith("engine exploded") and events[-1]["choices"][0]["finish_reason"] == "error"
+  assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
   # The official client turns that error event into an exception instead of a silently short answer.
   client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="exo", max_retries=0)
   with pytest.raises(openai.APIError, match="engine exploded"):
     async for _ in await client.chat.completions.create(model="dummy", messages=USER, stream=True):
       pass
   await client.close()
+
+
+def test_a_non_stream_client_that_goes_away_cancels_its_generation(make_server):
+  """A real client process asks for 1,000 tokens (about 50 s) and is killed once tokens flow: the handler is
+  cancelled with its connection, the ring stops generating within a few tokens, and the place is freed."""
+  s = make_server(SlowEngine(delay=0.05))
+  tokens = {}
+
+  def count(request_id, new_tokens, is_finished):
+    tokens[request_id] = tokens.get(request_id, 0) + len(new_tokens)
+  s.node.on_token.register("test-counter").on_next(count)
+  body = json.dumps({"messages": USER, "max_tokens": 1000, "ignore_eos": True})
+  script = (f"import urllib.request; urllib.request.urlopen(urllib.request.Request({s.url + '/v1/chat/completions'!r}, {body.encode()!r}, "
+            "{'Content-Type': 'application/json'}), timeout=300)")
+  client = subprocess.Popen([sys.executable, "-c", script])
+  try:
+    deadline = time.monotonic() + 30
+    while not any(n >= 5 for n in tokens.values()):
+      assert time.monotonic() < deadline and client.poll() is None, "no tokens flowed"
+      time.sleep(0.02)
+  finally:
+    client.kill()
+    client.wait()
+  request_id = next(iter(tokens))
+  deadline = time.monotonic() + 20
+  while s.node.requests.ended(request_id) is not Status.CANCELLED:
+    assert time.monotonic() < deadline, f"still generating after its client left: {tokens}"
+    time.sleep(0.02)
+  assert tokens[request_id] < 100, tokens
+  assert s.api.admission.running == 0 and s.api.admission.held == 0
 
 
 @pytest.mark.asyncio

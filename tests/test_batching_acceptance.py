@@ -104,7 +104,7 @@ async def test_ring_where_both_nodes_batch_32_requests_at_random_times_match_alo
   """node-a and node-b both batch (EXO_BATCH_SIZE=8). References: each prompt asked alone while node-a is a ring of
   one. Then node-b joins and the same 32 prompts arrive at random times at both nodes' APIs, over the 2-node ring."""
   pytest.importorskip("exo.api", reason="the HTTP API (exo.api) is not installed")
-  from test_cluster import Cluster, chat
+  from tests.support.cluster import Cluster, chat
 
   def answer(reply: dict) -> tuple:
     return reply["choices"][0]["message"]["content"], reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]

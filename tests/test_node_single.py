@@ -54,7 +54,7 @@ async def test_on_token_sees_deltas_and_buffers_are_removed():
     await collect(node, DUMMY, "x", request_id="r1")
     assert [e[1] for e in events] == [[t] for t in [2, 3, 4, 5, 6, 7, 8, 9, 10, 69]]
     assert {e[0] for e in events} == {"r1"}
-    assert node.buffered_token_output == {} and node.outstanding_requests == {} and node.requests == {}
+    assert node.buffered_token_output == {} and node.outstanding_requests == {} and len(node.requests) == 0
   finally:
     await node.stop()
 
@@ -122,7 +122,7 @@ async def test_sampling_params_reach_the_last_node_through_opaque_status():
   node.on_opaque_status.register("test").on_next(lambda rid, s: statuses.append(json.loads(s)))
   try:
     await node.start_request("p1", SamplingParams(temperature=0.7, top_k=5, seed=3))
-    assert node.requests["p1"].params == SamplingParams(temperature=0.7, top_k=5, seed=3)
+    assert node.requests.get("p1").params == SamplingParams(temperature=0.7, top_k=5, seed=3)
     assert statuses[-1]["type"] == "request_params"
   finally:
     await node.stop()
@@ -155,7 +155,7 @@ async def test_tokens_go_to_the_node_that_asked_and_the_end_to_every_node(origin
   node.on_token.register("test").on_next(lambda rid, tokens, fin: fin and done.set())
   try:
     status = {"type": "request_params", "request_id": "r1", "params": SamplingParams(max_tokens=3).to_dict()}
-    node.on_node_status("r1", json.dumps({**status, "origin": origin} if origin else status))
+    node.receive_status("r1", json.dumps({**status, "origin": origin} if origin else status))
     await node.process_prompt(DUMMY, "x", request_id="r1")
     await asyncio.wait_for(done.wait(), 10)
     while node._tasks:  # the detached SendResult tasks

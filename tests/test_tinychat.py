@@ -12,6 +12,7 @@ import pytest
 from tests.support.api_server import ApiServer, FailingEngine, shared_server
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
+from exo.api.settings import ApiSettings
 
 TINYCHAT = Path(__file__).resolve().parent.parent / "exo" / "tinychat"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
@@ -163,3 +164,26 @@ def test_download_progress_view(open_page):
   finally:
     server.node.node_download_progress.clear()
   page.wait_for_selector(".download", state="detached", timeout=5000)
+
+
+def test_a_node_with_an_api_key_asks_for_it_once(browser):
+  server = ApiServer("dummy", settings=ApiSettings(api_key="sekrit")).start()
+  page = browser.new_page()
+  prompts, errors = [], []
+  page.on("dialog", lambda dialog: (prompts.append(dialog.message), dialog.accept("sekrit")))
+  page.on("pageerror", lambda e: errors.append(str(e)))
+  try:
+    page.goto(server.url)  # a fresh port: this origin's localStorage starts empty
+    page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
+    ask(page, "hello with a key")
+    assert page.inner_text(".message.assistant").strip() == "dummy" * 9
+    assert page.evaluate("localStorage.getItem('apiKey')") == "sekrit"
+    page.reload()  # the kept key is sent from now on: no second question
+    page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
+    page.wait_for_selector("#node-list li")
+    ask(page, "and again")
+    assert len(prompts) == 1 and "API key" in prompts[0], prompts
+    assert not errors, errors
+  finally:
+    page.close()
+    server.stop()

@@ -9,6 +9,7 @@ from safetensors.numpy import save_file
 from exo.inference.numpy.llama import Llama
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import LlamaConfig, load_shard_weights, rope_inv_freq
+from tests.support.checkpoints import write_hf_dir
 from tests.support.models import smollm2_shard
 
 
@@ -20,24 +21,6 @@ def gguf_model(smollm2_path):
 @pytest.fixture(scope="module")
 def gguf_tokenizer(smollm2_path):
   return resolve_tokenizer(smollm2_path)
-
-
-def write_hf_dir(path, config: LlamaConfig, weights, tokenizer, split=True):
-  """A Hugging Face style model directory holding the same model (weights split over two files with an index)."""
-  path.mkdir(exist_ok=True)
-  (path / "config.json").write_text(json.dumps({
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
-    "intermediate_size": config.intermediate_size, "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-    "num_key_value_heads": config.n_kv_heads, "vocab_size": config.vocab_size, "rms_norm_eps": config.rms_norm_eps,
-    "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings}))
-  names = sorted(weights)
-  halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-  for file, part in halves.items():
-    save_file({n: weights[n] for n in part}, str(path / file))
-  (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
-  tokenizer.backend.save(str(path / "tokenizer.json"))
-  (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
-  return path
 
 
 def test_hf_directory_gives_the_same_model(tmp_path, gguf_model, gguf_tokenizer):

@@ -11,10 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from exo.helpers import AsyncCallbackSystem
 from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.shard import Shard
-from exo.networking.grpc import grpc_server
+from exo.networking.grpc import grpc_peer_handle, grpc_server
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import (decode_inference_state, decode_tensor, decode_topology, encode_inference_state,
@@ -155,9 +154,9 @@ class RecordingNode:
 
   def __init__(self):
     self.inference_engine = DummyInferenceEngine()
-    self.on_opaque_status = AsyncCallbackSystem()
     self.calls = asyncio.Queue()
-    self.on_opaque_status.register("test").on_next(lambda rid, status: self.calls.put_nowait(("status", rid, status)))
+    self.members = {"127.0.0.1"}  # the hosts whose calls it takes
+    self.ended = set()  # request ids whose prompt it refuses
     self.current_topology = Topology()
     self.current_topology.update_node("server", caps(4096))
     self.current_topology.add_edge("server", "client", "MAN")
@@ -171,8 +170,18 @@ class RecordingNode:
   async def process_tensor(self, shard, tensor, request_id=None, inference_state=None):
     self.calls.put_nowait(("tensor", shard, tensor, request_id, inference_state))
 
-  def on_result(self, request_id, result, is_finished):
+  def on_result(self, request_id, result, is_finished, sender_host=None):
     self.calls.put_nowait(("result", request_id, result, is_finished))
+
+  def receive_status(self, request_id, status, sender_host=None):
+    self.calls.put_nowait(("status", request_id, status))
+
+  def is_member_host(self, host):
+    return host in self.members
+
+  def accepts_prompt(self, request_id):
+    if request_id in self.ended:
+      raise ValueError(f"request {request_id} has already ended")
 
 
 @pytest.fixture
@@ -213,6 +222,29 @@ async def test_rpcs_reach_the_node(served):
   assert await next_call(node) == ("status", "r1", '{"type": "node_status"}')
   topology = await peer.collect_topology({"client"}, 3)
   assert topology.nodes == {"server": caps(4096)} and [c.to_id for c in topology.peer_graph["server"]] == ["client"]
+
+
+async def test_calls_about_requests_from_outside_the_ring_are_refused(served):
+  """Only ring members (by address) may start, feed or end requests; anyone may ask for health and topology."""
+  node, _, peer, _ = served
+  node.members = {"10.255.0.1"}
+  for call in (peer.send_prompt(DUMMY, "hi", request_id="x"), peer.send_tensor(DUMMY, np.array([[5]]), request_id="x"),
+               peer.send_result("x", [1], True), peer.send_opaque_status("x", '{"type": "cancel_request", "request_id": "x"}')):
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+      await call
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not a member" in refused.value.details()
+  assert node.calls.empty()
+  assert await peer.health_check()
+  assert (await peer.collect_topology(set(), 1)).nodes
+
+
+async def test_a_prompt_for_an_ended_request_is_refused(served):
+  node, _, peer, _ = served
+  node.ended.add("over")
+  with pytest.raises(grpc.aio.AioRpcError) as refused:
+    await peer.send_prompt(DUMMY, "again", request_id="over")
+  assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already ended" in refused.value.details()
+  assert node.calls.empty()
 
 
 async def test_large_hidden_states_pass(served):
@@ -355,3 +387,35 @@ async def test_idle_client_keepalive_pings_do_not_get_goaway(served):
     for _ in range(20):  # idle: only keepalive pings on the wire
       await asyncio.sleep(1)
       assert channel.get_state() == grpc.ChannelConnectivity.READY
+
+
+async def test_a_refused_stream_is_sent_again_and_other_errors_are_not(monkeypatch):
+  """A peer over its per-connection stream limit refuses the stream (RST_STREAM code 7) without processing it; the
+  call goes again. Anything else (here: a deadline) is the caller's to handle, sent once."""
+  monkeypatch.setattr(grpc_peer_handle, "REFUSED_RETRY_WAITS_S", (0, 0, None))
+  refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 details="Stream removed (RST_STREAM (Received RST_STREAM with error code 7))")
+  calls = []
+
+  async def flaky(request, **options):
+    calls.append(request)
+    if len(calls) == 1:
+      raise refused
+    return "ok"
+  assert await GRPCPeerHandle._unless_refused(flaky, "r") == "ok" and calls == ["r", "r"]
+
+  async def always_refused(request, **options):
+    calls.append(request)
+    raise refused
+  calls.clear()
+  with pytest.raises(grpc.aio.AioRpcError):
+    await GRPCPeerHandle._unless_refused(always_refused, "r")
+  assert len(calls) == 3
+
+  async def late(request, **options):
+    calls.append(request)
+    raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="late")
+  calls.clear()
+  with pytest.raises(grpc.aio.AioRpcError):
+    await GRPCPeerHandle._unless_refused(late, "r")
+  assert len(calls) == 1

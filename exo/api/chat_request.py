@@ -1,19 +1,29 @@
-"""Reading a chat-completion request: which model, which messages, which sampling parameters. Bad input raises
-BadRequest with a message that names the field and says why; the API answers it with HTTP 400."""
+"""Reading a request body and a chat-completion request: which model, which messages, which sampling parameters.
+Bad input raises BadRequest naming the field and saying why; a parameter this server does not implement is
+refused the same way, never silently ignored."""
 import json
-import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from exo.api.errors import BadRequest
 from exo.inference.sampling import SamplingParams
+from exo.local_checkpoints import model_card
 from exo.models import get_repo, model_cards
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_JSON_DEPTH = 64  # far beyond any real request; deeper bodies would exhaust recursion in templating
+MAX_INT32 = 2**31 - 1
 IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+# A JSON string escape that may decode to half of a surrogate pair (only escapes can: the body is strict UTF-8).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
-
-class BadRequest(Exception):
-  """The client's mistake; str(self) is the `detail` of the 400 reply."""
+IMPLEMENTED = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+               "max_completion_tokens", "stop", "tools", "tool_choice", "n", "ignore_eos", "user"}
+# OpenAI parameters this server does not implement, with the values that ask for nothing (null is always one).
+NEUTRAL_VALUES = {"logprobs": [False], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0], "repetition_penalty": [1],
+                  "logit_bias": [{}], "response_format": [{"type": "text"}], "parallel_tool_calls": [True]}
 
 
 @dataclass
@@ -27,14 +37,48 @@ class ChatRequest:
   include_usage: bool = False
 
 
-def parse_json_object(raw: str) -> Dict[str, Any]:
+def parse_json_body(raw: bytes) -> Dict[str, Any]:
+  """A request body as a JSON object: strict UTF-8, no lone surrogates, nesting at most MAX_JSON_DEPTH deep."""
   try:
-    body = json.loads(raw)
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise BadRequest(f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})", code="invalid_encoding") from None
+  try:
+    body = json.loads(text)
+  except RecursionError:
+    raise BadRequest(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", code="invalid_json") from None
   except ValueError as e:
-    raise BadRequest(f"Invalid JSON body: {e}") from None
+    raise BadRequest(f"Invalid JSON body: {e}", code="invalid_json") from None
   if not isinstance(body, dict):
-    raise BadRequest("Request body must be a JSON object")
+    raise BadRequest("Request body must be a JSON object", code="invalid_json")
+  _check_tree(body, check_strings=SURROGATE_ESCAPE.search(text) is not None)
   return body
+
+
+def _check_tree(body: dict, check_strings: bool) -> None:
+  """Walks the body without recursion: depth, and strings that cannot be encoded (lone surrogates)."""
+  stack = [(body, "", 1)]
+  while stack:
+    value, path, depth = stack.pop()
+    if depth > MAX_JSON_DEPTH:
+      raise BadRequest(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", param=path or None, code="invalid_json")
+    if isinstance(value, dict):
+      for key, item in value.items():
+        if check_strings:
+          _check_string(key, path or "body")
+        stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+    elif isinstance(value, list):
+      stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+    elif check_strings and isinstance(value, str):
+      _check_string(value, path)
+
+
+def _check_string(value: str, path: str) -> None:
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise BadRequest(f"{path} contains a lone surrogate ({value[e.start]!r} at character {e.start}), which is not text", param=path,
+                     code="invalid_encoding") from None
 
 
 def supported_models(engine_classname: str) -> List[str]:
@@ -42,7 +86,7 @@ def supported_models(engine_classname: str) -> List[str]:
 
 
 def resolve_model(requested: Any, default_model: str, engine_classname: str) -> str:
-  """The registry id a request runs on.
+  """The registry id (or served local checkpoint path, see exo/local_checkpoints.py) a request runs on.
 
   Upstream's fallbacks are kept: an omitted, null or empty `model`, and any `gpt-*` name (OpenAI clients send those
   by habit), mean the default model. Unlike upstream, a name that is neither a registry id nor such a fallback is
@@ -50,16 +94,21 @@ def resolve_model(requested: Any, default_model: str, engine_classname: str) -> 
   model name should not get an answer from a different model. A registry id that this node's engine cannot run is a
   400 with the same message, as upstream."""
   if requested is not None and not isinstance(requested, str):
-    raise BadRequest("model must be a string")
+    raise BadRequest("model must be a string", param="model")
   model = default_model if not requested or requested.startswith("gpt-") else requested
+  try:
+    model_card(model)  # a local checkpoint's path joins the registry here, if this node serves it
+  except ValueError as e:
+    raise BadRequest(str(e)) from None
   if get_repo(model, engine_classname) is None:
     raise BadRequest(f"Unsupported model: {model} with inference engine {engine_classname}. "
-                     f"Supported models for this engine: {supported_models(engine_classname)}")
+                     f"Supported models for this engine: {supported_models(engine_classname)}", param="model", code="model_not_found")
   return model
 
 
 def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  # Compared, not converted: math.isfinite(10**400) raises, a comparison of any int with a float does not.
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
 
 
 def _is_int(value: Any) -> bool:
@@ -71,7 +120,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, why:
   if value is None:
     return default
   if not _is_number(value) or not low <= value <= high:
-    raise BadRequest(f"{name} must be {why}")
+    raise BadRequest(f"{name} must be {why}", param=name)
   return float(value)
 
 
@@ -80,8 +129,8 @@ def _max_tokens(body: dict) -> Optional[int]:
   for name in ("max_completion_tokens", "max_tokens"):
     value = body.get(name)
     if value is not None:
-      if not _is_int(value) or value < 1:
-        raise BadRequest(f"{name} must be an integer >= 1")
+      if not _is_int(value) or not 1 <= value <= MAX_INT32:
+        raise BadRequest(f"{name} must be an integer >= 1 (and at most {MAX_INT32})", param=name)
       return value
   return None
 
@@ -91,7 +140,7 @@ def _seed(body: dict) -> Optional[int]:
   if value is None:
     return None
   if not _is_int(value) or not -2**63 <= value < 2**64:
-    raise BadRequest("seed must be an integer (64-bit)")
+    raise BadRequest("seed must be an integer (64-bit)", param="seed")
   return value % 2**64  # OpenAI allows negative seeds; the generator wants an unsigned one
 
 
@@ -101,14 +150,23 @@ def _stop(body: dict) -> List[str]:
     return []
   stops = [value] if isinstance(value, str) else value
   if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
-    raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings")
+    raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
   return stops
+
+
+def _flag(body: dict, name: str) -> bool:
+  value = body.get(name)
+  if value is None:
+    return False
+  if not isinstance(value, bool):
+    raise BadRequest(f"{name} must be true or false", param=name)
+  return value
 
 
 def sampling_params(body: dict, default_temperature: float) -> SamplingParams:
   top_k = body.get("top_k")
-  if top_k is not None and (not _is_int(top_k) or top_k < 0):
-    raise BadRequest("top_k must be an integer >= 0 (0 means no limit)")
+  if top_k is not None and (not _is_int(top_k) or not 0 <= top_k <= MAX_INT32):
+    raise BadRequest(f"top_k must be an integer >= 0 (0 means no limit; at most {MAX_INT32})", param="top_k")
   return SamplingParams(
     temperature=_number(body, "temperature", default_temperature, 0.0, 2.0, "a number between 0 and 2"),
     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, "a number between 0 and 1"),
@@ -120,11 +178,19 @@ def sampling_params(body: dict, default_temperature: float) -> SamplingParams:
   )
 
 
-def _flag(body: dict, name: str) -> bool:
-  value = body.get(name, False)
-  if not isinstance(value, bool):
-    raise BadRequest(f"{name} must be true or false")
-  return value
+def _same(value: Any, neutral: Any) -> bool:
+  """Equal and of the same kind (so `false` is not taken for 0, nor 0 for `false`)."""
+  return isinstance(value, bool) == isinstance(neutral, bool) and type(value) in (int, float, bool, dict) and value == neutral
+
+
+def _refuse_unimplemented(body: dict) -> None:
+  for name, value in body.items():
+    if name in NEUTRAL_VALUES:
+      if value is not None and not any(_same(value, n) for n in NEUTRAL_VALUES[name]):
+        allowed = " or ".join(json.dumps(n) for n in NEUTRAL_VALUES[name])
+        raise BadRequest(f"{name} is not supported by this server (only null or {allowed})", param=name, code="unsupported_parameter")
+    elif name not in IMPLEMENTED:
+      raise BadRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unsupported_parameter")
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -132,7 +198,7 @@ def _text_of(content: Any, where: str) -> str:
   if content is None or isinstance(content, str):
     return content or ""
   if not isinstance(content, list):
-    raise BadRequest(f"{where}.content must be a string or a list of content parts")
+    raise BadRequest(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
   texts = []
   for i, part in enumerate(content):
     if isinstance(part, str):
@@ -142,43 +208,55 @@ def _text_of(content: Any, where: str) -> str:
     elif isinstance(part, dict) and isinstance(part.get("text"), str):
       texts.append(part["text"])
     else:
-      raise BadRequest(f"{where}.content[{i}] must be a text part ({{\"type\": \"text\", \"text\": ...}}) or an image part")
+      raise BadRequest(f"{where}.content[{i}] must be a text part ({{\"type\": \"text\", \"text\": ...}}) or an image part", param=f"{where}.content[{i}]")
   return "\n".join(texts)
 
 
 def parse_messages(messages: Any, required: bool = True) -> List[Dict[str, Any]]:
-  """Validated messages, each a copy with string content (extra keys such as a per-message `tools` kept)."""
+  """Validated messages, each a copy with string content (extra keys such as a per-message `tools` kept). A
+  `developer` message is what OpenAI now calls a system message, and goes to the template as one."""
   if messages is None and not required:
     return []
   if not isinstance(messages, list) or (required and not messages):
-    raise BadRequest('messages is required: a non-empty list of {"role": ..., "content": ...} objects')
+    raise BadRequest('messages is required: a non-empty list of {"role": ..., "content": ...} objects', param="messages")
   out = []
   for i, message in enumerate(messages):
     where = f"messages[{i}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-      raise BadRequest(f'{where} must be an object with a string "role" and a "content"')
-    out.append({**message, "content": _text_of(message["content"], where)})
+      raise BadRequest(f'{where} must be an object with a string "role" and a "content"', param=where)
+    if message["role"] not in ROLES:
+      raise BadRequest(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {message['role']!r}", param=f"{where}.role")
+    role = "system" if message["role"] == "developer" else message["role"]
+    out.append({**message, "role": role, "content": _text_of(message["content"], where)})
   return out
 
 
+def parse_tools(body: dict) -> Optional[List[Any]]:
+  """The tools the chat template is given (none when tool_choice is "none")."""
+  tools, choice = body.get("tools"), body.get("tool_choice")
+  if tools is not None and not isinstance(tools, list):
+    raise BadRequest("tools must be a list", param="tools")
+  if choice is not None and choice not in ("auto", "none"):
+    raise BadRequest('tool_choice is not supported by this server beyond "auto" and "none"', param="tool_choice", code="unsupported_parameter")
+  return None if choice == "none" else tools
+
+
 def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ChatRequest:
+  _refuse_unimplemented(body)
   model = resolve_model(body.get("model"), default_model, engine_classname)
   messages = parse_messages(body.get("messages"))
-  stream = body.get("stream", False)
-  if stream is None:
-    stream = False
-  if not isinstance(stream, bool):
-    raise BadRequest("stream must be true or false")
+  stream = _flag(body, "stream")
   n = body.get("n")
-  if n is not None and n != 1:
-    raise BadRequest("n must be 1: exo returns one choice")
-  options = body.get("stream_options") or {}
-  if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-    raise BadRequest('stream_options must be an object like {"include_usage": true}')
-  tools = body.get("tools")
-  if tools is not None and not isinstance(tools, list):
-    raise BadRequest("tools must be a list")
-  return ChatRequest(model, messages, stream, sampling_params(body, default_temperature), _stop(body), tools, options.get("include_usage", False))
+  if n is not None and not (_is_int(n) and n == 1):
+    raise BadRequest("n must be 1: exo returns one choice", param="n", code="unsupported_parameter")
+  options = body.get("stream_options")
+  if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool)):
+    raise BadRequest('stream_options must be an object like {"include_usage": true}', param="stream_options")
+  user = body.get("user")
+  if user is not None and not isinstance(user, str):
+    raise BadRequest("user must be a string", param="user")
+  return ChatRequest(model, messages, stream, sampling_params(body, default_temperature), _stop(body), parse_tools(body),
+                     bool((options or {}).get("include_usage")))
 
 
 def build_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Any]] = None, system_prompt: Optional[str] = None) -> str:
@@ -189,4 +267,4 @@ def build_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List
   try:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
   except Exception as e:  # the template rejects this conversation (e.g. roles out of order)
-    raise BadRequest(f"messages could not be formatted with the model's chat template: {e}") from None
+    raise BadRequest(f"messages could not be formatted with the model's chat template: {e}", param="messages") from None

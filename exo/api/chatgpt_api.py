@@ -1,35 +1,51 @@
-"""The ChatGPT-compatible HTTP API every node serves, and the tinychat web page (see spec/http-api.md)."""
+"""The ChatGPT-compatible HTTP API every node serves, and the tinychat web page.
+
+Success replies keep upstream exo's shapes; every error is OpenAI's {"error": {"message", "type", "param", "code"}}.
+A request passes, in order: the error middleware (ApiError and aiohttp's own errors become that JSON), access
+(API key, Origin, content type: exo/api/access.py), the response deadline, then its handler. Request bodies are
+parsed, templated and tokenised on a small thread pool, never on the event loop that carries gRPC and every open
+stream; a chat request then waits for a place (exo/api/admission.py) before it reaches the ring."""
 import asyncio
 import shutil
+import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from exo.api import responses
-from exo.api.chat_request import BadRequest, ChatRequest, build_prompt, parse_chat_request, parse_json_object, parse_messages, resolve_model
+from exo.api.access import Access
+from exo.api.admission import Admission
+from exo.api.chat_request import ChatRequest, build_prompt, parse_chat_request, parse_json_body, parse_messages, parse_tools, resolve_model
+from exo.api.errors import ApiError, BadRequest
+from exo.api.event_stream import STREAM_KEY, EventStream
+from exo.api.metrics import ApiMetrics
+from exo.api.model_limits import ModelLimits
 from exo.api.reply_text import ReplyText
-from exo.download.shard_download import embedded_model_path, repo_dir
+from exo.api.settings import ApiSettings
+from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.tokenizers import resolve_tokenizer
+from exo.inference.weights import load_config
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
 from exo.orchestration.generation import generate
 
 TINYCHAT_DIR = Path(__file__).resolve().parent.parent / "tinychat"
 IMAGES_DIR = Path.home() / "Documents" / "Exo" / "Images"
-MAX_BODY_BYTES = 100 * 1024 * 1024
-# Response headers a browser shows scripts without being told (CORS "safelisted"); the rest are exposed explicitly.
-SAFELISTED_HEADERS = {"cache-control", "content-language", "content-length", "content-type", "expires", "last-modified", "pragma"}
-# Request slot for a stream already sent, so a timeout cuts it instead of replacing it (RequestKey: aiohttp >= 3.12).
-STREAM_KEY = web.RequestKey("exo_stream", web.StreamResponse) if hasattr(web, "RequestKey") else "exo_stream"
+PROMPT_THREADS = 2  # parsing, templating and tokenising: enough to keep up, few enough to leave the engine its cores
+PUBLIC_PATHS = {"/healthcheck", "/health"}  # answered without the API key (load balancers, liveness probes)
 
 
 class ChatGPTAPI:
   def __init__(self, node, inference_engine_classname: str, response_timeout: float = 90, on_chat_completion_request: Optional[Callable] = None,
-               default_model: Optional[str] = None, system_prompt: Optional[str] = None, on_quit: Optional[Callable[[], None]] = None):
+               default_model: Optional[str] = None, system_prompt: Optional[str] = None, on_quit: Optional[Callable[[], None]] = None,
+               settings: Optional[ApiSettings] = None):
     self.node = node
     self.inference_engine_classname = inference_engine_classname
     self.response_timeout = response_timeout
@@ -37,10 +53,16 @@ class ChatGPTAPI:
     self.default_model = default_model or "llama-3.2-1b"
     self.system_prompt = system_prompt
     self.on_quit = on_quit
+    self.settings = settings or ApiSettings()
+    self.access = Access(self.settings.allowed_origins, self.settings.api_key)
+    self.admission = Admission(self.settings.max_running, self.settings.max_queued, self.settings.kv_budget_bytes)
+    self.metrics = ApiMetrics(node, self.admission)
+    self.prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="exo-api-prompt")
     self.runner: Optional[web.AppRunner] = None
-    self._tokenizers: Dict[str, object] = {}
-    self._tokenizer_locks: Dict[str, asyncio.Lock] = {}
-    self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._deadline])
+    self.stopping = False
+    self._profiles: Dict[str, Tuple[object, ModelLimits]] = {}
+    self._profile_locks: Dict[str, asyncio.Lock] = {}
+    self.app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors, self._guard, self._deadline])
     self.app.on_response_prepare.append(self._add_cors_headers)
     for paths, method, handler in [
       (("/v1/chat/completions", "/chat/completions"), "POST", self.handle_chat_completions),
@@ -53,6 +75,9 @@ class ChatGPTAPI:
       (("/models/{model_name}",), "DELETE", self.handle_delete_model),
       (("/v1/topology", "/topology"), "GET", self.handle_topology),
       (("/healthcheck",), "GET", self.handle_healthcheck),
+      (("/v1/state",), "GET", self.handle_state),
+      (("/health",), "GET", self.handle_health),
+      (("/metrics",), "GET", self.handle_metrics),
       (("/quit",), "POST", self.handle_quit),
       (("/v1/image/generations",), "POST", self.handle_image_generations),
       (("/create_animation",), "POST", self.handle_create_animation),
@@ -61,8 +86,7 @@ class ChatGPTAPI:
         self.app.router.add_route(method, path, handler)
         self.app.router.add_route("OPTIONS", path, self.handle_preflight)
     self.app.router.add_get("/images/{file_name}", self.handle_image_file)
-    self.app.router.add_get("/", self.handle_root)
-    self.app.router.add_static("/", TINYCHAT_DIR, name="tinychat")  # last: it claims every path for GET
+    self.app.router.add_get("/{path:.*}", self.handle_static)  # last: it claims every other path for GET
 
   # --- server ---
 
@@ -71,68 +95,85 @@ class ChatGPTAPI:
     # handler_cancellation: a client that disconnects cancels its handler, and with it the generation in the ring.
     self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
     await self.runner.setup()
+    self.access.port = port
     await web.TCPSite(self.runner, host, port).start()
 
   async def stop(self) -> None:
+    self.stopping = True
     if self.runner is not None:
       await self.runner.cleanup()
       self.runner = None
+    self.prompt_pool.shutdown(wait=False, cancel_futures=True)
+
+  # --- middlewares ---
+
+  @web.middleware
+  async def _errors(self, request: web.Request, handler):
+    """Every error a request meets becomes OpenAI's JSON shape; nothing unforeseen reaches the client as a bare 500."""
+    try:
+      return await handler(request)
+    except ApiError as e:
+      error = e
+    except web.HTTPException as e:
+      if e.status < 400:
+        raise
+      error = self._http_error(request, e)
+    except Exception as e:
+      self._log_error(f"{request.method} {request.path} failed", e)
+      error = ApiError(500, f"Server error (see logs with DEBUG>=2): {e!r}")
+    self._count_error(error)
+    return responses.error_reply(error)
+
+  def _http_error(self, request: web.Request, e: web.HTTPException) -> ApiError:
+    if e.status == 413:
+      return ApiError(413, f"the request body is larger than this node's limit of {self.settings.max_body_bytes:,} bytes "
+                           f"(EXO_MAX_REQUEST_BODY_MB)", code="request_too_large")
+    if e.status == 404:
+      return ApiError(404, f"nothing here: {request.method} {request.path}", code="not_found")
+    if e.status == 405:
+      return ApiError(405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed", headers={"Allow": e.headers.get("Allow", "")})
+    return ApiError(e.status, e.reason)
+
+  def _is_static(self, request: web.Request) -> bool:
+    return request.match_info.route.handler in (self.handle_static, self.handle_image_file)
+
+  @web.middleware
+  async def _guard(self, request: web.Request, handler):
+    self.access.check(request, public=request.path in PUBLIC_PATHS or self._is_static(request))
+    return await handler(request)
 
   @web.middleware
   async def _deadline(self, request: web.Request, handler):
-    """Every handler runs under response_timeout: 408 if nothing was sent yet, else the stream is cut."""
+    """Every handler runs under response_timeout: 504 if nothing was sent yet, else its stream ends with an error event."""
     try:
-      return await asyncio.wait_for(handler(request), self.response_timeout)
-    except asyncio.TimeoutError:
+      async with asyncio.timeout(self.response_timeout):
+        return await handler(request)
+    except TimeoutError:
+      error = self._timeout_error()
       stream = request.get(STREAM_KEY)
-      return stream if stream is not None else responses.detail(408, "Request timed out")
+      if stream is None:
+        raise error from None
+      self._count_error(error)
+      await stream.fail(error)
+      return stream.response
 
-  def _is_static(self, request: web.Request) -> bool:
-    route = request.match_info.route
-    return isinstance(route.resource, web.StaticResource) or route.handler in (self.handle_root, self.handle_image_file)
+  def _timeout_error(self) -> ApiError:
+    return ApiError(504, f"the reply took longer than this node's response timeout of {self.response_timeout:g} s "
+                         "(--chatgpt-api-response-timeout)", code="response_timeout")
 
   async def _add_cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
-    origin = request.headers.get("Origin")
-    if origin is None or self._is_static(request):
-      return
-    response.headers["Access-Control-Allow-Origin"] = origin
-    response.headers["Access-Control-Allow-Credentials"] = "true"
-    exposed = [h for h in response.headers if h.lower() not in SAFELISTED_HEADERS and not h.lower().startswith("access-control-")]
-    if exposed:
-      response.headers["Access-Control-Expose-Headers"] = ",".join(exposed)
+    if not self._is_static(request):
+      self.access.add_cors_headers(request, response)
 
   async def handle_preflight(self, request: web.Request) -> web.Response:
-    headers = {}
-    if "Access-Control-Request-Method" in request.headers:
-      headers["Access-Control-Allow-Methods"] = request.headers["Access-Control-Request-Method"]
-    if "Access-Control-Request-Headers" in request.headers:
-      headers["Access-Control-Allow-Headers"] = request.headers["Access-Control-Request-Headers"]
-    return web.Response(status=200, headers=headers)
+    return self.access.preflight(request)
 
   # --- helpers ---
 
-  async def tokenizer_for(self, model_id: str):
-    """The API node's tokenizer for a model: the engine's if it holds that model, else from local files (the
-    embedded model or $EXO_HOME/downloads), else by loading this node's own shard of it."""
-    engine = self.node.inference_engine
-    shard = getattr(engine, "shard", None)
-    if shard is not None and shard.model_id == model_id and getattr(engine, "tokenizer", None) is not None:
-      return engine.tokenizer
-    if model_id in self._tokenizers:
-      return self._tokenizers[model_id]
-    async with self._tokenizer_locks.setdefault(model_id, asyncio.Lock()):
-      if model_id not in self._tokenizers:
-        repo = get_repo(model_id, self.inference_engine_classname)
-        local = "dummy" if repo == "dummy" else embedded_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
-        if local is not None:
-          self._tokenizers[model_id] = await asyncio.to_thread(resolve_tokenizer, local)
-        else:
-          await engine.ensure_shard(self.node.get_current_shard(build_base_shard(model_id, self.inference_engine_classname)))
-          self._tokenizers[model_id] = engine.tokenizer
-    return self._tokenizers[model_id]
-
-  async def _read_body(self, request: web.Request) -> dict:
-    return parse_json_object(await request.text())
+  def _count_error(self, error: ApiError) -> None:
+    self.metrics.errors.labels(kind=error.code or error.type).inc()
+    if error.status == 429:
+      self.metrics.rejected.inc()
 
   def _log_error(self, where: str, error: BaseException) -> None:
     if DEBUG >= 1:
@@ -140,107 +181,138 @@ class ChatGPTAPI:
     if DEBUG >= 2:
       traceback.print_exception(error)
 
+  async def _in_thread(self, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
+
+  async def _read_json(self, request: web.Request) -> dict:
+    return await self._in_thread(parse_json_body, await request.read())
+
+  def _local_files(self, repo: str):
+    """Where a model's tokenizer and config are on this machine: the embedded model, $EXO_HOME/downloads, or None."""
+    if repo == "dummy":
+      return "dummy"
+    return local_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
+
+  async def model_profile(self, model_id: str) -> Tuple[object, ModelLimits]:
+    """A model's tokenizer and limits, read from its files: the embedded model, $EXO_HOME/downloads, or downloaded.
+    Never by loading the engine, which would wipe the KV caches of the requests it serves."""
+    if model_id in self._profiles:
+      return self._profiles[model_id]
+    async with self._profile_locks.setdefault(model_id, asyncio.Lock()):
+      if model_id not in self._profiles:
+        local = self._local_files(get_repo(model_id, self.inference_engine_classname))
+        if local == "dummy":
+          profile = (resolve_tokenizer("dummy"), ModelLimits())
+        elif local is not None:
+          profile = (await asyncio.to_thread(resolve_tokenizer, local), ModelLimits.of(await asyncio.to_thread(load_config, local)))
+        else:  # its files first (this node's shard of them): loading the engine would wipe the caches of the requests it serves
+          base = build_base_shard(model_id, self.inference_engine_classname)
+          path = await self.node.shard_downloader.ensure_shard(self.node.get_current_shard(base), self.inference_engine_classname)
+          profile = (await asyncio.to_thread(resolve_tokenizer, path), ModelLimits.of(await asyncio.to_thread(load_config, path)))
+        self._profiles[model_id] = profile
+    return self._profiles[model_id]
+
+  async def tokenizer_for(self, model_id: str):
+    return (await self.model_profile(model_id))[0]
+
   # --- chat ---
 
+  def _parse_chat(self, raw: bytes) -> ChatRequest:
+    return parse_chat_request(parse_json_body(raw), self.default_model, self.inference_engine_classname, self.node.default_sample_temperature)
+
+  def _template(self, tokenizer, chat: ChatRequest) -> Tuple[str, int]:
+    prompt = build_prompt(tokenizer, chat.messages, chat.tools, self.system_prompt)
+    return prompt, len(tokenizer.encode(prompt))
+
   async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
-    try:
-      chat = parse_chat_request(await self._read_body(request), self.default_model, self.inference_engine_classname,
-                                self.node.default_sample_temperature)
-      tokenizer = await self.tokenizer_for(chat.model)
-      prompt = build_prompt(tokenizer, chat.messages, chat.tools, self.system_prompt)
-    except BadRequest as e:
-      return responses.detail(400, str(e))
-    except Exception as e:
-      self._log_error("Preparing a chat completion failed", e)
-      return responses.detail(500, f"Error processing prompt (see logs with DEBUG>=2): {e}")
-    request_id = str(uuid.uuid4())
-    if self.on_chat_completion_request is not None:
-      try:
-        self.on_chat_completion_request(request_id, chat, prompt)
-      except Exception as e:
-        self._log_error("on_chat_completion_request failed", e)
-    prompt_tokens = len(tokenizer.encode(prompt))
-    reply = ReplyText(tokenizer.decode, getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}, chat.stop)
-    if DEBUG >= 2:
-      print(f"[{request_id}] chat completion: model={chat.model} params={chat.params} stop={chat.stop} stream={chat.stream}")
-    if chat.stream:
-      return await self._stream(request, chat, request_id, prompt, prompt_tokens, reply)
-    return await self._complete(chat, request_id, prompt, prompt_tokens, reply)
+    arrived = time.monotonic()
+    chat = await self._in_thread(self._parse_chat, await request.read())
+    async with self.admission.place() as ticket:
+      tokenizer, limits = await self.model_profile(chat.model)
+      prompt, prompt_tokens = await self._in_thread(self._template, tokenizer, chat)
+      max_tokens = limits.reply_budget(prompt_tokens, chat.params.max_tokens)
+      cap = self.node.max_generate_tokens
+      layers_here = self.node.get_current_shard(build_base_shard(chat.model, self.inference_engine_classname)).get_layer_count()
+      await ticket.admit(limits.kv_bytes(prompt_tokens + min(max_tokens or cap, cap), layers_here))
+      chat.params = replace(chat.params, max_tokens=max_tokens)
+      request_id = str(uuid.uuid4())
+      if self.on_chat_completion_request is not None:
+        try:
+          self.on_chat_completion_request(request_id, chat, prompt)
+        except Exception as e:
+          self._log_error("on_chat_completion_request failed", e)
+      self.metrics.prompt_tokens.inc(prompt_tokens)
+      reply = ReplyText(tokenizer.decode, getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}, chat.stop)
+      if DEBUG >= 2:
+        print(f"[{request_id}] chat completion: model={chat.model} params={chat.params} stop={chat.stop} stream={chat.stream}")
+      events = self._generation(chat, request_id, prompt, arrived)
+      if chat.stream:
+        return await self._stream(request, chat, request_id, events, prompt_tokens, reply)
+      return await self._complete(chat, request_id, events, prompt_tokens, reply)
 
-  def _tokens(self, chat: ChatRequest, request_id: str, prompt: str):
+  async def _generation(self, chat: ChatRequest, request_id: str, prompt: str, arrived: float):
+    """The request's token events, timed for the metrics. Leaving early cancels the generation in the ring."""
     base_shard = build_base_shard(chat.model, self.inference_engine_classname)
-    return aclosing(generate(self.node, base_shard, prompt, chat.params, request_id=request_id, timeout=self.response_timeout))
+    last = None
+    async with aclosing(generate(self.node, base_shard, prompt, chat.params, request_id=request_id, timeout=self.response_timeout)) as events:
+      async for tokens, is_finished in events:
+        now = time.monotonic()
+        (self.metrics.ttft.observe(now - arrived) if last is None else self.metrics.itl.observe(now - last))
+        last = now
+        self.metrics.generation_tokens.inc(len(tokens))
+        yield tokens, is_finished
 
-  async def _complete(self, chat: ChatRequest, request_id: str, prompt: str, prompt_tokens: int, reply: ReplyText) -> web.Response:
+  def _generation_error(self, request_id: str, e: Exception) -> ApiError:
+    if isinstance(e, TimeoutError):
+      return self._timeout_error()
+    self._log_error(f"[{request_id}] generation failed", e)
+    return ApiError(500, f"Error processing prompt (see logs with DEBUG>=2): {e}", code="generation_failed")
+
+  async def _complete(self, chat: ChatRequest, request_id: str, events, prompt_tokens: int, reply: ReplyText) -> web.Response:
     try:
-      async with self._tokens(chat, request_id, prompt) as events:
+      async with aclosing(events):
         async for tokens, is_finished in events:
           reply.feed(tokens, is_finished)
           if reply.finish_reason is not None:
             break  # leaving early (stop string) cancels the rest of the generation
-    except asyncio.TimeoutError:
-      return responses.detail(408, "Response generation timed out")
     except Exception as e:
-      self._log_error(f"[{request_id}] generation failed", e)
-      return responses.detail(500, f"Error processing prompt (see logs with DEBUG>=2): {e}")
+      raise self._generation_error(request_id, e) from None
     return responses.json_reply(responses.completion(request_id, chat.model, reply.text, reply.finish_reason,
                                                      responses.usage(prompt_tokens, len(reply.tokens))))
 
-  async def _stream(self, request: web.Request, chat: ChatRequest, request_id: str, prompt: str, prompt_tokens: int, reply: ReplyText) -> web.StreamResponse:
-    """SSE in upstream's format. Headers go out with the first token, so failures before it keep their status codes;
-    a failure after it ends the stream with an OpenAI-style error event (the openai client raises it)."""
-    stream: Optional[web.StreamResponse] = None
-
-    async def send(body) -> None:
-      nonlocal stream
-      if stream is None:
-        stream = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        stream.enable_chunked_encoding()
-        request[STREAM_KEY] = stream
-        await stream.prepare(request)
-      await stream.write(responses.sse(body))
-
-    async def fail(status: int, message: str) -> web.StreamResponse:
-      if stream is None:
-        return responses.detail(status, message)
-      try:
-        await send({"error": {"message": message, "type": "server_error", "code": status}})
-      except ConnectionError:
-        pass
-      return stream
-
+  async def _stream(self, request: web.Request, chat: ChatRequest, request_id: str, events, prompt_tokens: int, reply: ReplyText) -> web.StreamResponse:
+    """SSE in upstream's format. A failure after the first event ends the stream with an error event."""
+    stream = EventStream(request, {}, lambda error: responses.error_chunk(request_id, chat.model, error))
     try:
-      async with self._tokens(chat, request_id, prompt) as events:
+      async with aclosing(events):
         async for tokens, is_finished in events:
           texts = reply.feed(tokens, is_finished)
           for i, text in enumerate(texts):
             last = reply.finish_reason is not None and i == len(texts) - 1
             usage = responses.usage(prompt_tokens, len(reply.tokens)) if last and chat.include_usage else None
-            await send(responses.chunk(request_id, chat.model, text, reply.finish_reason if last else None, usage))
+            await stream.send(responses.chunk(request_id, chat.model, text, reply.finish_reason if last else None, usage))
           if reply.finish_reason is not None:
             break
-    except asyncio.TimeoutError:
-      return await fail(408, "Response generation timed out")
     except ConnectionError:  # the client left mid-stream; leaving the loop has cancelled the generation
-      return stream
+      return stream.response
     except Exception as e:
-      self._log_error(f"[{request_id}] generation failed", e)
-      return await fail(500, f"Error processing prompt (see logs with DEBUG>=2): {e}")
-    return stream
+      error = self._generation_error(request_id, e)
+      if not stream.started:
+        raise error from None
+      self._count_error(error)
+      await stream.fail(error)
+    return stream.response
 
   async def handle_token_encode(self, request: web.Request) -> web.Response:
-    try:
-      body = await self._read_body(request)
-      model = resolve_model(body.get("model"), self.default_model, self.inference_engine_classname)
-      tools = body.get("tools")
-      tokenizer = await self.tokenizer_for(model)
-      prompt = build_prompt(tokenizer, parse_messages(body.get("messages", []), required=False), tools if isinstance(tools, list) else None)
-    except BadRequest as e:
-      return responses.detail(400, str(e))
-    except Exception as e:
-      self._log_error("Token encode failed", e)
-      return responses.detail(500, f"Error encoding prompt: {e}")
-    tokens = [int(t) for t in tokenizer.encode(prompt)]
+    body = await self._read_json(request)
+    model = resolve_model(body.get("model"), self.default_model, self.inference_engine_classname)
+    messages, tools = parse_messages(body.get("messages"), required=False), parse_tools(body)
+    tokenizer = await self.tokenizer_for(model)
+
+    def encode() -> Tuple[str, list]:
+      prompt = build_prompt(tokenizer, messages, tools)
+      return prompt, [int(t) for t in tokenizer.encode(prompt)]
+    prompt, tokens = await self._in_thread(encode)
     return responses.json_reply({"length": len(prompt), "num_tokens": len(tokens), "encoded_tokens": tokens, "encoded_prompt": prompt})
 
   # --- models, downloads, topology ---
@@ -255,52 +327,41 @@ class ChatGPTAPI:
 
   async def handle_model_pool(self, request: web.Request) -> web.StreamResponse:
     """SSE: one event per model this engine can run, saying how much of it is on disk; then [DONE]."""
-    stream: Optional[web.StreamResponse] = None
-
-    async def send(body) -> None:
-      nonlocal stream
-      if stream is None:
-        stream = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"})
-        await stream.prepare(request)
-      await stream.write(responses.sse(body))
-
+    stream = EventStream(request, {"Connection": "keep-alive"})
     try:
       async with aclosing(self.node.shard_downloader.get_shard_download_status(self.inference_engine_classname)) as statuses:
         async for _, event in statuses:
           complete = event.status == "complete"
           percentage = 100 if complete else (event.downloaded_bytes / event.total_bytes * 100 if event.total_bytes else 0.0)
-          await send({event.shard.model_id: {"downloaded": complete, "download_percentage": percentage, "total_size": event.total_bytes,
-                                             "total_downloaded": event.downloaded_bytes}})
-      await send("[DONE]")
+          await stream.send({event.shard.model_id: {"downloaded": complete, "download_percentage": percentage, "total_size": event.total_bytes,
+                                                    "total_downloaded": event.downloaded_bytes}})
+      await stream.send("[DONE]")
     except ConnectionError:
       pass
     except Exception as e:
       self._log_error("Model pool status failed", e)
-      if stream is None:
-        return responses.detail(500, f"Server error: {e}")
-      await send("[DONE]")  # the models that could be read were sent; the rest are skipped
-    return stream
+      if not stream.started:
+        raise ApiError(500, f"Server error: {e}") from None
+      await stream.send("[DONE]")  # the models that could be read were sent; the rest are skipped
+    return stream.response
 
   async def handle_download_progress(self, request: web.Request) -> web.Response:
     return responses.json_reply({node_id: event.to_dict() for node_id, event in self.node.node_download_progress.items() if event.status == "in_progress"})
 
-  async def handle_download(self, request: web.Request) -> web.Response:
-    try:
-      body = await self._read_body(request)
-    except BadRequest as e:
-      return responses.json_reply({"error": str(e)}, 400)
-    model = body.get("model")
-    if not model:
-      return responses.json_reply({"error": "model parameter is required"}, 400)
+  def _known_model(self, model, param: str) -> str:
+    if not isinstance(model, str) or not model:
+      raise BadRequest(f"{param} is required: a model id such as {next(iter(model_cards))!r}", param=param)
     if model not in model_cards:
-      return responses.json_reply({"error": f"Invalid model: {model}. Supported models: {list(model_cards)}"}, 400)
+      raise ApiError(404, f"Invalid model: {model}. Supported models: {list(model_cards)}", param=param, code="model_not_found")
+    return model
+
+  async def handle_download(self, request: web.Request) -> web.Response:
+    model = self._known_model((await self._read_json(request)).get("model"), "model")
     shard = build_full_shard(model, self.inference_engine_classname)
     if shard is None:
-      return responses.json_reply({"error": f"Could not build shard for model {model}"}, 400)
-    try:
-      self.node.spawn(self._download(shard))
-    except Exception as e:
-      return responses.json_reply({"error": str(e)}, 500)
+      raise BadRequest(f"Could not build shard for model {model}: it has no files for {self.inference_engine_classname}", param="model",
+                       code="model_not_supported")
+    self.node.spawn(self._download(shard))
     return responses.json_reply({"status": "success", "message": f"Download started for model: {model}"})
 
   async def _download(self, shard) -> None:
@@ -310,27 +371,38 @@ class ChatGPTAPI:
       self._log_error(f"Download of {shard.model_id} failed", e)
 
   async def handle_delete_model(self, request: web.Request) -> web.Response:
-    model = request.match_info["model_name"]
+    model = self._known_model(request.match_info["model_name"], "model_name")
+    repo = get_repo(model, self.inference_engine_classname)
+    if repo is None:
+      raise BadRequest(f"model {model} has no files for {self.inference_engine_classname}", param="model_name", code="model_not_supported")
+    path = repo_dir(repo)
+    if not path.exists():
+      raise ApiError(404, f"Model {model} files not found", param="model_name", code="model_files_not_found")
     try:
-      repo = get_repo(model, self.inference_engine_classname)
-      if repo is None:
-        raise ValueError(f"model {model} has no files for {self.inference_engine_classname}")
-      path = repo_dir(repo)
-      if not path.exists():
-        return responses.detail(404, f"Model {model} files not found")
       await asyncio.to_thread(shutil.rmtree, path)
-    except Exception as e:
-      return responses.detail(500, f"Error deleting model: {e}")
+    except OSError as e:
+      raise ApiError(500, f"Error deleting model: {e}") from None
     return responses.json_reply({"status": "success", "message": f"Model {model} deleted successfully"})
 
   async def handle_topology(self, request: web.Request) -> web.Response:
-    try:
-      return responses.json_reply(self.node.current_topology.to_json())
-    except Exception as e:
-      return responses.detail(500, f"Error getting topology: {e}")
+    return responses.json_reply(self.node.current_topology.to_json())
 
   async def handle_healthcheck(self, request: web.Request) -> web.Response:
     return responses.json_reply({"status": "ok"})
+
+  async def handle_state(self, request: web.Request) -> web.Response:
+    """This node's live requests (id, model, status, positions, KV bytes) and its KV memory in all."""
+    return responses.json_reply(self.node.state())
+
+  async def handle_health(self, request: web.Request) -> web.Response:
+    """Readiness: 200 while this node takes new requests; 503 while it is stopping or every place is taken."""
+    admission = self.admission
+    status = "stopping" if self.stopping else "overloaded" if admission.full() else "ok"
+    return responses.json_reply({"status": status, "requests_running": admission.running, "requests_waiting": admission.waiting,
+                                 "peers": len(self.node.peers)}, 200 if status == "ok" else 503)
+
+  async def handle_metrics(self, request: web.Request) -> web.Response:
+    return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
   async def handle_quit(self, request: web.Request) -> web.StreamResponse:
     response = responses.json_reply({"detail": "Quit signal received"})
@@ -343,29 +415,29 @@ class ChatGPTAPI:
   # --- images (no engine of this build generates images) ---
 
   async def handle_image_generations(self, request: web.Request) -> web.Response:
-    try:
-      body = await self._read_body(request)
-    except BadRequest as e:
-      return responses.json_reply({"error": str(e)}, 400)
+    body = await self._read_json(request)
     # Image models (stable-diffusion) run only on upstream's MLX engine; none is in this build's registry.
-    return responses.json_reply({"error": f"Unsupported model: {body.get('model')} with inference engine {self.inference_engine_classname}"}, 400)
+    raise BadRequest(f"Unsupported model: {body.get('model')} with inference engine {self.inference_engine_classname}", param="model",
+                     code="model_not_supported")
 
   async def handle_create_animation(self, request: web.Request) -> web.Response:
-    try:
-      body = await self._read_body(request)
-    except BadRequest as e:
-      return responses.json_reply({"error": str(e)}, 400)
+    body = await self._read_json(request)
     if not body.get("replacement_image_path"):
-      return responses.json_reply({"error": "replacement_image_path is required"}, 400)
-    return responses.json_reply({"error": "animations are rendered by the macOS app, which this build does not include"}, 500)
+      raise BadRequest("replacement_image_path is required", param="replacement_image_path")
+    raise ApiError(501, "animations are rendered by the macOS app, which this build does not include", code="not_implemented")
 
   # --- static ---
 
-  async def handle_root(self, request: web.Request) -> web.FileResponse:
-    return web.FileResponse(TINYCHAT_DIR / "index.html")
+  async def handle_static(self, request: web.Request) -> web.FileResponse:
+    """tinychat's files; `/` is its page."""
+    return _file_in(TINYCHAT_DIR, request.match_info["path"] or "index.html", request)
 
   async def handle_image_file(self, request: web.Request) -> web.FileResponse:
-    path = (IMAGES_DIR / request.match_info["file_name"]).resolve()
-    if path.parent != IMAGES_DIR.resolve() or not path.is_file():
-      raise web.HTTPNotFound()
-    return web.FileResponse(path)
+    return _file_in(IMAGES_DIR, request.match_info["file_name"], request)
+
+
+def _file_in(folder: Path, name: str, request: web.Request) -> web.FileResponse:
+  path = (folder / name).resolve()
+  if not path.is_relative_to(folder.resolve()) or not path.is_file():
+    raise ApiError(404, f"nothing here: {request.method} {request.path}", code="not_found")
+  return web.FileResponse(path)

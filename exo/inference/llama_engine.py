@@ -15,6 +15,10 @@ from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import LlamaConfig, gguf_reader, load_shard_weights
 
 
+class EngineBusy(RuntimeError):
+  """The engine cannot load another shard while requests hold KV caches of the loaded one."""
+
+
 class LlamaShardEngine(InferenceEngine):
   """All model work runs on `executor` (one thread), in order, so the event loop stays free.
 
@@ -23,6 +27,7 @@ class LlamaShardEngine(InferenceEngine):
   logits of each request's last position (1, vocab)."""
 
   device_name = "CPU"
+  keeps_quantized = False  # True: the model class takes MLX-quantized matrices as QuantizedWeight, not float32
 
   def __init__(self, shard_downloader, executor: ThreadPoolExecutor):
     self.shard_downloader = shard_downloader
@@ -39,14 +44,19 @@ class LlamaShardEngine(InferenceEngine):
   async def _run(self, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-  def _load(self, path, shard: Shard):
-    config, weights = load_shard_weights(path, shard)
-    model = self.new_model(config, shard, weights)
-    tokenizer = resolve_tokenizer(path)
+  def _load(self, path, shard: Shard) -> None:
+    """On the engine's thread, so it runs after every step queued before it and before every step queued after.
+    It refuses while requests hold KV caches of the loaded shard: switching would silently wipe them."""
+    if self.caches:
+      raise EngineBusy(f"{len(self.caches)} request(s) still hold KV caches of {self.shard.model_id} "
+                       f"(layers {self.shard.start_layer}-{self.shard.end_layer}); {shard.model_id} can load once they end")
+    self.shard = self.model = self.tokenizer = None  # the old weights go before the new ones arrive
+    config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized)
+    model, tokenizer = self.new_model(config, shard, weights), resolve_tokenizer(path)
     del weights
     gguf_reader.cache_clear()  # the parsed GGUF metadata: ~160 MB of small arrays, and the file's pages mapped
     _return_freed_memory()
-    return model, tokenizer
+    self.model, self.tokenizer, self.shard = model, tokenizer, shard
 
   async def ensure_shard(self, shard: Shard) -> None:
     if self.shard == shard:
@@ -55,12 +65,18 @@ class LlamaShardEngine(InferenceEngine):
       if self.shard == shard:
         return
       path = await self.shard_downloader.ensure_shard(shard, self.__class__.__name__)
-      model, tokenizer = await self._run(self._load, path, shard)
-      self.model, self.tokenizer, self.caches, self.shard = model, tokenizer, {}, shard
+      await self._run(self._load, path, shard)
+
+  @property
+  def context_length(self) -> Optional[int]:
+    """Positions the loaded model was trained for (None before a load)."""
+    model = self.model
+    return None if model is None else model.config.max_position_embeddings
 
   async def encode(self, shard: Shard, prompt: str) -> np.ndarray:
     await self.ensure_shard(shard)
-    return np.array(self.tokenizer.encode(prompt), dtype=np.int64)
+    # A long prompt takes a while to tokenise: not on the event loop, and not on the engine's thread behind its steps.
+    return np.array(await asyncio.to_thread(self.tokenizer.encode, prompt), dtype=np.int64)
 
   async def decode(self, shard: Shard, tokens: np.ndarray) -> str:
     await self.ensure_shard(shard)
@@ -77,10 +93,12 @@ class LlamaShardEngine(InferenceEngine):
 
   async def infer_batch(self, shard: Shard, items: List[Tuple[str, np.ndarray, Optional[dict]]]) -> List[Tuple[np.ndarray, Optional[dict]]]:
     await self.ensure_shard(shard)
-    return await self._run(self._step, items)
+    return await self._run(self._step, shard, items)
 
-  def _step(self, items):
+  def _step(self, shard: Shard, items):
     """One forward for every valid item; an invalid one gets its own error and touches no cache."""
+    if self.shard != shard:  # a load ran in between (see _load)
+      return [RuntimeError(f"the engine now holds {self.shard}, not {shard}")] * len(items)
     results: List = [None] * len(items)
     inputs, caches, rows, seen = [], [], [], set()
     for i, (request_id, x, state) in enumerate(items):
@@ -131,7 +149,7 @@ class LlamaShardEngine(InferenceEngine):
   def request_kv_bytes(self, request_id: str) -> int:
     """KV bytes the live request holds; 0 if it holds none."""
     cache = self.caches.get(request_id)
-    return cache.nbytes if cache is not None else 0
+    return 0 if cache is None else cache.nbytes
 
   async def load_checkpoint(self, shard: Shard, path: str):
     await self.ensure_shard(shard)

@@ -63,7 +63,9 @@ class Tokenizer:
 
   def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> List[int]:
     add = self.add_special_tokens if add_special_tokens is None else add_special_tokens
-    return self.backend.encode(text, add_special_tokens=add).ids
+    # encode_batch lets go of the GIL while it works; encode holds it throughout (seconds for a long prompt, during
+    # which no other thread of the process, the event loop's included, can run).
+    return self.backend.encode_batch([text], add_special_tokens=add)[0].ids
 
   def decode(self, tokens: Union[Sequence[int], np.ndarray], skip_special_tokens: bool = False) -> str:
     ids = [int(t) for t in np.asarray(tokens).reshape(-1)]

@@ -1,7 +1,8 @@
-"""Llama-family weights for one shard, from a GGUF file or a Hugging Face directory, as float32 numpy arrays.
+"""Llama-family weights for one shard, from a GGUF file or a Hugging Face / MLX directory, as float32 numpy arrays.
 
 Every engine reads its weights through `load_shard_weights`, so they all see the same tensors under the same
-(Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout."""
+(Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout. MLX
+quantized checkpoints are dequantised, or kept packed (exo/inference/quantized.py) for an engine that runs them."""
 import json
 import re
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
+from exo.inference.quantized import QuantizedWeight, group_quantized
 from exo.inference.shard import Shard
 
 
@@ -28,6 +30,7 @@ class LlamaConfig:
   rope_scaling: Optional[dict] = None  # Hugging Face form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 4096
+  dtype: str = "float32"  # the checkpoint's own float precision ("bfloat16", "float16"), for devices that compute in it
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
@@ -57,7 +60,7 @@ def _wanted(name: str, shard: Shard, tied: bool) -> bool:
   layer = _layer_index(name)
   if layer is not None:
     return shard.start_layer <= layer <= shard.end_layer
-  if name in ("model.embed_tokens.weight", "token_embd.weight"):
+  if name.startswith(("model.embed_tokens.", "token_embd.")):  # .weight, and .scales/.biases when quantized
     return shard.is_first_layer() or (tied and shard.is_last_layer())
   return shard.is_last_layer()  # final norm, lm_head
 
@@ -86,7 +89,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, out_features // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_config(reader) -> Tuple[LlamaConfig, Optional[np.ndarray]]:
+def gguf_config(reader) -> LlamaConfig:
   def get(key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -103,7 +106,7 @@ def _gguf_config(reader) -> Tuple[LlamaConfig, Optional[np.ndarray]]:
     head_dim=get("llama.attention.key_length", hidden // n_heads), rms_norm_eps=get("llama.attention.layer_norm_rms_epsilon", 1e-5),
     rope_theta=get("llama.rope.freq_base", 10000.0), tie_word_embeddings="output.weight" not in names,
     max_position_embeddings=get("llama.context_length", 4096))
-  return config, None
+  return config
 
 
 @lru_cache(maxsize=4)
@@ -116,7 +119,7 @@ def gguf_reader(path: Union[str, Path]):
 def load_gguf(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   import gguf
   reader = gguf_reader(str(path))
-  config, _ = _gguf_config(reader)
+  config = gguf_config(reader)
   weights: Dict[str, np.ndarray] = {}
   for tensor in reader.tensors:
     if tensor.name == "rope_freqs.weight":
@@ -147,13 +150,15 @@ def hf_config(config_json: dict) -> LlamaConfig:
     head_dim=config_json.get("head_dim") or hidden // n_heads, rms_norm_eps=config_json.get("rms_norm_eps", 1e-5),
     rope_theta=config_json.get("rope_theta", 10000.0), rope_scaling=config_json.get("rope_scaling"),
     tie_word_embeddings=config_json.get("tie_word_embeddings", False),
-    max_position_embeddings=config_json.get("max_position_embeddings", 4096))
+    max_position_embeddings=config_json.get("max_position_embeddings", 4096),
+    dtype=str(config_json.get("torch_dtype") or config_json.get("dtype") or "float32"))
 
 
-def load_hf_dir(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   """config.json + *.safetensors (with or without model.safetensors.index.json); opens only files holding our tensors."""
   path = Path(path)
-  config = hf_config(json.loads((path / "config.json").read_text()))
+  config_json = json.loads((path / "config.json").read_text())
+  config = hf_config(config_json)
   index = path / "model.safetensors.index.json"
   if index.exists():
     weight_map: Dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -166,6 +171,9 @@ def load_hf_dir(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict
   weights: Dict[str, np.ndarray] = {}
   for file, names in wanted.items():
     weights.update(_read_safetensors(path / file, names))
+  weights = group_quantized(weights, config_json.get("quantization") or config_json.get("quantization_config"))
+  if not keep_quantized:
+    weights = {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}
   return config, weights
 
 
@@ -177,27 +185,38 @@ def _safetensors_header(file: Path) -> Tuple[dict, int]:
 
 
 def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
-  """Selected tensors as float32, read directly: numpy has no bfloat16, and only our layers are read."""
+  """Selected tensors, read directly (only our layers): floats as float32 (numpy has no bfloat16), integers
+  (quantized codes and exponents) as stored."""
   header, base = _safetensors_header(file)
-  dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+  dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "U32": np.uint32, "U8": np.uint8, "I32": np.int32}
   out = {}
   with open(file, "rb") as f:
     for name in names:
       meta = header[name]
       start, end = meta["data_offsets"]
       f.seek(base + start)
-      raw = np.frombuffer(f.read(end - start), dtype=dtypes[meta["dtype"]]).reshape(meta["shape"])
+      dtype = np.dtype(dtypes[meta["dtype"]])
+      raw = np.fromfile(f, dtype=dtype, count=(end - start) // dtype.itemsize).reshape(meta["shape"])  # writable, one copy
       if meta["dtype"] == "BF16":
         raw = (raw.astype(np.uint32) << 16).view(np.float32)
-      out[name] = np.ascontiguousarray(raw, dtype=np.float32)
+      out[name] = np.ascontiguousarray(raw, dtype=np.float32 if meta["dtype"] in ("F32", "F16", "BF16", "F64") else raw.dtype)
   return out
 
 
-def load_shard_weights(model_path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
-  """The shard's own layers (plus embeddings on the first shard, final norm and head on the last)."""
+def load_shard_weights(model_path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+  """The shard's own layers (plus embeddings on the first shard, final norm and head on the last). With
+  keep_quantized, an MLX quantized matrix comes as a QuantizedWeight instead of float32."""
   model_path = Path(model_path)
   if model_path.suffix == ".gguf":
     return load_gguf(model_path, shard)
   if model_path.is_dir() and (model_path / "config.json").exists():
-    return load_hf_dir(model_path, shard)
+    return load_hf_dir(model_path, shard, keep_quantized)
   raise ValueError(f"{model_path}: neither a .gguf file nor a directory with config.json")
+
+
+def load_config(model_path: Union[str, Path]) -> LlamaConfig:
+  """The model's configuration alone, without its weights (GGUF metadata, or config.json)."""
+  model_path = Path(model_path)
+  if model_path.suffix == ".gguf":
+    return gguf_config(gguf_reader(str(model_path)))
+  return hf_config(json.loads((model_path / "config.json").read_text()))

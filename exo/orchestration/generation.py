@@ -1,12 +1,12 @@
 """The one generation path that `exo run` and the HTTP API share: prompt in, token deltas out."""
 import asyncio
-import json
 import uuid
 from typing import AsyncIterator, List, Optional, Tuple
 
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
-from exo.orchestration.node import REQUEST_ERROR, Node
+from exo.orchestration.node import Node
+from exo.orchestration.requests import RequestEvent
 
 
 class GenerationError(Exception):
@@ -20,32 +20,27 @@ async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingP
   Raises GenerationError if a node reports the request failed, asyncio.TimeoutError if the prompt or any token
   takes longer than `timeout`. Leaving early (break, client gone, exception) cancels generation in the ring."""
   request_id = request_id or str(uuid.uuid4())
-  events: asyncio.Queue = asyncio.Queue()
-  name = f"generate-{request_id}"
+  events = node.watch(request_id)
+  finished, prefill = False, None
 
-  def on_token(rid: str, tokens: List[int], is_finished: bool) -> None:
-    if rid == request_id:
-      events.put_nowait((list(tokens), is_finished, None))
-
-  def on_status(rid: str, status: str) -> None:
-    if rid == request_id and REQUEST_ERROR in status:
-      error = json.loads(status)
-      if error.get("type") == REQUEST_ERROR:
-        events.put_nowait(([], True, error.get("error", "request failed")))
-
-  node.on_token.register(name).on_next(on_token)
-  node.on_opaque_status.register(name).on_next(on_status)
-  finished = False
+  def prefill_done(task: asyncio.Task) -> None:  # its failure is an event like the others (ends reach us at once)
+    if not task.cancelled() and task.exception() is not None:
+      events.put_nowait(RequestEvent([], True, str(task.exception()) or repr(task.exception())))
   try:
     await node.start_request(request_id, params)
-    await asyncio.wait_for(node.process_prompt(base_shard, prompt, request_id=request_id), timeout)
+    # The prompt runs beside the wait for events: an end that arrives mid-prefill reaches the client at once.
+    prefill = asyncio.ensure_future(node.process_prompt(base_shard, prompt, request_id=request_id))
+    prefill.add_done_callback(prefill_done)
     while not finished:
-      tokens, finished, error = await asyncio.wait_for(events.get(), timeout)
-      if error is not None:
-        raise GenerationError(error)
-      yield tokens, finished
+      event = await asyncio.wait_for(events.get(), timeout)
+      if event.error is not None:
+        raise GenerationError(event.error)
+      finished = event.finished
+      yield event.tokens, finished
   finally:
-    node.on_token.deregister(name)
-    node.on_opaque_status.deregister(name)
+    node.unwatch(request_id)
     if not finished:
       await node.cancel_request(request_id)
+    if prefill is not None and not prefill.done():
+      prefill.cancel()
+      await asyncio.gather(prefill, return_exceptions=True)

@@ -32,8 +32,9 @@ def exo_node_stopping(node) -> Optional[Awaitable[None]]:
 @hookspec(firstresult=True)
 def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[Tuple[np.ndarray, Optional[dict]]]]:
   """Run this node's layers for one request: token ids (1, L) on the first shard, hidden states otherwise.
-  Return an awaitable of (output, inference_state). The core runs `engine.infer_tensor` alone; a batching
-  plugin gathers concurrent calls for the same shard into one `engine.infer_batch` step. Whoever starts the pass
+  Return an awaitable of (output, inference_state). The core runs `engine.infer_tensor` alone (a long prompt in
+  chunks); a batching plugin gathers concurrent calls for the same shard into one `engine.infer_batch` step. Before
+  each step, drop requests that are no longer live (`node.requests.is_live`). Whoever starts the pass
   calls `forward_started.announce` with the future FORWARD_STARTED held when it was called: the gRPC server
   replies to the message then (else when the work ends, or after 0.1 s)."""
 
@@ -48,8 +49,8 @@ def exo_process_inference_result(node, shard, result: np.ndarray, request_id: st
 
 @hookspec
 def exo_request_ended(node, request_id: str) -> None:
-  """A request has ended on this node (finished, failed, cancelled or ended elsewhere): forget it, and stop
-  waiting for it."""
+  """A request has ended on this node (finished, failed, cancelled or ended elsewhere): drop its work still waiting
+  (ending it with exo.orchestration.requests.RequestEnded), forget it, and stop waiting for it."""
 
 
 @hookspec

@@ -1,11 +1,16 @@
 """Node: one member of the ring. It runs its shard's layers for every request, samples on the last layer, and
-forwards each request round the ring as its own message (so it interoperates with upstream exo nodes)."""
+forwards each request round the ring as its own message (so it interoperates with upstream exo nodes).
+
+Each request has one record here (exo/orchestration/requests.py). Every way work reaches the node (a prompt, a
+tensor, a result, a status, a step, a sampled token) checks it first, so a request that has ended never runs,
+samples, allocates or comes back. A request ends once: finished on the node that samples its last token (the others
+learn it from that token), cancelled by its origin (its client left), or failed anywhere; cancellations and failures
+travel the ring as opaque statuses and every node drops the request before its next step and frees its KV cache."""
 import asyncio
 import json
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -16,29 +21,19 @@ from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference.sampling import SamplingParams, make_generator
 from exo.inference.shard import Shard
-from exo.orchestration import hookspecs
-from exo.orchestration.hookspecs import hookimpl
+from exo.local_checkpoints import model_card
+from exo.orchestration import hookspecs, statuses
 from exo.orchestration.forward_started import FORWARD_STARTED, announce
-from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities, device_capabilities
-from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, map_partitions_to_shards
-from exo.topology.topology import Topology
+from exo.orchestration.hookspecs import hookimpl
+from exo.orchestration.model_gate import LeftTheLine, ModelGate
+from exo.orchestration.requests import Request, RequestEnded, RequestEvent, RequestRegistry, Status
+from exo.orchestration.ring_member import RingMember
+from exo.topology.device_capabilities import device_capabilities
+from exo.topology.partitioning_strategy import PartitioningStrategy
 
-# Opaque-status types this fork adds; upstream nodes ignore types they do not know.
-REQUEST_PARAMS = "request_params"  # a request's sampling parameters and the node that asked, sent before its prompt
-CANCEL_REQUEST = "cancel_request"  # the client has gone or has what it wanted: stop generating
-REQUEST_ERROR = "request_error"  # a hop failed: the request ends with this error
-STALE_REQUEST_S = 3600.0  # forget parameters of requests that never ran here after this long
-ENDED_REQUESTS_KEPT = 10000  # ids of recently ended requests, so stragglers of them are dropped, not revived
-
-
-@dataclass
-class RequestState:
-  """What this node knows of one request: its sampling parameters, random stream, origin and fate."""
-  params: SamplingParams = field(default_factory=SamplingParams)
-  origin: Optional[str] = None  # the node whose client asked for it (unknown for requests from upstream nodes)
-  generator: Optional[np.random.Generator] = None
-  cancelled: bool = False
-  created: float = field(default_factory=time.monotonic)
+PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
+PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-checked
+# A peer that dies mid-request ends it within PEER_CHECK_S + the health check's 5 s timeout (at once if a send fails).
 
 
 class CorePlugin:
@@ -47,43 +42,38 @@ class CorePlugin:
   @hookimpl(trylast=True)
   def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state):
     announce(FORWARD_STARTED.get())  # the engine takes it up as soon as the returned coroutine runs
-    return node.inference_engine.infer_tensor(request_id, shard, tensor, inference_state)
+    return node.infer_unbatched(shard, tensor, request_id, inference_state)
 
   @hookimpl(trylast=True)
   def exo_process_inference_result(self, node, shard, result, request_id, inference_state):
     return node.process_inference_result_unbatched(shard, result, request_id, inference_state)
 
 
-class Node:
+def input_length(tensor: np.ndarray) -> int:
+  """Positions a request's input holds: (1, L) token ids or (1, L, d) hidden states."""
+  shape = np.shape(tensor)
+  return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
+
+
+class Node(RingMember):
   def __init__(self, _id: str, server, inference_engine: InferenceEngine, discovery, shard_downloader,
                partitioning_strategy: Optional[PartitioningStrategy] = None, max_generate_tokens: int = 1024,
                default_sample_temperature: float = 0.0, topology_viz=None):
-    self.id = _id
+    super().__init__(_id, discovery, partitioning_strategy, topology_viz)
     self.inference_engine = inference_engine
     self.server = server
-    self.discovery = discovery
     self.shard_downloader = shard_downloader
-    self.partitioning_strategy = partitioning_strategy
-    self.peers: List = []
-    self.topology = Topology()
-    self.device_capabilities: DeviceCapabilities = UNKNOWN_DEVICE_CAPABILITIES
-    self.buffered_token_output: Dict[str, Tuple[List[int], bool]] = {}
     self.max_generate_tokens = max_generate_tokens
     self.default_sample_temperature = default_sample_temperature
-    self.topology_viz = topology_viz
     self.node_download_progress: Dict[str, RepoProgressEvent] = {}
-    self.outstanding_requests: Dict[str, str] = {}
-    self.requests: Dict[str, RequestState] = {}
-    self.ended_requests: Dict[str, None] = {}  # insertion-ordered; trimmed to ENDED_REQUESTS_KEPT
-    self.topology_inference_engines_pool: List[List[str]] = []
+    self.requests = RequestRegistry()
+    self.model_gate = ModelGate()
+    self._watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
     self._on_token = AsyncCallbackSystem[str, Tuple[str, List[int], bool]]()
-    self._on_opaque_status = AsyncCallbackSystem[str, Tuple[str, str]]()
     self._on_opaque_status.register("node_status").on_next(self.on_node_status)
     self._tasks: Set[asyncio.Task] = set()
     self._releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
-    self._periodic_task: Optional[asyncio.Task] = None
-    self._partitions: Tuple[Optional[tuple], List[Partition]] = (None, [])  # (what they were computed from, partitions)
-    self._shards: Dict[Tuple[str, int], List[Shard]] = {}  # (model id, layers) -> each partition's shard, for _partitions
+    self._background: List[asyncio.Task] = []
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
     self.plugins.register(CorePlugin(), name="exo-core")
@@ -100,18 +90,17 @@ class Node:
     await self.collect_topology(set())
     if DEBUG >= 2:
       print(f"Collected topology: {self.topology}")
-    self._periodic_task = asyncio.create_task(self.periodic_topology_collection(2.0))
+    self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self._watch_peers())]
     self.plugins.hook.exo_node_started(node=self)
 
   async def stop(self) -> None:
     await asyncio.gather(*[a for a in self.plugins.hook.exo_node_stopping(node=self) if a is not None])
-    tasks = list(self._tasks) + ([self._periodic_task] if self._periodic_task else [])
+    tasks = list(self._tasks) + self._background
     for task in tasks:
       task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    for request_id in list(self.outstanding_requests):
-      self._end_request_locally(request_id)
-      self._on_opaque_status.trigger_all(request_id, json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": "node stopped"}))
+    for request in self.requests:
+      self.end_request(request.id, Status.FAILED, "node stopped")
     await asyncio.gather(*list(self._releases), return_exceptions=True)
     await self.discovery.stop()
     if self.server is not None:
@@ -124,93 +113,194 @@ class Node:
     task.add_done_callback(self._tasks.discard)
     return task
 
-  # --- requests ---
+  # --- the request registry, as upstream's attributes ---
 
-  def request_state(self, request_id: str) -> RequestState:
-    if request_id not in self.requests:
-      self.requests[request_id] = RequestState(SamplingParams(temperature=self.default_sample_temperature))
-    return self.requests[request_id]
+  @property
+  def outstanding_requests(self) -> Dict[str, str]:
+    """Live requests here -> their status."""
+    return {r.id: r.status.value for r in self.requests}
+
+  @property
+  def buffered_token_output(self) -> Dict[str, Tuple[List[int], bool]]:
+    """Tokens sampled here for each live request (on the node with the last layers)."""
+    return {r.id: (r.tokens, False) for r in self.requests if r.tokens}
+
+  def state(self) -> dict:
+    """The live view (GET /v1/state): each live request here and the KV memory it holds."""
+    engine = self.inference_engine
+    per_request = getattr(engine, "request_kv_bytes", lambda request_id: 0)
+    return {"node_id": self.id,
+            "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions, "kv_bytes": per_request(r.id)}
+                         for r in self.requests],
+            "kv_bytes": getattr(engine, "kv_cache_bytes", lambda: 0)()}
+
+  # --- how requests start and end ---
+
+  def _open(self, request_id: str) -> Optional[Request]:
+    return self.requests.open(request_id, SamplingParams(temperature=self.default_sample_temperature))
+
+  def watch(self, request_id: str) -> asyncio.Queue:
+    """Events of one request for its local client: RequestEvent(tokens, finished, error). Only this request's
+    tokens wake it."""
+    queue = self._watchers[request_id] = asyncio.Queue()
+    return queue
+
+  def unwatch(self, request_id: str) -> None:
+    self._watchers.pop(request_id, None)
 
   async def start_request(self, request_id: str, params: SamplingParams) -> None:
-    """Tell every node a request's sampling parameters before its prompt enters the ring."""
-    await self.broadcast_opaque_status(request_id, json.dumps({"type": REQUEST_PARAMS, "request_id": request_id, "params": params.to_dict(), "origin": self.id}))
+    """Open the request here (its origin) and tell every node its sampling parameters before its prompt enters the
+    ring."""
+    request = self.requests.open(request_id, params, self.id)
+    if request is None:
+      raise ValueError(f"request {request_id} has already ended")
+    request.params = params
+    await self.broadcast_opaque_status(request_id, statuses.request_params(request_id, params, self.id))
 
   async def cancel_request(self, request_id: str) -> None:
-    """Ask the ring to stop generating for a request (its client left or has what it wanted)."""
-    await self.broadcast_opaque_status(request_id, json.dumps({"type": CANCEL_REQUEST, "request_id": request_id}))
+    """Stop the request everywhere (its client left or has what it wanted)."""
+    if self.end_request(request_id, Status.CANCELLED):
+      await self.broadcast_opaque_status(request_id, statuses.cancel_request(request_id))
 
   async def fail_request(self, request_id: str, error: BaseException | str) -> None:
     """End a request with an error everywhere, so its client gets the error instead of waiting."""
+    message = (str(error) or repr(error)) if isinstance(error, BaseException) else error
     if DEBUG >= 1:
-      print(f"Request {request_id} failed on {self.id}: {error!r}")
+      print(f"Request {request_id} failed on {self.id}: {message}")
       if DEBUG >= 2 and isinstance(error, BaseException):
         traceback.print_exception(error)
-    self._end_request_locally(request_id)
-    await self.broadcast_opaque_status(request_id, json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": str(error) or repr(error)}))
+    if self.end_request(request_id, Status.FAILED, message):
+      await self.broadcast_opaque_status(request_id, statuses.request_error(request_id, message))
 
-  def _end_request_locally(self, request_id: str) -> None:
-    self.ended_requests[request_id] = None
-    if len(self.ended_requests) > ENDED_REQUESTS_KEPT:
-      del self.ended_requests[next(iter(self.ended_requests))]
-    self.outstanding_requests.pop(request_id, None)
-    self.buffered_token_output.pop(request_id, None)
-    self.requests.pop(request_id, None)
+  def end_request(self, request_id: str, status: Status, error: Optional[str] = None) -> bool:
+    """End the request here, whatever it is doing: it leaves every queue, its KV cache is freed, its local client
+    learns why. True if it was live here."""
+    request = self.requests.end(request_id, status)
+    if request is None:
+      return False
+    if request.model is not None:
+      self._release(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
+    self.model_gate.leave(request_id)
     self.plugins.hook.exo_request_ended(node=self, request_id=request_id)
+    watcher = self._watchers.get(request_id)
+    if watcher is not None and status is not Status.FINISHED:
+      watcher.put_nowait(RequestEvent([], True, error or f"the request was {status.value}"))
+    return True
+
+  def _release(self, request_id: str) -> None:
     release = asyncio.create_task(self.inference_engine.finish_request(request_id))
     self._releases.add(release)
     release.add_done_callback(self._releases.discard)
 
+  def accepts_prompt(self, request_id: str) -> None:
+    """Raise ValueError if a prompt for `request_id` must not start (it has ended, or already has one)."""
+    ended = self.requests.ended(request_id)
+    if ended is not None:
+      raise ValueError(f"request {request_id} has already {ended.value}")
+    request = self.requests.get(request_id)
+    if request is not None and request.status is not Status.QUEUED:
+      raise ValueError(f"request {request_id} already has its prompt ({request.status.value})")
+
+  # --- the work ---
+
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {}) -> Optional[np.ndarray]:
     shard = self.get_current_shard(base_shard)
     request_id = request_id or str(uuid.uuid4())
+    self.accepts_prompt(request_id)
+    request = self._open(request_id)
     status = {"type": "node_status", "node_id": self.id, "status": "start_process_prompt", "base_shard": base_shard.to_dict(),
               "shard": shard.to_dict(), "prompt": prompt, "request_id": request_id}
     self.spawn(self.broadcast_opaque_status(request_id, json.dumps(status)))
     start = time.perf_counter_ns()
     try:
-      await self._process_prompt(base_shard, prompt, request_id, inference_state)
+      await self._process_prompt(shard, prompt, request, inference_state)
     finally:
       status.update(status="end_process_prompt", elapsed_time_ns=time.perf_counter_ns() - start)
       self.spawn(self.broadcast_opaque_status(request_id, json.dumps(status)))
     return None
 
-  async def _process_prompt(self, base_shard: Shard, prompt: str, request_id: str, inference_state: Optional[dict]) -> None:
-    shard = self.get_current_shard(base_shard)
-    if not shard.is_first_layer():
-      self.outstanding_requests[request_id] = "waiting"
-      await self.forward_prompt(shard, prompt, request_id, 0, inference_state)
-      return
-    self.outstanding_requests[request_id] = "processing"
+  async def _process_prompt(self, shard: Shard, prompt: str, request: Request, inference_state: Optional[dict]) -> None:
     try:
-      tokens = await self.inference_engine.encode(shard, prompt)
-      result, state = await self.infer_tensor(shard, np.asarray(tokens).reshape(1, -1), request_id, inference_state)
-      await self.process_inference_result(shard, result, request_id, state)
-    except asyncio.CancelledError:
-      self._end_request_locally(request_id)  # the caller gave up mid-prompt (timeout, client gone): free its state and KV cache
+      if not shard.is_first_layer():
+        request.advance(Status.PREFILLING)
+        request.ring = request.ring or self.ring_ids()
+        await self.forward_prompt(shard, prompt, request.id, 0, inference_state)
+        return
+      await self._enter(request, shard)
+      tokens = np.asarray(await self.inference_engine.encode(shard, prompt)).reshape(1, -1)
+      request.prompt_tokens = tokens.shape[1]
+      context = self._context_length()
+      if context is not None and tokens.shape[1] >= context:
+        raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
+      await self._run(shard, tokens, request, inference_state)
+    except RequestEnded:
+      pass
+    except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
+      if self.end_request(request.id, Status.CANCELLED):
+        self.spawn(self.broadcast_opaque_status(request.id, statuses.cancel_request(request.id)))
       raise
     except Exception as e:
-      await self.fail_request(request_id, e)
+      await self.fail_request(request.id, e)
       raise
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     shard = self.get_current_shard(base_shard)
-    request_id = request_id or str(uuid.uuid4())
-    if request_id in self.ended_requests:
-      # A hop still in flight when the request ended here (e.g. failed because the ring changed): going on would
-      # run it round the ring until max_generate_tokens with nobody listening.
+    request = self._open(request_id or str(uuid.uuid4()))
+    if request is None:  # a hop still in flight when the request ended: going on would revive it
       return None
-    self.outstanding_requests[request_id] = "processing"
     try:
-      result, state = await self.infer_tensor(shard, tensor, request_id, inference_state)
-      if request_id in self.ended_requests:  # it ended while this hop ran: forward nothing
-        return None
-      await self.process_inference_result(shard, result, request_id, state)
+      if request.model is None:  # its first work here
+        await self._enter(request, shard)
+      await self._run(shard, tensor, request, inference_state)
+    except RequestEnded:
+      pass
     except Exception as e:
-      await self.fail_request(request_id, e)
+      await self.fail_request(request.id, e)
     return None
+
+  async def _enter(self, request: Request, shard: Shard) -> None:
+    """Wait until this node's engine serves the request's model (see ModelGate)."""
+    request.model = shard.model_id
+    request.ring = request.ring or self.ring_ids()
+    try:
+      await self.model_gate.enter(request.id, shard.model_id)
+    except LeftTheLine:
+      raise RequestEnded(request.id) from None
+    request.advance(Status.PREFILLING)
+
+  async def _run(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict]) -> None:
+    """This node's layers for the request, then what follows (sampling, forwarding)."""
+    if request.busy:  # a second copy of a message (a peer's bug or mischief) must not run on the same cache
+      print(f"exo: dropped a second pass of request {request.id} that arrived while its pass ran here", flush=True)
+      return
+    request.busy = True
+    try:
+      result, state = await self.infer_tensor(shard, tensor, request.id, inference_state)
+    finally:
+      request.busy = False
+    if not self.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
+      self._release(request.id)
+      raise RequestEnded(request.id)
+    request.positions += input_length(tensor)
+    request.advance(Status.DECODING)
+    await self.process_inference_result(shard, result, request.id, state)
 
   async def infer_tensor(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
     return await self.plugins.hook.exo_infer_tensor(node=self, shard=shard, tensor=tensor, request_id=request_id, inference_state=inference_state)
+
+  async def infer_unbatched(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
+    """The engine alone, a long prompt in PROMPT_CHUNK pieces so that an end stops it between two of them."""
+    engine, length = self.inference_engine, input_length(tensor)
+    if length <= PROMPT_CHUNK:
+      return await engine.infer_tensor(request_id, shard, tensor, inference_state)
+    outputs = []
+    for start in range(0, length, PROMPT_CHUNK):
+      if not self.requests.is_live(request_id):
+        raise RequestEnded(request_id)
+      output, inference_state = await engine.infer_tensor(request_id, shard, tensor[:, start:start + PROMPT_CHUNK], inference_state)
+      outputs.append(output)
+    # Hidden states go on whole; on the last layer only the last position is ever sampled.
+    return (outputs[-1] if shard.is_last_layer() else np.concatenate(outputs, axis=1)), inference_state
 
   async def process_inference_result(self, shard, result: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None):
     return await self.plugins.hook.exo_process_inference_result(node=self, shard=shard, result=result, request_id=request_id, inference_state=inference_state)
@@ -224,87 +314,56 @@ class Node:
 
   async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str]) -> List[int]:
     """Sample each request's next token from its logits, each with its own parameters and random stream."""
-    states = [self.request_state(rid) for rid in request_ids]
-    for state in states:
-      if state.generator is None:
-        state.generator = make_generator(state.params.seed)
-    tokens = await self.inference_engine.sample_batch(results, [s.params for s in states], [s.generator for s in states])
-    await self.inference_engine.ensure_shard(shard)
+    requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
+    for request in requests:
+      if request.generator is None:
+        request.generator = make_generator(request.params.seed)
+    tokens = await self.inference_engine.sample_batch(results, [r.params for r in requests], [r.generator for r in requests])
     return [int(t) for t in np.asarray(tokens).reshape(-1)]
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
-    """After sampling on the last layer: record, check EOS / length / cancel, fire callbacks, broadcast, forward."""
-    buffer, _ = self.buffered_token_output.setdefault(request_id, ([], False))
-    buffer.append(token)
-    state = self.request_state(request_id)
-    limit = min(state.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
-    tokenizer = self.inference_engine.tokenizer
-    eos_ids = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
-    is_finished = (token in eos_ids and not state.params.ignore_eos) or len(buffer) >= limit or state.cancelled
+    """After sampling on the last layer: record, check EOS / length / context, fire callbacks, broadcast, forward."""
+    request = self.requests.get(request_id)
+    if request is None:  # it ended while it was being sampled
+      return
+    request.tokens.append(token)
+    if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
+      tokenizer = self.inference_engine.tokenizer
+      request.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
+    limit = min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
+    context = self._context_length()
+    is_finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
+                   or (context is not None and request.positions >= context))
     if DEBUG >= 2:
-      print(f"[{request_id}] token {token} ({len(buffer)}/{limit}) finished={is_finished}")
+      print(f"[{request_id}] token {token} ({len(request.tokens)}/{limit}) finished={is_finished}")
     # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
     # next turn of the event loop, after the next hop's send has started.
     self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)
     asyncio.get_running_loop().call_soon(self.trigger_on_token_callbacks, request_id, [token], is_finished)
     # Each token goes to the node whose client waits for it; the last one goes to every node, which ends the request
     # there. (Upstream sends every token to every peer; a request from an upstream node has no known origin.)
-    to = None if is_finished or state.origin is None else state.origin
+    to = None if is_finished or request.origin is None else request.origin
     if any(to is None or peer.id() == to for peer in self.peers):
       self.spawn(self.broadcast_result(request_id, [token], is_finished, to))
 
+  def _context_length(self) -> Optional[int]:
+    return getattr(self.inference_engine, "context_length", None)
+
   def forward_or_finish(self, shard: Shard, forward: np.ndarray, request_id: str, inference_state: Optional[dict], is_finished: bool) -> None:
     if is_finished:
-      self._end_request_locally(request_id)
+      self.end_request(request_id, Status.FINISHED)
       return
-    self.outstanding_requests[request_id] = "waiting"
     self.spawn(self._forward_next(shard, forward, request_id, inference_state))
 
   async def _forward_next(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]) -> None:
+    target = self.get_partition_index(offset=1)
     try:
-      await self.forward_tensor(shard, tensor, request_id, self.get_partition_index(offset=1), inference_state)
+      await self.forward_tensor(shard, tensor, request_id, target, inference_state)
     except Exception as e:
-      await self.fail_request(request_id, f"could not forward to the next node: {e}")
+      where = self.partitions()[target].node_id if target is not None else "the next node"
+      await self.fail_request(request_id, f"could not forward to node {where}: {e}")
 
-  # --- ring ---
-
-  def partitions(self) -> List[Partition]:
-    if self.id not in self.topology.nodes:  # before the first topology collection: a ring of one
-      self.topology.update_node(self.id, self.device_capabilities)
-    # Every message asks several times; the answer changes only with the topology.
-    key = (self.partitioning_strategy, self.topology, self.topology.version)
-    if self._partitions[0] != key:
-      self._partitions = (key, self.partitioning_strategy.partition(self.topology))
-      self._shards.clear()
-    return self._partitions[1]
-
-  def get_partition_index(self, offset: int = 0) -> Optional[int]:
-    if not self.partitioning_strategy:
-      return None
-    partitions = self.partitions()
-    index = next((i for i, p in enumerate(partitions) if p.node_id == self.id), None)
-    if index is None:
-      raise ValueError(f"No current partition found for node: {self.id}")
-    return (index + offset) % len(partitions)
-
-  def get_current_shard(self, base_shard: Shard, index: Optional[int] = None) -> Shard:
-    if self.partitioning_strategy is None:  # no ring: this node holds every layer
-      return Shard(base_shard.model_id, 0, base_shard.n_layers - 1, base_shard.n_layers)
-    if index is None:
-      index = self.get_partition_index()
-    partitions, model = self.partitions(), (base_shard.model_id, base_shard.n_layers)
-    if model not in self._shards:
-      self._shards[model] = map_partitions_to_shards(partitions, base_shard.n_layers, base_shard.model_id)
-    return self._shards[model][index]
-
-  def _target(self, target_index: int) -> Tuple[str, Optional[object]]:
-    target_id = self.partitions()[target_index].node_id
-    if target_id == self.id:
-      return target_id, None
-    peer = next((p for p in self.peers if p.id() == target_id), None)
-    if peer is None:
-      raise ValueError(f"Peer for {target_index} not found")
-    return target_id, peer
+  # --- the ring ---
 
   async def forward_prompt(self, base_shard: Shard, prompt: str, request_id: str, target_index: int, inference_state: Optional[dict] = None) -> None:
     target_id, peer = self._target(target_index)
@@ -326,46 +385,33 @@ class Node:
     else:
       await peer.send_tensor(next_shard, tensor, request_id=request_id, inference_state=inference_state)
 
-  # --- peers and topology ---
-
   async def update_peers(self, wait_for_peers: int = 0) -> bool:
-    next_peers = await self.discovery.discover_peers(wait_for_peers)
-    current = {p.id(): p for p in self.peers}
-    following = {p.id(): p for p in next_peers}
-    removed = [p for pid, p in current.items() if pid not in following]
-    added = [p for pid, p in following.items() if pid not in current]
-    moved = [p for pid, p in following.items() if pid in current and current[pid].addr() != p.addr()]
-
-    async def disconnect(peer):
-      try:
-        await asyncio.wait_for(peer.disconnect(), 5)
-      except Exception as e:
-        if DEBUG >= 1:
-          print(f"Failed to disconnect peer {peer.id()}: {e!r}")
-
-    async def connect(peer):
-      try:
-        if not await peer.is_connected():
-          await asyncio.wait_for(peer.connect(), 5)
-        return True
-      except Exception as e:
-        if DEBUG >= 1:
-          print(f"Failed to connect peers: {peer.id()}@{peer.addr()}: {e!r}")
-        return False
-
-    await asyncio.gather(*[disconnect(p) for p in removed + [current[p.id()] for p in moved]])
-    await asyncio.gather(*[connect(p) for p in next_peers])
-    self.peers = list(following.values())
-    changed = bool(removed or added or moved)
-    if changed and DEBUG >= 1:
-      print(f"Peers changed: added {[p.id() for p in added]}, removed {[p.id() for p in removed]}, moved {[p.id() for p in moved]}")
-    if changed and self.outstanding_requests:
-      # Layer ranges follow membership, so requests in flight lost their place in the ring (and KV caches):
-      # end them with an error now rather than leave their clients waiting for tokens that will not come.
-      why = f"the ring changed during the request (joined {[p.id() for p in added]}, left {[p.id() for p in removed]}, moved {[p.id() for p in moved]})"
-      for request_id in list(self.outstanding_requests):
-        self.spawn(self.fail_request(request_id, why))
+    changed, added, removed, moved = await self._update_peers(wait_for_peers)
+    if changed:
+      # Layer ranges follow membership, so requests in flight lost their place in the ring (and KV caches): end them
+      # with an error now rather than leave their clients waiting for tokens that will not come.
+      gone = {p.id(): p for p in removed}
+      why = f"the ring changed during the request (joined {[p.id() for p in added]}, left {list(gone)}, moved {[p.id() for p in moved]})"
+      for request in self.requests:
+        lost = [gone[n] for n in request.ring if n in gone]
+        if request.ring and not lost and not added and not any(p.id() in request.ring for p in moved):
+          continue  # it never needed the nodes that changed
+        self.spawn(self.fail_request(request.id, f"node {lost[0].id()} at {lost[0].addr()} left the ring during the request" if lost else why))
     return changed
+
+  async def _watch_peers(self) -> None:
+    """Health-check the peers live requests need; a dead one ends them, with an error naming it."""
+    while True:
+      await asyncio.sleep(PEER_CHECK_S)
+      needed = {n for request in self.requests for n in request.ring} - {self.id}
+      peers = [p for p in self.peers if p.id() in needed]
+      healthy = await asyncio.gather(*[p.health_check() for p in peers], return_exceptions=True)
+      for peer, ok in zip(peers, healthy):
+        if ok is True:
+          continue
+        for request in self.requests:
+          if peer.id() in request.ring:
+            self.spawn(self.fail_request(request.id, f"node {peer.id()} at {peer.addr()} stopped answering during the request"))
 
   async def periodic_topology_collection(self, interval: float) -> None:
     while True:
@@ -374,49 +420,22 @@ class Node:
         if await self.update_peers():
           await self.broadcast_supported_engines(self.get_supported_inference_engines())
         await self.collect_topology(set())
-        self._forget_stale_requests()
+        self.forget_stale()
       except Exception as e:
         if DEBUG >= 1:
           print(f"Error collecting topology: {e!r}")
 
-  def _forget_stale_requests(self) -> None:
-    now = time.monotonic()
-    for request_id, state in list(self.requests.items()):
-      if request_id not in self.outstanding_requests and now - state.created > STALE_REQUEST_S:
-        del self.requests[request_id]
+  def forget_stale(self, now: Optional[float] = None) -> None:
+    """Forget old ended ids, and parameters a peer sent for requests that never came here."""
+    for request in self.requests.sweep(now):
+      if request.model is None:
+        self.requests.end(request.id, Status.CANCELLED)
 
-  async def collect_topology(self, visited: Set[str], max_depth: int = 4) -> Topology:
-    next_topology = Topology()
-    next_topology.update_node(self.id, self.device_capabilities)
-    for peer in self.peers:
-      next_topology.update_node(peer.id(), peer.device_capabilities())
-      next_topology.add_edge(self.id, peer.id(), peer.description())
-    prev_visited = set(visited)
-    visited = visited | {self.id} | {p.id() for p in self.peers}
-
-    async def collect(peer):
-      if peer.id() in prev_visited or max_depth <= 0:
-        return
-      try:
-        other = await asyncio.wait_for(peer.collect_topology(visited, max_depth - 1), 5)
-        next_topology.merge(peer.id(), other)
-      except Exception as e:
-        if DEBUG >= 1:
-          print(f"Error collecting topology from {peer.id()}: {e!r}")
-
-    await asyncio.gather(*[collect(p) for p in self.peers])
-    # Partition over exactly self + direct peers, as upstream does (wire.md §10).
-    direct = {self.id} | {p.id() for p in self.peers}
-    next_topology.nodes = {nid: caps for nid, caps in next_topology.nodes.items() if nid in direct}
-    next_topology.active_node_id = self.topology.active_node_id
-    self.topology = next_topology
+  async def collect_topology(self, visited: Set[str], max_depth: int = 4):
+    topology = await super().collect_topology(visited, max_depth)
     if self.topology_viz:
       self.topology_viz.update_visualization(self.topology, self.partitions(), self.id, self.node_download_progress)
-    return self.topology
-
-  @property
-  def current_topology(self) -> Topology:
-    return self.topology
+    return topology
 
   def get_supported_inference_engines(self) -> List[str]:
     name = self.inference_engine.__class__.__name__
@@ -424,86 +443,101 @@ class Node:
 
   async def broadcast_supported_engines(self, supported_engines_names: List[str]) -> None:
     if supported_engines_names:
-      await self.broadcast_opaque_status("", json.dumps({"type": "supported_inference_engines", "node_id": self.id, "engines": supported_engines_names}))
+      await self.broadcast_opaque_status("", json.dumps({"type": statuses.SUPPORTED_ENGINES, "node_id": self.id, "engines": supported_engines_names}))
 
   def get_topology_inference_engines(self) -> List[List[str]]:
-    return self.topology_inference_engines_pool
+    return list(self.peer_engines.values())
 
-  # --- callbacks and broadcasts ---
+  # --- what peers send ---
 
   @property
   def on_token(self) -> AsyncCallbackSystem[str, Tuple[str, List[int], bool]]:
     return self._on_token
 
-  @property
-  def on_opaque_status(self) -> AsyncCallbackSystem[str, Tuple[str, str]]:
-    return self._on_opaque_status
-
   def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool) -> None:
+    watcher = self._watchers.get(request_id)
+    if watcher is not None:
+      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None))
     self._on_token.trigger_all(request_id, tokens, is_finished)
 
-  def on_result(self, request_id: str, result: List[int], is_finished: bool) -> None:
-    """A peer's SendResult. Ids this node never saw are only passed to the callbacks (no state kept)."""
+  def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
+    """A peer's SendResult: tokens for a local client; the last one ends the request here too."""
+    if self.requests.ended(request_id) is not None:
+      return
+    request = self.requests.get(request_id)
+    if is_finished and request is not None and sender_host is not None and not self._on_path(request, sender_host):
+      if DEBUG >= 1:
+        print(f"Ignoring the end of {request_id} from {sender_host}, which is not on its path")
+      return
     self.trigger_on_token_callbacks(request_id, result, is_finished)
-    if is_finished and (request_id in self.requests or request_id in self.outstanding_requests):
-      self._end_request_locally(request_id)
+    if is_finished and request is not None:
+      self.end_request(request_id, Status.FINISHED)
 
-  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None) -> None:
-    """SendResult to every peer, or only to peer `to`."""
-    async def send(peer):
-      try:
-        await asyncio.wait_for(peer.send_result(request_id, result, is_finished), 15.0)
-      except Exception as e:
-        if DEBUG >= 1:
-          print(f"Error sending result to {peer.id()}: {e!r}")
-    await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() == to])
+  def _on_path(self, request: Request, host: str, origin_only: bool = False) -> bool:
+    """Whether a call from `host` comes from the request's origin (or, unless origin_only, a node it runs on)."""
+    senders = self.peers_at(host)
+    allowed = {request.origin} if origin_only and request.origin else {request.origin, *request.ring}
+    return bool(senders & allowed) or not (request.origin or request.ring)
 
-  async def broadcast_opaque_status(self, request_id: str, status: str) -> None:
-    async def send(peer):
-      try:
-        await asyncio.wait_for(peer.send_opaque_status(request_id, status), 15.0)
-      except Exception as e:
-        if DEBUG >= 1:
-          print(f"Error sending opaque status to {peer.id()}: {e!r}")
-    # Local observers first: a dead peer (up to a 10 s connect wait) must not delay, e.g., a request_error for our own client.
-    self._on_opaque_status.trigger_all(request_id, status)
-    await asyncio.gather(*[send(p) for p in self.peers])
+  def receive_status(self, request_id: str, raw: str, sender_host: Optional[str] = None) -> None:
+    """A peer's SendOpaqueStatus: checked, acted on if it concerns a request, then passed to the observers."""
+    try:
+      kind, status = statuses.parse(raw)
+    except statuses.InvalidStatus as e:
+      print(f"exo: dropped an invalid status from {sender_host or 'a peer'}: {e}", flush=True)
+      return
+    if kind == statuses.REQUEST_PARAMS:
+      request = self._open(status["request_id"])
+      if request is not None and request.model is None:  # parameters can no longer change once it runs here
+        request.params, request.origin = statuses.sampling_params(status["params"]), status.get("origin")
+    elif kind in statuses.REQUEST_ENDS:
+      request_id_ = status["request_id"]
+      request = self.requests.get(request_id_)
+      if request is not None and sender_host is not None and not self._on_path(request, sender_host, origin_only=kind == statuses.CANCEL_REQUEST):
+        print(f"exo: dropped a {kind} for {request_id_} from {sender_host}, which is not its origin or on its path", flush=True)
+        return
+      if request is None:
+        self.requests.end(request_id_, Status.FAILED)  # not seen here yet: a late hop must not start it
+      elif kind == statuses.CANCEL_REQUEST:
+        self.end_request(request_id_, Status.CANCELLED)
+      else:
+        self.end_request(request_id_, Status.FAILED, status["error"])
+    self._on_opaque_status.trigger_all(request_id, raw)
 
   def on_node_status(self, request_id: str, opaque_status: str) -> None:
+    """The built-in status observer: who is working (active_node_id), download progress, the peers' engines."""
     try:
-      status = json.loads(opaque_status)
-    except ValueError:
+      kind, status = statuses.parse(opaque_status)
+    except statuses.InvalidStatus:
       return
-    if not isinstance(status, dict):
-      return
-    kind = status.get("type")
-    try:
-      if kind == "node_status":
-        if status.get("status", "").startswith("start_"):
-          self.topology.active_node_id = status.get("node_id")
-          if status.get("status") == "start_process_prompt" and status.get("node_id") != self.id and self.partitioning_strategy:
-            self.spawn(self._preload(Shard.from_dict(status["shard"])))
-        elif status.get("status", "").startswith("end_") and status.get("node_id") == self.topology.active_node_id:
-          self.topology.active_node_id = None
-      elif kind == "download_progress":
+    known = {self.id, *self.peer_hosts}
+    if kind == statuses.NODE_STATUS:
+      if status["status"].startswith("start_"):
+        self.topology.active_node_id = status["node_id"]
+        if status["status"] == "start_process_prompt" and status["node_id"] != self.id and self.partitioning_strategy:
+          self.spawn(self._preload(statuses.shard(status["shard"])))
+      elif status["status"].startswith("end_") and status["node_id"] == self.topology.active_node_id:
+        self.topology.active_node_id = None
+    elif kind == statuses.DOWNLOAD_PROGRESS and status["node_id"] in known:
+      try:
         self.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
-      elif kind == "supported_inference_engines":
-        self.topology_inference_engines_pool.append(status["engines"])
-      elif kind == REQUEST_PARAMS:
-        state = self.request_state(status["request_id"])
-        state.params, state.origin = SamplingParams.from_dict(status["params"]), status.get("origin")
-      elif kind == CANCEL_REQUEST and status["request_id"] in self.requests:
-        self.requests[status["request_id"]].cancelled = True
-      elif kind == REQUEST_ERROR and status["request_id"] not in self.ended_requests:
-        self._end_request_locally(status["request_id"])  # also when unseen here yet: a late hop must not start it
-    except (KeyError, TypeError, ValueError) as e:
-      if DEBUG >= 1:
-        print(f"Ignoring malformed {kind} status: {e!r}")
+      except (KeyError, TypeError, ValueError) as e:
+        if DEBUG >= 1:
+          print(f"Ignoring malformed download progress: {e!r}")
+    elif kind == statuses.SUPPORTED_ENGINES and status["node_id"] in self.peer_hosts:
+      self.peer_engines[status["node_id"]] = status["engines"]
     if self.topology_viz:
       self.topology_viz.update_status(status)
 
   async def _preload(self, shard: Shard) -> None:
-    """Start loading our own layers as soon as any node starts a prompt for a model."""
+    """Start loading our own layers as soon as any node starts a prompt for a model, unless that would disturb the
+    requests this node serves."""
+    try:
+      card = model_card(shard.model_id)
+    except ValueError:  # a local checkpoint this node does not serve
+      return
+    if card is None or card["layers"] != shard.n_layers or not self.model_gate.idle_for(shard.model_id):
+      return
     try:
       await self.inference_engine.ensure_shard(self.get_current_shard(shard))
     except Exception as e:

@@ -1,7 +1,6 @@
 // tinychat: a chat page for exo's ChatGPT-compatible API. Plain browser JavaScript, no build step, no CDN.
 "use strict";
 
-const API = `${window.location.origin}/v1`;
 const $ = (id) => document.getElementById(id);
 
 const state = {
@@ -47,12 +46,53 @@ function formatDuration(seconds) {
 }
 
 async function errorText(response) {
-  // exo answers errors as {"detail": ...} (chat) or {"error": ...} (downloads); fall back to the status line.
+  // exo answers errors in OpenAI's shape, {"error": {"message": ...}}; older nodes sent {"detail": ...} or {"error": "..."}.
   try {
     const body = await response.json();
-    return body.detail || body.error || JSON.stringify(body);
+    return (body.error && body.error.message) || body.detail || body.error || JSON.stringify(body);
   } catch {
     return `${response.status} ${response.statusText}`;
+  }
+}
+
+// --- the node's API, with its key when it needs one ---
+
+// A node started with --api-key answers 401 without it: ask the user once, keep it in localStorage["apiKey"], retry.
+let askingForKey = null;
+
+async function api(path, options = {}) {
+  const call = (key) => fetch(`${window.location.origin}${path}`, { ...options, headers: { ...(options.headers || {}), ...(key ? { Authorization: `Bearer ${key}` } : {}) } });
+  const used = localStorage.getItem("apiKey");
+  const response = await call(used);
+  if (response.status !== 401) return response;
+  // Calls sent before the user answered come back 401 too: they retry with the new key instead of asking again.
+  if (localStorage.getItem("apiKey") === used) {
+    askingForKey = askingForKey || Promise.resolve().then(() => {
+      const key = window.prompt("This exo node needs its API key (the node's --api-key):");
+      if (key) localStorage.setItem("apiKey", key.trim());
+    }).finally(() => { askingForKey = null; });
+    await askingForKey;
+  }
+  const key = localStorage.getItem("apiKey");
+  return key && key !== used ? call(key) : response;
+}
+
+// The `data:` payloads of a server-sent-events response, as they arrive.
+async function* sseData(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  while (true) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event.split("\n").filter((line) => line.startsWith("data:")).map((line) => line.slice(5).trimStart()).join("\n");
+      if (data) yield data;
+    }
   }
 }
 
@@ -171,32 +211,20 @@ function showError(text) {
 
 // Reads exo's SSE stream (`data: {json}\n\n` events) and calls onDelta with each piece of text.
 // A "stop" finish carries the end-of-turn marker as its content, which is not part of the answer; a "length"
-// finish carries a real last token. A `[DONE]` line (other servers send one) also ends the stream.
+// finish carries a real last token; an event with an `error` (finish "error") ends the answer with that error.
+// A `[DONE]` line (other servers send one) also ends the stream.
 async function readStream(response, onDelta) {
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
   let finishReason = null;
-  while (true) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, { stream: true });
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const event = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = event.split("\n").filter((line) => line.startsWith("data:")).map((line) => line.slice(5).trimStart()).join("\n");
-      if (!data) continue;
-      if (data === "[DONE]") return finishReason;
-      const payload = JSON.parse(data);
-      if (payload.error) throw new Error(payload.error.message || String(payload.error));
-      const choice = payload.choices && payload.choices[0];
-      if (!choice) continue;
-      const content = (choice.delta && choice.delta.content) || "";
-      if (choice.finish_reason === "stop") return "stop";
-      if (content) onDelta(content);
-      if (choice.finish_reason) finishReason = choice.finish_reason;
-    }
+  for await (const data of sseData(response)) {
+    if (data === "[DONE]") return finishReason;
+    const payload = JSON.parse(data);
+    if (payload.error) throw new Error(payload.error.message || String(payload.error));
+    const choice = payload.choices && payload.choices[0];
+    if (!choice) continue;
+    const content = (choice.delta && choice.delta.content) || "";
+    if (choice.finish_reason === "stop") return "stop";
+    if (content) onDelta(content);
+    if (choice.finish_reason) finishReason = choice.finish_reason;
   }
   return finishReason;
 }
@@ -230,7 +258,7 @@ async function send(text) {
   let pieces = 0;
   try {
     const history = conversation.messages.map(({ role, content }) => ({ role, content }));
-    const response = await fetch(`${API}/chat/completions`, {
+    const response = await api("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ model: state.selectedModel, messages: history, stream: true }),
@@ -307,7 +335,7 @@ function renderModelStatus() {
 
 async function loadModels() {
   try {
-    const response = await fetch(`${window.location.origin}/initial_models`);
+    const response = await api("/initial_models");
     if (!response.ok) throw new Error(await errorText(response));
     state.models = await response.json();
     renderModelPicker();
@@ -318,24 +346,26 @@ async function loadModels() {
   setInterval(pollModelPool, 15000);
 }
 
-function pollModelPool() {
-  const source = new EventSource(`${window.location.origin}/modelpool`);
-  source.onmessage = (event) => {
-    if (event.data === "[DONE]") {
-      source.close();
-      renderModelPicker();
-      renderModelPool();
-      return;
-    }
-    try {
-      for (const [id, status] of Object.entries(JSON.parse(event.data))) {
-        if (state.models[id]) Object.assign(state.models[id], status, { loading: false });
+// Read with fetch rather than EventSource, which cannot send the API key.
+async function pollModelPool() {
+  try {
+    const response = await api("/modelpool");
+    if (!response.ok) return;
+    for await (const data of sseData(response)) {
+      if (data === "[DONE]") break;
+      try {
+        for (const [id, status] of Object.entries(JSON.parse(data))) {
+          if (state.models[id]) Object.assign(state.models[id], status, { loading: false });
+        }
+      } catch (e) {
+        console.warn("bad modelpool event", e);
       }
-    } catch (e) {
-      console.warn("bad modelpool event", e);
     }
-  };
-  source.onerror = () => source.close();
+    renderModelPicker();
+    renderModelPool();
+  } catch {
+    // the node may be restarting; the next poll tries again
+  }
 }
 
 function renderModelPool() {
@@ -350,7 +380,7 @@ function renderModelPool() {
 
 async function downloadModel() {
   const model = state.selectedModel;
-  const response = await fetch(`${window.location.origin}/download`, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ model }) });
+  const response = await api("/download", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ model }) });
   if (!response.ok) showError(`Download failed: ${await errorText(response)}`);
   else $("model-status").textContent = "download started";
 }
@@ -358,14 +388,14 @@ async function downloadModel() {
 async function deleteModel() {
   const model = state.selectedModel;
   if (!window.confirm(`Delete the downloaded files of ${model}?`)) return;
-  const response = await fetch(`${window.location.origin}/models/${encodeURIComponent(model)}`, { method: "DELETE" });
+  const response = await api(`/models/${encodeURIComponent(model)}`, { method: "DELETE" });
   if (!response.ok) showError(`Delete failed: ${await errorText(response)}`);
   pollModelPool();
 }
 
 async function pollDownloads() {
   try {
-    const response = await fetch(`${API}/download/progress`);
+    const response = await api("/v1/download/progress");
     if (!response.ok) return;
     const progress = await response.json();
     const box = $("downloads");
@@ -390,7 +420,7 @@ async function pollDownloads() {
 
 async function pollTopology() {
   try {
-    const response = await fetch(`${API}/topology`);
+    const response = await api("/v1/topology");
     if (response.ok) renderTopology(await response.json());
   } catch {
     // try again at the next poll

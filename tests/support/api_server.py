@@ -2,8 +2,10 @@
 event loop in a background thread, so tests can use any client: the sync `openai` package, aiohttp, a browser."""
 import asyncio
 import atexit
+import inspect
 import socket
 import threading
+import time
 from typing import Dict, Optional, Union
 
 import numpy as np
@@ -14,6 +16,8 @@ from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.engines import get_inference_engine
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.networking.discovery import NoDiscovery
+from exo.orchestration.batching.config import BatchingConfig
+from exo.orchestration.batching.plugin import register_batching
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 
@@ -25,9 +29,10 @@ def free_port() -> int:
 
 
 class ApiServer:
-  def __init__(self, engine: Union[str, InferenceEngine] = "dummy", max_generate_tokens: int = 10000, **api_kwargs):
+  def __init__(self, engine: Union[str, InferenceEngine] = "dummy", max_generate_tokens: int = 10000, batching: Optional[BatchingConfig] = None, **api_kwargs):
     self.engine_spec = engine
     self.max_generate_tokens = max_generate_tokens
+    self.batching = batching
     self.api_kwargs = api_kwargs
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
@@ -57,6 +62,8 @@ class ApiServer:
       classname = "DummyInferenceEngine" if isinstance(engine, DummyInferenceEngine) else engine.__class__.__name__
     self.node = Node("api-test-node", None, engine, NoDiscovery(), downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
                      max_generate_tokens=self.max_generate_tokens)
+    if self.batching is not None:
+      register_batching(self.node, self.batching)
     await self.node.start()
     kwargs = {"default_model": "dummy" if classname == "DummyInferenceEngine" else "smollm2-135m", **self.api_kwargs}
     self.api = ChatGPTAPI(self.node, classname, on_quit=self.quit_requested.set, **kwargs)
@@ -106,3 +113,11 @@ def shared_server(engine: str) -> ApiServer:
     _shared[engine] = ApiServer(engine).start()
     atexit.register(_shared[engine].stop)
   return _shared[engine]
+
+
+async def eventually(condition, timeout: float = 30.0) -> None:
+  """Poll `condition` (a function, or a coroutine function) until it holds; fail past `timeout`."""
+  deadline = time.monotonic() + timeout
+  while not (await result if inspect.isawaitable(result := condition()) else result):
+    assert time.monotonic() < deadline, "condition not met in time"
+    await asyncio.sleep(0.05)

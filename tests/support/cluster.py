@@ -12,7 +12,11 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout, two folders up from tests/support
+QUESTION = "What is the capital of France?"
+TOKEN_LINE = re.compile(r"^\[(?P<rid>[^\]]+)\] token (?P<token>\d+) ", re.M)  # DEBUG=2 logs each sampled token
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -149,3 +153,63 @@ async def wait_for_ring(ports: Dict[str, int], timeout: float, processes: Iterab
         raise AssertionError(f"{p.node_id} exited:\n{p.current_log()[-3000:]}")
     await asyncio.sleep(0.25)
   raise AssertionError(f"ring {sorted(ports)} not formed within {timeout} s: {[(k, v and sorted(v.nodes)) for k, v in views.items()]}")
+
+
+def node_args(port: int, api_port: int, config, engine: str) -> list:
+  return ["--inference-engine", engine, "--node-host", "127.0.0.1", "--node-port", str(port), "--chatgpt-api-port", str(api_port),
+          "--discovery-module", "manual", "--discovery-config-path", str(config), "--disable-tui"]
+
+
+class Cluster:
+  """exo server nodes (no command: gRPC + HTTP API) listed in one manual-discovery config."""
+
+  def __init__(self, tmp_path, ids, engine: str, env: dict):
+    self.ports = {node_id: free_port() for node_id in ids}
+    self.api_ports = {node_id: free_port() for node_id in ids}
+    self.config = write_manual_config(tmp_path / "peers.json", self.ports)
+    self.nodes = {node_id: ExoProcess(node_id, node_args(self.ports[node_id], self.api_ports[node_id], self.config, engine), tmp_path, env)
+                  for node_id in ids}
+
+  def url(self, node_id: str) -> str:
+    return f"http://127.0.0.1:{self.api_ports[node_id]}"
+
+  async def wait_api(self, node_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+      while time.monotonic() < deadline:
+        try:
+          async with session.get(f"{self.url(node_id)}/healthcheck", timeout=aiohttp.ClientTimeout(total=2)) as response:
+            if response.status == 200:
+              return
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+          pass
+        if not self.nodes[node_id].running():
+          raise AssertionError(f"{node_id} exited:\n{self.nodes[node_id].current_log()[-3000:]}")
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{node_id}'s API not up within {timeout} s")
+
+  async def start(self, ids=None, ring_timeout: float = 60) -> None:
+    ids = list(ids or self.nodes)
+    for node_id in ids:
+      self.nodes[node_id].start()
+    for node_id in ids:
+      await self.wait_api(node_id)
+    running = [i for i, node in self.nodes.items() if node.running()]
+    await wait_for_ring({i: self.ports[i] for i in running}, ring_timeout, [self.nodes[i] for i in running])
+
+  def stop(self) -> None:
+    for node in self.nodes.values():
+      node.stop()
+
+
+async def chat(url: str, model: str, content: str, timeout: float = 240, **extra) -> dict:
+  body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{url}/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+      reply = await response.json()
+      assert response.status == 200, reply
+      return reply
+
+
+def tokens_of(log: str, request_id: str) -> list:
+  return [int(m["token"]) for m in TOKEN_LINE.finditer(log) if m["rid"] == request_id]

@@ -21,9 +21,9 @@ OPENINGS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
 
 
 @functools.lru_cache(maxsize=None)
-def cached_weights(path, shard):
+def cached_weights(path, shard, keep_quantized=False):
   """Reading the GGUF costs seconds; every engine in the session shares one read per shard (they only copy from it)."""
-  return weights_module.load_shard_weights(path, shard)
+  return weights_module.load_shard_weights(path, shard, keep_quantized)
 
 
 async def load_engine_async(cls, downloader, shard=None):

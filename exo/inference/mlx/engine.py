@@ -9,7 +9,9 @@ def _mlx_device() -> str:
 
 
 class MLXDynamicShardInferenceEngine(LlamaShardEngine):
-  """Llama in float32 MLX (Metal on Apple silicon, CPU elsewhere), on one worker thread."""
+  """Llama in MLX (Metal on Apple silicon, CPU elsewhere), quantized checkpoints kept quantized, on one worker thread."""
+
+  keeps_quantized = True
 
   def __init__(self, shard_downloader):
     super().__init__(shard_downloader, ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine"))

@@ -1,4 +1,6 @@
-"""Llama in tinygrad, float32: one step runs many requests at once.
+"""Llama in tinygrad: one step runs many requests at once. Float32 on CPU devices; half precision on GPUs (their
+fast path, and half the memory), with norms and softmax in float32 as tinygrad's own Llama does. EXO_TINYGRAD_DTYPE
+(float16 or float32) overrides the choice. The half-precision path has not run on a GPU in this project's tests.
 
 Token-parallel work (projections, MLP, norms, head) runs on all rows of all requests together; attention runs per
 request against that request's own KV cache ("selective batching").
@@ -11,17 +13,26 @@ earlier. A new signature costs one eager layer and one capture (plus code genera
 decoding replays. Attention reads the whole (bucketed) cache under a mask, so only the cache write needs a
 symbolic position."""
 import math
+import os
 from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
-from tinygrad import Tensor, TinyJit, Variable
+from tinygrad import Device, Tensor, TinyJit, Variable
 
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig, rope_inv_freq
 
 MIN_CAPACITY = 64
 MAX_JITS = 32  # shape signatures kept; each holds its own intermediate buffers
+CPU_DEVICES = ("CPU", "CLANG", "LLVM", "PYTHON")
+
+
+def float_dtype() -> type:
+  choice = os.getenv("EXO_TINYGRAD_DTYPE") or ("float32" if Device.DEFAULT in CPU_DEVICES else "float16")
+  if choice not in ("float16", "float32"):
+    raise ValueError(f"EXO_TINYGRAD_DTYPE={choice!r}: use float16 or float32")
+  return np.dtype(choice).type
 
 
 def bucket(n: int, least: int = 1) -> int:
@@ -35,8 +46,8 @@ class KVCache:
   """One request's keys and values: per layer one (2, n_kv_heads, capacity, head_dim) tensor, capacity doubling as
   the request grows. Positions past `length` may hold padding garbage; the attention mask never lets a query see them."""
 
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = MIN_CAPACITY):
-    self.kv = [Tensor(np.zeros((2, n_kv_heads, capacity, head_dim), dtype=np.float32)).realize() for _ in range(n_layers)]
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype=np.float32, capacity: int = MIN_CAPACITY):
+    self.kv = [Tensor(np.zeros((2, n_kv_heads, capacity, head_dim), dtype=dtype)).realize() for _ in range(n_layers)]
     self.capacity, self.length = capacity, 0
 
   def reserve(self, length: int) -> None:
@@ -49,11 +60,12 @@ class KVCache:
 
   @property
   def nbytes(self) -> int:
-    return sum(math.prod(t.shape) * 4 for t in self.kv)
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.kv)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-  return x * (x * x).mean(-1, keepdim=True).add(eps).rsqrt() * weight
+  x32 = x.float()  # squares of half-precision activations overflow
+  return (x32 * (x32 * x32).mean(-1, keepdim=True).add(eps).rsqrt()).cast(x.dtype) * weight
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -65,6 +77,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Llama:
   def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
     self.config, self.shard = config, shard
+    self.dtype = dtype = float_dtype()
     # Each layer's weights live in one flat tensor (the jit reads views of it): a jit's per-call cost grows with its
     # number of inputs. Matrices are kept (out, in), so every output reduces over contiguous memory: x @ W.T.
     self.layers: List[Tensor] = []
@@ -75,17 +88,17 @@ class Llama:
                w("self_attn.o_proj.weight"), np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
                w("mlp.down_proj.weight"), w("input_layernorm.weight"), w("post_attention_layernorm.weight"))
       self.weight_shapes = [a.shape for a in parts]
-      self.layers.append(Tensor(np.concatenate([a.reshape(-1) for a in parts]).astype(np.float32)).realize())
+      self.layers.append(Tensor(np.concatenate([a.reshape(-1) for a in parts]).astype(dtype)).realize())
     # Token lookup is a gather: done on the host, so only the (rows, hidden) result travels to the device.
-    self.embed = weights.get("model.embed_tokens.weight") if shard.is_first_layer() else None
+    self.embed = weights["model.embed_tokens.weight"].astype(dtype, copy=False) if shard.is_first_layer() else None
     if shard.is_last_layer():
-      self.norm = Tensor(weights["model.norm.weight"]).realize()
-      self.head = Tensor(weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))).realize()
+      self.norm = Tensor(weights["model.norm.weight"].astype(dtype, copy=False)).realize()
+      self.head = Tensor(weights.get("lm_head.weight", weights.get("model.embed_tokens.weight")).astype(dtype, copy=False)).realize()
     self.inv_freq = rope_inv_freq(config)
     self.jits: "OrderedDict[tuple, List[TinyJit]]" = OrderedDict()
 
   def new_cache(self) -> KVCache:
-    return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim)
+    return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim, self.dtype)
 
   def _jit(self, key: tuple, fn, copies: int) -> List[TinyJit]:
     if key not in self.jits:
@@ -125,11 +138,11 @@ class Llama:
       mask = masks[mask_offset:mask_offset + n * capacity].reshape(n, capacity)
       qr = q[offset:offset + n].reshape(n, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)
       scores = (qr @ keys.transpose(1, 2)).reshape(n_kv, group, n, capacity) * (1.0 / math.sqrt(hd)) + mask
-      out = scores.softmax(-1).reshape(n_kv, group * n, capacity) @ values  # (n_kv, group*n, hd)
+      out = scores.float().softmax(-1).cast(values.dtype).reshape(n_kv, group * n, capacity) @ values  # (n_kv, group*n, hd)
       outs.append(out.reshape(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, q_size))
       offset, mask_offset = offset + n, mask_offset + n * capacity
     if offset < rows:  # rows padding the step to its bucket belong to no request
-      outs.append(Tensor.zeros(rows - offset, q_size))
+      outs.append(Tensor.zeros(rows - offset, q_size, dtype=h.dtype))
     h = h + (outs[0].cat(*outs[1:]) if len(outs) > 1 else outs[0]) @ o_w.T
     gate_up = rms_norm(h, mlp_norm, c.rms_norm_eps) @ gate_up_w.T
     act = (gate_up[:, :c.intermediate_size].silu() * gate_up[:, c.intermediate_size:]).contiguous()  # once, not per output
@@ -151,7 +164,7 @@ class Llama:
     rows = bucket(sum(padded))  # the matmuls' shapes: few distinct ones, so few kernels to generate
     sig = (rows,) + tuple((padded[r], caches[r].capacity) for r in order)
 
-    h = np.zeros((rows, c.hidden_size), dtype=np.float32)  # padding rows stay zero
+    h = np.zeros((rows, c.hidden_size), dtype=self.dtype)  # padding rows stay zero
     positions, masks, starts, offsets, offset = [], [], [], {}, 0
     for slot, r in enumerate(order):
       n, p, s, capacity = lengths[r], padded[r], caches[r].length, caches[r].capacity
@@ -159,13 +172,13 @@ class Llama:
       h[offset:offset + n] = self.embed[x.reshape(-1).astype(np.int64)] if self.embed is not None else x.reshape(n, c.hidden_size)
       positions.append(np.arange(s, s + p))
       # causal: query i (at position s+i) sees keys up to s+i; later slots hold old padding or nothing yet
-      masks.append(np.where(np.arange(capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(np.float32).reshape(-1))
+      masks.append(np.where(np.arange(capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(self.dtype).reshape(-1))
       starts.append(Variable(f"start{slot}", 0, capacity - p).bind(s))
       offsets[r] = offset
       offset += p
     positions.append(np.zeros(rows - offset, dtype=np.int64))
     angles = np.concatenate(positions)[:, None].astype(np.float32) * self.inv_freq[None, :]
-    rope_cs = Tensor(np.stack([np.cos(angles), np.sin(angles)])[:, :, None, :])
+    rope_cs = Tensor(np.stack([np.cos(angles), np.sin(angles)])[:, :, None, :].astype(self.dtype))
     masks = Tensor(np.concatenate(masks))
 
     # Two jits per signature, alternating by layer: a jit's output buffer is rewritten on its next replay, so it
@@ -178,11 +191,11 @@ class Llama:
       cache.length += n
 
     if not self.shard.is_last_layer():
-      out = x.numpy()
+      out = x.numpy().astype(np.float32, copy=False)  # hidden states travel as float32
       return [out[offsets[r]:offsets[r] + lengths[r]].copy() for r in range(len(inputs))]
-    select = np.zeros((len(order), x.shape[0]), dtype=np.float32)  # one-hot rows: each request's last real position
+    select = np.zeros((len(order), x.shape[0]), dtype=self.dtype)  # one-hot rows: each request's last real position
     for slot, r in enumerate(order):
       select[slot, offsets[r] + lengths[r] - 1] = 1.0
     head = self._jit(("head",) + select.shape, self._head, 1)[0]
-    logits = head(Tensor(select), x, self.norm, self.head).numpy()
+    logits = head(Tensor(select), x, self.norm, self.head).numpy().astype(np.float32, copy=False)
     return [logits[order.index(r)][None].copy() for r in range(len(inputs))]

@@ -44,6 +44,7 @@ HEALTH_CHECK_TIMEOUT_S = 5.0
 OPAQUE_STATUS_TIMEOUT_S = 10.0
 COLLECT_TOPOLOGY_TIMEOUT_S = 5.0
 SEND_RESULT_TIMEOUT_S = 15.0
+REFUSED_RETRY_WAITS_S = (0.01, 0.05, 0.2, None)  # pauses before resending a refused stream; None: give up
 # Calls are gzip-compressed like upstream's, except those carrying tensors and token ids: float activations hardly
 # compress, and compressing them costs more time than it saves (about 6 ms of the sender's event loop for a 64-token
 # prompt's hidden states). Servers accept both (wire.md). The channel has no default compression, because a call
@@ -137,16 +138,29 @@ class GRPCPeerHandle(PeerHandle):
       print(f"Not sending inference state keys {sorted(inference_state)} to a peer")
     return pb.InferenceState()
 
+  @staticmethod
+  async def _unless_refused(call, request, **options):
+    """The call, sent again if the peer refused its HTTP/2 stream (RST_STREAM REFUSED_STREAM, code 7): a refused
+    stream was never processed, so resending cannot run a request twice. A node serving many requests at once can
+    exceed a connection's stream limit (upstream's 100) for a moment."""
+    for wait in REFUSED_RETRY_WAITS_S:
+      try:
+        return await call(request, **options)
+      except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE or "error code 7" not in (e.details() or "") or wait is None:
+          raise
+      await asyncio.sleep(wait)
+
   async def send_prompt(self, shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     await self._ensure_connected()
     request = pb.PromptRequest(shard=encode_shard(shard), prompt=prompt, request_id=request_id, inference_state=self._wire_state(inference_state))
-    await self.stub.SendPrompt(request, compression=GZIP)  # no deadline: the peer's first prefill may include a model download
+    await self._unless_refused(self.stub.SendPrompt, request, compression=GZIP)  # no deadline: the peer's first prefill may include a model download
     return None
 
   async def send_tensor(self, shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     await self._ensure_connected()
     request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self._wire_state(inference_state))
-    await self.stub.SendTensor(request)
+    await self._unless_refused(self.stub.SendTensor, request)
     return None
 
   async def send_result(self, request_id: str, result: List[int], is_finished: bool) -> None:
@@ -156,12 +170,12 @@ class GRPCPeerHandle(PeerHandle):
       request.tensor.CopyFrom(encode_tensor(result))
     else:
       request.result.extend(int(t) for t in result)
-    await self.stub.SendResult(request, timeout=SEND_RESULT_TIMEOUT_S)
+    await self._unless_refused(self.stub.SendResult, request, timeout=SEND_RESULT_TIMEOUT_S)
 
   async def send_opaque_status(self, request_id: str, status: str) -> None:
     await self._ensure_connected()
     request = pb.SendOpaqueStatusRequest(request_id=request_id, status=status)
-    await self.stub.SendOpaqueStatus(request, timeout=OPAQUE_STATUS_TIMEOUT_S, compression=GZIP)
+    await self._unless_refused(self.stub.SendOpaqueStatus, request, timeout=OPAQUE_STATUS_TIMEOUT_S, compression=GZIP)
 
   async def collect_topology(self, visited: set, max_depth: int) -> Topology:
     await self._ensure_connected()

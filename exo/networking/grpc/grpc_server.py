@@ -1,19 +1,20 @@
 """Server side of the ring: NodeService handlers that hand work to the Node (wire.md §6)."""
 import asyncio
-import inspect
-from typing import Set
+from typing import Optional, Set
 
 import grpc
 
 from exo.helpers import DEBUG
 from exo.inference.shard import Shard
-from exo.models import build_base_shard, model_cards
+from exo.local_checkpoints import model_card
+from exo.models import build_base_shard
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
-from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_tensor, encode_topology, is_empty_tensor
+from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_topology, is_empty_tensor
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS
 from exo.networking.server import Server
 from exo.orchestration.forward_started import FORWARD_STARTED, announce
+from exo.orchestration.ring_member import caller_host
 
 # Upstream's server options: its client's, plus no HTTP/2 stream cap. keepalive_permit_without_calls=1 and a 5 s
 # minimum ping interval are what let upstream clients ping every 10 s while idle without being sent GOAWAY.
@@ -57,9 +58,10 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
   # --- helpers ---
 
   def _shard(self, message: pb.Shard) -> Shard:
-    """The request's shard, checked against the model registry, this node's engine and this node's ring."""
+    """The request's shard, checked against the model registry (or the local checkpoints this node serves), this
+    node's engine and this node's ring."""
     shard = decode_shard(message)
-    card = model_cards.get(shard.model_id)
+    card = model_card(shard.model_id)
     if card is None:
       raise ValueError(f"unknown model {shard.model_id!r}")
     if shard.n_layers != card["layers"]:
@@ -74,6 +76,15 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       raise ValueError(f"the sender's ring differs from this node's: it asked for layers {shard.start_layer}-{shard.end_layer}, "
                        f"this node holds {own.start_layer}-{own.end_layer}")
     return shard
+
+  async def _from_member(self, context) -> Optional[str]:
+    """The caller's address, if it is a ring member's; otherwise the call ends with PERMISSION_DENIED. Messages
+    about requests come only from the ring: a stranger must not start, feed or end anyone's generation. (A malformed
+    message gets INVALID_ARGUMENT first, from anyone: that tells nothing and runs nothing.)"""
+    host = caller_host(context.peer())
+    if not self.node.is_member_host(host):
+      await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{host or context.peer()} is not a member of this node's ring")
+    return host
 
   async def _accept(self, coro, what: str) -> None:
     """Work on in the background (allowed by wire.md §6), so each hop is free for the next message and the ring
@@ -111,6 +122,11 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    await self._from_member(context)
+    try:
+      self.node.accepts_prompt(request.request_id)
+    except ValueError as e:
+      await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
     if DEBUG >= 5:
       print(f"Received SendPrompt {shard} {request.request_id!r}: {request.prompt!r}")
     await self._accept(self.node.process_prompt(shard, request.prompt, request.request_id, state), f"prompt {request.request_id}")
@@ -125,31 +141,21 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    await self._from_member(context)
     if DEBUG >= 5:
       print(f"Received SendTensor {shard} {request.request_id!r}: {tensor.dtype} {tensor.shape}")
     await self._accept(self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
     return pb.Tensor()
 
   async def SendExample(self, request, context):
-    process_example = getattr(self.node, "process_example", None)
-    if process_example is None:
-      await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not train or evaluate")
-    try:
-      shard = self._shard(request.shard)
-      example, target, length = (decode_tensor(t) for t in (request.example, request.target, request.length))
-    except ValueError as e:
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    result = await process_example(shard, example, target, length, request.train, request.request_id)
-    if isinstance(result, tuple):
-      loss, grads = result
-      return pb.Loss(loss=float(loss), grads=encode_tensor(grads))
-    return pb.Loss(loss=float(result))
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not train or evaluate")
 
   async def CollectTopology(self, request, context):
     # Like upstream: the cached view (self, direct peers, their edges); `visited` and `max_depth` do not matter.
     return encode_topology(self.node.current_topology)
 
   async def SendResult(self, request, context):
+    host = await self._from_member(context)
     result = list(request.result)
     if request.HasField("tensor") and request.tensor.tensor_data:
       try:
@@ -158,15 +164,14 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if DEBUG >= 5:
       print(f"Received SendResult {request.request_id!r}: {result} finished={request.is_finished}")
-    outcome = self.node.on_result(request.request_id, result, request.is_finished)
-    if inspect.isawaitable(outcome):
-      await outcome
+    self.node.on_result(request.request_id, result, request.is_finished, host)
     return pb.Empty()
 
   async def SendOpaqueStatus(self, request, context):
+    host = await self._from_member(context)
     if DEBUG >= 8:
       print(f"Received SendOpaqueStatus {request.request_id!r}: {request.status}")
-    self.node.on_opaque_status.trigger_all(request.request_id, request.status)
+    self.node.receive_status(request.request_id, request.status, host)
     return pb.Empty()
 
   async def HealthCheck(self, request, context):

@@ -26,7 +26,7 @@ from exo.orchestration.batching.scheduler import Scheduler
 
 PLUGIN_NAME = "exo-batching"
 
-SampleItem = Tuple[np.ndarray, str, Optional[dict], bool]  # logits, request id, inference state, was outstanding
+SampleItem = Tuple[np.ndarray, str, Optional[dict]]  # logits, request id, inference state
 
 
 class BatchingPlugin:
@@ -78,7 +78,7 @@ class BatchingPlugin:
   def scheduler(self, shard: Shard) -> Scheduler:
     if shard not in self.schedulers:
       self.schedulers[shard] = Scheduler(self.node.inference_engine, shard, self.config.batch_size, self.config.timeout_ms / 1000,
-                                         self.config.prefill_chunk, self.engine_lock, lambda request_id: request_id in self.node.outstanding_requests,
+                                         self.config.prefill_chunk, self.engine_lock, self.node.requests.is_live,
                                          lambda request_id: self._delivered(shard, request_id))
     return self.schedulers[shard]
 
@@ -108,18 +108,18 @@ class BatchingPlugin:
 
   async def _sample(self, shard: Shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> None:
     self.to_sample[shard].discard(request_id)
-    await self.sampler.submit(shard, (result, request_id, inference_state, request_id in self.node.outstanding_requests))
+    await self.sampler.submit(shard, (result, request_id, inference_state))
 
   def _nothing_else_coming(self, shard: Shard, waiting: int) -> bool:
     return not self.to_sample.get(shard)
 
   async def _sample_group(self, shard: Shard, items: List[SampleItem]) -> List[Optional[BaseException]]:
     node = self.node
-    # A request ended elsewhere while it waited (error, cancel, stop) must not be revived by its token.
-    live = [item for item in items if not item[3] or item[1] in node.outstanding_requests]
+    # A request that ended while it waited (error, cancel, stop) must not be revived by its token.
+    live = [item for item in items if node.requests.is_live(item[1])]
     tokens = dict(zip((item[1] for item in live), await self._sample_rows(shard, [item[0] for item in live], [item[1] for item in live])))
     outcomes: List[Optional[BaseException]] = []
-    for _, request_id, state, _ in items:
+    for _, request_id, state in items:
       token = tokens.get(request_id)
       try:
         if isinstance(token, BaseException):
@@ -137,7 +137,7 @@ class BatchingPlugin:
     """One vectorised call for every row; if it fails, each row on its own so that a bad row fails alone."""
     if not results:
       return []
-    states = [self.node.request_state(request_id) for request_id in request_ids]
+    states = [self.node.requests.get(request_id) for request_id in request_ids]
     for state in states:
       if state.generator is None:
         state.generator = make_generator(state.params.seed)

@@ -20,6 +20,7 @@ import numpy as np
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
 from exo.orchestration.forward_started import FORWARD_STARTED, announce
+from exo.orchestration.requests import RequestEnded
 
 GATHER_LIMIT = 4  # a batch handed on may gather for up to this many timeouts, while its messages keep coming
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
@@ -79,9 +80,13 @@ class Scheduler:
     return await future
 
   def forget(self, request_id: str) -> None:
-    """The request has ended on this node: it will not come back."""
+    """The request has ended on this node: it leaves the line (a prompt between two of its chunks too) and will not
+    come back."""
     self.decodes.pop(request_id, None)
-    if self.away.pop(request_id, None) is not None:
+    job = self.ready.pop(request_id, None)
+    if job is not None and not job.future.done():
+      job.future.set_exception(RequestEnded(request_id))
+    if self.away.pop(request_id, None) is not None or job is not None:
       self.poke()
 
   def poke(self) -> None:
@@ -184,9 +189,11 @@ class Scheduler:
     self.stats.record(len(items))
     try:
       async with self.engine_lock:  # one step at a time on this engine, whatever the shard
+        live = [i for i, (job, _) in enumerate(rows) if not job.future.done()]  # a request may have ended meanwhile
+        rows, items = [rows[i] for i in live], [items[i] for i in live]
         for job, _ in rows:
           announce(job.started)  # its reply goes out when this task yields: for our engines, once their thread has the step
-        results = list(await self.engine.infer_batch(self.shard, items))
+        results = list(await self.engine.infer_batch(self.shard, items)) if items else []
       if len(results) != len(items):
         raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
     except asyncio.CancelledError:  # only when the event loop itself is torn down

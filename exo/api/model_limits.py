@@ -1,0 +1,39 @@
+"""What a request may ask of a model, known from its configuration before anything is allocated: the context
+length (GGUF `llama.context_length`, config.json `max_position_embeddings`) and the KV cache each position takes."""
+from dataclasses import dataclass
+from typing import Optional
+
+from exo.api.errors import BadRequest
+from exo.inference.weights import LlamaConfig
+
+KV_BYTES_PER_VALUE = 4  # every engine keeps its caches in float32
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+  context_length: Optional[int] = None  # None: not known (the dummy model), nothing is checked
+  kv_bytes_per_position_per_layer: int = 0
+
+  @staticmethod
+  def of(config: LlamaConfig) -> "ModelLimits":
+    return ModelLimits(config.max_position_embeddings, 2 * config.n_kv_heads * config.head_dim * KV_BYTES_PER_VALUE)  # K and V
+
+  def kv_bytes(self, positions: int, layers: int) -> int:
+    return positions * layers * self.kv_bytes_per_position_per_layer
+
+  def reply_budget(self, prompt_tokens: int, max_tokens: Optional[int]) -> Optional[int]:
+    """The most tokens the reply may take: max_tokens if the context holds it beside the prompt, else what the
+    context leaves when max_tokens is not given. Raises BadRequest (vLLM's rule) when the prompt, or the prompt
+    plus max_tokens, does not fit."""
+    context = self.context_length
+    if context is None:
+      return max_tokens
+    if prompt_tokens >= context:
+      raise BadRequest(f"the prompt is {prompt_tokens:,} tokens; this model's context is {context:,} (shorten the messages)",
+                       param="messages", code="context_length_exceeded")
+    if max_tokens is None:
+      return context - prompt_tokens
+    if prompt_tokens + max_tokens > context:
+      raise BadRequest(f"the prompt is {prompt_tokens:,} tokens and max_tokens asks for {max_tokens:,} more; this model's context is "
+                       f"{context:,} (ask for at most {context - prompt_tokens:,})", param="max_tokens", code="context_length_exceeded")
+    return max_tokens

@@ -1,0 +1,78 @@
+"""The HTTP API's limits and access rules, read once at start-up; a flag wins over its environment variable.
+
+  EXO_MAX_CONCURRENT_REQUESTS / --max-concurrent-requests  requests this node's API serves at once
+  EXO_MAX_QUEUED_REQUESTS / --max-queued-requests          more that may wait for a place; beyond them, 429
+  EXO_KV_BUDGET_MB / --kv-budget-mb                        KV cache the running requests may claim between them
+  EXO_MAX_REQUEST_BODY_MB / --max-request-body-mb          largest request body
+  EXO_ALLOWED_ORIGINS / --allowed-origins                  web origins, besides the node's own, whose pages may use the API
+  EXO_API_KEY / --api-key                                  when set, API calls must bring it as `Authorization: Bearer <key>`"""
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
+
+import psutil
+
+DEFAULT_MAX_RUNNING = 256  # vLLM's default for requests in flight; the KV budget usually binds first
+DEFAULT_MAX_QUEUED = 1024
+DEFAULT_MAX_BODY_MB = 8.0  # a 128k-token prompt is well under 1 MB of JSON; 100 MB (upstream) lets one client stall a node
+KV_BUDGET_SHARE = 0.5  # of the memory available when the node starts: the rest is for weights, activations, the system
+
+
+def default_kv_budget() -> int:
+  return int(psutil.virtual_memory().available * KV_BUDGET_SHARE)
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+  max_running: int = DEFAULT_MAX_RUNNING
+  max_queued: int = DEFAULT_MAX_QUEUED
+  kv_budget_bytes: int = field(default_factory=default_kv_budget)
+  max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
+  allowed_origins: Tuple[str, ...] = ()  # exact origins, fnmatch patterns ("http://*.lan:*"), or "*" for any
+  api_key: Optional[str] = None
+
+  def describe(self) -> str:
+    origins = ", ".join(self.allowed_origins) if self.allowed_origins else "none"
+    return (f"API: up to {self.max_running} requests at once and {self.max_queued} waiting, KV budget {self.kv_budget_bytes / 2**20:,.0f} MiB, "
+            f"bodies up to {self.max_body_bytes / 2**20:g} MiB, web origins besides the node's own: {origins}, "
+            f"API key {'required' if self.api_key else 'off'}")
+
+
+def _raw(args, flag: str, environ: Mapping[str, str], name: str) -> Tuple[Optional[str], str]:
+  value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+  if value is not None:
+    return str(value), flag
+  value = environ.get(name)
+  return (value, name) if value is not None and value.strip() else (None, name)
+
+
+def _number(args, flag: str, environ: Mapping[str, str], name: str, low: float, integer: bool = True) -> Optional[float]:
+  """The setting's value, or None when it is not set."""
+  raw, source = _raw(args, flag, environ, name)
+  if raw is None:
+    return None
+  try:
+    value = float(raw)
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and value >= low and (value.is_integer() or not integer)):
+    raise ValueError(f"{source} must be {'an integer' if integer else 'a number'} >= {low:g}, got {raw!r}")
+  return value
+
+
+def api_settings_from(args, environ: Mapping[str, str]) -> ApiSettings:
+  """Raises ValueError (one line naming the setting) on a bad value."""
+  def number(flag, name, default, low, integer=True):
+    value = _number(args, flag, environ, name, low, integer)
+    return default if value is None else value
+  origins, _ = _raw(args, "--allowed-origins", environ, "EXO_ALLOWED_ORIGINS")
+  key, _ = _raw(args, "--api-key", environ, "EXO_API_KEY")
+  kv_mb = _number(args, "--kv-budget-mb", environ, "EXO_KV_BUDGET_MB", 1, integer=False)
+  return ApiSettings(
+    max_running=int(number("--max-concurrent-requests", "EXO_MAX_CONCURRENT_REQUESTS", DEFAULT_MAX_RUNNING, 1)),
+    max_queued=int(number("--max-queued-requests", "EXO_MAX_QUEUED_REQUESTS", DEFAULT_MAX_QUEUED, 0)),
+    kv_budget_bytes=default_kv_budget() if kv_mb is None else int(kv_mb * 2**20),
+    max_body_bytes=int(number("--max-request-body-mb", "EXO_MAX_REQUEST_BODY_MB", DEFAULT_MAX_BODY_MB, 0.001, integer=False) * 2**20),
+    allowed_origins=tuple(o.strip().rstrip("/") for o in (origins or "").split(",") if o.strip()),
+    api_key=key.strip() if key else None,
+  )

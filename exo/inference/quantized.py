@@ -1,0 +1,104 @@
+"""MLX-format quantized matrices, as mlx-lm's converter writes them (mlx-community's checkpoints).
+
+A quantized linear layer or embedding `P` is stored as `P.weight` (uint32, (out, in * bits / 32): `bits`-bit codes
+packed little-endian, code j of a row at bit j * bits), `P.scales` ((out, in / group_size), one per group of
+`group_size` inputs) and, in "affine" mode, `P.biases`: w = scale * code + bias. The "mxfp4"/"mxfp8" modes store
+FP4 (E2M1) / FP8 (E4M3) codes and power-of-two (E8M0) scales, no biases. config.json's `quantization` holds the
+defaults (`group_size`, `bits`, `mode`) and per-layer overrides keyed by the layer's path; a layer is quantized
+exactly when its `.scales` tensor exists (mlx-lm's own rule)."""
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+
+MODES = ("affine", "mxfp4", "mxfp8")  # what dequantize() below reads; MLX itself also has nvfp4
+
+
+@dataclass
+class QuantizedWeight:
+  packed: np.ndarray  # uint32 (out, in * bits / 32)
+  scales: np.ndarray  # (out, in / group_size): float32 in "affine" mode, uint8 exponents in the mx modes
+  biases: Optional[np.ndarray]
+  group_size: int
+  bits: int
+  mode: str = "affine"
+
+  @property
+  def shape(self):
+    return self.packed.shape[0], self.packed.shape[1] * 32 // self.bits
+
+  def same_format(self, other: "QuantizedWeight") -> bool:
+    return (self.group_size, self.bits, self.mode) == (other.group_size, other.bits, other.mode)
+
+  def dequantize(self) -> np.ndarray:
+    """The float32 (out, in) matrix."""
+    out, n_in = self.shape
+    codes = unpack_codes(self.packed, self.bits, n_in).reshape(out, -1, self.group_size)
+    if self.mode == "affine":
+      w = codes.astype(np.float32) * self.scales[..., None] + self.biases[..., None]
+    elif self.mode in ("mxfp4", "mxfp8"):
+      table = _E2M1 if self.mode == "mxfp4" else _E4M3
+      w = table[codes] * np.ldexp(np.float32(1.0), self.scales.astype(np.int32) - 127)[..., None]
+    else:
+      raise ValueError(f"quantization mode {self.mode!r} is not supported (only {', '.join(MODES)})")
+    return np.ascontiguousarray(w.reshape(out, n_in), dtype=np.float32)
+
+
+def stack_rows(parts) -> QuantizedWeight:
+  """Matrices quantized alike, one above the other (rows are quantized independently): fused q/k/v, gate/up."""
+  join = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)
+  first = parts[0]
+  return QuantizedWeight(join([p.packed for p in parts]), join([p.scales for p in parts]), join([p.biases for p in parts]),
+                         first.group_size, first.bits, first.mode)
+
+
+def unpack_codes(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+  """(rows, n) integer codes from rows of packed uint32 words."""
+  if 32 % bits == 0:  # 2, 4, 8 bits: whole codes per word
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    return ((packed[..., None] >> shifts) & np.uint32((1 << bits) - 1)).reshape(packed.shape[0], -1)[:, :n]
+  # 3, 5, 6 bits: codes run across word boundaries; read each row as one little-endian bit stream
+  stream = np.unpackbits(np.ascontiguousarray(packed).view(np.uint8), axis=-1, bitorder="little")
+  stream = stream[:, :n * bits].reshape(packed.shape[0], n, bits).astype(np.uint32)
+  return (stream << np.arange(bits, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+
+
+def _e4m3_table() -> np.ndarray:
+  codes = np.arange(256)
+  sign = np.where(codes & 0x80, -1.0, 1.0)
+  exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+  value = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+  value = np.where((exponent == 0xF) & (mantissa == 0x7), np.nan, value)
+  return (sign * value).astype(np.float32)
+
+
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+_E4M3 = _e4m3_table()
+
+
+def layer_format(quantization: dict, layer: str) -> dict:
+  """group_size, bits and mode for one layer path (e.g. "model.layers.0.mlp.down_proj"), overrides applied."""
+  base = {"group_size": 64, "bits": 4, "mode": "affine"}
+  base.update({k: quantization[k] for k in base if k in quantization})
+  override = quantization.get(layer)
+  if isinstance(override, dict):
+    base.update({k: override[k] for k in base if k in override})
+  return base
+
+
+def group_quantized(tensors: Dict[str, np.ndarray], quantization: Optional[dict]) -> Dict[str, object]:
+  """Replace each `P.weight`/`P.scales`/`P.biases` triple by one QuantizedWeight under `P.weight`."""
+  out = dict(tensors)
+  for name in [n for n in tensors if n.endswith(".scales")]:
+    layer = name[:-len(".scales")]
+    fmt = layer_format(quantization or {}, layer)
+    packed = out.pop(f"{layer}.weight", None)
+    if packed is None:
+      raise ValueError(f"{layer}: scales without a packed weight")
+    q = QuantizedWeight(packed.view(np.uint32), out.pop(name), out.pop(f"{layer}.biases", None), fmt["group_size"], fmt["bits"], fmt["mode"])
+    if q.mode == "affine" and q.biases is None:
+      raise ValueError(f"{layer}: affine quantization without biases")
+    if q.shape[1] != q.scales.shape[1] * q.group_size:
+      raise ValueError(f"{layer}: {q.packed.shape} packed at {q.bits} bits does not fit scales {q.scales.shape} with group size {q.group_size}")
+    out[f"{layer}.weight"] = q
+  return out

@@ -1,0 +1,141 @@
+"""What a node knows of each request: one record per request id, with a status that only moves forward.
+
+A record is opened when the node first hears of a request (its parameters, its prompt or a tensor) and closed
+once: finished, failed or cancelled. Closed ids are remembered for a while (ENDED_KEPT_S, at most ENDED_KEPT), so a
+message that arrives late for an ended request is dropped instead of starting it again. Records that never got any
+work here (parameters sent by a peer for a request that never came) expire after QUEUED_KEPT_S."""
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+import numpy as np
+
+from exo.inference.sampling import SamplingParams
+
+QUEUED_KEPT_S = 300.0  # a record with no work here (parameters only) is forgotten after this long
+QUEUED_KEPT = 4096  # and at most this many such records are kept: the oldest go first
+ENDED_KEPT_S = 600.0  # ended ids are remembered this long ...
+ENDED_KEPT = 10000  # ... and at most this many
+
+
+class RequestEnded(Exception):
+  """The request ended while this work was waiting or running for it: drop the work, quietly."""
+
+
+@dataclass
+class RequestEvent:
+  """What a request's local client hears: new tokens (the last with finished=True), or its end with an error."""
+  tokens: List[int]
+  finished: bool
+  error: Optional[str] = None
+
+
+class Status(Enum):
+  QUEUED = "queued"  # known here (its parameters, or waiting for this node's model), no work done yet
+  PREFILLING = "prefilling"  # its prompt is being computed here
+  DECODING = "decoding"  # its prompt is done here; it comes back for each new token
+  FINISHED = "finished"
+  FAILED = "failed"
+  CANCELLED = "cancelled"
+
+  @property
+  def ended(self) -> bool:
+    return self in (Status.FINISHED, Status.FAILED, Status.CANCELLED)
+
+
+_ORDER = {status: i for i, status in enumerate(Status)}
+
+
+@dataclass(eq=False)
+class Request:
+  id: str
+  params: SamplingParams
+  origin: Optional[str] = None  # the node whose client asked (None for requests from upstream nodes)
+  status: Status = Status.QUEUED
+  model: Optional[str] = None  # the model it runs on here, once it has work here
+  ring: Tuple[str, ...] = ()  # ids of the ring's nodes when it started here: the nodes it needs
+  positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
+  prompt_tokens: int = 0  # its prompt's length, where known (on the node with the first layers)
+  tokens: List[int] = field(default_factory=list)  # tokens sampled for it here (on the node with the last layers)
+  generator: Optional[np.random.Generator] = None  # its random stream, on the node that samples it
+  eos_ids: Optional[Set[int]] = None  # its model's end tokens, on the node that samples it
+  busy: bool = False  # a pass of it is running here
+  created: float = field(default_factory=time.monotonic)
+
+  def advance(self, status: Status) -> None:
+    """Move forward to `status`; never back, and never out of an end."""
+    if not self.status.ended and _ORDER[status] > _ORDER[self.status]:
+      self.status = status
+
+
+class RequestRegistry:
+  def __init__(self) -> None:
+    self._live: Dict[str, Request] = {}
+    self._ended: "OrderedDict[str, Tuple[float, Status]]" = OrderedDict()  # id -> (when, how), oldest first
+    self._opened: "OrderedDict[str, None]" = OrderedDict()  # ids in the order they were opened (some since started or ended)
+
+  def __len__(self) -> int:
+    return len(self._live)
+
+  def __iter__(self) -> Iterator[Request]:
+    return iter(list(self._live.values()))
+
+  def get(self, request_id: str) -> Optional[Request]:
+    """The live record, or None (never seen, or ended)."""
+    return self._live.get(request_id)
+
+  def is_live(self, request_id: str) -> bool:
+    return request_id in self._live
+
+  def ended(self, request_id: str) -> Optional[Status]:
+    """How the request ended, if it ended here recently."""
+    entry = self._ended.get(request_id)
+    return None if entry is None else entry[1]
+
+  def open(self, request_id: str, params: Optional[SamplingParams] = None, origin: Optional[str] = None) -> Optional[Request]:
+    """The live record for `request_id`, opened if new; None if the request has already ended here."""
+    if request_id in self._ended:
+      return None
+    request = self._live.get(request_id)
+    if request is None:
+      self._make_room()
+      request = self._live[request_id] = Request(request_id, params or SamplingParams(), origin)
+      self._opened[request_id] = None
+    return request
+
+  def end(self, request_id: str, status: Status) -> Optional[Request]:
+    """Close the request (also if it was never seen here, so that late messages for it are dropped); returns its
+    record if it was live."""
+    assert status.ended
+    request = self._live.pop(request_id, None)
+    if request is not None:
+      request.advance(status)
+    if request_id not in self._ended:
+      self._ended[request_id] = (time.monotonic(), status)
+      while len(self._ended) > ENDED_KEPT:
+        self._ended.popitem(last=False)
+    return request
+
+  def sweep(self, now: Optional[float] = None) -> List[Request]:
+    """Forget old ended ids; return the queued records that expired (the caller ends them)."""
+    now = time.monotonic() if now is None else now
+    while self._ended and now - next(iter(self._ended.values()))[0] > ENDED_KEPT_S:
+      self._ended.popitem(last=False)
+    self._opened = OrderedDict((i, None) for i in self._opened if self._queued(i))
+    return [self._live[i] for i in self._opened if now - self._live[i].created > QUEUED_KEPT_S]
+
+  def _queued(self, request_id: str) -> bool:
+    request = self._live.get(request_id)
+    return request is not None and request.status is Status.QUEUED
+
+  def _make_room(self) -> None:
+    """At most QUEUED_KEPT records without work: a peer flooding parameters for requests that never come pushes out
+    the oldest of those, never a request that has started. (Ids that have started or ended leave `_opened` as they
+    come to its front.)"""
+    while len(self._opened) >= QUEUED_KEPT:
+      request_id, _ = self._opened.popitem(last=False)
+      if self._queued(request_id):
+        del self._live[request_id]
+        return

@@ -1,0 +1,206 @@
+"""A node's place in the ring: its peers, the topology, the partition of layers, and sending to the others.
+
+Node builds on this (the request lifecycle); nothing here knows of requests."""
+import asyncio
+import ipaddress
+from typing import Dict, List, Optional, Set, Tuple
+
+from exo.helpers import DEBUG, AsyncCallbackSystem
+from exo.inference.shard import Shard
+from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities
+from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, map_partitions_to_shards
+from exo.topology.topology import Topology
+
+PEER_CALL_TIMEOUT_S = 15.0
+
+
+def caller_host(peer: Optional[str]) -> Optional[str]:
+  """The IP address in a gRPC `context.peer()` ("ipv4:10.0.0.2:5678", "ipv6:[::1]:5678"), or None (unix sockets)."""
+  if not peer or not peer.startswith(("ipv4:", "ipv6:")):
+    return None
+  address = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
+  try:
+    return str(ipaddress.ip_address(address.split("%")[0]))
+  except ValueError:
+    return None
+
+
+class RingMember:
+  def __init__(self, _id: str, discovery, partitioning_strategy: Optional[PartitioningStrategy], topology_viz=None):
+    self.id = _id
+    self.discovery = discovery
+    self.partitioning_strategy = partitioning_strategy
+    self.topology_viz = topology_viz
+    self.peers: List = []
+    self.topology = Topology()
+    self.device_capabilities: DeviceCapabilities = UNKNOWN_DEVICE_CAPABILITIES
+    self.peer_hosts: Dict[str, Set[str]] = {}  # peer id -> the IP addresses it is reached at (its calls come from there)
+    self.peer_engines: Dict[str, List[str]] = {}  # peer id -> the engines it says it runs
+    self._on_opaque_status = AsyncCallbackSystem[str, Tuple[str, str]]()
+    self._partitions: Tuple[Optional[tuple], List[Partition]] = (None, [])  # (what they were computed from, partitions)
+    self._shards: Dict[Tuple[str, int], List[Shard]] = {}  # (model id, layers) -> each partition's shard, for _partitions
+
+  # --- partitions ---
+
+  def partitions(self) -> List[Partition]:
+    if self.id not in self.topology.nodes:  # before the first topology collection: a ring of one
+      self.topology.update_node(self.id, self.device_capabilities)
+    # Every message asks several times; the answer changes only with the topology.
+    key = (self.partitioning_strategy, self.topology, self.topology.version)
+    if self._partitions[0] != key:
+      self._partitions = (key, self.partitioning_strategy.partition(self.topology))
+      self._shards.clear()
+    return self._partitions[1]
+
+  def ring_ids(self) -> Tuple[str, ...]:
+    """The ring's node ids, first layers first."""
+    return tuple(p.node_id for p in self.partitions()) if self.partitioning_strategy else (self.id,)
+
+  def get_partition_index(self, offset: int = 0) -> Optional[int]:
+    if not self.partitioning_strategy:
+      return None
+    partitions = self.partitions()
+    index = next((i for i, p in enumerate(partitions) if p.node_id == self.id), None)
+    if index is None:
+      raise ValueError(f"No current partition found for node: {self.id}")
+    return (index + offset) % len(partitions)
+
+  def get_current_shard(self, base_shard: Shard, index: Optional[int] = None) -> Shard:
+    if self.partitioning_strategy is None:  # no ring: this node holds every layer
+      return Shard(base_shard.model_id, 0, base_shard.n_layers - 1, base_shard.n_layers)
+    if index is None:
+      index = self.get_partition_index()
+    partitions, model = self.partitions(), (base_shard.model_id, base_shard.n_layers)
+    if model not in self._shards:
+      self._shards[model] = map_partitions_to_shards(partitions, base_shard.n_layers, base_shard.model_id)
+    return self._shards[model][index]
+
+  def _target(self, target_index: int) -> Tuple[str, Optional[object]]:
+    target_id = self.partitions()[target_index].node_id
+    if target_id == self.id:
+      return target_id, None
+    peer = next((p for p in self.peers if p.id() == target_id), None)
+    if peer is None:
+      raise ValueError(f"node {target_id} (partition {target_index}) is not among this node's peers")
+    return target_id, peer
+
+  # --- peers ---
+
+  def is_member_host(self, host: Optional[str]) -> bool:
+    """Whether a call from `host` comes from a ring member. Peers are known by address only: the wire has no
+    authentication, so anyone who can send from a member's address passes."""
+    return host is not None and any(host in hosts for hosts in self.peer_hosts.values())
+
+  def peers_at(self, host: Optional[str]) -> Set[str]:
+    return {peer_id for peer_id, hosts in self.peer_hosts.items() if host in hosts}
+
+  async def update_peers(self, wait_for_peers: int = 0) -> bool:
+    changed, _, _, _ = await self._update_peers(wait_for_peers)
+    return changed
+
+  async def _update_peers(self, wait_for_peers: int = 0):
+    """(changed, added, removed, moved) peers."""
+    next_peers = await self.discovery.discover_peers(wait_for_peers)
+    current = {p.id(): p for p in self.peers}
+    following = {p.id(): p for p in next_peers}
+    removed = [p for pid, p in current.items() if pid not in following]
+    added = [p for pid, p in following.items() if pid not in current]
+    moved = [p for pid, p in following.items() if pid in current and current[pid].addr() != p.addr()]
+
+    async def disconnect(peer):
+      try:
+        await asyncio.wait_for(peer.disconnect(), 5)
+      except Exception as e:
+        if DEBUG >= 1:
+          print(f"Failed to disconnect peer {peer.id()}: {e!r}")
+
+    async def connect(peer):
+      try:
+        if not await peer.is_connected():
+          await asyncio.wait_for(peer.connect(), 5)
+        return True
+      except Exception as e:
+        if DEBUG >= 1:
+          print(f"Failed to connect peers: {peer.id()}@{peer.addr()}: {e!r}")
+        return False
+
+    await asyncio.gather(*[disconnect(p) for p in removed + [current[p.id()] for p in moved]])
+    await asyncio.gather(*[connect(p) for p in next_peers])
+    self.peers = list(following.values())
+    if removed or added or moved or set(self.peer_hosts) != set(following):
+      self.peer_hosts = {p.id(): await self._hosts_of(p) for p in self.peers}
+      self.peer_engines = {pid: engines for pid, engines in self.peer_engines.items() if pid in following}
+    changed = bool(removed or added or moved)
+    if changed and DEBUG >= 1:
+      print(f"Peers changed: added {[p.id() for p in added]}, removed {[p.id() for p in removed]}, moved {[p.id() for p in moved]}")
+    return changed, added, removed, moved
+
+  @staticmethod
+  async def _hosts_of(peer) -> Set[str]:
+    host = peer.addr().rsplit(":", 1)[0].strip("[]")
+    try:
+      return {str(ipaddress.ip_address(host))}
+    except ValueError:  # a name (manual discovery): whatever it resolves to
+      try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+        return {str(ipaddress.ip_address(info[4][0])) for info in infos}
+      except OSError:
+        return set()
+
+  async def collect_topology(self, visited: Set[str], max_depth: int = 4) -> Topology:
+    next_topology = Topology()
+    next_topology.update_node(self.id, self.device_capabilities)
+    for peer in self.peers:
+      next_topology.update_node(peer.id(), peer.device_capabilities())
+      next_topology.add_edge(self.id, peer.id(), peer.description())
+    prev_visited = set(visited)
+    visited = visited | {self.id} | {p.id() for p in self.peers}
+
+    async def collect(peer):
+      if peer.id() in prev_visited or max_depth <= 0:
+        return
+      try:
+        other = await asyncio.wait_for(peer.collect_topology(visited, max_depth - 1), 5)
+        next_topology.merge(peer.id(), other)
+      except Exception as e:
+        if DEBUG >= 1:
+          print(f"Error collecting topology from {peer.id()}: {e!r}")
+
+    await asyncio.gather(*[collect(p) for p in self.peers])
+    # Partition over exactly self + direct peers, as upstream does.
+    direct = {self.id} | {p.id() for p in self.peers}
+    next_topology.nodes = {nid: caps for nid, caps in next_topology.nodes.items() if nid in direct}
+    next_topology.active_node_id = self.topology.active_node_id
+    self.topology = next_topology
+    return self.topology
+
+  @property
+  def current_topology(self) -> Topology:
+    return self.topology
+
+  @property
+  def on_opaque_status(self) -> AsyncCallbackSystem[str, Tuple[str, str]]:
+    return self._on_opaque_status
+
+  # --- sending to the others ---
+
+  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None) -> None:
+    """SendResult to every peer, or only to peer `to`."""
+    async def send(peer):
+      try:
+        await asyncio.wait_for(peer.send_result(request_id, result, is_finished), PEER_CALL_TIMEOUT_S)
+      except Exception as e:
+        if DEBUG >= 1:
+          print(f"Error sending result to {peer.id()}: {e!r}")
+    await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() == to])
+
+  async def broadcast_opaque_status(self, request_id: str, status: str) -> None:
+    async def send(peer):
+      try:
+        await asyncio.wait_for(peer.send_opaque_status(request_id, status), PEER_CALL_TIMEOUT_S)
+      except Exception as e:
+        if DEBUG >= 1:
+          print(f"Error sending opaque status to {peer.id()}: {e!r}")
+    # Local observers first: a dead peer (up to a 10 s connect wait) must not delay, e.g., a request_error for our own client.
+    self._on_opaque_status.trigger_all(request_id, status)
+    await asyncio.gather(*[send(p) for p in self.peers])

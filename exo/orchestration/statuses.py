@@ -1,0 +1,139 @@
+"""The opaque statuses nodes exchange (SendOpaqueStatus carries one JSON object; upstream nodes ignore types they do
+not know): building ours, and checking every one a peer sends before anything acts on it."""
+import json
+import math
+from typing import Any, Optional, Tuple
+
+from exo.inference.sampling import SamplingParams
+from exo.inference.shard import Shard
+
+# Upstream's types
+NODE_STATUS = "node_status"  # start_/end_process_prompt, with the request's shards
+DOWNLOAD_PROGRESS = "download_progress"
+SUPPORTED_ENGINES = "supported_inference_engines"
+# This fork's types
+REQUEST_PARAMS = "request_params"  # a request's sampling parameters and the node that asked, sent before its prompt
+CANCEL_REQUEST = "cancel_request"  # its client has gone or has what it wanted: every node drops it
+REQUEST_ERROR = "request_error"  # it failed somewhere: every node drops it, its client gets the error
+REQUEST_ENDS = (CANCEL_REQUEST, REQUEST_ERROR)
+
+MAX_ID_CHARS = 256
+MAX_ERROR_CHARS = 2000
+MAX_ENGINES = 16
+
+
+class InvalidStatus(ValueError):
+  """A status that cannot be acted on; str(self) says why."""
+
+
+def request_params(request_id: str, params: SamplingParams, origin: str) -> str:
+  return json.dumps({"type": REQUEST_PARAMS, "request_id": request_id, "params": params.to_dict(), "origin": origin})
+
+
+def cancel_request(request_id: str) -> str:
+  return json.dumps({"type": CANCEL_REQUEST, "request_id": request_id})
+
+
+def request_error(request_id: str, error: str) -> str:
+  return json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": error[:MAX_ERROR_CHARS]})
+
+
+def parse(raw: str) -> Tuple[Optional[str], dict]:
+  """(type, the status as a dict), checked for the types this node acts on; InvalidStatus if it cannot be used.
+  (`shard` and `sampling_params` turn a checked status's parts into objects.)"""
+  try:
+    status = json.loads(raw)
+  except (ValueError, RecursionError) as e:
+    raise InvalidStatus(f"not JSON: {e}") from None
+  if not isinstance(status, dict):
+    raise InvalidStatus("not a JSON object")
+  kind = status.get("type")
+  check = _CHECKS.get(kind)
+  if check is not None:
+    check(status)
+  return kind, status
+
+
+def sampling_params(data: Any) -> SamplingParams:
+  """A peer's sampling parameters, each checked: a bad value fails here, not inside a batch of other requests."""
+  if not isinstance(data, dict):
+    raise InvalidStatus("params must be an object")
+  params = SamplingParams.from_dict(data)
+  numbers = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0)}
+  for name, (low, high) in numbers.items():
+    value = getattr(params, name)
+    if not _is_number(value) or not low <= value <= high:
+      raise InvalidStatus(f"params.{name} must be a number in [{low}, {high}], got {value!r}")
+  if not _is_int(params.top_k) or params.top_k < 0:
+    raise InvalidStatus(f"params.top_k must be an integer >= 0, got {params.top_k!r}")
+  if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed < 2**64):
+    raise InvalidStatus(f"params.seed must be an unsigned 64-bit integer, got {params.seed!r}")
+  if params.max_tokens is not None and (not _is_int(params.max_tokens) or params.max_tokens < 1):
+    raise InvalidStatus(f"params.max_tokens must be an integer >= 1, got {params.max_tokens!r}")
+  if not isinstance(params.ignore_eos, bool):
+    raise InvalidStatus("params.ignore_eos must be true or false")
+  return params
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _string(status: dict, key: str, optional: bool = False, limit: int = MAX_ID_CHARS) -> None:
+  value = status.get(key)
+  if value is None and optional:
+    return
+  if not isinstance(value, str) or not value or len(value) > limit:
+    raise InvalidStatus(f"{key} must be a non-empty string of at most {limit} characters")
+
+
+def _check_node_status(status: dict) -> None:
+  _string(status, "node_id")
+  _string(status, "status")
+  _string(status, "request_id", optional=True)
+  if status["status"] == "start_process_prompt":
+    shard(status.get("shard"))
+
+
+def shard(data: Any) -> Shard:
+  if not isinstance(data, dict) or set(data) != {"model_id", "start_layer", "end_layer", "n_layers"}:
+    raise InvalidStatus("shard must be an object with model_id, start_layer, end_layer and n_layers")
+  layers = [data[k] for k in ("start_layer", "end_layer", "n_layers")]
+  if not isinstance(data["model_id"], str) or not all(_is_int(v) for v in layers) or not 0 <= layers[0] <= layers[1] < layers[2]:
+    raise InvalidStatus(f"shard is not a valid layer range: {data!r}"[:MAX_ID_CHARS])
+  return Shard(**data)
+
+
+def _check_download_progress(status: dict) -> None:
+  _string(status, "node_id")
+  if not isinstance(status.get("progress"), dict):
+    raise InvalidStatus("progress must be an object")
+
+
+def _check_engines(status: dict) -> None:
+  _string(status, "node_id")
+  engines = status.get("engines")
+  if not isinstance(engines, list) or len(engines) > MAX_ENGINES or not all(isinstance(e, str) and len(e) <= 64 for e in engines):
+    raise InvalidStatus(f"engines must be a list of at most {MAX_ENGINES} names")
+
+
+def _check_request_params(status: dict) -> None:
+  _string(status, "request_id")
+  _string(status, "origin", optional=True)
+  sampling_params(status.get("params"))
+
+
+def _check_request_end(status: dict) -> None:
+  _string(status, "request_id")
+  if status["type"] == REQUEST_ERROR:
+    _string(status, "error", limit=10 * MAX_ERROR_CHARS)
+
+
+_CHECKS = {
+  NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
+  REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
+}

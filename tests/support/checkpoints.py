@@ -1,0 +1,93 @@
+"""Checkpoints built on disk: the embedded SmolLM2 as a Hugging Face directory, mlx-lm's own conversions of it (the
+format mlx-community publishes), and small random-weight stand-ins for other model cards. The network reaches no model
+hub, so tests make what users download."""
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from exo.download.shard_download import embedded_model_path, repo_dir
+from exo.inference.tokenizers import tokenizer_from_gguf
+from exo.inference.weights import LlamaConfig
+from exo.models import get_repo, model_cards
+
+SMOLLM2_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: bool = True) -> Path:
+  """A Hugging Face style model directory holding the same model (split: over two files with an index)."""
+  path.mkdir(exist_ok=True)
+  (path / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
+    "intermediate_size": config.intermediate_size, "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+    "num_key_value_heads": config.n_kv_heads, "vocab_size": config.vocab_size, "rms_norm_eps": config.rms_norm_eps,
+    "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings,
+    "max_position_embeddings": config.max_position_embeddings, "torch_dtype": "float32"}))
+  if split:
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+      save_file({n: weights[n] for n in part}, str(path / file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
+  else:
+    save_file(weights, str(path / "model.safetensors"))
+  tokenizer.backend.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
+  return path
+
+
+def install_random_model(model_id: str, engine_classname: str = "NumpyDynamicShardInferenceEngine", hidden: int = 64) -> Path:
+  """A Llama with random weights, the card's layer count and SmolLM2's tokenizer, written into $EXO_HOME/downloads
+  under the card's repo name, where the node finds it as downloaded."""
+  tokenizer = tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO))
+  config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, n_layers=model_cards[model_id]["layers"], n_heads=4, n_kv_heads=2,
+                       vocab_size=tokenizer.backend.get_vocab_size(), head_dim=hidden // 4, tie_word_embeddings=True, max_position_embeddings=2048)
+  rng = np.random.default_rng(0)
+
+  def weight(*shape):
+    return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+  q, kv, ffn = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.intermediate_size
+  weights = {"model.embed_tokens.weight": weight(config.vocab_size, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
+  for i in range(config.n_layers):
+    p = f"model.layers.{i}."
+    weights.update({p + "input_layernorm.weight": np.ones(hidden, np.float32), p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+                    p + "self_attn.q_proj.weight": weight(q, hidden), p + "self_attn.k_proj.weight": weight(kv, hidden),
+                    p + "self_attn.v_proj.weight": weight(kv, hidden), p + "self_attn.o_proj.weight": weight(hidden, q),
+                    p + "mlp.gate_proj.weight": weight(ffn, hidden), p + "mlp.up_proj.weight": weight(ffn, hidden), p + "mlp.down_proj.weight": weight(hidden, ffn)})
+  path = repo_dir(get_repo(model_id, engine_classname))
+  path.mkdir(parents=True, exist_ok=True)
+  return write_hf_dir(path, config, weights, tokenizer, split=False)
+
+
+def mixed_precision(path: str, module) -> object:
+  """A quantization recipe with per-layer overrides, as mlx-lm's mixed recipes make: v_proj at 8 bits in groups of
+  32, layer 0's down_proj left in float, everything else at the default."""
+  if path.endswith("v_proj"):
+    return {"group_size": 32, "bits": 8}
+  return not path.endswith("layers.0.mlp.down_proj")
+
+
+def mlx_convert(hf_dir: Path, out: Path, **options) -> Path:
+  from mlx_lm import convert
+  convert(str(hf_dir), mlx_path=str(out), quantize=True, **options)
+  return out
+
+
+@contextmanager
+def served_checkpoints():
+  """Local checkpoints a test serves (exo.local_checkpoints.serve) leave the process-wide registry, and the allowed
+  paths, as they were before it."""
+  from exo import local_checkpoints, models
+  cards, names = dict(models.model_cards), dict(models.pretty_name)
+  named, dirs = set(local_checkpoints._named), list(local_checkpoints._dirs)
+  try:
+    yield local_checkpoints
+  finally:
+    for registry, saved in ((models.model_cards, cards), (models.pretty_name, names)):
+      registry.clear()
+      registry.update(saved)
+    local_checkpoints._named.clear()
+    local_checkpoints._named.update(named)
+    local_checkpoints._dirs[:] = dirs

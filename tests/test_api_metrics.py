@@ -1,0 +1,74 @@
+"""/metrics in Prometheus text: it parses with prometheus_client's own parser, and its counters, histograms and
+gauges move as real requests are served (dummy engine, batching on; and the real SmolLM2's KV cache)."""
+import asyncio
+
+import aiohttp
+import pytest
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from exo.orchestration.batching.config import BatchingConfig
+
+from tests.support.api_server import ApiServer, SlowEngine, eventually, shared_server
+
+USER = [{"role": "user", "content": "hello"}]
+
+
+async def scrape(url) -> dict:
+  """{(sample name, labels as a sorted tuple): value}"""
+  async with aiohttp.ClientSession() as session:
+    async with session.get(f"{url}/metrics") as r:
+      assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+      text = await r.text()
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def post(url, body):
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+      return r.status, await r.text()
+
+
+@pytest.mark.asyncio
+async def test_counters_and_histograms_move_as_requests_are_served():
+  s = ApiServer(SlowEngine(delay=0.01), batching=BatchingConfig(4)).start()
+  try:
+    before = await scrape(s.url)
+    assert before[("exo_requests_running", ())] == 0 and before[("exo_requests_waiting", ())] == 0
+    assert before[("exo_requests_rejected_total", ())] == 0 and before[("exo_batch_size_count", ())] == 0
+    results = await asyncio.gather(*[post(s.url, {"messages": USER, "stream": i % 2 == 0}) for i in range(4)])
+    assert [status for status, _ in results] == [200] * 4
+    assert (await post(s.url, {"messages": USER, "top_k": -1}))[0] == 400
+    assert (await post(s.url, {"messages": USER, "logprobs": True}))[0] == 400
+    after = await scrape(s.url)
+  finally:
+    s.stop()
+  moved = {key: after[key] - before.get(key, 0) for key in after}
+  assert moved[("exo_prompt_tokens_total", ())] == 4  # the dummy prompt is one token
+  assert moved[("exo_generation_tokens_total", ())] == 40
+  assert moved[("exo_time_to_first_token_seconds_count", ())] == 4
+  assert moved[("exo_inter_token_latency_seconds_count", ())] == 36
+  assert moved[("exo_time_to_first_token_seconds_sum", ())] > 0
+  assert moved[("exo_errors_total", (("kind", "invalid_request_error"),))] == 1
+  assert moved[("exo_errors_total", (("kind", "unsupported_parameter"),))] == 1
+  # Four requests through one engine: the batching plugin's steps held more than one of them at a time.
+  steps, requests = moved[("exo_batch_size_count", ())], moved[("exo_batch_size_sum", ())]
+  assert steps > 0 and requests == 40 and requests / steps > 1
+  assert after[("exo_batch_size_bucket", (("le", "+Inf"),))] == steps
+
+
+@pytest.mark.asyncio
+async def test_kv_cache_bytes_while_a_request_runs_and_after():
+  server = shared_server("numpy")
+  body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a short story about a dragon."}], "max_tokens": 30,
+          "ignore_eos": True, "stream": True}
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{server.url}/v1/chat/completions", json=body) as r:
+      await r.content.readuntil(b"\n\n")  # generating: its KV cache is held
+      during = await scrape(server.url)
+      async for _ in r.content:
+        pass
+  assert during[("exo_kv_cache_bytes", ())] > 0 and during[("exo_requests_running", ())] == 1
+  async def freed():  # once the request ends
+    return (await scrape(server.url))[("exo_kv_cache_bytes", ())] == 0
+  await eventually(freed, 20)

@@ -1,0 +1,340 @@
+"""One life per request, at one node: the record only moves forward, an end is final and drops every later message,
+a request for another model waits for the loaded one's requests instead of wiping them, an error mid-prefill ends
+the prefill, peers cannot grow the node's tables or end requests they are not part of, and a token wakes only its
+own request's client."""
+import asyncio
+import functools
+import json
+import threading
+import time
+
+import urllib.request
+import openai
+import pytest
+
+from exo.download.shard_download import NoopShardDownloader
+from exo.inference.dummy_inference_engine import DummyInferenceEngine
+from exo.inference.sampling import SamplingParams
+from exo.inference.shard import Shard
+from exo.networking.discovery import NoDiscovery
+from exo.orchestration import requests as registry_module
+from exo.orchestration.batching.config import BatchingConfig
+from exo.orchestration.generation import generate
+from exo.orchestration.model_gate import LeftTheLine, ModelBusy, ModelGate
+from exo.orchestration.node import Node
+from exo.orchestration.requests import QUEUED_KEPT, QUEUED_KEPT_S, RequestRegistry, Status
+from exo.topology.device_capabilities import DeviceCapabilities
+from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
+from tests.support.api_server import ApiServer, shared_server
+from tests.support.checkpoints import install_random_model
+
+DUMMY = Shard("dummy", 0, 0, 8)
+
+
+def make_node(node_id: str = "solo") -> Node:
+  return Node(node_id, None, DummyInferenceEngine(), NoDiscovery(), NoopShardDownloader(), partitioning_strategy=RingMemoryWeightedPartitioningStrategy())
+
+
+async def answer(node: Node, request_id: str, params: SamplingParams = SamplingParams()) -> list:
+  out = []
+  async for tokens, _ in generate(node, DUMMY, "x", params, request_id=request_id, timeout=30):
+    out += tokens
+  return out
+
+
+# --- the record ---
+
+def test_a_record_only_moves_forward_and_an_end_is_final():
+  registry = RequestRegistry()
+  request = registry.open("r")
+  request.advance(Status.DECODING)
+  request.advance(Status.PREFILLING)
+  assert request.status is Status.DECODING
+  assert registry.end("r", Status.CANCELLED) is request and request.status is Status.CANCELLED
+  request.advance(Status.DECODING)
+  assert request.status is Status.CANCELLED
+  assert registry.open("r") is None and registry.ended("r") is Status.CANCELLED  # a late message cannot revive it
+  assert registry.end("r", Status.FAILED) is None and registry.ended("r") is Status.CANCELLED
+
+
+def test_ended_ids_are_forgotten_after_their_time(monkeypatch):
+  registry = RequestRegistry()
+  registry.end("old", Status.FINISHED)
+  registry.sweep(time.monotonic() + registry_module.ENDED_KEPT_S + 1)
+  assert registry.ended("old") is None
+
+
+# --- the model gate ---
+
+async def test_the_gate_lets_another_model_in_only_when_the_loaded_ones_requests_have_ended():
+  gate = ModelGate()
+  await gate.enter("a1", "A")
+  switch = asyncio.ensure_future(gate.enter("b1", "B"))
+  later_a = asyncio.ensure_future(gate.enter("a2", "A"))  # arrives after b1: waits behind it, so B is not starved
+  await asyncio.sleep(0)
+  assert not switch.done() and not later_a.done()
+  gate.leave("a1")
+  await switch
+  assert gate.serving == "B" and not later_a.done()
+  gate.leave("b1")
+  await later_a
+  assert gate.serving == "A" and gate.holders == {"a2"}
+
+
+async def test_a_request_that_waits_too_long_for_the_gate_gets_a_clear_error_and_one_that_ends_leaves_the_line():
+  gate = ModelGate(wait_s=0.05)
+  await gate.enter("a1", "A")
+  with pytest.raises(ModelBusy, match="serving A to 1 request"):
+    await gate.enter("b1", "B")
+  gate.wait_s = 60
+  waiting = asyncio.ensure_future(gate.enter("b2", "B"))
+  await asyncio.sleep(0)
+  gate.leave("b2")  # it ended (cancelled) while in line
+  with pytest.raises(LeftTheLine):
+    await waiting
+  gate.leave("a1")
+  assert gate.idle_for("B")
+
+
+# --- one node, the dummy engine ---
+
+async def test_a_second_prompt_for_a_live_or_ended_request_is_refused():
+  node = make_node()
+  await node.start()
+  try:
+    assert await answer(node, "once") == [2, 3, 4, 5, 6, 7, 8, 9, 10, 69]
+    with pytest.raises(ValueError, match="already finished"):
+      await node.process_prompt(DUMMY, "again", request_id="once")
+    assert len(node.requests) == 0
+    node.requests.open("live").advance(Status.DECODING)
+    with pytest.raises(ValueError, match="already has its prompt"):
+      await node.process_prompt(DUMMY, "again", request_id="live")
+  finally:
+    await node.stop()
+
+
+async def test_a_token_wakes_only_its_own_requests_client():
+  """Clients wait on their own request's queue: nothing is registered on on_token per request, so N streams cost
+  N wake-ups per round, not N * N."""
+  node = make_node()
+  await node.start()
+  seen = []
+  node.on_token.register("observer").on_next(lambda rid, tokens, finished: seen.append(len(node.on_token.callbacks)))
+  try:
+    answers = await asyncio.gather(*[answer(node, f"r{i}") for i in range(20)])
+    assert all(a == [2, 3, 4, 5, 6, 7, 8, 9, 10, 69] for a in answers)
+    assert seen and set(seen) == {1}  # only the observer, never a callback per request
+    assert node._watchers == {}
+  finally:
+    await node.stop()
+
+
+async def test_peers_cannot_grow_the_nodes_tables():
+  node = make_node()
+  for i in range(20_000):
+    node.receive_status(f"p{i}", json.dumps({"type": "request_params", "request_id": f"p{i}", "params": {"temperature": 0.5}, "origin": "x"}))
+  assert len(node.requests) <= QUEUED_KEPT
+  assert node.requests.get("p19999") is not None and node.requests.get("p0") is None  # the oldest went first
+  node.forget_stale(time.monotonic() + QUEUED_KEPT_S + 1)
+  assert len(node.requests) == 0
+  for i in range(100):
+    node.receive_status("", json.dumps({"type": "supported_inference_engines", "node_id": f"stranger{i}", "engines": ["numpy"]}))
+    node.receive_status("", json.dumps({"type": "download_progress", "node_id": f"stranger{i}", "progress": {}}))
+  assert node.get_topology_inference_engines() == [] and node.node_download_progress == {}
+
+
+@pytest.mark.parametrize("status", [{"type": "request_params", "request_id": "m", "params": []}, {"type": "node_status", "status": 5},
+                                    {"type": "request_params", "request_id": "m", "params": {"temperature": "hot"}},
+                                    {"type": "cancel_request"}, "[1, 2", {"type": "node_status", "node_id": "n", "status": "start_process_prompt", "shard": [1]}])
+def test_an_invalid_status_is_dropped_with_one_log_line_and_the_next_one_still_works(status, capsys):
+  node = make_node()
+  observed = []
+  node.on_opaque_status.register("observer").on_next(lambda rid, raw: observed.append(raw))
+  node.receive_status("m", status if isinstance(status, str) else json.dumps(status), "10.0.0.9")
+  assert observed == [] and len(node.requests) == 0
+  assert capsys.readouterr().out.count("dropped an invalid status from 10.0.0.9") == 1
+  good = json.dumps({"type": "request_params", "request_id": "m", "params": {"temperature": 0.5}})
+  node.receive_status("m", good)
+  assert observed == [good] and node.requests.get("m").params.temperature == 0.5
+
+
+def caps(memory: int) -> DeviceCapabilities:
+  return DeviceCapabilities(model="test", chip="test", memory=memory, flops={"fp32": 0, "fp16": 0, "int8": 0})
+
+
+class PeerStandIn:
+  """A peer's handle (this test needs a peer that refuses prompts, and another at a known address)."""
+
+  def __init__(self, peer_id: str, host: str, fail: bool = False):
+    self.peer_id, self.host, self.fail, self.statuses = peer_id, host, fail, []
+
+  def id(self):
+    return self.peer_id
+
+  def addr(self):
+    return f"{self.host}:5678"
+
+  async def send_prompt(self, shard, prompt, request_id=None, inference_state=None):
+    if self.fail:
+      raise ConnectionError("connection refused")
+
+  async def send_opaque_status(self, request_id, status):
+    self.statuses.append(json.loads(status))
+
+  async def send_result(self, request_id, result, is_finished):
+    pass
+
+
+def two_node_view(node: Node, first: PeerStandIn, other: PeerStandIn) -> None:
+  node.peers = [first, other]
+  node.peer_hosts = {first.id(): {first.host}, other.id(): {other.host}}
+  for node_id, memory in ((node.id, 1000), (first.id(), 3000), (other.id(), 500)):
+    node.topology.update_node(node_id, caps(memory))
+
+
+async def test_a_prompt_that_cannot_reach_the_first_node_ends_the_request_everywhere():
+  node = make_node("second")
+  first, other = PeerStandIn("first", "10.0.0.1", fail=True), PeerStandIn("other", "10.0.0.2")
+  two_node_view(node, first, other)
+  await node.start_request("r", SamplingParams())
+  with pytest.raises(ConnectionError):
+    await node.process_prompt(DUMMY, "hello", request_id="r")
+  assert len(node.requests) == 0 and node.requests.ended("r") is Status.FAILED
+  await asyncio.gather(*list(node._tasks))
+  assert any(s["type"] == "request_error" and s["request_id"] == "r" for s in other.statuses)
+
+
+async def test_only_a_requests_origin_may_cancel_it_and_only_its_ring_may_fail_it():
+  node = make_node("second")
+  origin, bystander = PeerStandIn("origin", "10.0.0.1"), PeerStandIn("bystander", "10.0.0.7")
+  two_node_view(node, origin, bystander)
+  node.peer_hosts["stranger"] = {"10.0.0.8"}  # a peer that is not in this request's ring
+  node.receive_status("r", json.dumps({"type": "request_params", "request_id": "r", "params": {}, "origin": "origin"}), "10.0.0.1")
+  node.requests.get("r").ring = ("origin", "second")
+  node.receive_status("r", json.dumps({"type": "cancel_request", "request_id": "r"}), "10.0.0.7")
+  node.receive_status("r", json.dumps({"type": "request_error", "request_id": "r", "error": "boom"}), "10.0.0.8")
+  assert node.requests.get("r") is not None
+  node.receive_status("r", json.dumps({"type": "cancel_request", "request_id": "r"}), "10.0.0.1")
+  assert node.requests.ended("r") is Status.CANCELLED
+
+
+# --- one node, the real SmolLM2, through the HTTP API ---
+
+STORY = "Write a long story about a lighthouse keeper and a storm."
+STORY_TOKENS = 48
+
+
+def stream_text(client: openai.OpenAI, model: str, content: str, max_tokens: int, on_chunk=lambda n: None) -> str:
+  text, chunks = "", 0
+  for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], stream=True, temperature=0,
+                                              max_tokens=max_tokens, extra_body={"ignore_eos": True}):
+    if chunk.choices and chunk.choices[0].delta.content:
+      text += chunk.choices[0].delta.content
+      chunks += 1
+      on_chunk(chunks)
+  return text
+
+
+def client_of(server: ApiServer, timeout: float = 180) -> openai.OpenAI:
+  return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=timeout, max_retries=0)
+
+
+def state_of(server: ApiServer) -> dict:
+  with urllib.request.urlopen(f"{server.url}/v1/state", timeout=10) as response:
+    return json.loads(response.read())
+
+
+def wait_for(condition, timeout: float, what: str):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    value = condition()
+    if value:
+      return value
+    time.sleep(0.05)
+  raise AssertionError(f"not within {timeout} s: {what}")
+
+
+BATCHING = {"unbatched": None, "batched": BatchingConfig(batch_size=8, timeout_ms=5, prefill_chunk=24)}
+
+
+@pytest.fixture(scope="module", params=list(BATCHING))
+def smol_server(request, tmp_path_factory):
+  """A node with SmolLM2 and, in its EXO_HOME, a random-weight stand-in for llama-3.2-1b (16 layers)."""
+  home = tmp_path_factory.mktemp("exo_home")
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("EXO_HOME", str(home))
+    install_random_model("llama-3.2-1b")
+    server = ApiServer("numpy", batching=BATCHING[request.param]).start()
+    try:
+      yield server
+    finally:
+      server.stop()
+
+
+@functools.lru_cache(maxsize=None)
+def solo_story() -> str:
+  return stream_text(client_of(shared_server("numpy")), "smollm2-135m", STORY, STORY_TOKENS)
+
+
+def test_a_request_for_another_model_waits_and_changes_nobody_elses_answer(smol_server):
+  solo = solo_story()
+  other, started, first_done = {}, threading.Event(), []
+
+  def ask_other_model():
+    reply = client_of(smol_server).chat.completions.create(model="llama-3.2-1b", messages=[{"role": "user", "content": "Hi"}],
+                                                         max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    other.update(reply=reply, at=time.monotonic())
+
+  asker = threading.Thread(target=ask_other_model)
+
+  def on_chunk(n):
+    if n == 4:  # a peer starts a prompt for the other model: this node must not preload it now
+      status = {"type": "node_status", "node_id": "a-peer", "status": "start_process_prompt", "request_id": "elsewhere",
+                "shard": {"model_id": "llama-3.2-1b", "start_layer": 0, "end_layer": 15, "n_layers": 16}}
+      smol_server.loop.call_soon_threadsafe(smol_server.node.on_node_status, "elsewhere", json.dumps(status))
+    if n == 8:
+      asker.start()
+      started.set()
+
+  text = stream_text(client_of(smol_server), "smollm2-135m", STORY, STORY_TOKENS, on_chunk)
+  first_done.append(time.monotonic())
+  assert started.is_set()
+  asker.join(120)
+  assert text == solo
+  assert other["reply"].usage.completion_tokens == 8 and other["at"] > first_done[0]
+  wait_for(lambda: state_of(smol_server)["requests"] == [] and state_of(smol_server)["kv_bytes"] == 0, 10, "no request left")
+  # And back: the first model answers as before once the other's request has ended.
+  assert stream_text(client_of(smol_server), "smollm2-135m", STORY, STORY_TOKENS) == solo
+
+
+def test_an_error_mid_prefill_ends_the_prefill_and_frees_its_cache(smol_server):
+  """A peer reports the request failed while its ~2,200-token prompt is being computed beside 4 running streams: the
+  prompt stops within a chunk, its client gets the error at once, and nothing of it stays behind."""
+  client = client_of(smol_server)
+  streams = [threading.Thread(target=stream_text, args=(client, "smollm2-135m", f"Count slowly from {i}.", 60)) for i in range(4)]
+  for thread in streams:
+    thread.start()
+  wait_for(lambda: sum(r["status"] == "decoding" for r in state_of(smol_server)["requests"]) == 4, 60, "4 streams decoding")
+  outcome = {}
+
+  def long_prompt():
+    try:
+      stream_text(client, "smollm2-135m", "Summarise this: " + "the quick brown fox jumps over the lazy dog " * 240, 16)
+      outcome["error"] = None
+    except openai.APIStatusError as e:
+      outcome["error"], outcome["at"] = e.response.text, time.monotonic()
+
+  asker = threading.Thread(target=long_prompt)
+  asker.start()
+  victim = wait_for(lambda: next((r["id"] for r in state_of(smol_server)["requests"] if r["status"] == "prefilling"), None), 60, "the long prompt prefilling")
+  failed_at = time.monotonic()
+  error = json.dumps({"type": "request_error", "request_id": victim, "error": "the next node ran out of memory"})
+  smol_server.loop.call_soon_threadsafe(smol_server.node.receive_status, victim, error)
+  asker.join(60)
+  assert outcome["error"] is not None and "ran out of memory" in outcome["error"]
+  assert outcome["at"] - failed_at < 3, outcome["at"] - failed_at
+  assert victim not in {r["id"] for r in state_of(smol_server)["requests"]}
+  for thread in streams:
+    thread.join(120)
+  wait_for(lambda: state_of(smol_server) == {"node_id": "api-test-node", "requests": [], "kv_bytes": 0}, 10, "nothing left")
+  assert smol_server.node.requests.ended(victim) is Status.FAILED
