@@ -4,8 +4,12 @@ One command starts the server itself (a real `exo` process, or a 2-node ring on 
 streaming requests through the real HTTP API, alternates batching off/on for each repeat, checks that greedy
 outputs are identical, prints a table of medians and ratios, and writes JSON lines and a PNG plot.
 
-  python bench/bench.py                       # the full sweep: N = 1..32, 3 repeats, plus ring and interference
+  python bench/bench.py                       # the full sweep: N = 1..64, 3 repeats, plus ring and interference
   python bench/bench.py --quick               # N = 1, 8, 16, one repeat, 64 tokens
+  python bench/bench.py --ns 1,16,64 --off-ns 1,16 --baseline /tmp/exo-main   # also run another checkout's code
+
+Next to tokens/s it prints the model's arithmetic rate (FLOP/s of the generated tokens' forward passes) and the
+machine's sgemm peak measured in the same run (bench/products.py), and their ratio.
 """
 import argparse
 import asyncio
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import aiohttp
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
@@ -63,8 +68,8 @@ def make_prompts(n: int, prompt_tokens: int, salt: int = 0) -> List[str]:
 class Cluster:
   """1 or more `exo` processes on loopback with manual discovery; batching set through the environment."""
 
-  def __init__(self, nodes: int, engine: str, batching: bool, args, log_dir: Path):
-    self.nodes, self.engine, self.batching, self.args, self.log_dir = nodes, engine, batching, args, log_dir
+  def __init__(self, nodes: int, engine: str, batching: bool, args, log_dir: Path, root: Path = ROOT):
+    self.nodes, self.engine, self.batching, self.args, self.log_dir, self.root = nodes, engine, batching, args, log_dir, root
     self.procs: List[subprocess.Popen] = []
     self.api_ports: List[int] = []
 
@@ -84,12 +89,12 @@ class Cluster:
       node_env = dict(env, EXO_HOME=str(self.log_dir / f"home{i}"))
       if self.nodes > 1:
         node_env.setdefault("OPENBLAS_NUM_THREADS", "1")  # two nodes on two cores: one thread each
-      log = open(self.log_dir / f"node{i}-{'on' if self.batching else 'off'}.log", "ab")
+      log = open(self.log_dir / f"node{i}-{'on' if self.batching else 'off'}{'' if self.root == ROOT else '-baseline'}.log", "ab")
       self.procs.append(subprocess.Popen(
         [sys.executable, "-m", "exo.main", "--inference-engine", self.engine, "--disable-tui", "--node-id", f"bench{i}",
          "--node-host", "127.0.0.1", "--node-port", str(grpc_ports[i]), "--chatgpt-api-port", str(self.api_ports[i]),
          "--discovery-module", "manual", "--discovery-config-path", str(config_path), "--max-generate-tokens", "100000",
-         "--default-model", MODEL], env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+         "--default-model", MODEL], env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root))
     await self._wait_ready()
     return self
 
@@ -194,19 +199,60 @@ async def interference(url: str, streams: int, long_prompt_tokens: int, max_toke
           "worst_gap_over_median": max(ratios) if ratios else float("nan"), "newcomer_ttft_s": late["times"][0] - late["sent"]}
 
 
-def print_table(rows: List[dict], ns: List[int], label: str) -> None:
-  print(f"\n{label}")
-  print(f"{'N':>4} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'TTFT p50 off/on (s)':>20} {'ITL p50 off/on (ms)':>20} {'ITL p99 off/on (ms)':>20} {'same':>5}")
+def model_flops_per_token(prompt_tokens: int, tokens: int) -> float:
+  """The arithmetic of one generated token's forward pass, averaged over a stream: 2 FLOPs per weight of every layer
+  and of the head, plus attention (4 FLOPs per head dimension per cached position per head per layer) at the
+  stream's mean context. The prompt's forward passes are not counted, as in the figure the issue quotes."""
+  from exo.download.shard_download import embedded_model_path
+  from exo.inference.weights import gguf_reader
+  reader = gguf_reader(str(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")))
+  field = lambda key: reader.fields[key].contents()
+  sizes = {t.name: int(np.prod(t.shape)) for t in reader.tensors}
+  layer_weights = sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight") and not name.endswith("norm.weight"))
+  head = sizes.get("output.weight", sizes["token_embd.weight"])
+  layers, heads = field("llama.block_count"), field("llama.attention.head_count")
+  head_dim = field("llama.embedding_length") // heads
+  gguf_reader.cache_clear()
+  return 2 * (layer_weights + head) + 4 * layers * heads * head_dim * (prompt_tokens + tokens / 2)
+
+
+def sgemm_peak() -> float:
+  """The machine's float32 sgemm rate, GFLOP/s, measured now in a process of its own (bench/products.py)."""
+  output = subprocess.check_output([sys.executable, str(ROOT / "bench" / "products.py"), "--peak"], cwd=ROOT, text=True)
+  return float(output.strip().splitlines()[-1])
+
+
+def print_table(rows: List[dict], ns: List[int], label: str, flops_per_token: Optional[float] = None, peaks: Optional[List[float]] = None) -> None:
+  med = lambda rs, k: statistics.median(r[k] for r in rs)
+  peak = statistics.median(peaks) if peaks else None
+  print(f"\n{label}" + (f"; sgemm peak {peak:.0f} GFLOP/s (median of {', '.join(f'{p:.0f}' for p in peaks)})" if peak else ""))
+  print(f"{'N':>4} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'GFLOP/s on':>11} {'of peak':>8} {'TTFT p50 off/on (s)':>20} {'ITL p50 off/on (ms)':>20} {'ITL p99 off/on (ms)':>20} {'same':>5}")
   for n in ns:
-    off = [r for r in rows if r["n"] == n and not r["batching"]]
+    off = [r for r in rows if r["n"] == n and not r["batching"] and not r.get("reference_only")]
     on = [r for r in rows if r["n"] == n and r["batching"]]
-    if not off or not on:
+    if not on:
       continue
-    med = lambda rs, k: statistics.median(r[k] for r in rs)
     same = all(r.get("same_as_off", True) for r in on)
-    print(f"{n:>4} {med(off, 'tok_s'):>10.1f} {med(on, 'tok_s'):>10.1f} {med(on, 'tok_s') / med(off, 'tok_s'):>6.2f}x "
-          f"{med(off, 'ttft_p50'):>9.2f}/{med(on, 'ttft_p50'):<10.2f} {1000 * med(off, 'itl_p50'):>9.1f}/{1000 * med(on, 'itl_p50'):<10.1f} "
-          f"{1000 * med(off, 'itl_p99'):>9.1f}/{1000 * med(on, 'itl_p99'):<10.1f} {'yes' if same else 'NO':>5}")
+    gflops = med(on, "tok_s") * flops_per_token / 1e9 if flops_per_token else float("nan")
+    of_peak = f"{100 * gflops / peak:7.0f}%" if peak else f"{'-':>8}"
+    field = lambda rs, k, scale=1.0, width=9, fmt=".1f": f"{scale * med(rs, k):>{width}{fmt}}" if rs else f"{'-':>{width}}"
+    ratio = f"{med(on, 'tok_s') / med(off, 'tok_s'):>6.2f}x" if off else f"{'-':>7}"
+    print(f"{n:>4} {field(off, 'tok_s', width=10)} {med(on, 'tok_s'):>10.1f} {ratio} {gflops:>11.1f} {of_peak} "
+          f"{field(off, 'ttft_p50', fmt='.2f')}/{med(on, 'ttft_p50'):<10.2f} {field(off, 'itl_p50', 1000)}/{1000 * med(on, 'itl_p50'):<10.1f} "
+          f"{field(off, 'itl_p99', 1000)}/{1000 * med(on, 'itl_p99'):<10.1f} {'yes' if same else 'NO':>5}")
+
+
+def print_baseline(rows: List[dict], baseline: List[dict], ns: List[int], root: str) -> None:
+  med = lambda rs, k: statistics.median(r[k] for r in rs)
+  print(f"\nbatching on, this code ÷ the baseline at {root} (each measured next to the other; medians over repeats)")
+  print(f"{'N':>4} {'tok/s':>8} {'baseline':>9} {'ratio':>7} {'TTFT p50 (s)':>13} {'baseline':>9} {'ratio':>7} {'same':>5}")
+  for n in ns:
+    this = [r for r in rows if r["n"] == n and r["batching"]]
+    base = [r for r in baseline if r["n"] == n]
+    if this and base:
+      same = all(r.get("same_as_off", True) for r in base)
+      print(f"{n:>4} {med(this, 'tok_s'):>8.1f} {med(base, 'tok_s'):>9.1f} {med(this, 'tok_s') / med(base, 'tok_s'):>6.2f}x "
+            f"{med(this, 'ttft_p50'):>13.2f} {med(base, 'ttft_p50'):>9.2f} {med(this, 'ttft_p50') / med(base, 'ttft_p50'):>6.2f}x {'yes' if same else 'NO':>5}")
 
 
 def plot(rows: List[dict], path: Path) -> None:
@@ -235,48 +281,64 @@ def plot(rows: List[dict], path: Path) -> None:
   fig.savefig(path, dpi=110)
 
 
-async def sweep(args, nodes: int, ns: List[int], out, log_dir: Path, paired_single: bool = False) -> List[dict]:
+async def sweep(args, nodes: int, ns: List[int], out, log_dir: Path, paired_single: bool = False, peaks: Optional[List[float]] = None) -> List[dict]:
   """Alternating off/on clusters of `nodes` nodes, `args.repeats` times. With `paired_single`, each batching-on
   cluster has a single node measured right before or after it (rows marked "paired"), so that the ring's figure
-  is compared with one taken under the same machine load, not minutes earlier on a machine whose speed drifts."""
+  is compared with one taken under the same machine load, not minutes earlier on a machine whose speed drifts.
+  With `args.baseline`, each batching-on cluster of this code has one of the baseline's code next to it, taking
+  turns going first (rows marked "baseline"). Batching off runs at `args.off_ns` only; the first repeat also runs it
+  once at the largest N (marked "reference_only") when that is needed to check every output."""
   rows: List[dict] = []
-  reference: Dict[int, List[str]] = {}
+  reference: Dict[int, str] = {}  # prompt index -> the batching-off output (prompt i is the same text whatever N)
+  off_ns = [n for n in ns if n in args.off_ns]
   for repeat in range(args.repeats):
+    if peaks is not None:
+      peaks.append(sgemm_peak())
+      print(f"  sgemm peak {peaks[-1]:.0f} GFLOP/s", flush=True)
     for batching in (False, True):
-      runs = [(nodes, False)]
+      runs = [(nodes, False, ROOT)]
       if batching and paired_single:
-        runs.append((1, True))
-        if repeat % 2:
-          runs.reverse()  # take turns going first, so that a drift in the machine's speed favours neither
-      for cluster_nodes, paired in runs:
-        rows += await measure(args, cluster_nodes, batching, ns, repeat, reference, out, log_dir, paired)
+        runs.append((1, True, ROOT))
+      if batching and args.baseline:
+        runs.append((nodes, False, Path(args.baseline)))
+      if repeat % 2:
+        runs.reverse()  # take turns going first, so that a drift in the machine's speed favours neither
+      for cluster_nodes, paired, root in runs:
+        levels = ns if batching else off_ns
+        if not batching and repeat == 0 and ns and max(ns) > max(off_ns, default=0):
+          levels = off_ns + [max(ns)]
+        rows += await measure(args, cluster_nodes, batching, levels, repeat, reference, out, log_dir, paired, root, reference_only=set(levels) - set(off_ns))
   return rows
 
 
-async def measure(args, nodes: int, batching: bool, ns: List[int], repeat: int, reference: Dict[int, List[str]], out, log_dir: Path,
-                  paired: bool = False) -> List[dict]:
-  """One cluster: a burst of N requests for each N; batching-on outputs are checked against the first off run's."""
+async def measure(args, nodes: int, batching: bool, ns: List[int], repeat: int, reference: Dict[int, str], out, log_dir: Path,
+                  paired: bool = False, root: Path = ROOT, reference_only=()) -> List[dict]:
+  """One cluster: a burst of N requests for each N; batching-on outputs are checked against the batching-off ones."""
   rows: List[dict] = []
-  async with Cluster(nodes, args.engine, batching, args, log_dir) as cluster:
+  code = "this" if root == ROOT else "baseline"
+  async with Cluster(nodes, args.engine, batching, args, log_dir, root) as cluster:
     await burst(cluster.url, make_prompts(2, 48, salt=99), 8)  # warm-up: load, first allocations
     for n in ns:
       prompts = make_prompts(n, args.prompt_tokens)
       results = await burst(cluster.url, prompts, args.tokens)
-      row = {"nodes": nodes, "n": n, "batching": batching, "repeat": repeat, "engine": args.engine, **summarise(results)}
+      row = {"nodes": nodes, "n": n, "batching": batching, "repeat": repeat, "engine": args.engine, "code": code, **summarise(results)}
       texts = [r["text"] for r in results]
       if not batching:
-        reference.setdefault(n, texts)
+        for i, text in enumerate(texts):
+          reference.setdefault(i, text)
+        if n in reference_only:
+          row["reference_only"] = True
       else:
-        row["same_as_off"] = texts == reference.get(n, texts)
+        row["same_as_off"] = all(reference.get(i, text) == text for i, text in enumerate(texts))
       if paired:
         row["paired"] = True
       rows.append(row)
       out.write(json.dumps(row) + "\n")
       out.flush()
-      print(f"  {nodes} node(s) batching {'on ' if batching else 'off'} N={n:<3} {row['tok_s']:7.1f} tok/s  "
+      print(f"  {nodes} node(s) {'' if code == 'this' else 'BASELINE '}batching {'on ' if batching else 'off'} N={n:<3} {row['tok_s']:7.1f} tok/s  "
             f"TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1000 * row['itl_p50']:.1f}ms" + ("" if not batching else f"  same={row['same_as_off']}")
-            + ("  (paired with the ring)" if paired else ""), flush=True)
-    if batching and args.mixed and nodes == 1 and repeat == 0:
+            + ("  (paired with the ring)" if paired else "") + ("  (reference outputs only)" if row.get("reference_only") else ""), flush=True)
+    if batching and args.mixed and nodes == 1 and repeat == 0 and code == "this":
       prompts = make_prompts(8, args.prompt_tokens, salt=3)
       extra = [{"temperature": 0.3 + 0.1 * i, "top_p": 0.9, "seed": i} for i in range(8)]
       results = await burst(cluster.url, prompts, args.tokens, extra)
@@ -289,11 +351,13 @@ async def measure(args, nodes: int, batching: bool, ns: List[int], repeat: int, 
 async def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--engine", default="numpy")
-  p.add_argument("--ns", default="1,2,4,8,16,32", help="concurrency levels")
+  p.add_argument("--ns", default="1,2,4,8,16,32,64", help="concurrency levels")
+  p.add_argument("--off-ns", default=None, help="levels at which batching off is measured too (default: all of --ns)")
+  p.add_argument("--baseline", default=None, help="another checkout of exo whose code runs with batching on next to this one")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--tokens", type=int, default=128, help="generated tokens per request")
   p.add_argument("--prompt-tokens", type=int, default=64)
-  p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--batch-size", type=int, default=None, help="EXO_BATCH_SIZE (default: the largest N)")
   p.add_argument("--batch-timeout-ms", type=float, default=5.0)
   p.add_argument("--prefill-chunk", type=int, default=None, help="EXO_PREFILL_CHUNK for the batching runs (default: the node's)")
   p.add_argument("--ring-ns", default="8", help="concurrency levels for the 2-node ring ('' to skip)")
@@ -306,6 +370,9 @@ async def main() -> None:
     args.ns, args.repeats, args.tokens = "1,8,16", 1, 64
   ns = [int(n) for n in args.ns.split(",") if n]
   ring_ns = [int(n) for n in args.ring_ns.split(",") if n]
+  args.off_ns = ns if args.off_ns is None else [int(n) for n in args.off_ns.split(",") if n]
+  args.batch_size = args.batch_size or max(ns + ring_ns + [2])
+  flops_per_token, peaks = model_flops_per_token(args.prompt_tokens, args.tokens), []
   out_dir = Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -313,8 +380,11 @@ async def main() -> None:
   print(f"exo bench: engine {args.engine}, N={ns}, {args.repeats} repeat(s), {args.prompt_tokens} prompt + {args.tokens} generated tokens; "
         f"{os.cpu_count()} CPUs; logs in {log_dir}", flush=True)
   with open(out_dir / f"{stamp}.jsonl", "w") as out:
-    rows = await sweep(args, 1, ns, out, log_dir)
-    ring_rows = await sweep(argparse.Namespace(**{**vars(args), "mixed": False}), 2, ring_ns, out, log_dir, paired_single=True) if ring_ns else []
+    rows = await sweep(args, 1, ns, out, log_dir, peaks=peaks)
+    baseline_rows = [r for r in rows if r["code"] == "baseline"]
+    rows = [r for r in rows if r["code"] == "this"]
+    ring_args = argparse.Namespace(**{**vars(args), "mixed": False, "baseline": None, "off_ns": ring_ns})
+    ring_rows = await sweep(ring_args, 2, ring_ns, out, log_dir, paired_single=True) if ring_ns else []
     paired_rows = [r for r in ring_rows if r.get("paired")]
     ring_rows = [r for r in ring_rows if not r.get("paired")]
     inter: Dict[bool, List[dict]] = {}
@@ -325,7 +395,10 @@ async def main() -> None:
           for repeat in range(args.repeats):  # one stall decides a run: quote the median run
             inter.setdefault(batching, []).append(await interference(cluster.url, 7, 512, args.tokens * 2))
             out.write(json.dumps({"interference": True, "batching": batching, "repeat": repeat, **inter[batching][-1]}) + "\n")
-  print_table(rows, ns, "1 node (medians over repeats)")
+  print_table(rows, ns, "1 node (medians over repeats)", flops_per_token, peaks)
+  print(f"  (model arithmetic: {flops_per_token / 1e9:.3f} GFLOP per generated token, prompts not counted)")
+  if baseline_rows:
+    print_baseline(rows, baseline_rows, ns, args.baseline)
   if ring_rows:
     print_table(ring_rows, ring_ns, "2-node ring on loopback")
     for n in ring_ns:

@@ -1,4 +1,5 @@
-"""The numpy engine on the real SmolLM2-135M: answers, KV-cache correctness, sharding, isolation, memory."""
+"""The numpy engine on the real SmolLM2-135M: answers, KV-cache correctness, sharding, isolation, memory, and its
+kernels (the products shared among the cores, the KV pool, attention jobs shared among the cores)."""
 import asyncio
 import mmap
 from pathlib import Path
@@ -112,69 +113,126 @@ async def test_kv_cache_memory_returns_to_zero(engine):
   assert engine.kv_cache_bytes() == 0
 
 
-def resident_bytes() -> int:
-  return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
+def pool_resident_bytes(pool) -> int:
+  """Resident bytes of the pool's own mappings (from /proc/self/smaps): the process's total moves with whatever else
+  it frees or allocates meanwhile."""
+  starts = {slab.ctypes.data for slab in pool.slabs}
+  total, counting = 0, False
+  for line in Path("/proc/self/smaps").read_text().splitlines():
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+      counting = int(head.split("-")[0], 16) in starts
+    elif counting and head == "Rss:":
+      total += int(line.split()[1]) * 1024
+  return total
 
 
-async def test_cache_memory_grows_with_use_not_with_its_reserved_room(engine):
+async def test_cache_memory_grows_with_use_and_returns_when_requests_end(engine):
   shard = smollm2_shard()
   await engine.infer_prompt("grow", shard, "Hi")
-  cache = engine.caches["grow"]
-  small = cache.nbytes
-  assert 0 < small < cache.data.nbytes / 16
+  small = engine.request_kv_bytes("grow")
+  assert 0 < small < engine.caches["grow"].pool.slot_bytes / 64
   await engine.infer_prompt("grow", shard, "word " * 100)
-  assert cache.nbytes > small
+  assert engine.request_kv_bytes("grow") > small and engine.kv_cache_bytes() == engine.request_kv_bytes("grow")
   await engine.finish_request("grow")
+  assert engine.request_kv_bytes("grow") == 0 and engine.kv_cache_bytes() == 0
 
-  before = resident_bytes()
-  caches = [engine.model.new_cache() for _ in range(40)]  # 40 x 1024 positions of room: 1.9 GB of address space
-  assert sum(c.data.nbytes for c in caches) > 1.5e9
-  assert resident_bytes() - before < 100e6  # only what is written takes memory
+  model = engine.model
+  caches = [model.new_cache() for _ in range(40)]  # room for 40 whole contexts: 15 GB of address space
+  assert len({c.slot for c in caches}) == 40 and model.pool.slot_bytes * 40 > 10e9
+  assert pool_resident_bytes(model.pool) < 1e6  # only what is written takes memory
+  ids = np.array(engine.tokenizer.encode("word " * 300), dtype=np.int64)[:256]
+  model.forward([ids] * 8, caches[:8])
+  written = pool_resident_bytes(model.pool)
+  assert written >= sum(c.nbytes for c in caches[:8]) > 0
+  del caches
+  assert pool_resident_bytes(model.pool) < written / 4, "a finished request's pages go back to the kernel"
+  assert model.new_cache().slot == 0, "the lowest free slot is taken first"
 
 
-async def test_bad_inputs_are_clear_errors(engine):
-  shard = smollm2_shard()
-  with pytest.raises(ValueError, match="out of range"):
-    await engine.infer_tensor("bad", shard, np.array([[10**6]]))
-  with pytest.raises(ValueError, match="token ids"):
-    await engine.infer_tensor("bad", shard, np.zeros((1, 2, 576), dtype=np.float32))
-  assert "bad" not in engine.caches
+def test_cache_pool_slots_are_counted_and_reused():
+  from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
+  pool = KVPool(n_layers=2, n_kv_heads=1, head_dim=8, positions=100)
+  assert pool.positions == 1024
+  caches = [KVCache(pool) for _ in range(SLAB_SLOTS + 2)]
+  assert [c.slot for c in caches] == list(range(SLAB_SLOTS + 2)) and len(pool.slabs) == 2
+  caches[3].data[:] = 1.0
+  pool.retain(3)  # another reader of slot 3 keeps it when its request ends
+  del caches[3]
+  assert KVCache(pool).slot == SLAB_SLOTS + 2
+  assert (pool.where(3)[0][3] == 1.0).all()
+  pool.release(3)
+  fresh = KVCache(pool)
+  assert fresh.slot == 3 and not fresh.data.any(), "a released slot reads as zeros"
 
 
 def test_a_product_split_over_the_cores_equals_it_on_one_thread():
-  from exo.inference.numpy import llama
+  from exo.inference.numpy import kernels
   rng = np.random.default_rng(0)
-  blocks = llama.block_weight(rng.standard_normal((96, 200), dtype=np.float32))  # 7 blocks: uneven slices
-  for rows in (1, llama.PARALLEL_ROWS - 1, llama.PARALLEL_ROWS, 40):
+  w = rng.standard_normal((96, 200), dtype=np.float32)  # 200 columns: uneven slices
+  for rows in (1, kernels.PARALLEL_ROWS - 1, kernels.PARALLEL_ROWS, 40):
     x = rng.standard_normal((rows, 96), dtype=np.float32)
-    alone = np.empty((rows, blocks.shape[0] * llama.BLOCK), dtype=np.float32)
-    for b in range(blocks.shape[0]):
-      alone[:, b * llama.BLOCK:(b + 1) * llama.BLOCK] = x @ blocks[b]
-    assert np.array_equal(llama.matmul(x, blocks, 200), alone[:, :200])
+    np.testing.assert_allclose(kernels.matmul(x, w), x @ w, rtol=1e-6, atol=1e-5)
 
 
 def test_split_work_reports_a_workers_error_and_serves_concurrent_callers():
   from concurrent.futures import ThreadPoolExecutor
-  from exo.inference.numpy import llama
-  if not llama._workers:
+  from exo.inference.numpy import kernels
+  if kernels.CORES < 2:
     pytest.skip("one core: nothing is split")
 
   def fails_in_a_worker(lo, hi):
     if lo > 0:
       raise ValueError("bad slice")
   with pytest.raises(ValueError, match="bad slice"):
-    llama.split_over_cores(fails_in_a_worker, 10)
+    kernels.split_over_cores(fails_in_a_worker, 10)
   seen = []
-  llama.split_over_cores(lambda lo, hi: seen.append((lo, hi)), 10)  # the workers still serve after an error
+  kernels.split_over_cores(lambda lo, hi: seen.append((lo, hi)), 10)  # the workers still serve after an error
   assert sorted(seen)[0][0] == 0 and sorted(seen)[-1][1] == 10 and sum(hi - lo for lo, hi in seen) == 10
 
   rng = np.random.default_rng(1)
-  blocks = llama.block_weight(rng.standard_normal((64, 256), dtype=np.float32))
+  w = rng.standard_normal((64, 256), dtype=np.float32)
   xs = [rng.standard_normal((16, 64), dtype=np.float32) for _ in range(4)]
-  expected = [llama.matmul(x, blocks, 256) for x in xs]
+  expected = [kernels.matmul(x, w) for x in xs]
   with ThreadPoolExecutor(4) as pool:  # several engines' threads at once: each gets its own product back
     for _ in range(50):
-      assert all(np.array_equal(got, want) for got, want in zip(pool.map(lambda x: llama.matmul(x, blocks, 256), xs), expected))
+      for got, want in zip(pool.map(lambda x: kernels.matmul(x, w), xs), expected):  # alone or split: the rounding may differ
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_workers_start_on_first_use_not_at_import():
+  import subprocess
+  import sys
+  code = ("import threading, numpy as np; from exo.inference.numpy import kernels, llama; n = threading.active_count(); "
+          "kernels.matmul(np.ones((8, 8), np.float32), np.ones((8, 128), np.float32)); "
+          "print(n, threading.active_count(), kernels.CORES)")
+  output = subprocess.check_output([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, text=True)
+  before, after, cores = map(int, output.split())
+  assert before == 1 and after == cores, "one worker per extra core, started by the first product that needs them"
+
+
+def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
+  from exo.inference.numpy import llama
+  from exo.inference.numpy.cache import KVCache, KVPool
+  pool = KVPool(n_layers=1, n_kv_heads=1, head_dim=8, positions=2048)
+  caches = [KVCache(pool) for _ in range(20)]
+  for cache in caches:
+    cache.length = 100
+  jobs = lambda step: [job for group in step.job_groups for job in group]
+  slots = lambda job: list(range(job.slot, job.slot + len(job.ends)))
+  decode = llama.Step(pool, caches[:16], [1] * 16)
+  assert all(isinstance(job, llama.DecodeRun) for job in jobs(decode)) and sum(map(slots, jobs(decode)), []) == list(range(16))
+  if llama.CORES > 1:
+    assert len(decode.job_groups) == llama.CORES and {sum(len(j.ends) for j in g) for g in decode.job_groups} == {16 // llama.CORES}
+  assert [slots(job) for job in llama.share(jobs(llama.Step(pool, [caches[i] for i in (0, 1, 2, 5, 6, 9)], [1] * 6)), 1)[0]] == \
+    [[0, 1, 2], [5, 6], [9]], "one run per stretch of consecutive slots"
+  caches[3].length = 1000  # far longer than its neighbours: padding them all to it would waste most of the run
+  assert len(jobs(llama.Step(pool, caches[:8], [1] * 8))) >= 3
+  prompt = jobs(llama.Step(pool, caches[:4], [1, 30, 1, 1]))
+  assert [job.slot for job in prompt if isinstance(job, llama.PromptChunk)] == [1], "a prompt chunk attends on its own"
+  assert sum((slots(job) for job in prompt if isinstance(job, llama.DecodeRun)), []) == [0, 2, 3]
+  costs = [sum(job.cost for job in group) for group in llama.share(jobs(llama.Step(pool, caches[4:20], [1] * 16)), 2)]
+  assert len(costs) == 2 and max(costs) <= 1.1 * min(costs), "the cores read about as many cached positions each"
 
 
 async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, monkeypatch):
@@ -182,38 +240,37 @@ async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, 
   from tests.support.engines import OPENINGS, batched, greedy, prompt_ids
   prompts = prompt_ids(engine, OPENINGS + [f"{opening} (again)" for opening in OPENINGS])  # 16: decode steps of 16 rows
   alone = [await greedy(engine, f"alone-{i}", ids, 6, stop_at_eos=False) for i, ids in enumerate(prompts)]
-  shared, original = [], llama.balanced_groups
-  monkeypatch.setattr(llama, "balanced_groups", lambda lengths, parts: shared.append(original(lengths, parts)) or shared[-1])
+  steps, original = [], llama.Step
+  monkeypatch.setattr(llama, "Step", lambda *args: steps.append(original(*args)) or steps[-1])
   assert await batched(engine, prompts, 6, "cores", join_every=0, stop_at_eos=False) == alone
   if llama.CORES > 1:
-    assert len(shared) == 6 and all(len(groups) == llama.CORES for groups in shared[1:]), "each decode step was shared among the cores"
+    assert len(steps) == 6 and all(len(step.job_groups) == llama.CORES for step in steps), "each step's attention was shared among the cores"
   assert engine.kv_cache_bytes() == 0
 
 
-def test_rows_are_shared_evenly_or_not_at_all():
-  from exo.inference.numpy.llama import balanced_groups
-  assert balanced_groups([1] * 16, 2) == [(0, 8), (8, 16)]
-  assert balanced_groups([1] * 17, 2) == [(0, 9), (9, 17)]
-  assert balanced_groups([64] * 8, 2) == [(0, 4), (4, 8)]
-  assert balanced_groups([1] * 15, 2) == [(0, 15)]  # too few rows: the products are split instead
-  assert balanced_groups([512] + [1] * 7, 2) == [(0, 8)]  # one prompt is most of the step
-  assert balanced_groups([1] * 16, 1) == [(0, 16)]
+async def test_a_request_past_the_context_is_refused_alone(engine):
+  shard = smollm2_shard()
+  context = engine.model.config.max_position_embeddings
+  results = await engine.infer_batch(shard, [("long", np.ones((1, context + 1), dtype=np.int64), None), ("short", np.array([[42]]), None)])
+  assert isinstance(results[0], ValueError) and "context" in str(results[0])
+  assert results[1][0].shape == (1, 1, 49152) and "long" not in engine.caches
+  await engine.finish_request("short")
 
 
 def test_a_forked_child_still_splits_its_products():
   import os
   import time
-  from exo.inference.numpy import llama
-  if not hasattr(os, "fork") or not llama._workers:
+  from exo.inference.numpy import kernels
+  if not hasattr(os, "fork") or kernels.CORES < 2:
     pytest.skip("no fork, or one core: nothing is split")
   rng = np.random.default_rng(2)
-  blocks = llama.block_weight(rng.standard_normal((64, 256), dtype=np.float32))
+  w = rng.standard_normal((64, 256), dtype=np.float32)
   x = rng.standard_normal((16, 64), dtype=np.float32)
-  expected = llama.matmul(x, blocks, 256)
+  expected = kernels.matmul(x, w)  # the parent's workers are running now
   child = os.fork()
   if child == 0:  # the parent's workers do not exist here: without new ones this product would wait forever
     try:
-      os._exit(0 if np.array_equal(llama.matmul(x, blocks, 256), expected) else 1)
+      os._exit(0 if np.array_equal(kernels.matmul(x, w), expected) else 1)
     finally:
       os._exit(2)
   deadline = time.monotonic() + 30
@@ -227,3 +284,8 @@ def test_a_forked_child_still_splits_its_products():
       pytest.fail("the forked child's split product never finished")
     time.sleep(0.05)
   assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+async def test_batched_attention_matches_each_request_alone(engine):
+  from tests.support.engines import check_batched_logits_match_alone
+  await check_batched_logits_match_alone(engine)  # mixed lengths, chunked prompts, requests joining mid-flight

@@ -197,6 +197,22 @@ async def test_at_most_one_chunk_budget_of_prompt_tokens_per_step_beside_a_runni
   await s.stop()
 
 
+async def test_a_chunk_grows_with_the_decode_rows_beside_it():
+  """Beside many running streams a step is long anyway: the prompt budget grows to 2 tokens per decode row."""
+  engine = StepEngine()
+  streams = [f"d{i}" for i in range(12)]
+  s = scheduler(engine, batch_size=16, timeout_s=1.0, chunk=8, live=set(streams))
+
+  async def stream(request_id, steps):
+    for t in range(steps):
+      await s.infer(request_id, np.array([[t]]), None)
+  await asyncio.gather(*[stream(r, RUNNING_AFTER) for r in streams])  # all 12 are running now
+  await asyncio.wait_for(asyncio.gather(*[stream(r, 3) for r in streams], s.infer("p", np.zeros((1, 60), dtype=np.int64), None)), 10)
+  chunks = [(shape[1], len(step)) for step in engine.steps for rid, shape in step if rid == "p"]
+  assert chunks == [(24, 13), (24, 13), (12, 13)], "2 x 12 decode rows: 24-token chunks, each beside all 12 streams"
+  await s.stop()
+
+
 async def test_prompts_are_not_cut_small_while_no_stream_is_running():
   """Chunks protect running streams; a prompt alone, or beside streams that have only just started (a burst),
   runs in steps of up to LONE_PROMPT_CHUNK."""

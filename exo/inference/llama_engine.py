@@ -1,6 +1,8 @@
 """What every Llama engine does the same way: load a shard, keep one KV cache per request, check inputs, run a
 batched step on the engine's own worker thread. An engine subclass names its model class and its thread."""
 import asyncio
+import ctypes
+import ctypes.util
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
@@ -10,7 +12,7 @@ from exo.inference.inference_engine import InferenceEngine
 from exo.inference.sampling import sample_last
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import resolve_tokenizer
-from exo.inference.weights import LlamaConfig, load_shard_weights
+from exo.inference.weights import LlamaConfig, gguf_reader, load_shard_weights
 
 
 class EngineBusy(RuntimeError):
@@ -51,6 +53,9 @@ class LlamaShardEngine(InferenceEngine):
     self.shard = self.model = self.tokenizer = None  # the old weights go before the new ones arrive
     config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized)
     model, tokenizer = self.new_model(config, shard, weights), resolve_tokenizer(path)
+    del weights
+    gguf_reader.cache_clear()  # the parsed GGUF metadata: ~160 MB of small arrays, and the file's pages mapped
+    _return_freed_memory()
     self.model, self.tokenizer, self.shard = model, tokenizer, shard
 
   async def ensure_shard(self, shard: Shard) -> None:
@@ -100,7 +105,11 @@ class LlamaShardEngine(InferenceEngine):
       try:
         if request_id in seen:  # one cache cannot take two chunks in one step
           raise ValueError(f"request {request_id} appears twice in one batch")
-        inputs.append(self._check_input(np.asarray(x)))
+        x = self._check_input(np.asarray(x))
+        held = self.caches[request_id].length if request_id in self.caches else 0
+        if held + len(x) > self.model.config.max_position_embeddings:
+          raise ValueError(f"{held + len(x)} positions exceed the model's context of {self.model.config.max_position_embeddings}")
+        inputs.append(x)
       except ValueError as e:
         results[i] = e
         continue
@@ -129,14 +138,27 @@ class LlamaShardEngine(InferenceEngine):
     return x[0].astype(np.float32, copy=False)
 
   async def finish_request(self, request_id: str) -> None:
-    await self._run(self.caches.pop, request_id, None)
+    await self._run(self._drop_cache, request_id)
+
+  def _drop_cache(self, request_id: str) -> None:
+    self.caches.pop(request_id, None)  # not returned: a future holding it would keep its memory until collected
 
   def kv_cache_bytes(self) -> int:
     return sum(cache.nbytes for cache in list(self.caches.values()))
 
   def request_kv_bytes(self, request_id: str) -> int:
+    """KV bytes the live request holds; 0 if it holds none."""
     cache = self.caches.get(request_id)
     return 0 if cache is None else cache.nbytes
 
   async def load_checkpoint(self, shard: Shard, path: str):
     await self.ensure_shard(shard)
+
+
+def _return_freed_memory() -> None:
+  """Hand the heap's free pages back to the kernel (glibc). Loading frees gigabytes of temporaries a few MB at a
+  time; glibc's allocator, having raised its mmap threshold past those sizes, keeps them in its arenas otherwise."""
+  libc = ctypes.util.find_library("c")
+  trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+  if trim is not None:
+    trim(0)

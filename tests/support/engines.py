@@ -190,9 +190,65 @@ async def check_cache_grows_not_preallocated(engine):
   assert engine.kv_cache_bytes() == 0
 
 
+# Batched attention (every request's rows in one step) against each request run alone: the same logits to this
+# absolute tolerance, and so the same greedy tokens.
+BATCHED_ATOL = 2e-4
+
+
+async def check_batched_logits_match_alone(engine, atol: float = BATCHED_ATOL, chunk: int = 16, decode: int = 5):
+  """Requests of mixed lengths join a running batch one every other step, their prompts cut in chunks of `chunk`
+  tokens (so prompt chunks share steps with other requests' decode rows), and decode `decode` tokens each, fed
+  each request's own greedy tokens from its run alone: every logit row matches that run's within `atol`."""
+  shard = smollm2_shard()
+  long = "The history of the river valley begins with " + "farmers, traders and builders, " * 12
+  prompts = prompt_ids(engine, OPENINGS[:5] + [long])
+  assert max(map(len, prompts)) > 3 * chunk and min(map(len, prompts)) < chunk
+  alone_logits, alone_tokens = [], []
+  for i, ids in enumerate(prompts):
+    logits, _ = await engine.infer_tensor(f"solo-{i}", shard, ids.reshape(1, -1))
+    rows, tokens = [logits[0, -1]], []
+    for _ in range(decode):
+      tokens.append(argmax(logits))
+      logits, _ = await engine.infer_tensor(f"solo-{i}", shard, np.array([[tokens[-1]]]))
+      rows.append(logits[0, -1])
+    await engine.finish_request(f"solo-{i}")
+    alone_logits.append(rows)
+    alone_tokens.append(tokens)
+
+  fed = [0] * len(prompts)  # prompt tokens fed so far
+  got: List[List[np.ndarray]] = [[] for _ in prompts]
+  step = 0
+  while any(len(rows) <= decode for rows in got):
+    items, who = [], []
+    for i, ids in enumerate(prompts):
+      if step < 2 * i or len(got[i]) > decode:
+        continue
+      if fed[i] < len(ids):
+        x = ids[fed[i]:fed[i] + chunk].reshape(1, -1)
+        fed[i] += x.shape[1]
+      else:
+        x = np.array([[alone_tokens[i][len(got[i]) - 1]]])
+      items.append((f"joined-{i}", x, None))
+      who.append((i, fed[i] == len(ids)))  # a prompt's last chunk, or a decode token: its logits are compared
+    for (i, compared), result in zip(who, await engine.infer_batch(shard, items)):
+      assert not isinstance(result, Exception), result
+      if compared:
+        got[i].append(result[0][0, -1])
+    step += 1
+  for i in range(len(prompts)):
+    await engine.finish_request(f"joined-{i}")
+  assert engine.kv_cache_bytes() == 0
+  for i in range(len(prompts)):
+    for k, (row, want) in enumerate(zip(got[i], alone_logits[i])):
+      np.testing.assert_allclose(row, want, atol=atol, rtol=0, err_msg=f"request {i}, logits {k}")
+    assert [int(np.argmax(row)) for row in got[i][:decode]] == alone_tokens[i], "greedy tokens differ"
+
+
 class EngineChecks:
   """The checks every engine passes. An engine's test module defines the `engine` and `engine_class` fixtures and
-  a `Test...` class that inherits these."""
+  a `Test...` class that inherits these (and may loosen `batched_atol` for an engine whose step pads its shapes)."""
+
+  batched_atol = BATCHED_ATOL
 
   async def test_greedy_answer(self, engine):
     await check_greedy_answer(engine)
@@ -208,3 +264,6 @@ class EngineChecks:
 
   async def test_cache_grows_not_preallocated(self, engine):
     await check_cache_grows_not_preallocated(engine)
+
+  async def test_batched_logits_match_alone(self, engine):
+    await check_batched_logits_match_alone(engine, self.batched_atol)

@@ -1,302 +1,285 @@
 """Llama in numpy, float32: one step runs many requests at once.
 
-Token-parallel work (projections, MLP, norms, head) runs on all rows of all requests together; attention
-runs per request against that request's own KV cache ("selective batching"). The cores share a big step by
-requests, each running every layer for its own (`balanced_groups`), and a smaller one by each product's columns.
+All rows of all requests go through each weight product together, the product's columns shared among the cores
+(kernels.py). Attention reads the KV pool (cache.py): decode rows of requests in consecutive slots are one batched
+product over a strided view of those slots, each row masked to its own length; a prompt chunk attends on its own
+with a causal mask. The cores share attention by requests, cut so that each reads about as many cached positions.
 
-Weights are stored in column blocks, (out / BLOCK, in, BLOCK), and multiplied a few rows at a time: each
-block product is then small enough for OpenBLAS's small-matrix kernel, which reads the weights as they lie.
-A plain (rows, in) @ (in, out) product would first copy ("pack") the whole weight matrix, which for a
-decode batch of 2-32 rows costs more than the arithmetic; this way 16 decode rows cost about twice one."""
+Every step of a layer that follows a product runs inside that product's column slices, on whichever core computed
+them: RoPE and the cache write after q/k/v, the residual add after the output and down projections, SiLU-and-gate
+after gate/up (whose columns are interleaved in 32-column pairs so that each slice holds both halves). Only the
+two RMS norms of a layer, over whole rows, run between the slices."""
 import math
-import mmap
-import os
-import threading
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
+from exo.inference.numpy.kernels import CORES, PARALLEL_ROWS, split_columns, split_over_cores
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig, rope_inv_freq
 
-BLOCK = 32  # output columns per weight block
-SMALL_GEMM = 1_000_000  # OpenBLAS takes its no-packing kernel while rows * BLOCK * in stays within this
-
-
-def block_weight(w: np.ndarray) -> np.ndarray:
-  """(in, out) -> (out / BLOCK, in, BLOCK), contiguous; out is padded with zero columns to a whole block."""
-  n_in, n_out = w.shape
-  padded = -n_out % BLOCK
-  if padded:
-    w = np.concatenate([w, np.zeros((n_in, padded), dtype=w.dtype)], axis=1)
-  return np.ascontiguousarray(w.reshape(n_in, -1, BLOCK).transpose(1, 0, 2), dtype=np.float32)
-
-
-class _Worker:
-  """A thread that runs one part of a product when handed one. A pair of locks hands it over: waking a thread costs
-  about 25 us on this VM, and a thread pool's futures and queues cost as much again on top."""
-
-  def __init__(self):
-    self.go, self.done = threading.Lock(), threading.Lock()
-    self.go.acquire()
-    self.done.acquire()
-    self.task, self.error = None, None
-    threading.Thread(target=self._loop, daemon=True, name="numpy-matmul").start()
-
-  def _loop(self) -> None:
-    while True:
-      self.go.acquire()
-      part, lo, hi = self.task
-      try:
-        part(lo, hi)
-      except BaseException as e:  # handed to the caller by wait()
-        self.error = e
-      self.done.release()
-
-  def start(self, part: Callable[[int, int], None], lo: int, hi: int) -> None:
-    self.task, self.error = (part, lo, hi), None
-    self.go.release()
-
-  def wait(self) -> Optional[BaseException]:
-    self.done.acquire()
-    return self.error
-
-
-# The small-matrix kernel runs on one thread; a step with enough rows splits its blocks over the cores instead.
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-PARALLEL_ROWS = 8  # below this the hand-over costs more than the other cores save (measured: 4 rows 2% faster, 8 rows 10%)
-
-
-def _start_workers() -> None:
-  global _workers, _workers_busy
-  _workers = [_Worker() for _ in range(CORES - 1)]
-  _workers_busy = threading.Lock()  # one product at a time; another engine's thread in this process meanwhile runs alone
-
-
-_start_workers()
-if hasattr(os, "register_at_fork"):
-  os.register_at_fork(after_in_child=_start_workers)  # a forked child has none of its parent's threads to hand work to
-
-
-def split_over_cores(part: Callable[[int, int], None], n: int) -> None:
-  """part(lo, hi) for each of CORES even slices of range(n), at once."""
-  if not _workers or not _workers_busy.acquire(blocking=False):
-    part(0, n)
-    return
-  try:
-    bounds = [n * i // CORES for i in range(CORES + 1)]
-    for worker, lo, hi in zip(_workers, bounds[1:], bounds[2:]):
-      worker.start(part, lo, hi)
-    part(bounds[0], bounds[1])
-  finally:
-    errors = [worker.wait() for worker in _workers]
-    _workers_busy.release()
-  for error in errors:
-    if error is not None:
-      raise error
-
-
-ROW_SPLIT_ROWS = 16  # from here a step's requests are shared among the cores, each running all layers for its own
-ROW_SPLIT_SKEW = 1.25  # ... unless some core would get more than this times its fair share of the rows
-
-
-def balanced_groups(lengths: Sequence[int], parts: int) -> List[Tuple[int, int]]:
-  """Contiguous runs of requests, (first, end), with about equal rows each; one run when the rows cannot be shared.
-
-  From ROW_SPLIT_ROWS rows on, a step runs faster as several smaller steps at once, one per core, than as one step
-  whose products alone are split: the cores then also share the attention and the rest of the Python work, and hand
-  work over once per step instead of four times per layer (16 rows: about 5-10% faster, 32 rows: 10%). Below that,
-  or when one long prompt makes most of the rows, the products are split instead (see `matmul`)."""
-  total = sum(lengths)
-  if parts < 2 or len(lengths) < 2 or total < ROW_SPLIT_ROWS:
-    return [(0, len(lengths))]
-  cuts, rows = [0], 0
-  for i, n in enumerate(lengths[:-1]):
-    rows += n
-    if len(cuts) < parts and rows >= total * len(cuts) / parts:
-      cuts.append(i + 1)
-  cuts.append(len(lengths))
-  if max(sum(lengths[a:b]) for a, b in zip(cuts, cuts[1:])) > ROW_SPLIT_SKEW * total / parts:
-    return [(0, len(lengths))]
-  return list(zip(cuts, cuts[1:]))
-
-
-def matmul(x: np.ndarray, blocks: np.ndarray, n_out: int) -> np.ndarray:
-  """x (rows, in) @ the weight `blocks` stand for -> (rows, n_out)."""
-  rows, n_in = x.shape
-  n_blocks = blocks.shape[0]
-  out = np.empty((rows, n_blocks * BLOCK), dtype=np.float32)
-  group = max(1, SMALL_GEMM // (BLOCK * n_in))
-
-  def run(lo: int, hi: int) -> None:  # output blocks lo..hi; numpy releases the GIL inside matmul
-    for start in range(0, rows, group):
-      part = np.matmul(x[start:start + group], blocks[lo:hi])  # (hi - lo, rows, BLOCK)
-      out[start:start + group].reshape(part.shape[1], n_blocks, BLOCK)[:, lo:hi] = part.transpose(1, 0, 2)
-
-  if rows < PARALLEL_ROWS:
-    run(0, n_blocks)
-  else:
-    split_over_cores(run, n_blocks)
-  return out[:, :n_out] if n_out != out.shape[1] else out
-
-
-def zeros_in_small_pages(shape) -> np.ndarray:
-  """A float32 zero array whose memory the kernel maps in 4 KiB pages as it is first written.
-
-  Untouched pages cost no memory, so a cache can reserve room for many positions up front. numpy would ask for
-  transparent huge pages; a huge page may first need the kernel to compact memory, and when several requests'
-  caches grew in the same step that stalled the step by up to 250 ms."""
-  buffer = mmap.mmap(-1, max(1, math.prod(shape) * 4))  # anonymous, zero-filled; unmapped with the array
-  if hasattr(mmap, "MADV_NOHUGEPAGE"):
-    buffer.madvise(mmap.MADV_NOHUGEPAGE)
-  return np.frombuffer(buffer, dtype=np.float32, count=math.prod(shape)).reshape(shape)
-
-
-RESERVED_POSITIONS = 1024  # a new cache's room: address space only until written, and most requests never outgrow it
-GROW_AHEAD = 0.75  # a cache this full may grow one step early
-
-
-class KVCache:
-  """One request's keys and values for this shard's layers: (layers, k/v, kv heads, positions, head dim)."""
-
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = RESERVED_POSITIONS):
-    self.data = zeros_in_small_pages((n_layers, 2, n_kv_heads, capacity, head_dim))
-    self.length = 0
-
-  @property
-  def capacity(self) -> int:
-    return self.data.shape[3]
-
-  def reserve(self, length: int) -> bool:
-    """Room for `length` positions; True if the cache had to grow (to twice its size, or more)."""
-    if length <= self.capacity:
-      return False
-    grown = zeros_in_small_pages(self.data.shape[:3] + (max(length, 2 * self.capacity), self.data.shape[4]))
-    grown[:, :, :, :self.length] = self.data[:, :, :, :self.length]
-    self.data = grown
-    return True
-
-  @property
-  def nbytes(self) -> int:
-    """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row."""
-    rows, row_bytes = math.prod(self.data.shape[:3]), self.length * self.data.shape[4] * 4
-    return rows * -(-row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+PAIR = 32  # gate/up columns interleaved in pairs of PAIR gate columns then PAIR up columns
+PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest; past this much padding a new run starts
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
   return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * weight
 
 
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half], x[..., half:]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class DecodeRun:
+  """Requests in consecutive slots of one slab, one new row each (rows first..first + n of the step): their
+  attention is one batched product over a view of those slots, each row masked to its own length."""
+
+  def __init__(self, slab: np.ndarray, slot: int, first: int, ends: np.ndarray):
+    self.slab, self.slot, self.first, self.ends = slab, slot, first, ends  # ends: positions each row sees
+    self.width = int(ends.max())
+    hidden = np.arange(self.width)[None, :] >= ends[:, None]
+    self.mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
+
+  @property
+  def cost(self) -> int:  # cached positions read
+    return len(self.ends) * self.width
+
+  def split(self, n: int) -> Tuple["DecodeRun", "DecodeRun"]:
+    return (DecodeRun(self.slab, self.slot, self.first, self.ends[:n]),
+            DecodeRun(self.slab, self.slot + n, self.first + n, self.ends[n:]))
+
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+    n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
+    rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
+    keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
+    scores = np.matmul(q[rows].reshape(n, n_kv, n_heads // n_kv, hd), keys.swapaxes(-1, -2))
+    scores += self.mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    out = np.matmul(scores, values)
+    out /= scores.sum(axis=-1, keepdims=True)
+    attn[rows] = out.reshape(n, n_heads * hd)
+
+
+class PromptChunk:
+  """n rows of one request's prompt (rows first..first + n of the step), from position `start`: causal attention
+  over its own slot."""
+
+  def __init__(self, slab: np.ndarray, slot: int, first: int, start: int, n: int):
+    self.slab, self.slot, self.first, self.n, self.width = slab, slot, first, n, start + n
+    causal = np.arange(self.width)[None, :] > (start + np.arange(n))[:, None]
+    self.mask = np.where(causal, -np.inf, 0.0).astype(np.float32)
+
+  @property
+  def cost(self) -> float:  # in cached positions read: its rows share each read, and they are compute-bound
+    return self.n * self.width / 2
+
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+    n, width, (_, n_heads, hd) = self.n, self.width, q.shape
+    group = n_heads // n_kv
+    keys, values = self.slab[self.slot, li, 0, :, :width], self.slab[self.slot, li, 1, :, :width]  # (kv heads, width, head dim)
+    queries = q[self.first:self.first + n].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+    scores = np.matmul(queries, keys.swapaxes(-1, -2)).reshape(n_kv, group, n, width)
+    scores += self.mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    out = np.matmul(scores.reshape(n_kv, group * n, width), values).reshape(n_kv, group, n, hd)
+    out /= scores.sum(axis=-1, keepdims=True)
+    attn[self.first:self.first + n] = out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
+
+
+class Step:
+  """What every layer of one step shares: where each row's keys go, and who attends with whom. The requests come
+  in slot order."""
+
+  def __init__(self, pool: KVPool, caches: Sequence[KVCache], lengths: Sequence[int]):
+    starts = [cache.length for cache in caches]
+    self.rows = sum(lengths)
+    self.positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    # Cache writes, one per slab: (slab, row range, slot index per row, position per row).
+    self.writes: List[Tuple[np.ndarray, slice, np.ndarray, np.ndarray]] = []
+    slot_of_row = np.repeat([cache.slot for cache in caches], lengths)
+    for slab in np.unique(slot_of_row // SLAB_SLOTS):
+      rows = np.flatnonzero(slot_of_row // SLAB_SLOTS == slab)
+      self.writes.append((pool.slabs[slab], slice(rows[0], rows[-1] + 1), slot_of_row[rows] % SLAB_SLOTS, self.positions[rows]))
+
+    jobs: List = []
+    run: List[int] = []  # requests of the decode run being gathered
+    offsets = np.cumsum([0] + list(lengths))
+
+    def close_run():
+      if run:
+        slab, index = pool.where(caches[run[0]].slot)
+        jobs.append(DecodeRun(slab, index, int(offsets[run[0]]), np.array([starts[r] + 1 for r in run])))
+        run.clear()
+
+    for r, (cache, n) in enumerate(zip(caches, lengths)):
+      if n > 1:
+        close_run()
+        jobs.append(PromptChunk(*pool.where(cache.slot), int(offsets[r]), starts[r], n))
+        continue
+      if run:
+        widths = [starts[i] + 1 for i in run] + [starts[r] + 1]
+        if cache.slot != caches[run[-1]].slot + 1 or cache.slot % SLAB_SLOTS == 0 or len(widths) * max(widths) > PADDING_LIMIT * sum(widths):
+          close_run()
+      run.append(r)
+    close_run()
+    self.job_groups = share(jobs, CORES) if self.rows >= PARALLEL_ROWS and CORES > 1 else [jobs]
+
+
+def share(jobs: List, parts: int) -> List[List]:
+  """The jobs in `parts` consecutive groups of about equal cost; a decode run is cut where a group fills up."""
+  total = sum(job.cost for job in jobs)
+  groups: List[List] = [[] for _ in range(parts)]
+  g, filled = 0, 0.0
+  for job in jobs:
+    while job is not None:
+      room = total * (g + 1) / parts - filled
+      if isinstance(job, DecodeRun) and g < parts - 1 and job.cost > room and len(job.ends) > 1:
+        head, job = job.split(min(len(job.ends) - 1, max(1, round(room / job.width))))
+      else:
+        head, job = job, None
+      groups[g].append(head)
+      filled += head.cost
+      if g < parts - 1 and (job is not None or filled >= total * (g + 1) / parts):
+        g += 1
+  return [group for group in groups if group]
+
+
 class Llama:
   def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
     self.config, self.shard = config, shard
+    c = config
+    q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    if c.intermediate_size % PAIR:
+      raise ValueError(f"intermediate size {c.intermediate_size} is not a multiple of {PAIR}")
     self.layers = []
     for i in range(shard.start_layer, shard.end_layer + 1):
-      p = f"model.layers.{i}."
-      w = lambda name: weights[p + name]
+      w = lambda name: weights[f"model.layers.{i}.{name}"]
+      # Every weight once, as (in, out), written straight into its final place.
+      qkv = np.empty((c.hidden_size, q_size + 2 * kv_size), dtype=np.float32)
+      qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:] = w("self_attn.q_proj.weight").T, w("self_attn.k_proj.weight").T, w("self_attn.v_proj.weight").T
+      gate_up = np.empty((c.hidden_size, 2 * c.intermediate_size), dtype=np.float32)
+      pairs = gate_up.reshape(c.hidden_size, -1, 2, PAIR)
+      pairs[:, :, 0], pairs[:, :, 1] = w("mlp.gate_proj.weight").T.reshape(c.hidden_size, -1, PAIR), w("mlp.up_proj.weight").T.reshape(c.hidden_size, -1, PAIR)
       self.layers.append({
-        "attn_norm": w("input_layernorm.weight"), "mlp_norm": w("post_attention_layernorm.weight"),
-        # Fused and blocked so each projection is one `matmul`.
-        "qkv": block_weight(np.concatenate([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]).T),
-        "o": block_weight(w("self_attn.o_proj.weight").T),
-        "gate_up": block_weight(np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).T),
-        "down": block_weight(w("mlp.down_proj.weight").T),
-      })
-    self.embed = weights.get("model.embed_tokens.weight") if shard.is_first_layer() else None
+        "attn_norm": w("input_layernorm.weight"), "mlp_norm": w("post_attention_layernorm.weight"), "qkv": qkv,
+        "o": np.ascontiguousarray(w("self_attn.o_proj.weight").T), "gate_up": gate_up,
+        "down": np.ascontiguousarray(w("mlp.down_proj.weight").T)})
+    embed = weights.get("model.embed_tokens.weight")
+    self.head = None  # (hidden, vocab)
     if shard.is_last_layer():
       self.norm = weights["model.norm.weight"]
-      self.head = block_weight(weights.get("lm_head.weight", weights.get("model.embed_tokens.weight")).T)
+      self.head = np.ascontiguousarray(weights.get("lm_head.weight", embed).T)
+    # The first shard looks tokens up; with tied embeddings on a whole-model shard, in the head's columns (one copy).
+    self.embed = None
+    if shard.is_first_layer():
+      self.embed = embed if self.head is None or "lm_head.weight" in weights else None
     self.inv_freq = rope_inv_freq(config)
+    self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings)
 
   def new_cache(self) -> KVCache:
-    return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim)
+    return KVCache(self.pool)
 
-  def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  def _embed(self, ids: np.ndarray) -> np.ndarray:
+    return self.embed[ids] if self.embed is not None else self.head[:, ids].T.copy()
 
   def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
     Returns per request: hidden states (L_i, d), or on the last shard the logits of its last position (1, vocab)."""
     c = self.config
+    for x, cache in zip(inputs, caches):
+      if cache.length + len(x) > cache.capacity:
+        raise ValueError(f"a request of {cache.length + len(x)} positions exceeds the context of {cache.capacity}")
+    # Requests in slot order, so that neighbours in the pool are neighbours in the step.
+    order = sorted(range(len(inputs)), key=lambda r: caches[r].slot)
+    inputs, caches = [inputs[r] for r in order], [caches[r] for r in order]
     lengths = [len(x) for x in inputs]
-    grew = [cache.reserve(cache.length + n) for cache, n in zip(caches, lengths)]
-    fullest = max(caches, key=lambda cache: (cache.length + 1) / cache.capacity)
-    if not any(grew) and fullest.length >= GROW_AHEAD * fullest.capacity:
-      # Requests that run in step fill their caches together; growing one ahead of time per step spreads the
-      # copying out instead of stalling every stream in the one step where they would all grow.
-      fullest.reserve(fullest.capacity + 1)
-    groups = balanced_groups(lengths, CORES)
-    if len(groups) == 1:
-      h = self._layers(inputs, caches)
-    else:
-      outputs = [None] * len(groups)
-
-      def run(lo: int, hi: int) -> None:
-        for g in range(lo, hi):
-          a, b = groups[g]
-          outputs[g] = self._layers(inputs[a:b], caches[a:b])
-      split_over_cores(run, len(groups))
-      h = np.concatenate(outputs)
-
-    offsets = np.cumsum([0] + lengths)
-    if not self.shard.is_last_layer():
-      return [h[offsets[r]:offsets[r + 1]] for r in range(len(inputs))]
-    last = h[offsets[1:] - 1]  # only each request's last position is ever sampled
-    logits = matmul(rms_norm(last, self.norm, c.rms_norm_eps), self.head, c.vocab_size)
-    return [logits[r:r + 1] for r in range(len(inputs))]
-
-  def _layers(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> np.ndarray:
-    """The shard's layers for these requests: their hidden states, all rows, (sum of L_i, d)."""
-    c = self.config
-    lengths = [len(x) for x in inputs]
-    starts = [cache.length for cache in caches]
-    if self.embed is not None:
-      h = self.embed[np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in inputs])]
+    if self.shard.is_first_layer():
+      h = self._embed(np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in inputs]))
     else:
       h = np.concatenate([np.asarray(x, dtype=np.float32).reshape(-1, c.hidden_size) for x in inputs])
-    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    angles = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    step = Step(self.pool, caches, lengths)
+    h = self._layers(h, step)
+    for cache, n in zip(caches, lengths):
+      cache.length += n
 
-    hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
-    group, q_size, kv_size = n_heads // n_kv, n_heads * hd, n_kv * hd
-    rows, width = h.shape[0], max(s + n for s, n in zip(starts, lengths))
     offsets = np.cumsum([0] + lengths)
-    # Buffers reused by every layer, so that each request's slices of them are cut once per step, not per layer: the
-    # per-request loops below are most of a decode step's Python work.
-    q = np.empty((n_kv, rows * group, hd), dtype=np.float32)
-    new_kv = np.empty((2, n_kv, rows, hd), dtype=np.float32)
-    # Scores of all requests share one (kv head, row x group, key) array so softmax runs once for the step. A row
-    # sees keys up to its own position; that one mask also hides the unused tail of shorter requests' rows.
-    scores = np.empty((n_kv, rows * group, width), dtype=np.float32)
-    attn = np.empty((n_kv, rows * group, hd), dtype=np.float32)
-    hidden = np.repeat(np.arange(width)[None, :] > positions[:, None], group, axis=0)
-    spans = [(cache.data, s, s + n, slice(a, b), slice(a * group, b * group))
-             for cache, s, n, a, b in zip(caches, starts, lengths, offsets[:-1], offsets[1:])]
-    # per request: (where its new keys and values go, they, its queries, its keys transposed, its scores) ...
-    scoring = [(kv[:, :, :, s:e], new_kv[:, :, r], q[:, g], kv[:, 0, :, :e].transpose(0, 1, 3, 2), scores[:, g, :e]) for kv, s, e, r, g in spans]
-    # ... and (its weights, its values, its output rows)
-    mixing = [(scores[:, g, :e], kv[:, 1, :, :e], attn[:, g]) for kv, s, e, r, g in spans]
+    if self.head is None:
+      outputs = [h[offsets[i]:offsets[i + 1]] for i in range(len(inputs))]
+    else:
+      last = rms_norm(h[offsets[1:] - 1], self.norm, c.rms_norm_eps)  # only each request's last position is sampled
+      logits = np.empty((len(inputs), c.vocab_size), dtype=np.float32)
+
+      def head(a: int, b: int) -> None:
+        np.matmul(last, self.head[:, a:b], out=logits[:, a:b])
+      split_columns(head, c.vocab_size, 256, step.rows)
+      outputs = [logits[i:i + 1] for i in range(len(inputs))]
+    unsorted: List[np.ndarray] = [None] * len(inputs)
+    for i, r in enumerate(order):
+      unsorted[r] = outputs[i]
+    return unsorted
+
+  def _layers(self, h: np.ndarray, step: Step) -> np.ndarray:
+    c = self.config
+    hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
+    rows = step.rows
+    angles = step.positions[:, None].astype(np.float32) * self.inv_freq[None, :]
+    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    scale = np.float32(1.0 / math.sqrt(hd))
+    q = np.empty((rows, n_heads, hd), dtype=np.float32)  # scaled, turned queries
+    attn = np.empty((rows, n_heads * hd), dtype=np.float32)
+    act = np.empty((rows, c.intermediate_size), dtype=np.float32)
+    x = None
+
     for li, layer in enumerate(self.layers):
-      qkv = matmul(rms_norm(h, layer["attn_norm"], c.rms_norm_eps), layer["qkv"], q_size + 2 * kv_size)
-      qk = self._rope(qkv[:, :q_size + kv_size].reshape(rows, n_heads + n_kv, hd), cos, sin)  # queries and keys turn alike
-      q.reshape(n_kv, rows, group, hd)[:] = (qk[:, :n_heads] * np.float32(1.0 / math.sqrt(hd))).reshape(rows, n_kv, group, hd).transpose(1, 0, 2, 3)
-      new_kv[0], new_kv[1] = qk[:, n_heads:].transpose(1, 0, 2), qkv[:, q_size + kv_size:].reshape(rows, n_kv, hd).transpose(1, 0, 2)
-      for kv_at, kv_new, q_rows, keys, score_rows in scoring:
-        kv_at[li] = kv_new
-        np.matmul(q_rows, keys[li], out=score_rows)
-      np.copyto(scores, -np.inf, where=hidden)
-      scores -= scores.max(axis=-1, keepdims=True)
-      np.exp(scores, out=scores)
-      scores /= scores.sum(axis=-1, keepdims=True)
-      for score_rows, values, attn_rows in mixing:
-        np.matmul(score_rows, values[li], out=attn_rows)
-      h = h + matmul(attn.reshape(n_kv, rows, group, hd).transpose(1, 0, 2, 3).reshape(rows, q_size), layer["o"], c.hidden_size)
-      gate_up = matmul(rms_norm(h, layer["mlp_norm"], c.rms_norm_eps), layer["gate_up"], 2 * c.intermediate_size)
-      gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
-      h = h + matmul((gate / (1.0 + np.exp(-gate))) * up, layer["down"], c.hidden_size)
-    for cache, s, n in zip(caches, starts, lengths):
-      cache.length = s + n
+      def qkv(a: int, b: int) -> None:  # whole heads: queries, then keys, then values
+        out = (x @ layer["qkv"][:, a:b]).reshape(rows, -1, hd)
+        ha, hb = a // hd, b // hd
+        for head0, head1, kind in ((0, n_heads, "q"), (n_heads, n_heads + n_kv, "k"), (n_heads + n_kv, n_heads + 2 * n_kv, "v")):
+          lo, hi = max(ha, head0), min(hb, head1)
+          if lo >= hi:
+            continue
+          part = out[:, lo - ha:hi - ha]
+          if kind == "q":
+            q[:, lo:hi] = rope(part, cos, sin) * scale
+            continue
+          values = rope(part, cos, sin) if kind == "k" else part
+          for slab, row_range, slots, positions in step.writes:
+            slab[slots, li, int(kind == "v"), lo - head0:hi - head0, positions] = values[row_range]
+
+      def attend(lo: int, hi: int) -> None:
+        for g in range(lo, hi):
+          for job in step.job_groups[g]:
+            job.attend(li, q, attn, n_kv)
+
+      def o_proj(a: int, b: int) -> None:
+        h[:, a:b] += attn @ layer["o"][:, a:b]
+
+      def gate_up(a: int, b: int) -> None:
+        pairs = (x @ layer["gate_up"][:, a:b]).reshape(rows, -1, 2, PAIR)
+        gate, up = pairs[:, :, 0], pairs[:, :, 1]
+        out = act[:, a // 2:b // 2].reshape(rows, -1, PAIR)
+        np.negative(gate, out=out)  # silu(gate) * up, in place: these are the layer's largest elementwise arrays
+        np.exp(out, out=out)
+        out += 1.0
+        np.divide(gate, out, out=out)
+        out *= up
+
+      def down(a: int, b: int) -> None:
+        h[:, a:b] += act @ layer["down"][:, a:b]
+
+      x = rms_norm(h, layer["attn_norm"], c.rms_norm_eps)
+      split_columns(qkv, (n_heads + 2 * n_kv) * hd, hd, rows)
+      if len(step.job_groups) > 1:
+        split_over_cores(attend, len(step.job_groups))
+      else:
+        attend(0, len(step.job_groups))
+      split_columns(o_proj, c.hidden_size, 32, rows)
+      x = rms_norm(h, layer["mlp_norm"], c.rms_norm_eps)
+      split_columns(gate_up, 2 * c.intermediate_size, 2 * PAIR, rows)
+      split_columns(down, c.hidden_size, 32, rows)
     return h

@@ -1,10 +1,10 @@
 """Continuous batching at one node, for one shard: iteration-level scheduling as in Orca (OSDI'22) and vLLM.
 
 Every engine step takes the requests that are ready for this shard, oldest first, up to the batch size: decode
-tokens, and chunks of new prompts up to `prefill_chunk` prompt tokens per step (so a long prompt shares steps with
-running streams instead of freezing them). One `engine.infer_batch` call runs them all; each request then gets
-its own output and carries on exactly as unbatched. Requests join and leave between steps; each keeps its own
-KV cache in the engine.
+tokens, and chunks of new prompts up to `prefill_chunk` prompt tokens per step, or 2 per decode row when that is
+more (so a long prompt shares steps with running streams instead of freezing them). One `engine.infer_batch` call
+runs them all; each request then gets its own output and carries on exactly as unbatched. Requests join and leave
+between steps; each keeps its own KV cache in the engine.
 
 A step starts at once when the batch is full or no request is on its way back to this shard; a lone request never
 waits. Otherwise it waits for the requests a step of this shard handed back, which come back for their next token
@@ -27,6 +27,7 @@ ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this 
 ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
 LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no running stream is here (bounds a step's attention memory)
 RUNNING_AFTER = 4  # decode steps after which a request's stream is running, and prompt chunks protect it
+PROMPT_TOKENS_PER_DECODE_ROW = 2  # beside D decode rows a step takes up to max(prefill_chunk, 2 D) prompt tokens
 
 
 @dataclass(eq=False)
@@ -156,7 +157,14 @@ class Scheduler:
     requests that arrived together) prompts run in chunks of up to LONE_PROMPT_CHUNK tokens: a burst then starts
     decoding together in full steps, instead of its last prompts trickling in while the first ones decode."""
     running = any(self.decodes.get(request_id, 0) >= RUNNING_AFTER for request_id in [*self.ready, *self.away])
-    budget = (self.prefill_chunk if running else max(self.prefill_chunk, LONE_PROMPT_CHUNK)) or float("inf")
+    if running and self.prefill_chunk:
+      # A chunk stalls the step's streams by its share of the step: with many decode rows the step is long anyway,
+      # and a chunk that grows with them stalls them no more than prefill_chunk stalls a few, while the prompts
+      # of a burst of requests start instead of waiting behind 24-token chunks for tens of seconds.
+      decode_rows = min(self.batch_size, sum(1 for job in self.ready.values() if job.length == 1))
+      budget = max(self.prefill_chunk, PROMPT_TOKENS_PER_DECODE_ROW * decode_rows)
+    else:
+      budget = (self.prefill_chunk if running else max(self.prefill_chunk, LONE_PROMPT_CHUNK)) or float("inf")
     rows = []
     for job in self.ready.values():
       if len(rows) >= self.batch_size:

@@ -1,0 +1,106 @@
+"""The numpy engine's KV cache: one pool per model, a slot in it per request.
+
+A slot holds one request's keys and values for every layer of the shard, (layers, k/v, kv heads, positions, head
+dim), with room for the model's whole context. Slots lie side by side at a fixed stride in large anonymous
+mappings (slabs of SLAB_SLOTS), and a request takes the lowest free slot: the requests of a step then mostly sit in
+consecutive slots, and consecutive slots are one strided array, so attention for all of them is one batched product
+that reads the cache where it lies (see llama.py). A pool of small blocks scattered in memory, as vLLM pages its
+cache, would have to gather every request's blocks into one array first, for every layer of every step: that copy
+alone took as long as the attention (27-43 ms a step for 64 requests of 128 positions, on this 2-core VM).
+
+Memory follows use. A slot is only address space until written: the kernel maps 4 KiB pages as positions are
+written (no huge pages: a huge page may first need the kernel to compact memory, which stalled steps by up to 250
+ms), and they go back to it when the request ends. `nbytes` counts the pages written positions occupy.
+
+Slots are reference-counted, so that a slot can outlive its request while others read from it: a later prefix
+cache can keep a finished request's slot and let new requests whose prompts start the same way read those first
+positions from it, attention then running over the shared positions and the request's own slot in two parts
+joined by their softmax normalisers. Nothing shares slots yet: each request holds the only reference to its own."""
+import math
+import mmap
+import sys
+import threading
+import weakref
+from typing import List, Tuple
+
+import numpy as np
+
+SLAB_SLOTS = 64  # the most requests one batched attention product can take
+# Linux's flag (Python 3.11's mmap module lacks the name): the slab is address space, not memory set aside.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+class KVPool:
+  """Slots of `positions` positions for n_layers layers; `slabs[i]` is (SLAB_SLOTS, layers, 2, kv heads, positions,
+  head dim) and slot number n lies in slab n // SLAB_SLOTS."""
+
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int):
+    self.positions = -(-positions // 1024) * 1024  # a whole number of pages per (layer, k/v, head) row
+    self.slot_shape = (n_layers, 2, n_kv_heads, self.positions, head_dim)
+    self.slot_bytes = math.prod(self.slot_shape) * 4
+    self.slabs: List[np.ndarray] = []
+    self._maps: List[mmap.mmap] = []
+    self.refs: List[int] = []  # per slot
+    self._lock = threading.Lock()  # slots may be freed from another thread than the one stepping the model
+
+  def _add_slab(self) -> None:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+    buffer = mmap.mmap(-1, SLAB_SLOTS * self.slot_bytes, flags=flags)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+      buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    self._maps.append(buffer)
+    self.slabs.append(np.frombuffer(buffer, dtype=np.float32).reshape((SLAB_SLOTS,) + self.slot_shape))
+    self.refs += [0] * SLAB_SLOTS
+
+  def take(self) -> int:
+    """The lowest free slot, with one reference."""
+    with self._lock:
+      slot = next((i for i, n in enumerate(self.refs) if n == 0), None)
+      if slot is None:
+        slot = len(self.refs)
+        self._add_slab()
+      self.refs[slot] = 1
+      return slot
+
+  def retain(self, slot: int) -> None:
+    with self._lock:
+      self.refs[slot] += 1
+
+  def release(self, slot: int) -> None:
+    """Drop a reference; the last one hands the slot's pages back to the kernel (they read as zeros again)."""
+    with self._lock:
+      self.refs[slot] -= 1
+      if self.refs[slot] == 0:
+        slab, index = divmod(slot, SLAB_SLOTS)
+        self._maps[slab].madvise(mmap.MADV_DONTNEED, index * self.slot_bytes, self.slot_bytes)
+
+  def where(self, slot: int) -> Tuple[np.ndarray, int]:
+    """(its slab, its index there)."""
+    slab, index = divmod(slot, SLAB_SLOTS)
+    return self.slabs[slab], index
+
+
+class KVCache:
+  """One request's place in the pool: its slot and how many positions are written. The slot is released when the
+  cache is dropped (the engine drops it when the request ends)."""
+
+  def __init__(self, pool: KVPool):
+    self.pool, self.slot, self.length = pool, pool.take(), 0
+    weakref.finalize(self, pool.release, self.slot)
+
+  @property
+  def capacity(self) -> int:
+    return self.pool.positions
+
+  @property
+  def data(self) -> np.ndarray:
+    """(layers, k/v, kv heads, positions, head dim), a view of the slot."""
+    slab, index = self.pool.where(self.slot)
+    return slab[index]
+
+  @property
+  def nbytes(self) -> int:
+    """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row."""
+    layers, _, heads, _, head_dim = self.pool.slot_shape
+    row_bytes = self.length * head_dim * 4
+    return layers * 2 * heads * -(-row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -1,0 +1,118 @@
+"""The numpy engine's kernels: weight products, and work shared among the cores.
+
+A weight is kept once, as an (in, out) row-major matrix, and `x @ w` is a plain OpenBLAS sgemm whatever the rows.
+bench/products.py compares it with the 32-column blocked layout this engine used before (one small product per
+block) on SmolLM2's shapes, weights coming from memory as in a real step. On this 2-core VM sgemm is 1.2-1.5x
+faster from 16 rows up, and on one core (where a 1-row step runs) at every row count; the blocked form wins only
+for 2-8 rows on both cores, by 0-30% depending on the shape (the head's 49152 columns most). One copy means one
+layout, and this is the one that pays where batches are; the (out, in) layout checkpoints store is slower still
+for sgemm (x @ w.T: 10-40% at 4-64 rows).
+
+OpenBLAS runs single-threaded here (see engine.py): its own threads spin between calls, which on a shared machine
+made steps several times slower. The engine shares work itself: `split_over_cores` hands slices of a task to worker
+threads, one per extra core, started on first use."""
+import os
+import threading
+from typing import Callable, List, Optional
+
+import numpy as np
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class _Worker:
+  """A thread that runs one slice of a task when handed one. A pair of locks hands it over: waking a thread costs
+  about 25 us on this VM, and a thread pool's futures and queues cost as much again on top."""
+
+  def __init__(self):
+    self.go, self.done = threading.Lock(), threading.Lock()
+    self.go.acquire()
+    self.done.acquire()
+    self.task, self.error = None, None
+    threading.Thread(target=self._loop, daemon=True, name="numpy-worker").start()
+
+  def _loop(self) -> None:
+    while True:
+      self.go.acquire()
+      part, lo, hi = self.task
+      try:
+        part(lo, hi)
+      except BaseException as e:  # handed to the caller by wait()
+        self.error = e
+      self.done.release()
+
+  def start(self, part: Callable[[int, int], None], lo: int, hi: int) -> None:
+    self.task, self.error = (part, lo, hi), None
+    self.go.release()
+
+  def wait(self) -> Optional[BaseException]:
+    self.done.acquire()
+    return self.error
+
+
+_workers: Optional[List[_Worker]] = None
+_workers_busy = threading.Lock()  # one split task at a time; another engine's thread in this process meanwhile runs alone
+_starting = threading.Lock()
+
+
+def _get_workers() -> List[_Worker]:
+  global _workers
+  if _workers is None:
+    with _starting:
+      if _workers is None:
+        _workers = [_Worker() for _ in range(CORES - 1)]
+  return _workers
+
+
+def _forget_workers() -> None:
+  global _workers, _workers_busy, _starting
+  _workers, _workers_busy, _starting = None, threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_forget_workers)  # a forked child has none of its parent's threads to hand work to
+
+
+def split_over_cores(part: Callable[[int, int], None], n: int) -> None:
+  """part(lo, hi) for each of CORES even slices of range(n), at once; the calling thread runs the first slice."""
+  workers = _get_workers() if CORES > 1 and n > 1 else []
+  if not workers or not _workers_busy.acquire(blocking=False):
+    part(0, n)
+    return
+  try:
+    bounds = [n * i // CORES for i in range(CORES + 1)]
+    for worker, lo, hi in zip(workers, bounds[1:], bounds[2:]):
+      worker.start(part, lo, hi)
+    part(bounds[0], bounds[1])
+  finally:
+    errors = [worker.wait() for worker in workers]
+    _workers_busy.release()
+  for error in errors:
+    if error is not None:
+      raise error
+
+
+PARALLEL_ROWS = 2  # from 2 rows a step shares its work among the cores (2 rows: 20% faster; 1 row, memory-bound: 20% slower)
+
+
+def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, rows: int) -> None:
+  """part(a, b) over slices of range(n_cols) cut at multiples of `align`, shared among the cores if rows are enough."""
+  panels = -(-n_cols // align)
+
+  def run(lo: int, hi: int) -> None:
+    if lo < hi:
+      part(lo * align, min(n_cols, hi * align))
+  if rows >= PARALLEL_ROWS:
+    split_over_cores(run, panels)
+  else:
+    run(0, panels)
+
+
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+  """x (rows, in) @ w (in, out), its columns shared among the cores when there are rows enough."""
+  out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
+
+  def part(a: int, b: int) -> None:
+    np.matmul(x, w[:, a:b], out=out[:, a:b])
+  split_columns(part, w.shape[1], 64, x.shape[0])
+  return out
