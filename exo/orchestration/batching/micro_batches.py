@@ -50,10 +50,12 @@ class StageTimes:
     self.decode_steps: Deque[Tuple[int, float]] = deque(maxlen=STEPS_FITTED)  # (rows, seconds)
     self.busy: Deque[Tuple[float, float]] = deque()  # (start, end) of recent steps
     self.first_start: Optional[float] = None
+    self.busy_total_s = 0.0
 
   def record(self, start: float, end: float, rows: int, decode_only: bool) -> None:
     if self.first_start is None:
       self.first_start = start
+    self.busy_total_s += end - start
     self.busy.append((start, end))
     while self.busy and self.busy[0][1] < end - BUSY_WINDOW_S:
       self.busy.popleft()

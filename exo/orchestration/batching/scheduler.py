@@ -105,6 +105,9 @@ class Scheduler:
 
   def schedule(self, now: float) -> Optional[Step]:
     """The step to run now, or None (then `due(now)` says when to ask again)."""
+    first_layer = self.shard.is_first_layer()
+    if first_layer:
+      self._plan_groups()
     rows = []
     for _ in range(2):  # a second look if the due group handed all its rows over to a smaller one
       if self.due(now) > now:
@@ -115,9 +118,7 @@ class Scheduler:
         break
     if not rows:
       return None
-    if self.shard.is_first_layer():
-      key = key if key is not None and key < self.groups else self._smallest_group()
-    elif key is None:
+    if not first_layer:
       self._next_cohort += 1
       key = self._next_cohort
     for row, _ in rows:
@@ -155,8 +156,6 @@ class Scheduler:
       del self.ready[row.request_id]
       self.away[row.request_id] = now
       done.append((row, (output, row.state)))
-    if self.shard.is_first_layer():
-      self._plan_groups()
     return done
 
   def typical_round_trip(self) -> Optional[float]:
@@ -169,8 +168,7 @@ class Scheduler:
       return None
     own = self.times.cost()
     others = self.other_stages or ([own] * (self.stages - 1) if own else [])
-    live = len(self.cohort)
-    per_group = math.ceil(live / max(1, self.groups)) if live else 1
+    per_group = max(1, math.ceil(self._live() / max(1, self.groups)))
     return max(0.0, min(self.round_trips) - sum(cost(per_group) for cost in others))
 
   # --- inside ---
@@ -199,23 +197,33 @@ class Scheduler:
     return start_by
 
   def _due_cohort(self, now: float) -> Tuple[Optional[int], List[Row]]:
-    """The cohort whose step is due, oldest first, and the rows the step may take (in readiness order): its own, the
-    newcomers while its group has room, and rows that arrived with it on another cohort's account."""
+    """The group whose step is due and the rows the step may take, in readiness order.
+
+    On the first layers' node: the due group that has waited longest, with newcomers while it has room (newcomers
+    alone fill the smallest group). Elsewhere: every due cohort's rows, and rows that arrived in the same burst."""
     by_cohort = self._by_cohort()
-    due = [(key, rows) for key, rows in by_cohort.items() if self._due_at(key, rows, now) <= now]
-    key, rows = min(due, key=lambda item: min(row.since for row in item[1]))
-    if key is None:
-      return key, rows
-    first_layer = self.shard.is_first_layer()
-    if first_layer and key < self.groups:
-      rows = [row for row in rows if row not in self._rebalance(key, rows)]
-    take = set(map(id, rows))
-    room = (math.ceil(len(set(self.cohort) | set(self.ready)) / max(1, self.groups)) - len(rows)) if first_layer else self.batch_size
-    take |= {id(row) for row in by_cohort.get(None, [])[:max(0, room)]}
-    if not first_layer:  # rows that came in the same burst go on together
-      low, high = min(row.since for row in rows) - self.timeout_s, max(row.since for row in rows) + self.timeout_s
-      take |= {id(row) for other, others in by_cohort.items() if other not in (key, None) for row in others if low <= row.since <= high}
+    due = {key: rows for key, rows in by_cohort.items() if self._due_at(key, rows, now) <= now}
+    if not self.shard.is_first_layer():
+      take = {id(row) for rows in due.values() for row in rows}
+      arrivals = [row.since for rows in due.values() for row in rows]
+      low, high = min(arrivals) - self.timeout_s, max(arrivals) + self.timeout_s
+      take |= {id(row) for row in self.ready.values() if low <= row.since <= high}
+      return None, [row for row in self.ready.values() if id(row) in take]
+    key = min(due, key=lambda k: min(row.since for row in due[k]))
+    rows = due[key] if key is not None else []
+    if key is None or key >= self.groups:
+      key = self._smallest_group()
+      rows += by_cohort.get(key, []) if key in due else []
+    else:
+      moving = self._rebalance(key, rows)
+      rows = [row for row in rows if row not in moving]
+    room = math.ceil(self._live() / max(1, self.groups)) - self._group_sizes().get(key, 0)
+    newcomers = [row for row in by_cohort.get(None, []) if row not in rows][:max(1 if not rows else 0, room)]
+    take = set(map(id, rows + newcomers))
     return key, [row for row in self.ready.values() if id(row) in take]
+
+  def _live(self) -> int:
+    return len(set(self.cohort) | set(self.ready))
 
   def _group_sizes(self) -> Dict[int, int]:
     sizes = {g: 0 for g in range(self.groups)}
@@ -243,7 +251,7 @@ class Scheduler:
 
   def _plan_groups(self) -> None:
     """m for the live requests, from the measured step costs and hops; before there is a fit, one group per stage."""
-    live = len(self.cohort)
+    live = self._live()
     own = self.times.cost()
     hops = self.hop_estimate()
     if own is None or hops is None:
