@@ -31,8 +31,8 @@ from bench import ROOT, Cluster, burst, free_port, make_prompts, summarise  # no
 class Machines(Cluster):
   """Nodes pinned to cores of their own; with a delay, each node reached through a relay of its own."""
 
-  def __init__(self, nodes: int, args, log_dir: Path):
-    super().__init__(nodes, args.engine, True, args, log_dir)
+  def __init__(self, nodes: int, args, log_dir: Path, root: Path = ROOT):
+    super().__init__(nodes, args.engine, True, args, log_dir, root)
     self.relays: List[subprocess.Popen] = []
 
   def cores(self, i: int) -> set:
@@ -48,7 +48,7 @@ class Machines(Cluster):
       return grpc_port
     listen = free_port()
     relay = subprocess.Popen([sys.executable, str(ROOT / "bench" / "relay.py"), "--delay-ms", str(self.args.hop_delay_ms), f"{listen}:{grpc_port}"],
-                             stdout=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # it ends when our end of stdin closes
     self.relays.append(relay)
     if relay.stdout.readline().strip() != "ready":
       raise RuntimeError("the relay did not start")
@@ -60,37 +60,43 @@ class Machines(Cluster):
       relay.terminate()
       relay.wait(timeout=10)
 
-  async def busy_seconds(self) -> Dict[str, float]:
-    """Each stage's exo_stage_busy_seconds, by its layers, from every node's /metrics."""
+  async def scrape(self) -> Dict[str, float]:
+    """From every node's /metrics: each stage's busy seconds (by its layers) and its steps and rows so far."""
     from prometheus_client.parser import text_string_to_metric_families
-    busy = {}
+    figures = {}
     async with aiohttp.ClientSession() as session:
       for port in self.api_ports:
         async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
           text = await r.text()
-        for family in text_string_to_metric_families(text):
-          for sample in family.samples:
-            if sample.name == "exo_stage_busy_seconds_total":
-              busy[sample.labels["layers"]] = sample.value
-    return busy
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        layers = [s.labels["layers"] for s in samples if s.name == "exo_stage_busy_seconds_total"]
+        for sample in samples:
+          if sample.name == "exo_stage_busy_seconds_total":
+            figures[f"busy {sample.labels['layers']}"] = sample.value
+          elif sample.name in ("exo_batch_size_count", "exo_batch_size_sum") and layers:
+            figures[f"{'steps' if sample.name.endswith('count') else 'rows'} {layers[0]}"] = sample.value
+    return figures
 
 
-async def run_cluster(args, nodes: int, ns: List[int], pair: int, out) -> Dict[int, dict]:
+async def run_cluster(args, nodes: int, ns: List[int], pair: int, out, root: Path = ROOT) -> Dict[int, dict]:
   rows = {}
-  async with Machines(nodes, args, Path(args.log_dir)) as cluster:
+  async with Machines(nodes, args, Path(args.log_dir), root) as cluster:
     await burst(cluster.url, make_prompts(2, 48, salt=99), 8)  # warm-up: load, first allocations
     for n in ns:
-      before, start = await cluster.busy_seconds(), time.monotonic()
+      before, start = await cluster.scrape(), time.monotonic()
       results = await burst(cluster.url, make_prompts(n, args.prompt_tokens), args.tokens)
       wall = time.monotonic() - start
-      after = await cluster.busy_seconds()
-      row = {"nodes": nodes, "n": n, "pair": pair, "texts": [r["text"] for r in results], **summarise(results),
-             "busy": {layers: (after[layers] - before.get(layers, 0.0)) / wall for layers in after}}
+      after = await cluster.scrape()
+      moved = {key: value - before.get(key, 0.0) for key, value in after.items()}
+      stages = [key[5:] for key in after if key.startswith("busy ")]
+      row = {"nodes": nodes, "n": n, "pair": pair, "code": "this" if root == ROOT else str(root), "texts": [r["text"] for r in results], **summarise(results),
+             "busy": {layers: moved[f"busy {layers}"] / wall for layers in stages},
+             "rows_per_step": {layers: moved.get(f"rows {layers}", 0) / max(1, moved.get(f"steps {layers}", 0)) for layers in stages}}
       rows[n] = row
       out.write(json.dumps({k: v for k, v in row.items() if k != "texts"}) + "\n")
       out.flush()
-      busy = ", ".join(f"layers {layers} {100 * b:.0f}%" for layers, b in sorted(row["busy"].items()))
-      print(f"  pair {pair} {nodes} node(s) N={n:<3} {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:.2f}s  busy: {busy}", flush=True)
+      busy = ", ".join(f"layers {layers} {100 * b:.0f}% ({row['rows_per_step'][layers]:.1f} rows/step)" for layers, b in sorted(row["busy"].items()))
+      print(f"  pair {pair} {nodes} node(s){'' if root == ROOT else ' BASELINE'} N={n:<3} {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:.2f}s  busy: {busy}", flush=True)
   return rows
 
 
@@ -107,6 +113,7 @@ async def main() -> None:
   p.add_argument("--batch-size", type=int, default=None, help="EXO_BATCH_SIZE (default: the largest N)")
   p.add_argument("--batch-timeout-ms", type=float, default=5.0)
   p.add_argument("--prefill-chunk", type=int, default=None)
+  p.add_argument("--baseline", default=None, help="another checkout of exo whose ring runs in each pair too (its ring ÷ the same single node)")
   p.add_argument("--out", default=str(ROOT / "bench" / "results"))
   args = p.parse_args()
   ns = [int(n) for n in args.ns.split(",") if n]
@@ -118,12 +125,16 @@ async def main() -> None:
   path = Path(args.out) / f"machines-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
   print(f"exo machines bench: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, N={ns}, "
         f"{args.pairs} pair(s), {args.prompt_tokens} prompt + {args.tokens} generated tokens; logs in {args.log_dir}", flush=True)
-  pairs = []
+  pairs, baseline = [], []
   with open(path, "w") as out:
     for pair in range(args.pairs):
-      order = [args.nodes, 1] if pair % 2 == 0 else [1, args.nodes]
-      runs = {nodes: await run_cluster(args, nodes, ns, pair, out) for nodes in order}
-      pairs.append((runs[args.nodes], runs[1]))
+      order = [(args.nodes, ROOT), (1, ROOT)] + ([(args.nodes, Path(args.baseline))] if args.baseline else [])
+      if pair % 2:
+        order.reverse()
+      runs = {(nodes, root): await run_cluster(args, nodes, ns, pair, out, root) for nodes, root in order}
+      pairs.append((runs[(args.nodes, ROOT)], runs[(1, ROOT)]))
+      if args.baseline:
+        baseline.append(runs[(args.nodes, Path(args.baseline))])
   print(f"\n{args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} core(s); "
         f"medians over {args.pairs} pair(s)")
   print(f"{'N':>4} {'ring tok/s':>11} {'single tok/s':>13} {'ring/single':>12} {'each pair':>24} {'same':>5}  stage busy (ring)")
@@ -134,6 +145,13 @@ async def main() -> None:
     busy = ", ".join(f"{l}: {100 * statistics.median(ring[n]['busy'].get(l, 0) for ring, _ in pairs):.0f}%" for l in layers)
     print(f"{n:>4} {statistics.median(r[n]['tok_s'] for r, _ in pairs):>11.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
           f"{statistics.median(ratios):>11.2f}x {' '.join(f'{x:.2f}' for x in ratios):>24} {'yes' if same else 'NO':>5}  {busy}")
+  if baseline:
+    print(f"\nthe baseline's ring ({args.baseline}) ÷ the same single node")
+    for n in ns:
+      ratios = [ring[n]["tok_s"] / single[n]["tok_s"] for ring, (_, single) in zip(baseline, pairs)]
+      busy = ", ".join(f"{l}: {100 * statistics.median(r[n]['busy'].get(l, 0) for r in baseline):.0f}%" for l in sorted(baseline[0][n]["busy"]))
+      print(f"{n:>4} {statistics.median(r[n]['tok_s'] for r in baseline):>11.1f} {statistics.median(ratios):>11.2f}x "
+            f"{' '.join(f'{x:.2f}' for x in ratios):>24}  {busy}")
   print(f"\nraw figures: {path}")
 
 

@@ -4,10 +4,12 @@ to `target`, both directions delayed.
 
   python bench/relay.py --delay-ms 1 41001:40001 41002:40002
 
-It prints "ready" once every port listens, and runs until terminated."""
+It prints "ready" once every port listens, and runs until terminated or its stdin closes."""
 import argparse
 import asyncio
+import os
 import sys
+import threading
 import time
 from typing import List, Tuple
 
@@ -59,11 +61,18 @@ async def main(pairs: List[Tuple[int, int]], delay_s: float) -> None:
   await asyncio.gather(*[server.serve_forever() for server in servers])
 
 
+def exit_when_stdin_closes() -> None:
+  """The bench that started the relay holds its stdin: once that closes (the bench has gone), so does the relay."""
+  sys.stdin.read()
+  os._exit(0)
+
+
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay added to every byte")
   parser.add_argument("pairs", nargs="+", help="listen:target port pairs on 127.0.0.1")
   args = parser.parse_args()
+  threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
   try:
     asyncio.run(main([tuple(int(p) for p in pair.split(":")) for pair in args.pairs], args.delay_ms / 1000))
   except KeyboardInterrupt:

@@ -11,7 +11,9 @@ Neither waits for requests that cannot come: a step waits only for requests of i
 going, a sampling call only for the rows of its own step that have not reached sampling yet (`to_sample`). Both
 forget a request the moment it ends."""
 import asyncio
+import math
 import sys
+import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Set, Tuple, Union
 
@@ -21,12 +23,16 @@ from exo.helpers import DEBUG
 from exo.inference.sampling import make_generator
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import Batcher, BatchStats
+from exo.orchestration import statuses
 from exo.orchestration.batching.config import BatchingConfig
+from exo.orchestration.batching.micro_batches import StepCost
 from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.batching.scheduler import Row, Scheduler, Step
 from exo.orchestration.batching.step_loop import StepLoop
 
 PLUGIN_NAME = "exo-batching"
+STAGE_REPORT_S = 1.0  # how often a stage tells the others what its steps take
+STAGE_TIMING_FRESH_S = 10.0  # a stage's report older than this is not used
 
 SampleItem = Tuple[np.ndarray, str, Optional[dict]]  # logits, request id, inference state
 SampleKey = Tuple[Shard, int]  # the shard and the step whose rows are sampled together
@@ -39,7 +45,10 @@ class BatchingPlugin:
     self.steps = StepLoop(node.inference_engine, self._new_scheduler, node.requests.is_live, self._step_done)
     self.to_sample: Dict[SampleKey, Set[str]] = defaultdict(set)  # rows of a last-shard step not yet in sampling
     self.sampled_with: Dict[str, SampleKey] = {}  # request id -> the step it is sampled with
+    self.stage_costs: Dict[Tuple[str, str], Tuple[StepCost, float]] = {}  # (node id, model) -> its stage's step cost, when heard
+    self._reported: Dict[Shard, float] = {}  # when each of our stages last told the others its step cost
     self._steps_done = 0
+    node.on_opaque_status.register(PLUGIN_NAME).on_next(self._heard_status)
 
   # --- hooks ---
 
@@ -92,12 +101,42 @@ class BatchingPlugin:
     """After each step: its rows on the last layers are sampled together; the ring's size is kept current."""
     self._steps_done += 1
     scheduler.stages = self._stages()
+    self._report(scheduler)
+    if scheduler.shard.is_first_layer():
+      scheduler.other_stages = self._other_stages(scheduler)
     if scheduler.shard.is_last_layer():
       key = (scheduler.shard, self._steps_done)
       for row, result in done:
         if not isinstance(result, BaseException) and self.node.requests.is_live(row.request_id):
           self.to_sample[key].add(row.request_id)
           self.sampled_with[row.request_id] = key
+
+  # --- what the other stages take (for the number of micro-batches) ---
+
+  def _report(self, scheduler: Scheduler) -> None:
+    """Every STAGE_REPORT_S, tell the ring what this stage's decode steps take (a status old nodes ignore)."""
+    now, cost = time.monotonic(), scheduler.times.cost()
+    if cost is None or not self.node.peers or now - self._reported.get(scheduler.shard, -math.inf) < STAGE_REPORT_S:
+      return
+    self._reported[scheduler.shard] = now
+    status = statuses.stage_timing(self.node.id, scheduler.shard, cost.fixed_s, cost.per_row_s, scheduler.times.busy_fraction(now))
+    self.node.spawn(self.node.broadcast_opaque_status("", status))
+
+  def _heard_status(self, request_id: str, raw: str) -> None:
+    try:
+      kind, status = statuses.parse(raw)
+    except statuses.InvalidStatus:
+      return
+    if kind == statuses.STAGE_TIMING and status["node_id"] != self.node.id:
+      self.stage_costs[(status["node_id"], status["shard"]["model_id"])] = (StepCost(status["fixed_s"], status["per_row_s"]), time.monotonic())
+
+  def _other_stages(self, scheduler: Scheduler) -> List[StepCost]:
+    """The other stages' step costs, heard within STAGE_TIMING_FRESH_S; [] unless every one of them is known."""
+    now, model = time.monotonic(), scheduler.shard.model_id
+    heard = [self.stage_costs.get((node_id, model)) for node_id in self.node.ring_ids() if node_id != self.node.id]
+    if not heard or any(h is None or now - h[1] > STAGE_TIMING_FRESH_S for h in heard):
+      return []
+    return [cost for cost, _ in heard]
 
   def _not_sampled(self, request_id: str) -> None:
     """The request will not reach sampling (it ended or failed on the way): its step's other rows stop waiting."""

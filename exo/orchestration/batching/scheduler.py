@@ -16,7 +16,7 @@ starts once every live member has arrived (one that is late holds it up at most 
 arrival and GATHER_LIMIT timeouts after the first), and rows that arrived with it join it. A lone request never
 waits: with nothing else going on this shard, a step starts at once."""
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -81,6 +81,7 @@ class Scheduler:
     self.other_stages: List[StepCost] = []  # the other stages' step costs, where known
     self.groups = 1  # micro-batches the first layers' node keeps going
     self._next_cohort = 0  # cohorts elsewhere are numbered by step
+    self._members: Counter = Counter()
 
   # --- what happens to requests ---
 
@@ -167,13 +168,17 @@ class Scheduler:
     if not self.round_trips or not self.shard.is_first_layer():
       return None
     own = self.times.cost()
-    others = self.other_stages or ([own] * (self.stages - 1) if own else [])
+    others = self.other_stages or ([own] * (self.stages - 1) if own else None)
+    if others is None:
+      return None
     per_group = max(1, math.ceil(self._live() / max(1, self.groups)))
     return max(0.0, min(self.round_trips) - sum(cost(per_group) for cost in others))
 
   # --- inside ---
 
   def _by_cohort(self) -> Dict[Optional[int], List[Row]]:
+    """The ready rows by cohort (None: newcomers); also counts each cohort's live members."""
+    self._members = Counter(self.cohort.values())
     groups: Dict[Optional[int], List[Row]] = {}
     for row in self.ready.values():
       groups.setdefault(self.cohort.get(row.request_id), []).append(row)
@@ -185,9 +190,9 @@ class Scheduler:
 
   def _due_at(self, key: Optional[int], rows: List[Row], now: float) -> float:
     """When the ready rows of one cohort (None: requests new to this shard) may start their step."""
-    missing = self._missing(key) if key is not None else list(self.away)
-    if not missing or len(rows) >= self.batch_size:
+    if len(rows) >= self.batch_size or (key is not None and self._members[key] == len(rows)) or (key is None and not self.away):
       return now
+    missing = self._missing(key) if key is not None else list(self.away)
     first, latest = min(row.since for row in rows), max(row.since for row in rows)
     start_by = min(latest + self.timeout_s, first + GATHER_LIMIT * self.timeout_s)
     typical = self.typical_round_trip()
