@@ -69,7 +69,7 @@ def test_ready_requests_share_a_step_up_to_the_batch_size_oldest_first():
   assert s.schedule(1.0) is None and s.due(1.0) == math.inf
 
 
-def test_a_cohort_waits_for_its_members_but_at_most_the_timeout():
+def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeout():
   s = scheduler(shard=MIDDLE, timeout_s=1.0)
   for r in "abc":
     s.add(r, TOKEN, None, 0.0)
@@ -78,8 +78,8 @@ def test_a_cohort_waits_for_its_members_but_at_most_the_timeout():
   s.add("b", TOKEN, None, 2.5)
   assert s.schedule(2.9) is None and s.due(2.9) == 3.5  # c may still come: timeout_s after the latest arrival
   assert run(s, 3.5) == ["a", "b"]
-  s.add("c", TOKEN, None, 3.6)  # late: the others have gone on without it, and nobody else is missing
-  assert run(s, 3.6) == ["c"]
+  s.add("c", TOKEN, None, 3.6)  # late: a and b are away again, and c waits for them no longer than timeout_s
+  assert s.due(3.6) == 4.6 and run(s, 4.6) == ["c"]
 
 
 def test_a_cohort_whose_members_keep_arriving_waits_at_most_gather_limit_timeouts():
@@ -181,33 +181,19 @@ def test_newcomers_join_the_smallest_group():
   assert run(s, 1.0) == ["new"] and s.cohort["new"] == min(sizes, key=sizes.get)
 
 
-def test_other_stages_keep_the_groups_they_are_handed():
-  """The stage after the first sees group A arrive while group B is away: A goes as soon as it is whole."""
+def test_other_stages_gather_each_group_as_it_arrives_and_keep_groups_apart():
+  """The stage after the first sees each group arrive as a burst of messages: it gathers the burst (timeout_s after
+  the latest arrival), and the next group, a whole step later, goes in a step of its own."""
   s = scheduler(shard=LAST, timeout_s=0.05)
   for r in "ab":
     s.add(r, TOKEN, None, 0.0)
   assert run(s, 0.0) == ["a", "b"]
-  for r in "cd":
-    s.add(r, TOKEN, None, 0.02)
-  assert run(s, 0.08) == ["c", "d"]  # newcomers wait timeout_s for the rest of their burst
+  s.add("c", TOKEN, None, 0.02)
+  s.add("d", TOKEN, None, 0.06)
+  assert s.schedule(0.1) is None and run(s, 0.11) == ["c", "d"]
   s.add("a", TOKEN, None, 1.0)
-  assert s.schedule(1.0) is None  # b is missing from a's group
   s.add("b", TOKEN, None, 1.001)
-  assert run(s, 1.001) == ["a", "b"]  # whole: at once, although c and d are away
-
-
-def test_a_row_that_changed_groups_upstream_goes_with_the_burst_it_arrived_in():
-  s = scheduler(shard=LAST, timeout_s=0.05)
-  for r in "abc":
-    s.add(r, TOKEN, None, 0.0)
-  run(s, 0.0)
-  for r in "de":
-    s.add(r, TOKEN, None, 0.0)
-  assert run(s, 0.05) == ["d", "e"]
-  for r in ("d", "e", "c"):  # c moved to d and e's group on the first layers' node
-    s.add(r, TOKEN, None, 1.0)
-  assert run(s, 1.0) == ["d", "e", "c"]
-  assert s.cohort["c"] == s.cohort["d"]
+  assert run(s, 1.051) == ["a", "b"]
 
 
 def test_the_number_of_groups_follows_the_measured_step_costs_and_hops():

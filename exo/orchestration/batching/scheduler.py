@@ -7,14 +7,15 @@ A step takes ready requests, oldest first, up to the batch size: decode tokens, 
 running streams instead of freezing them). Each request keeps its own KV cache in the engine and carries on exactly
 as unbatched; requests join and leave between steps.
 
-Micro-batches. The node with the first layers splits its requests into m groups (micro-batches.py says how many)
+Micro-batches. The node with the first layers splits its requests into m groups (micro_batches.py says how many)
 that travel the ring one behind the other, so that every stage works while the others do. Each request there
 belongs to one group, balanced by rows; a group's step starts once all its live members are back, or once the late
-ones are overdue (ROUND_TRIP_SLACK typical round trips after they left), and never waits for another group. The
-other stages keep the groups they are handed: a request's cohort is the step it last ran in here, a cohort's step
-starts once every live member has arrived (one that is late holds it up at most `timeout_s` after the latest
-arrival and GATHER_LIMIT timeouts after the first), and rows that arrived with it join it. A lone request never
-waits: with nothing else going on this shard, a step starts at once."""
+ones are overdue (ROUND_TRIP_SLACK typical round trips after they left), and never waits for another group.
+
+The other stages see each group arrive as a burst of messages, one per request, and gather it: a step waits while
+requests it handed back are still going, up to `timeout_s` after the latest arrival and GATHER_LIMIT timeouts
+after the first; the next group comes a whole step of the previous stage later, so groups stay apart. A lone
+request never waits: with nothing else going on this shard, a step starts at once."""
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ class Scheduler:
     self.shard, self.batch_size, self.timeout_s, self.prefill_chunk = shard, batch_size, timeout_s, prefill_chunk
     self.ready: Dict[str, Row] = {}  # insertion order = readiness order
     self.away: Dict[str, float] = {}  # handed back by a step and still going (sampled, or round the ring): since when
-    self.cohort: Dict[str, int] = {}  # live requests here -> their group (first layers) or the step they last ran in
+    self.cohort: Dict[str, int] = {}  # live requests here -> their group (on the first layers' node)
     self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here
     self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
     self.times = StageTimes()
@@ -80,7 +81,6 @@ class Scheduler:
     self.stages = 1  # stages of the ring (the plugin keeps it current)
     self.other_stages: List[StepCost] = []  # the other stages' step costs, where known
     self.groups = 1  # micro-batches the first layers' node keeps going
-    self._next_cohort = 0  # cohorts elsewhere are numbered by step
     self._members: Counter = Counter()
 
   # --- what happens to requests ---
@@ -119,11 +119,9 @@ class Scheduler:
         break
     if not rows:
       return None
-    if not first_layer:
-      self._next_cohort += 1
-      key = self._next_cohort
-    for row, _ in rows:
-      self.cohort[row.request_id] = key
+    if first_layer:
+      for row, _ in rows:
+        self.cohort[row.request_id] = key
     return Step(rows, key, now)
 
   def due(self, now: float) -> float:
@@ -177,7 +175,8 @@ class Scheduler:
   # --- inside ---
 
   def _by_cohort(self) -> Dict[Optional[int], List[Row]]:
-    """The ready rows by cohort (None: newcomers); also counts each cohort's live members."""
+    """The ready rows by group (None: newcomers, and every row off the first layers' node); also counts each
+    group's live members."""
     self._members = Counter(self.cohort.values())
     groups: Dict[Optional[int], List[Row]] = {}
     for row in self.ready.values():
@@ -190,13 +189,14 @@ class Scheduler:
 
   def _due_at(self, key: Optional[int], rows: List[Row], now: float) -> float:
     """When the ready rows of one cohort (None: requests new to this shard) may start their step."""
-    if len(rows) >= self.batch_size or (key is not None and self._members[key] == len(rows)) or (key is None and not self.away):
+    grouped = key is not None and self.shard.is_first_layer()
+    if len(rows) >= self.batch_size or (self._members[key] == len(rows) if grouped else not self.away):
       return now
-    missing = self._missing(key) if key is not None else list(self.away)
+    missing = self._missing(key) if grouped else list(self.away)
     first, latest = min(row.since for row in rows), max(row.since for row in rows)
     start_by = min(latest + self.timeout_s, first + GATHER_LIMIT * self.timeout_s)
     typical = self.typical_round_trip()
-    if key is not None and self.shard.is_first_layer() and typical is not None and all(row.length == 1 for row in rows):
+    if grouped and typical is not None and all(row.length == 1 for row in rows):
       # The group goes round together: waiting for a late member costs less than splitting the group.
       start_by = max(start_by, max(self.away.get(r, now) for r in missing) + ROUND_TRIP_SLACK * typical)
     return start_by
@@ -205,15 +205,11 @@ class Scheduler:
     """The group whose step is due and the rows the step may take, in readiness order.
 
     On the first layers' node: the due group that has waited longest, with newcomers while it has room (newcomers
-    alone fill the smallest group). Elsewhere: every due cohort's rows, and rows that arrived in the same burst."""
+    alone fill the smallest group). Elsewhere: every ready row."""
+    if not self.shard.is_first_layer():
+      return None, list(self.ready.values())
     by_cohort = self._by_cohort()
     due = {key: rows for key, rows in by_cohort.items() if self._due_at(key, rows, now) <= now}
-    if not self.shard.is_first_layer():
-      take = {id(row) for rows in due.values() for row in rows}
-      arrivals = [row.since for rows in due.values() for row in rows]
-      low, high = min(arrivals) - self.timeout_s, max(arrivals) + self.timeout_s
-      take |= {id(row) for row in self.ready.values() if low <= row.since <= high}
-      return None, [row for row in self.ready.values() if id(row) in take]
     key = min(due, key=lambda k: min(row.since for row in due[k]))
     rows = due[key] if key is not None else []
     if key is None or key >= self.groups:
