@@ -73,7 +73,7 @@ def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeout():
   s = scheduler(shard=MIDDLE, timeout_s=1.0)
   for r in "abc":
     s.add(r, TOKEN, None, 0.0)
-  assert run(s, 0.0) == ["a", "b", "c"]  # one cohort; all three are away now
+  assert run(s, 0.0) == ["a", "b", "c"]  # all three are away now
   s.add("a", TOKEN, None, 2.0)
   s.add("b", TOKEN, None, 2.5)
   assert s.schedule(2.9) is None and s.due(2.9) == 3.5  # c may still come: timeout_s after the latest arrival
@@ -82,7 +82,7 @@ def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeout():
   assert s.due(3.6) == 4.6 and run(s, 4.6) == ["c"]
 
 
-def test_a_cohort_whose_members_keep_arriving_waits_at_most_gather_limit_timeouts():
+def test_a_burst_whose_messages_keep_arriving_waits_at_most_gather_limit_timeouts():
   s = scheduler(shard=MIDDLE, batch_size=32, timeout_s=0.2)
   for i in range(13):
     s.add(f"r{i}", TOKEN, None, 0.0)
@@ -166,7 +166,7 @@ def test_groups_stay_balanced_by_rows_as_requests_leave():
     s.add(r, TOKEN, None, 1.0)
   moved = run(s, 1.0)
   assert len(moved) == 3 and set(moved) < set(b)  # one of the big group's members moved over to the small one
-  sizes = sorted(list(s.cohort.values()).count(g) for g in range(2))
+  sizes = sorted(list(s.group_of.values()).count(g) for g in range(2))
   assert sizes == [2, 3]
 
 
@@ -176,9 +176,9 @@ def test_newcomers_join_the_smallest_group():
     s.add(f"r{i}", TOKEN, None, 0.0)
   run(s, 0.0)
   run(s, 0.0)
-  sizes = {g: list(s.cohort.values()).count(g) for g in range(2)}
+  sizes = {g: list(s.group_of.values()).count(g) for g in range(2)}
   s.add("new", np.zeros((1, 4), dtype=np.int64), None, 1.0)
-  assert run(s, 1.0) == ["new"] and s.cohort["new"] == min(sizes, key=sizes.get)
+  assert run(s, 1.0) == ["new"] and s.group_of["new"] == min(sizes, key=sizes.get)
 
 
 def test_other_stages_gather_each_group_as_it_arrives_and_keep_groups_apart():

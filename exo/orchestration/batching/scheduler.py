@@ -27,7 +27,7 @@ from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatchStats
 from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_groups
 
-GATHER_LIMIT = 4  # a cohort whose members keep arriving waits up to this many timeouts after the first
+GATHER_LIMIT = 4  # a burst whose messages keep arriving waits up to this many timeouts after its first
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a group's member up to this many typical round trips
 ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
 LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no running stream is here (bounds a step's attention memory)
@@ -61,7 +61,7 @@ class Row:
 class Step:
   """What one engine call runs: each row with the positions it takes now."""
   rows: List[Tuple[Row, int]]
-  cohort: int
+  group: int
   started: float
 
   def items(self) -> List[Tuple[str, np.ndarray, Optional[dict]]]:
@@ -73,7 +73,7 @@ class Scheduler:
     self.shard, self.batch_size, self.timeout_s, self.prefill_chunk = shard, batch_size, timeout_s, prefill_chunk
     self.ready: Dict[str, Row] = {}  # insertion order = readiness order
     self.away: Dict[str, float] = {}  # handed back by a step and still going (sampled, or round the ring): since when
-    self.cohort: Dict[str, int] = {}  # live requests here -> their group (on the first layers' node)
+    self.group_of: Dict[str, int] = {}  # live requests here -> their group (on the first layers' node)
     self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here
     self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
     self.times = StageTimes()
@@ -99,7 +99,7 @@ class Scheduler:
     row if it was waiting."""
     self.decodes.pop(request_id, None)
     self.away.pop(request_id, None)
-    self.cohort.pop(request_id, None)
+    self.group_of.pop(request_id, None)
     return self.ready.pop(request_id, None)
 
   # --- the policy ---
@@ -113,7 +113,7 @@ class Scheduler:
     for _ in range(2):  # a second look if the due group handed all its rows over to a smaller one
       if self.due(now) > now:
         return None
-      key, candidates = self._due_cohort(now)
+      key, candidates = self._due_group(now)
       rows = self._pick(candidates)
       if rows:
         break
@@ -121,12 +121,12 @@ class Scheduler:
       return None
     if first_layer:
       for row, _ in rows:
-        self.cohort[row.request_id] = key
+        self.group_of[row.request_id] = key
     return Step(rows, key, now)
 
   def due(self, now: float) -> float:
     """When the next step can start at the earliest, if nothing changes (math.inf: no work)."""
-    return min((self._due_at(key, rows, now) for key, rows in self._by_cohort().items()), default=math.inf)
+    return min((self._due_at(key, rows, now) for key, rows in self._by_group().items()), default=math.inf)
 
   def update(self, step: Step, results: List[Result], now: float) -> List[Tuple[Row, Result]]:
     """Take a step's results. Returns the rows whose whole input has now run (or failed), each with its result;
@@ -174,21 +174,21 @@ class Scheduler:
 
   # --- inside ---
 
-  def _by_cohort(self) -> Dict[Optional[int], List[Row]]:
+  def _by_group(self) -> Dict[Optional[int], List[Row]]:
     """The ready rows by group (None: newcomers, and every row off the first layers' node); also counts each
     group's live members."""
-    self._members = Counter(self.cohort.values())
+    self._members = Counter(self.group_of.values())
     groups: Dict[Optional[int], List[Row]] = {}
     for row in self.ready.values():
-      groups.setdefault(self.cohort.get(row.request_id), []).append(row)
+      groups.setdefault(self.group_of.get(row.request_id), []).append(row)
     return groups
 
   def _missing(self, key: Optional[int]) -> List[str]:
-    """The live members of a cohort that are not here yet."""
-    return [] if key is None else [r for r, c in self.cohort.items() if c == key and r not in self.ready]
+    """The live members of a group that are not here yet."""
+    return [] if key is None else [r for r, c in self.group_of.items() if c == key and r not in self.ready]
 
   def _due_at(self, key: Optional[int], rows: List[Row], now: float) -> float:
-    """When the ready rows of one cohort (None: requests new to this shard) may start their step."""
+    """When the ready rows of one group (None: newcomers, and every row off the first layers' node) may start their step."""
     grouped = key is not None and self.shard.is_first_layer()
     if len(rows) >= self.batch_size or (self._members[key] == len(rows) if grouped else not self.away):
       return now
@@ -201,34 +201,34 @@ class Scheduler:
       start_by = max(start_by, max(self.away.get(r, now) for r in missing) + ROUND_TRIP_SLACK * typical)
     return start_by
 
-  def _due_cohort(self, now: float) -> Tuple[Optional[int], List[Row]]:
+  def _due_group(self, now: float) -> Tuple[Optional[int], List[Row]]:
     """The group whose step is due and the rows the step may take, in readiness order.
 
     On the first layers' node: the due group that has waited longest, with newcomers while it has room (newcomers
     alone fill the smallest group). Elsewhere: every ready row."""
     if not self.shard.is_first_layer():
       return None, list(self.ready.values())
-    by_cohort = self._by_cohort()
-    due = {key: rows for key, rows in by_cohort.items() if self._due_at(key, rows, now) <= now}
+    by_group = self._by_group()
+    due = {key: rows for key, rows in by_group.items() if self._due_at(key, rows, now) <= now}
     key = min(due, key=lambda k: min(row.since for row in due[k]))
     rows = due[key] if key is not None else []
     if key is None or key >= self.groups:
       key = self._smallest_group()
-      rows += by_cohort.get(key, []) if key in due else []
+      rows += by_group.get(key, []) if key in due else []
     else:
       moving = self._rebalance(key, rows)
       rows = [row for row in rows if row not in moving]
     room = math.ceil(self._live() / max(1, self.groups)) - self._group_sizes().get(key, 0)
-    newcomers = [row for row in by_cohort.get(None, []) if row not in rows][:max(1 if not rows else 0, room)]
+    newcomers = [row for row in by_group.get(None, []) if row not in rows][:max(1 if not rows else 0, room)]
     take = set(map(id, rows + newcomers))
     return key, [row for row in self.ready.values() if id(row) in take]
 
   def _live(self) -> int:
-    return len(set(self.cohort) | set(self.ready))
+    return len(set(self.group_of) | set(self.ready))
 
   def _group_sizes(self) -> Dict[int, int]:
     sizes = {g: 0 for g in range(self.groups)}
-    for c in self.cohort.values():
+    for c in self.group_of.values():
       if c in sizes:
         sizes[c] += 1
     return sizes
@@ -246,7 +246,7 @@ class Scheduler:
       smallest = self._smallest_group()
       if sizes[key] - sizes[smallest] < 2:
         break
-      self.cohort[row.request_id] = smallest
+      self.group_of[row.request_id] = smallest
       moving.append(row)
     return moving
 
