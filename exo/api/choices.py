@@ -95,4 +95,5 @@ async def _run(choice: Choice, events_of: Callable[[Choice], AsyncIterator[Reque
   except Exception as e:
     queue.put_nowait(e)
   finally:
+    choice.ticket.leave()  # its place goes to the next choice or request at once, not when the whole request ends
     choice.prefilled.set()  # the others of its prompt never wait for a choice that has ended

@@ -35,17 +35,15 @@ def _is_token_ids(value: Any) -> bool:
 def parse_prompts(value: Any) -> List[Prompt]:
   """OpenAI's four forms: a string, a list of strings, a list of token ids, a list of lists of token ids."""
   why = "prompt must be a non-empty string, a list of them, a list of token ids (integers >= 0) or a list of such lists"
-  if isinstance(value, str):
-    prompts = [value]
-  elif _is_token_ids(value):
-    prompts = [value]
+  if isinstance(value, str) or (isinstance(value, list) and value and not isinstance(value[0], (str, list))):
+    prompts, names = [value], ["prompt"]  # one prompt: text or token ids
   elif isinstance(value, list) and value:
-    prompts = value
+    prompts, names = value, [f"prompt[{i}]" for i in range(len(value))]
   else:
     raise BadRequest(why, param="prompt")
-  for i, prompt in enumerate(prompts):
+  for prompt, name in zip(prompts, names):
     if not (isinstance(prompt, str) and prompt) and not _is_token_ids(prompt):
-      raise BadRequest(why, param="prompt" if prompts is not value else f"prompt[{i}]")
+      raise BadRequest(why, param=name)
   return prompts
 
 
