@@ -4,7 +4,8 @@ Success replies keep upstream exo's shapes; every error is OpenAI's {"error": {"
 A request passes, in order: the error middleware (ApiError and aiohttp's own errors become that JSON), access
 (API key, Origin, content type: exo/api/access.py), the response deadline, then its handler. Request bodies are
 parsed, templated and tokenised on a small thread pool, never on the event loop that carries gRPC and every open
-stream; a chat request then waits for a place (exo/api/admission.py) before it reaches the ring."""
+stream; a chat or completion request then waits for a place per choice (exo/api/admission.py, exo/api/choices.py)
+before it reaches the ring."""
 import asyncio
 import shutil
 import time
@@ -261,10 +262,9 @@ class ChatGPTAPI:
       if isinstance(prompt, str):
         texts.append((prompt, len(tokenizer.encode(prompt))))
         continue
-      vocab = getattr(tokenizer, "vocab_size", None)
+      vocab, name = getattr(tokenizer, "vocab_size", None), "prompt" if len(prompts) == 1 else f"prompt[{i}]"
       if vocab is not None and max(prompt) >= vocab:
-        raise BadRequest(f"prompt{f'[{i}]' if len(prompts) > 1 else ''} has token id {max(prompt)}; this model's vocabulary has {vocab:,} tokens",
-                         param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        raise BadRequest(f"{name} has token id {max(prompt)}; this model's vocabulary has {vocab:,} tokens", param=name)
       texts.append((tokenizer.decode(prompt), len(prompt)))
     return texts
 

@@ -86,13 +86,12 @@ async def _run(choice: Choice, events_of: Callable[[Choice], AsyncIterator[Reque
         texts = choice.reply.feed(event.tokens, event.finished)
         for i, text in enumerate(texts):
           last = choice.reply.finish_reason is not None and i == len(texts) - 1
-          queue.put_nowait(Chunk(choice.index, text, choice.reply.finish_reason if last else None, pairs if i == 0 else (pairs and [])))
+          # The event's logprobs go with its first chunk.
+          queue.put_nowait(Chunk(choice.index, text, choice.reply.finish_reason if last else None, pairs if i == 0 or pairs is None else []))
         if choice.reply.finish_reason is not None:
           break  # leaving early (a stop string) cancels the rest of its generation
     queue.put_nowait(_DONE)
-  except asyncio.CancelledError:
-    raise
-  except Exception as e:
+  except Exception as e:  # (a cancellation is not one: it comes from run_choices, which is leaving)
     queue.put_nowait(e)
   finally:
     choice.ticket.leave()  # its place goes to the next choice or request at once, not when the whole request ends
