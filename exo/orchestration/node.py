@@ -19,7 +19,7 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
-from exo.inference.sampling import SamplingParams, make_generator
+from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
 from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
@@ -32,6 +32,7 @@ from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
 
 PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
+PEER_LOGPROBS_AHEAD = 64  # a token's logprobs may arrive at most this many tokens before the token itself
 PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-checked
 # A peer that dies mid-request ends it within PEER_CHECK_S + the health check's 5 s timeout (at once if a send fails).
 
@@ -318,8 +319,12 @@ class Node(RingMember):
     for request in requests:
       if request.generator is None:
         request.generator = make_generator(request.params.seed)
-    tokens = await self.inference_engine.sample_batch(results, [r.params for r in requests], [r.generator for r in requests])
-    return [int(t) for t in np.asarray(tokens).reshape(-1)]
+    params = [r.params for r in requests]
+    tokens = [int(t) for t in np.asarray(await self.inference_engine.sample_batch(results, params, [r.generator for r in requests])).reshape(-1)]
+    if any(p.logprobs is not None for p in params):  # from the same logits, for every row that asked, in one pass
+      for request, logprobs in zip(requests, token_logprobs(last_rows(results), params, tokens)):
+        request.sampled_logprobs = logprobs
+    return tokens
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
     """After sampling on the last layer: record, check EOS / length / context, fire callbacks, broadcast, forward."""
@@ -327,6 +332,7 @@ class Node(RingMember):
     if request is None:  # it ended while it was being sampled
       return
     request.tokens.append(token)
+    logprobs, request.sampled_logprobs = request.sampled_logprobs, None
     if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
       tokenizer = self.inference_engine.tokenizer
       request.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
@@ -339,12 +345,14 @@ class Node(RingMember):
     # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
     # next turn of the event loop, after the next hop's send has started.
     self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)
-    asyncio.get_running_loop().call_soon(self.trigger_on_token_callbacks, request_id, [token], is_finished)
+    asyncio.get_running_loop().call_soon(self.trigger_on_token_callbacks, request_id, [token], is_finished, logprobs and [logprobs])
     # Each token goes to the node whose client waits for it; the last one goes to every node, which ends the request
-    # there. (Upstream sends every token to every peer; a request from an upstream node has no known origin.)
+    # there. (Upstream sends every token to every peer; a request from an upstream node has no known origin.) Its
+    # logprobs go to the origin as a status just before it, so they are there when it arrives.
     to = None if is_finished or request.origin is None else request.origin
     if any(to is None or peer.id() == to for peer in self.peers):
-      self.spawn(self.broadcast_result(request_id, [token], is_finished, to))
+      preface = {request.origin: statuses.token_logprobs(request_id, len(request.tokens) - 1, logprobs)} if logprobs and request.origin else None
+      self.spawn(self.broadcast_result(request_id, [token], is_finished, to, preface))
 
   def _context_length(self) -> Optional[int]:
     return getattr(self.inference_engine, "context_length", None)
@@ -454,10 +462,10 @@ class Node(RingMember):
   def on_token(self) -> AsyncCallbackSystem[str, Tuple[str, List[int], bool]]:
     return self._on_token
 
-  def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool) -> None:
+  def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool, logprobs: Optional[list] = None) -> None:
     watcher = self._watchers.get(request_id)
     if watcher is not None:
-      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None))
+      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None, logprobs))
     self._on_token.trigger_all(request_id, tokens, is_finished)
 
   def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
@@ -469,7 +477,12 @@ class Node(RingMember):
       if DEBUG >= 1:
         print(f"Ignoring the end of {request_id} from {sender_host}, which is not on its path")
       return
-    self.trigger_on_token_callbacks(request_id, result, is_finished)
+    logprobs = None
+    if request is not None:
+      if request.params.logprobs is not None:
+        logprobs = [request.peer_logprobs.pop(request.tokens_received + i, None) for i in range(len(result))]
+      request.tokens_received += len(result)
+    self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
     if is_finished and request is not None:
       self.end_request(request_id, Status.FINISHED)
 
@@ -490,6 +503,8 @@ class Node(RingMember):
       request = self._open(status["request_id"])
       if request is not None and request.model is None:  # parameters can no longer change once it runs here
         request.params, request.origin = statuses.sampling_params(status["params"]), status.get("origin")
+    elif kind == statuses.TOKEN_LOGPROBS:
+      self._take_logprobs(status, sender_host)
     elif kind in statuses.REQUEST_ENDS:
       request_id_ = status["request_id"]
       request = self.requests.get(request_id_)
@@ -503,6 +518,18 @@ class Node(RingMember):
       else:
         self.end_request(request_id_, Status.FAILED, status["error"])
     self._on_opaque_status.trigger_all(request_id, raw)
+
+  def _take_logprobs(self, status: dict, sender_host: Optional[str]) -> None:
+    """Keep a token's logprobs until the token itself arrives: only for a request of ours that asked for them, from a
+    node on its path, for a token not yet received and at most PEER_LOGPROBS_AHEAD tokens ahead."""
+    request, position = self.requests.get(status["request_id"]), status["position"]
+    if (request is None or request.origin != self.id or request.params.logprobs is None or len(status["top"]) > request.params.logprobs
+        or not request.tokens_received <= position < request.tokens_received + PEER_LOGPROBS_AHEAD
+        or (sender_host is not None and not self._on_path(request, sender_host))):
+      if DEBUG >= 1:
+        print(f"Ignoring token logprobs for {status['request_id']} (position {position}) from {sender_host}")
+      return
+    request.peer_logprobs[position] = statuses.logprobs_of(status)
 
   def on_node_status(self, request_id: str, opaque_status: str) -> None:
     """The built-in status observer: who is working (active_node_id), download progress, the peers' engines."""

@@ -184,10 +184,14 @@ class RingMember:
 
   # --- sending to the others ---
 
-  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None) -> None:
-    """SendResult to every peer, or only to peer `to`."""
+  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None,
+                             preface: Optional[Dict[str, str]] = None) -> None:
+    """SendResult to every peer, or only to peer `to`; a peer named in `preface` gets that opaque status first (the
+    gRPC servers act on a status before they answer it, so it is there when the result arrives)."""
     async def send(peer):
       try:
+        if preface and peer.id() in preface:
+          await asyncio.wait_for(peer.send_opaque_status(request_id, preface[peer.id()]), PEER_CALL_TIMEOUT_S)
         await asyncio.wait_for(peer.send_result(request_id, result, is_finished), PEER_CALL_TIMEOUT_S)
       except Exception as e:
         if DEBUG >= 1:

@@ -4,7 +4,7 @@ import json
 import math
 from typing import Any, Optional, Tuple
 
-from exo.inference.sampling import SamplingParams
+from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
 
 # Upstream's types
@@ -16,6 +16,7 @@ REQUEST_PARAMS = "request_params"  # a request's sampling parameters and the nod
 CANCEL_REQUEST = "cancel_request"  # its client has gone or has what it wanted: every node drops it
 REQUEST_ERROR = "request_error"  # it failed somewhere: every node drops it, its client gets the error
 REQUEST_ENDS = (CANCEL_REQUEST, REQUEST_ERROR)
+TOKEN_LOGPROBS = "token_logprobs"  # a sampled token's logprobs, sent to its origin just before the token's SendResult
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
@@ -36,6 +37,16 @@ def cancel_request(request_id: str) -> str:
 
 def request_error(request_id: str, error: str) -> str:
   return json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": error[:MAX_ERROR_CHARS]})
+
+
+def token_logprobs(request_id: str, position: int, logprobs: TokenLogprobs) -> str:
+  return json.dumps({"type": TOKEN_LOGPROBS, "request_id": request_id, "position": position, "logprob": logprobs.logprob,
+                     "top": [list(pair) for pair in logprobs.top]})
+
+
+def logprobs_of(status: dict) -> TokenLogprobs:
+  """The TokenLogprobs of a checked token_logprobs status."""
+  return TokenLogprobs(float(status["logprob"]), [(int(t), float(lp)) for t, lp in status["top"]])
 
 
 def parse(raw: str) -> Tuple[Optional[str], dict]:
@@ -72,6 +83,8 @@ def sampling_params(data: Any) -> SamplingParams:
     raise InvalidStatus(f"params.max_tokens must be an integer >= 1, got {params.max_tokens!r}")
   if not isinstance(params.ignore_eos, bool):
     raise InvalidStatus("params.ignore_eos must be true or false")
+  if params.logprobs is not None and (not _is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
+    raise InvalidStatus(f"params.logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
   return params
 
 
@@ -133,7 +146,24 @@ def _check_request_end(status: dict) -> None:
     _string(status, "error", limit=10 * MAX_ERROR_CHARS)
 
 
+def _logprob(value: Any) -> bool:
+  return _is_number(value) and value <= 0
+
+
+def _check_token_logprobs(status: dict) -> None:
+  _string(status, "request_id")
+  position, top = status.get("position"), status.get("top")
+  if not _is_int(position) or position < 0:
+    raise InvalidStatus("position must be an integer >= 0")
+  if not _logprob(status.get("logprob")):
+    raise InvalidStatus("logprob must be a number <= 0")
+  if (not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS
+      or not all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _logprob(p[1]) for p in top)):
+    raise InvalidStatus(f"top must be a list of at most {MAX_TOP_LOGPROBS} [token id, logprob <= 0] pairs")
+
+
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
+  TOKEN_LOGPROBS: _check_token_logprobs,
 }
