@@ -62,6 +62,7 @@ class Request:
   generator: Optional[np.random.Generator] = None  # its random stream, on the node that samples it
   eos_ids: Optional[Set[int]] = None  # its model's end tokens, on the node that samples it
   busy: bool = False  # a pass of it is running here
+  prompt: Optional[Tuple[object, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
   created: float = field(default_factory=time.monotonic)
 
   def advance(self, status: Status) -> None:

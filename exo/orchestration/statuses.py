@@ -16,6 +16,8 @@ REQUEST_PARAMS = "request_params"  # a request's sampling parameters and the nod
 CANCEL_REQUEST = "cancel_request"  # its client has gone or has what it wanted: every node drops it
 REQUEST_ERROR = "request_error"  # it failed somewhere: every node drops it, its client gets the error
 REQUEST_ENDS = (CANCEL_REQUEST, REQUEST_ERROR)
+PREFIX_CACHE = "prefix_cache"  # a node announces that it reuses prompt prefixes, in blocks of `block` tokens
+PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
@@ -36,6 +38,14 @@ def cancel_request(request_id: str) -> str:
 
 def request_error(request_id: str, error: str) -> str:
   return json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": error[:MAX_ERROR_CHARS]})
+
+
+def prefix_cache(node_id: str, block: int) -> str:
+  return json.dumps({"type": PREFIX_CACHE, "node_id": node_id, "block": block})
+
+
+def prefix_miss(request_id: str, node_id: str) -> str:
+  return json.dumps({"type": PREFIX_MISS, "request_id": request_id, "node_id": node_id})
 
 
 def parse(raw: str) -> Tuple[Optional[str], dict]:
@@ -133,7 +143,19 @@ def _check_request_end(status: dict) -> None:
     _string(status, "error", limit=10 * MAX_ERROR_CHARS)
 
 
+def _check_prefix_cache(status: dict) -> None:
+  _string(status, "node_id")
+  if not _is_int(status.get("block")) or not 0 < status["block"] <= 4096:
+    raise InvalidStatus("block must be a positive integer")
+
+
+def _check_prefix_miss(status: dict) -> None:
+  _string(status, "request_id")
+  _string(status, "node_id")
+
+
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
+  PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss,
 }
