@@ -55,6 +55,12 @@ class PrefixStore:
     self.hits = self.reused_positions = 0
     self._lock = threading.Lock()  # the engine's thread reads while the event loop files and evicts
 
+  def set_budget(self, budget_bytes: int) -> None:
+    """A new budget; 0 turns the store off."""
+    with self._lock:
+      self.budget_bytes, self.enabled = budget_bytes, budget_bytes > 0
+      self._evict()
+
   def longest(self, keys: List[str], limit: int) -> Tuple[Optional[Entry], int]:
     """The entry holding the longest prefix of `keys` of at most `limit` positions, and that many positions."""
     with self._lock:
