@@ -27,7 +27,7 @@ from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from tests.support.api_server import eventually
 from tests.support.cluster import free_port, wait_for_ring, write_manual_config
-from tests.support.engines import cached_weights, load_engine
+from tests.support.engines import cached_weights, check_prefix_copy_matches_computed, load_engine
 from tests.support.models import smollm2_shard
 
 SYSTEM = "You are a careful assistant. You answer in one short sentence and never use lists. " * 3
@@ -119,6 +119,10 @@ def test_only_the_prefix_travels_to_a_peer():
 @pytest.fixture(scope="module")
 def engine(downloader):
   return load_engine(NumpyDynamicShardInferenceEngine, downloader)
+
+
+async def test_a_copied_prefix_gives_the_logits_of_one_computed_whole(engine):
+  await check_prefix_copy_matches_computed(engine)
 
 
 @contextlib.contextmanager
