@@ -68,7 +68,7 @@ def test_the_longest_held_prefix_is_found_and_an_extension_replaces_its_prefix()
   assert entry.cache is long and positions == 3 * BLOCK
   store.add(FakeCache(30), keys[:3])  # already held
   assert len(store.entries) == 1
-  assert store.find(keys[4]).cache is long and store.find(keys[5]) is None
+  assert store.longest(keys[5:], 10 * BLOCK) == (None, 0)
 
 
 def test_eviction_follows_use_and_never_touches_a_live_cache():

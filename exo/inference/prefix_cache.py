@@ -65,22 +65,12 @@ class PrefixStore:
     """The entry holding the longest prefix of `keys` of at most `limit` positions, and that many positions."""
     with self._lock:
       for key in reversed(keys[:limit // BLOCK]):  # a key held means every key before it is held too
-        entry = self._get(key)
-        if entry is not None:
+        held = self.by_key.get(key)
+        if held:
+          entry = held[-1]
+          self.entries.move_to_end(id(entry))
           return entry, entry.positions[key]
     return None, 0
-
-  def find(self, key: str) -> Optional[Entry]:
-    with self._lock:
-      return self._get(key)
-
-  def _get(self, key: str) -> Optional[Entry]:
-    held = self.by_key.get(key)
-    if not held:
-      return None
-    entry = held[-1]
-    self.entries.move_to_end(id(entry))
-    return entry
 
   def add(self, cache, keys: List[str]) -> None:
     """File `cache` under `keys` (its prompt's blocks that it holds), unless an entry holds them all already."""

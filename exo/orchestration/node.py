@@ -248,10 +248,11 @@ class Node(RingMember):
       context = self._context_length()
       if context is not None and tokens.shape[1] >= context:
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
+      state = {k: v for k, v in (inference_state or {}).items() if k != "prefix"}  # only this node may name one
       if self._ring_reuses_prefixes(request):
-        await self._run_from_prefix(shard, tokens, request, inference_state)
+        await self._run_from_prefix(shard, tokens, request, state)
       else:
-        await self._run(shard, tokens, request, inference_state)
+        await self._run(shard, tokens, request, state)
     except RequestEnded:
       pass
     except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
@@ -278,9 +279,9 @@ class Node(RingMember):
             and all(self.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.id))
 
   async def announce_prefix_cache(self) -> None:
-    """Tell the ring this node reuses prompt prefixes (nodes that do not, upstream's among them, never say so)."""
-    if getattr(self.inference_engine, "reuses_prefixes", False):
-      await self.broadcast_opaque_status("", statuses.prefix_cache(self.id, BLOCK))
+    """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
+    block = BLOCK if getattr(self.inference_engine, "reuses_prefixes", False) else 0
+    await self.broadcast_opaque_status("", statuses.prefix_cache(self.id, block))
 
   async def _start_from_prefix(self, shard: Shard, request: Request, prefix: dict) -> bool:
     """On a node after the first: the request's cache starts afresh with the prefix its first node reused. False
@@ -489,7 +490,7 @@ class Node(RingMember):
       try:
         if await self.update_peers():
           await self.broadcast_supported_engines(self.get_supported_inference_engines())
-          await self.announce_prefix_cache()
+        await self.announce_prefix_cache()  # every round: a peer may have dropped it before it knew this node
         await self.collect_topology(set())
         self.forget_stale()
       except Exception as e:

@@ -16,7 +16,7 @@ REQUEST_PARAMS = "request_params"  # a request's sampling parameters and the nod
 CANCEL_REQUEST = "cancel_request"  # its client has gone or has what it wanted: every node drops it
 REQUEST_ERROR = "request_error"  # it failed somewhere: every node drops it, its client gets the error
 REQUEST_ENDS = (CANCEL_REQUEST, REQUEST_ERROR)
-PREFIX_CACHE = "prefix_cache"  # a node announces that it reuses prompt prefixes, in blocks of `block` tokens
+PREFIX_CACHE = "prefix_cache"  # a node announces whether it reuses prompt prefixes: in blocks of `block` tokens, or 0 (not)
 PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
 
 MAX_ID_CHARS = 256
@@ -145,8 +145,8 @@ def _check_request_end(status: dict) -> None:
 
 def _check_prefix_cache(status: dict) -> None:
   _string(status, "node_id")
-  if not _is_int(status.get("block")) or not 0 < status["block"] <= 4096:
-    raise InvalidStatus("block must be a positive integer")
+  if not _is_int(status.get("block")) or not 0 <= status["block"] <= 4096:
+    raise InvalidStatus("block must be an integer from 0 to 4096")
 
 
 def _check_prefix_miss(status: dict) -> None:
