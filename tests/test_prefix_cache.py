@@ -20,6 +20,8 @@ from exo.networking.grpc.codec import decode_inference_state
 from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
 from exo.networking.grpc.grpc_server import GRPCServer
 from exo.networking.manual.manual_discovery import ManualDiscovery
+from exo.orchestration import node as node_module
+from exo.orchestration.batching import scheduler as scheduler_module
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
 from exo.orchestration.generation import generate
@@ -164,7 +166,10 @@ async def one_node(engine, batching: bool) -> Node:
 
 
 @pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])
-async def test_a_chat_answers_the_same_with_its_earlier_turns_cached(engine, batching):
+async def test_a_chat_answers_the_same_with_its_earlier_turns_cached(engine, batching, monkeypatch):
+  # Prompts run in chunks of 40 tokens, unbatched and batched: chunk edges fall inside blocks and inside the prefix.
+  monkeypatch.setattr(node_module, "PROMPT_CHUNK", 40)
+  monkeypatch.setattr(scheduler_module, "LONE_PROMPT_CHUNK", 40)
   node = await one_node(engine, batching)
   try:
     prompts = conversation(engine, 3)
