@@ -53,7 +53,7 @@ class PrefixStore:
     self.entries: "OrderedDict[int, Entry]" = OrderedDict()  # id(entry) -> entry, least recently used first
     self.by_key: Dict[str, List[Entry]] = {}
     self.hits = self.reused_positions = 0
-    self._lock = threading.Lock()  # the engine's thread reads while the event loop files and evicts
+    self._lock = threading.Lock()  # the engine's thread files, finds and evicts; the event loop reads its size
 
   def set_budget(self, budget_bytes: int) -> None:
     """A new budget; 0 turns the store off."""
