@@ -5,7 +5,13 @@ Each request has one record here (exo/orchestration/requests.py). Every way work
 tensor, a result, a status, a step, a sampled token) checks it first, so a request that has ended never runs,
 samples, allocates or comes back. A request ends once: finished on the node that samples its last token (the others
 learn it from that token), cancelled by its origin (its client left), or failed anywhere; cancellations and failures
-travel the ring as opaque statuses and every node drops the request before its next step and frees its KV cache."""
+travel the ring as opaque statuses and every node drops the request before its next step and frees its KV cache.
+
+Prompt prefixes (exo/inference/prefix_cache.py): when every node of a request's ring reuses them, its first node
+names the prompt's token blocks, starts the request from the longest prefix its engine holds and runs only the rest;
+the block keys and the positions reused travel in the request's inference state, so each node starts from the same
+prefix, and each files the request's KV under those keys once its prompt has run there. A node that lacks the
+prefix says so (a prefix_miss status) and the first node runs the prompt again, whole, on every node."""
 import asyncio
 import json
 import time
@@ -19,6 +25,7 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
+from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
 from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
 from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
@@ -91,6 +98,7 @@ class Node(RingMember):
     await self.collect_topology(set())
     if DEBUG >= 2:
       print(f"Collected topology: {self.topology}")
+    await self.announce_prefix_cache()
     self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self._watch_peers())]
     self.plugins.hook.exo_node_started(node=self)
 
@@ -133,7 +141,15 @@ class Node(RingMember):
     return {"node_id": self.id,
             "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions, "kv_bytes": per_request(r.id)}
                          for r in self.requests],
-            "kv_bytes": getattr(engine, "kv_cache_bytes", lambda: 0)()}
+            "kv_bytes": getattr(engine, "kv_cache_bytes", lambda: 0)(),
+            "prefix_cache": self._prefix_cache_state()}
+
+  def _prefix_cache_state(self) -> dict:
+    store = getattr(self.inference_engine, "prefixes", None)
+    if store is None or not self.inference_engine.reuses_prefixes:
+      return {"enabled": False}
+    return {"enabled": True, "bytes": self.inference_engine.prefix_cache_bytes(), "entries": len(store.entries),
+            "hits": store.hits, "reused_positions": store.reused_positions}
 
   # --- how requests start and end ---
 
@@ -233,7 +249,11 @@ class Node(RingMember):
       context = self._context_length()
       if context is not None and tokens.shape[1] >= context:
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
-      await self._run(shard, tokens, request, inference_state)
+      state = {k: v for k, v in (inference_state or {}).items() if k != "prefix"}  # only this node may name one
+      if self._ring_reuses_prefixes(request):
+        await self._run_from_prefix(shard, tokens, request, state)
+      else:
+        await self._run(shard, tokens, request, state)
     except RequestEnded:
       pass
     except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
@@ -244,6 +264,49 @@ class Node(RingMember):
       await self.fail_request(request.id, e)
       raise
 
+  async def _run_from_prefix(self, shard: Shard, tokens: np.ndarray, request: Request, inference_state: Optional[dict], reuse: bool = True) -> None:
+    """On the first node: the prompt from the longest prefix the engine holds (none if not `reuse`), the rest of
+    the ring told which one."""
+    keys = block_keys(shard.model_id, tokens)
+    reused = await self.inference_engine.start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
+    request.positions = reused
+    request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
+    state = {**(inference_state or {}), "prefix": {"keys": keys, "reuse": reused}}
+    await self._run(shard, tokens[:, reused:], request, state)
+
+  def _ring_reuses_prefixes(self, request: Request) -> bool:
+    engine = self.inference_engine
+    return (getattr(engine, "reuses_prefixes", False)
+            and all(self.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.id))
+
+  async def announce_prefix_cache(self) -> None:
+    """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
+    block = BLOCK if getattr(self.inference_engine, "reuses_prefixes", False) else 0
+    await self.broadcast_opaque_status("", statuses.prefix_cache(self.id, block))
+
+  async def _start_from_prefix(self, shard: Shard, request: Request, prefix: dict) -> bool:
+    """On a node after the first: the request's cache starts afresh with the prefix its first node reused. False
+    (and the first node told) if this node does not hold it."""
+    reuse, engine = prefix["reuse"], self.inference_engine
+    held = await engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if getattr(engine, "reuses_prefixes", False) else 0
+    if held != reuse:
+      print(f"exo: request {request.id} was sent to reuse {reuse} cached positions that this node does not hold; "
+            "its prompt runs again, whole", flush=True)
+      self.spawn(self.broadcast_opaque_status(request.id, statuses.prefix_miss(request.id, self.id)))
+      return False
+    request.positions = reuse
+    return True
+
+  async def _prefill_again(self, request: Request) -> None:
+    """A node lacked the prefix the request reused: its whole prompt runs again, on every node, from position 0."""
+    (shard, tokens), request.prompt = request.prompt, None
+    try:
+      await self._run_from_prefix(shard, tokens, request, {}, reuse=False)
+    except RequestEnded:
+      pass
+    except Exception as e:
+      await self.fail_request(request.id, e)
+
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     shard = self.get_current_shard(base_shard)
     request = self._open(request_id or str(uuid.uuid4()))
@@ -252,6 +315,9 @@ class Node(RingMember):
     try:
       if request.model is None:  # its first work here
         await self._enter(request, shard)
+      prefix = (inference_state or {}).get("prefix")
+      if prefix is not None and not await self._start_from_prefix(shard, request, checked_prefix(prefix)):
+        return None
       await self._run(shard, tensor, request, inference_state)
     except RequestEnded:
       pass
@@ -282,6 +348,11 @@ class Node(RingMember):
     if not self.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
       self._release(request.id)
       raise RequestEnded(request.id)
+    prefix = (state or {}).get("prefix")
+    if prefix is not None:  # its prompt has run here
+      self.inference_engine.remember_prefix(request.id, prefix["keys"])
+      if shard.is_last_layer():  # the ring has it all: the tokens that follow travel without it
+        state = {k: v for k, v in state.items() if k != "prefix"}
     request.positions += input_length(tensor)
     request.advance(Status.DECODING)
     await self.process_inference_result(shard, result, request.id, state)
@@ -427,6 +498,7 @@ class Node(RingMember):
       try:
         if await self.update_peers():
           await self.broadcast_supported_engines(self.get_supported_inference_engines())
+        await self.announce_prefix_cache()  # every round: a peer may have dropped it before it knew this node
         await self.collect_topology(set())
         self.forget_stale()
       except Exception as e:
@@ -517,6 +589,10 @@ class Node(RingMember):
         self.end_request(request_id_, Status.CANCELLED)
       else:
         self.end_request(request_id_, Status.FAILED, status["error"])
+    elif kind == statuses.PREFIX_MISS:
+      request = self.requests.get(status["request_id"])
+      if request is not None and request.prompt is not None and (sender_host is None or self._on_path(request, sender_host)):
+        self.spawn(self._prefill_again(request))
     self._on_opaque_status.trigger_all(request_id, raw)
 
   def _take_logprobs(self, status: dict, sender_host: Optional[str]) -> None:
@@ -553,6 +629,8 @@ class Node(RingMember):
           print(f"Ignoring malformed download progress: {e!r}")
     elif kind == statuses.SUPPORTED_ENGINES and status["node_id"] in self.peer_hosts:
       self.peer_engines[status["node_id"]] = status["engines"]
+    elif kind == statuses.PREFIX_CACHE and status["node_id"] in self.peer_hosts:
+      self.peer_prefix_blocks[status["node_id"]] = status["block"]
     if self.topology_viz:
       self.topology_viz.update_status(status)
 

@@ -67,6 +67,7 @@ class Request:
   tokens_received: int = 0  # tokens a peer has sent here, its origin
   peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
   busy: bool = False  # a pass of it is running here
+  prompt: Optional[Tuple[object, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
   created: float = field(default_factory=time.monotonic)
 
   def advance(self, status: Status) -> None:

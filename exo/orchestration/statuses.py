@@ -17,6 +17,8 @@ CANCEL_REQUEST = "cancel_request"  # its client has gone or has what it wanted: 
 REQUEST_ERROR = "request_error"  # it failed somewhere: every node drops it, its client gets the error
 REQUEST_ENDS = (CANCEL_REQUEST, REQUEST_ERROR)
 TOKEN_LOGPROBS = "token_logprobs"  # a sampled token's logprobs, sent to its origin just before the token's SendResult
+PREFIX_CACHE = "prefix_cache"  # a node announces whether it reuses prompt prefixes: in blocks of `block` tokens, or 0 (not)
+PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
@@ -47,6 +49,14 @@ def token_logprobs(request_id: str, position: int, logprobs: TokenLogprobs) -> s
 def logprobs_of(status: dict) -> TokenLogprobs:
   """The TokenLogprobs of a checked token_logprobs status."""
   return TokenLogprobs(float(status["logprob"]), [(int(t), float(lp)) for t, lp in status["top"]])
+
+
+def prefix_cache(node_id: str, block: int) -> str:
+  return json.dumps({"type": PREFIX_CACHE, "node_id": node_id, "block": block})
+
+
+def prefix_miss(request_id: str, node_id: str) -> str:
+  return json.dumps({"type": PREFIX_MISS, "request_id": request_id, "node_id": node_id})
 
 
 def parse(raw: str) -> Tuple[Optional[str], dict]:
@@ -162,8 +172,20 @@ def _check_token_logprobs(status: dict) -> None:
     raise InvalidStatus(f"top must be a list of at most {MAX_TOP_LOGPROBS} [token id, logprob <= 0] pairs")
 
 
+def _check_prefix_cache(status: dict) -> None:
+  _string(status, "node_id")
+  if not _is_int(status.get("block")) or not 0 <= status["block"] <= 4096:
+    raise InvalidStatus("block must be an integer from 0 to 4096")
+
+
+def _check_prefix_miss(status: dict) -> None:
+  _string(status, "request_id")
+  _string(status, "node_id")
+
+
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
   TOKEN_LOGPROBS: _check_token_logprobs,
+  PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss,
 }
