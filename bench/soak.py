@@ -9,7 +9,8 @@ turn with SmolLM2. It reports:
 - greedy divergences: a finished answer that differs from its prompt's solo answer, or a cancelled one that is not a
   prefix of it (must be 0);
 - live requests and KV bytes on every node once the clients have stopped, from GET /v1/state (must be 0);
-- each node's resident memory at the start, middle and end (flat within 10%).
+- each node's resident memory at the start, middle and end (flat within 10%), the prefix cache held to
+  --prefix-cache-mb (its prompts are filed from the solo runs on; a second model's load empties it).
 
   python bench/soak.py --seconds 600              # one node, then a 2-node ring
   python bench/soak.py --seconds 60 --rings 1     # one node only
@@ -17,6 +18,7 @@ turn with SmolLM2. It reports:
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -145,7 +147,6 @@ async def soak(cluster: Cluster, args) -> dict:
 
 
 def install_second_model(home: Path) -> None:
-  import os
   from tests.support.checkpoints import install_random_model
   previous = os.environ.get("EXO_HOME")
   os.environ["EXO_HOME"] = str(home)
@@ -167,6 +168,7 @@ async def main(args) -> int:
   log_dir = Path(args.log_dir or Path(__file__).resolve().parent / "results" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}")
   log_dir.mkdir(parents=True, exist_ok=True)
   results = []
+  os.environ["EXO_PREFIX_CACHE_MB"] = f"{args.prefix_cache_mb:g}"  # the nodes' environment is this one's
   for nodes in args.rings:
     for i in range(nodes):
       install_second_model(log_dir / f"home{i}")
@@ -200,6 +202,8 @@ def parse_args(argv=None):
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--batch-timeout-ms", type=float, default=5)
   p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens a step takes beside running streams (a prompt of 1,500 still runs in 12 steps)")
+  p.add_argument("--prefix-cache-mb", type=float, default=64, help="EXO_PREFIX_CACHE_MB for the nodes: repeated prompts hit the cache, "
+                 "whose memory stays within this (the flat-memory check measures the rest)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-dir", default=None)
   return p.parse_args(argv)

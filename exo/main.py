@@ -12,6 +12,7 @@ from typing import List
 
 from exo.helpers import VERSION, find_available_port, get_or_create_node_id
 from exo.inference.inference_engine import inference_engine_classes
+from exo.inference.prefix_cache import DEFAULT_BUDGET_BYTES
 
 os.environ.setdefault("GRPC_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-concurrent-requests", type=int, default=None, help="requests the API serves at once (overrides EXO_MAX_CONCURRENT_REQUESTS; default 256)")
   p.add_argument("--max-queued-requests", type=int, default=None, help="requests that may wait for a place; beyond them 429 (overrides EXO_MAX_QUEUED_REQUESTS; default 1024)")
   p.add_argument("--kv-budget-mb", type=float, default=None, help="KV cache the running requests may claim (overrides EXO_KV_BUDGET_MB; default half the memory available at start)")
+  p.add_argument("--prefix-cache-mb", type=float, default=None, help="KV memory kept for the prompts of ended requests, so later prompts that start the same way skip them (overrides EXO_PREFIX_CACHE_MB; default 1024; 0 = off)")
+  p.add_argument("--no-prefix-cache", action="store_true", help="never reuse prompt prefixes (as EXO_PREFIX_CACHE=0)")
   p.add_argument("--max-request-body-mb", type=float, default=None, help="largest request body (overrides EXO_MAX_REQUEST_BODY_MB; default 8)")
   p.add_argument("--allowed-origins", type=str, default=None, help="comma-separated web origins, besides the node's own, whose pages may use the API; * for any (overrides EXO_ALLOWED_ORIGINS)")
   p.add_argument("--api-key", type=str, default=None, help="require this key as 'Authorization: Bearer <key>' (overrides EXO_API_KEY)")
@@ -158,6 +161,25 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   print(summary, file=sys.stderr if len(prompts) == 1 else sys.stdout)
 
 
+def prefix_cache_budget(args, environ) -> int:
+  """Bytes of KV the prefix cache may keep for ended requests (0: off), from the flags, else the environment."""
+  switch = str(environ.get("EXO_PREFIX_CACHE", "")).strip().lower()
+  if switch not in ("", "0", "1", "off", "on", "false", "true"):
+    raise ValueError(f"EXO_PREFIX_CACHE must be 0 or 1 (off or on), got {environ['EXO_PREFIX_CACHE']!r}")
+  if args.no_prefix_cache or switch in ("0", "off", "false"):
+    return 0
+  raw, name = (args.prefix_cache_mb, "--prefix-cache-mb") if args.prefix_cache_mb is not None else (environ.get("EXO_PREFIX_CACHE_MB"), "EXO_PREFIX_CACHE_MB")
+  if raw is None or not str(raw).strip():
+    return DEFAULT_BUDGET_BYTES
+  try:
+    mb = float(raw)
+  except ValueError:
+    mb = float("nan")
+  if not 0 <= mb <= 1 << 24:
+    raise ValueError(f"{name} must be a number of MiB from 0 to {1 << 24}, got {raw!r}")
+  return int(mb * 2**20)
+
+
 async def main(args) -> int:
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
@@ -200,11 +222,20 @@ async def main(args) -> int:
   except ValueError as e:
     fail(str(e))
 
+  try:
+    prefix_budget = prefix_cache_budget(args, os.environ)
+  except ValueError as e:
+    fail(str(e))
+
   shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads)
   try:
     engine = get_inference_engine(engine_name, shard_downloader)
   except ImportError as e:
     fail(f"the {engine_name} engine is not installed ({e.name} missing); install it with: pip install 'exo[{engine_name}]'")
+  if getattr(engine, "copies_prefixes", False):
+    engine.prefixes.set_budget(prefix_budget)
+    state = f"on, keeping up to {prefix_budget / 2**20:,.0f} MiB of ended requests' prompts" if prefix_budget else "off"
+    print(f"exo: prefix cache {state}", file=sys.stderr, flush=True)
   node_id = args.node_id or get_or_create_node_id()
   node_port = args.node_port or find_available_port(args.node_host)
   from exo.topology.device_capabilities import device_capabilities

@@ -151,9 +151,17 @@ BAD_VALUES = [
   ({"stop": 42}, "stop must be a non-empty string or a list"),
   ({"stop": ["a", ""]}, "stop must be a non-empty string or a list"),
   ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
-  ({"n": 2}, "n must be 1"),
-  ({"n": True}, "n must be 1"),
-  ({"n": 1.0}, "n must be 1"),
+  ({"n": 0}, "n must be an integer between 1 and 16"),
+  ({"n": 17}, "n must be an integer between 1 and 16"),
+  ({"n": True}, "n must be an integer between 1 and 16"),
+  ({"n": 1.0}, "n must be an integer between 1 and 16"),
+  ({"logprobs": "yes"}, "logprobs must be true or false"),
+  ({"logprobs": 1}, "logprobs must be true or false"),
+  ({"top_logprobs": 21, "logprobs": True}, "top_logprobs must be an integer between 0 and 20"),
+  ({"top_logprobs": -1, "logprobs": True}, "top_logprobs must be an integer between 0 and 20"),
+  ({"top_logprobs": 2.0, "logprobs": True}, "top_logprobs must be an integer between 0 and 20"),
+  ({"top_logprobs": 5}, "top_logprobs needs logprobs set to true"),
+  ({"top_logprobs": 0, "logprobs": False}, "top_logprobs needs logprobs set to true"),
   ({"stream": "yes"}, "stream must be true or false"),
   ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
   ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options"),
@@ -169,8 +177,6 @@ BAD_VALUES = [
   ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string or a list"),
   ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
   # Parameters this server does not implement are refused, never silently ignored.
-  ({"logprobs": True}, "logprobs is not supported by this server"),
-  ({"top_logprobs": 5}, "top_logprobs is not supported"),
   ({"frequency_penalty": 99}, "frequency_penalty is not supported"),
   ({"presence_penalty": "x"}, "presence_penalty is not supported"),
   ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
@@ -221,8 +227,8 @@ async def test_accepted_edge_values(server):
 
 @pytest.mark.asyncio
 async def test_unknown_routes_and_methods(server):
-  error = error_of(*await post(f"{server.url}/v1/completions", {}), expected_status=405)
-  assert error["message"] == "POST is not allowed on /v1/completions"
+  error = error_of(*await post(f"{server.url}/v1/models", {}), expected_status=405)
+  assert error["message"] == "POST is not allowed on /v1/models"
   error = error_of(*await get(f"{server.url}/no/such/page"), expected_status=404)
   assert error["type"] == "not_found_error"
 

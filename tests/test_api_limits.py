@@ -81,7 +81,7 @@ async def test_a_huge_prompt_is_rejected_while_the_node_keeps_serving(server):
     rejected = asyncio.create_task(post(session, url, huge))
     streamed = asyncio.create_task(stream_text(session, url, story))
     bad = asyncio.gather(*[post(session, url, {"model": MODEL, "messages": STORY, **change})
-                           for change in ({"top_k": 10**29}, {"logprobs": True}, {"n": 1.0}, {"max_tokens": 10**6})])
+                           for change in ({"top_k": 10**29}, {"top_logprobs": 21, "logprobs": True}, {"n": 1.0}, {"max_tokens": 10**6})])
     health_times = []
     while not rejected.done():
       started = time.monotonic()

@@ -186,8 +186,9 @@ def smol_pair(tmp_path_factory):
   async def form():
     cluster.nodes["node-a"].start()
     await cluster.wait_api("node-a")
-    reply = await chat(cluster.url("node-a"), "smollm2-135m", QUESTION)
+    reply = await chat(cluster.url("node-a"), "smollm2-135m", QUESTION, logprobs=True, top_logprobs=2)
     cluster.reference_text = reply["choices"][0]["message"]["content"]
+    cluster.reference_logprobs = reply["choices"][0]["logprobs"]["content"]
     cluster.reference_tokens = tokens_of(cluster.nodes["node-a"].log(), reply["id"].removeprefix("chatcmpl-"))
     assert cluster.reference_text.startswith("The capital of France is Paris."), reply
     assert cluster.reference_tokens and len(cluster.reference_tokens) == reply["usage"]["completion_tokens"]
@@ -204,6 +205,18 @@ async def test_smollm2_split_over_two_nodes_answers_as_one_node(smol_pair):
   request_id = reply["id"].removeprefix("chatcmpl-")
   assert reply["choices"][0]["message"]["content"] == smol_pair.reference_text
   assert tokens_of(smol_pair.nodes["node-a"].log(), request_id) == smol_pair.reference_tokens
+
+
+async def test_logprobs_sampled_on_one_node_reach_the_origin_on_another(smol_pair):
+  """node-b (first layers) is the origin, node-a samples: each token's logprobs travel to node-b as a status ahead of
+  the token, and come out as a one-node run's."""
+  reply = await chat(smol_pair.url("node-b"), "smollm2-135m", QUESTION, logprobs=True, top_logprobs=2)
+  assert reply["choices"][0]["message"]["content"] == smol_pair.reference_text
+  entries = reply["choices"][0]["logprobs"]["content"]
+  assert len(entries) == reply["usage"]["completion_tokens"] == len(smol_pair.reference_logprobs)
+  for got, want in zip(entries, smol_pair.reference_logprobs):
+    assert got["token"] == want["token"] and got["top_logprobs"][0]["token"] == got["token"]
+    assert abs(got["logprob"] - want["logprob"]) < 1e-3 and got["logprob"] <= 0
 
 
 async def read_stream_until_error(url: str, on_content) -> tuple:

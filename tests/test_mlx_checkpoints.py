@@ -28,7 +28,7 @@ from exo.networking.grpc import node_service_pb2 as pb  # noqa: E402
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc  # noqa: E402
 from tests.support.api_server import ApiServer  # noqa: E402
 from tests.support.checkpoints import served_checkpoints  # noqa: E402
-from tests.support.cluster import REPO, ExoProcess, free_port, grpc_health, wait_for_ring, write_manual_config  # noqa: E402
+from tests.support.cluster import REPO, ExoProcess, free_port, wait_for_ring, write_manual_config  # noqa: E402
 from tests.support.models import SMOLLM2_LAYERS  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea."]
@@ -94,19 +94,10 @@ def ring_peer(smollm2_checkpoints, tmp_path_factory):
                                "--discovery-config-path", str(config), "--disable-tui"], workdir, {"DEBUG": "5"})  # 5: it logs each forward
   peer.start()
   try:
-    asyncio.run(wait_healthy(peer, ports["node-b"]))
+    asyncio.run(wait_for_ring({"node-b": ports["node-b"]}, 60, [peer]))  # a ring of one: its gRPC answers
     yield peer, ports, config, workdir
   finally:
     peer.stop()
-
-
-async def wait_healthy(process: ExoProcess, port: int, timeout: float = 60) -> None:
-  loop = asyncio.get_running_loop()
-  deadline = loop.time() + timeout
-  while not await grpc_health(port):
-    assert process.running(), process.current_log()[-3000:]
-    assert loop.time() < deadline, f"{process.node_id} not healthy within {timeout} s"
-    await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])

@@ -229,7 +229,8 @@ def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
   caches[3].length = 1000  # far longer than its neighbours: padding them all to it would waste most of the run
   assert len(jobs(llama.Step(pool, caches[:8], [1] * 8))) >= 3
   prompt = jobs(llama.Step(pool, caches[:4], [1, 30, 1, 1]))
-  assert [job.slot for job in prompt if isinstance(job, llama.PromptChunk)] == [1], "a prompt chunk attends on its own"
+  chunks = [job for job in prompt if isinstance(job, llama.PromptChunk)]
+  assert {job.slot for job in chunks} == {1} and sum(job.n for job in chunks) == 30, "a prompt chunk attends on its own (the cores may share its rows)"
   assert sum((slots(job) for job in prompt if isinstance(job, llama.DecodeRun)), []) == [0, 2, 3]
   costs = [sum(job.cost for job in group) for group in llama.share(jobs(llama.Step(pool, caches[4:20], [1] * 16)), 2)]
   assert len(costs) == 2 and max(costs) <= 1.1 * min(costs), "the cores read about as many cached positions each"

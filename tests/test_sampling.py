@@ -1,7 +1,7 @@
 """The shared vectorised sampler: each row its own parameters and random stream."""
 import numpy as np
 
-from exo.inference.sampling import SamplingParams, make_generator, sample_last, sample_rows
+from exo.inference.sampling import SamplingParams, make_generator, sample_last, sample_rows, token_logprobs
 
 rng = np.random.default_rng(0)
 LOGITS = rng.normal(size=(1, 500)).astype(np.float32) * 3
@@ -73,3 +73,32 @@ def test_looking_at_few_candidates_samples_exactly_as_sorting_everything(monkeyp
     return np.stack([sample_rows(logits, params, gens) for _ in range(30)])
 
   assert (run(64) == run(5000)).all()
+
+
+def log_softmax(row, temperature):
+  scaled = np.asarray(row, dtype=np.float64) / (temperature if temperature > 0 else 1.0)
+  return scaled - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())
+
+
+def test_token_logprobs_are_the_log_softmax_each_row_was_sampled_from():
+  rng = np.random.default_rng(7)
+  logits = rng.normal(size=(4, 300)).astype(np.float32) * 3
+  params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(temperature=0.5, logprobs=0), SamplingParams(temperature=1.7, logprobs=20)]
+  tokens = [int(np.argmax(logits[0])), 5, 17, 250]
+  out = token_logprobs(logits, params, tokens)
+  assert out[1] is None and out[2].top == []
+  for row, (p, lp) in enumerate(zip(params, out)):
+    if lp is None:
+      continue
+    expected = log_softmax(logits[row], p.temperature)
+    assert abs(lp.logprob - expected[tokens[row]]) < 1e-4 and lp.logprob <= 0
+    assert [t for t, _ in lp.top] == list(np.argsort(-expected, kind="stable")[:p.logprobs])
+    assert all(abs(v - expected[t]) < 1e-4 and v <= 0 for t, v in lp.top)
+  assert out[0].top[0][0] == tokens[0] and out[0].top[0][1] == out[0].logprob  # greedy: the token is top-1
+
+
+def test_temperature_sharpens_or_flattens_the_reported_distribution():
+  row = np.random.default_rng(3).normal(size=(1, 50)).astype(np.float32)
+  best = int(np.argmax(row))
+  cold, plain, hot = (token_logprobs(row, [SamplingParams(temperature=t, logprobs=1)], [best])[0].logprob for t in (0.3, 0.0, 2.0))
+  assert cold > plain > hot

@@ -105,3 +105,16 @@ def test_end_of_turn_ids(gguf_tokenizer):
 
 def test_digits_split_individually(gguf_tokenizer):
   assert gguf_tokenizer.encode("12345") == [33, 34, 35, 36, 37]
+
+
+def test_the_gguf_reader_reads_what_the_gguf_package_reads(smollm2_path):
+  import gguf
+  from exo.inference.weights import gguf_reader
+  theirs, ours = gguf.GGUFReader(str(smollm2_path)), gguf_reader(str(smollm2_path))
+  assert list(ours.fields) == list(theirs.fields) and ours.data_offset == theirs.data_offset
+  for name, field in theirs.fields.items():
+    mine = ours.fields[name]
+    assert mine.types == field.types and mine.data == field.data and len(mine.parts) == len(field.parts), name
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name
+  assert [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in ours.tensors] == [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in theirs.tensors]
+  assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))

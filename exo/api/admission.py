@@ -8,7 +8,7 @@ import math
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Deque, Optional
+from typing import AsyncIterator, Deque, List, Optional
 
 from exo.api.errors import ApiError, BadRequest
 
@@ -23,19 +23,24 @@ class Ticket:
     self.kv_bytes = 0
     self.future: Optional[asyncio.Future] = None
     self.started: Optional[float] = None  # when it began to run
+    self.left = False
 
   async def admit(self, kv_bytes: int) -> None:
     """Wait for a running place and room for `kv_bytes` of KV cache."""
     admission = self.admission
-    if kv_bytes > admission.kv_budget:
-      raise BadRequest(f"this request could need {kv_bytes / 2**20:,.0f} MiB of KV cache, more than this node's whole budget of "
-                       f"{admission.kv_budget / 2**20:,.0f} MiB (EXO_KV_BUDGET_MB); ask for fewer max_tokens or a shorter prompt",
-                       param="max_tokens", code="kv_budget_exceeded")
+    admission.kv_budget_check(kv_bytes)
     self.kv_bytes = kv_bytes
     self.future = asyncio.get_running_loop().create_future()
     admission.queue.append(self)
     admission.admit_waiting()
     await self.future
+
+  def leave(self) -> None:
+    """Give the place up (at once, or when its request ends: whichever comes first)."""
+    if not self.left:
+      self.left = True
+      self.admission.held -= 1
+      self.admission._leave(self)
 
 
 class Admission:
@@ -46,6 +51,13 @@ class Admission:
     self.kv_in_use = 0
     self.queue: Deque[Ticket] = deque()  # waiting for admit(), oldest first
     self.typical_run_s = 1.0  # moving average of how long a request runs, for Retry-After
+
+  def kv_budget_check(self, kv_bytes: int) -> None:
+    """BadRequest if a request could need more KV memory than the whole budget: it would wait forever."""
+    if kv_bytes > self.kv_budget:
+      raise BadRequest(f"this request could need {kv_bytes / 2**20:,.0f} MiB of KV cache, more than this node's whole budget of "
+                       f"{self.kv_budget / 2**20:,.0f} MiB (EXO_KV_BUDGET_MB); ask for fewer max_tokens or a shorter prompt",
+                       param="max_tokens", code="kv_budget_exceeded")
 
   @property
   def waiting(self) -> int:
@@ -61,17 +73,27 @@ class Admission:
   @asynccontextmanager
   async def place(self) -> AsyncIterator[Ticket]:
     """A place for one request, or ApiError 429 when every place is taken."""
-    if self.full():
+    async with self.places(1) as tickets:
+      yield tickets[0]
+
+  @asynccontextmanager
+  async def places(self, count: int) -> AsyncIterator[List[Ticket]]:
+    """`count` places at once (a request's choices, each served as a request of its own; each may leave its place
+    early), or ApiError 429 when they are not all free; BadRequest naming `n` if this node could never hold them."""
+    if count > self.max_running + self.max_queued:
+      raise BadRequest(f"this request has {count} choices; this node serves at most {self.max_running + self.max_queued} requests, running "
+                       f"and waiting (EXO_MAX_CONCURRENT_REQUESTS + EXO_MAX_QUEUED_REQUESTS)", param="n")
+    if self.held + count > self.max_running + self.max_queued:
       raise ApiError(429, f"this node is at its limit: {self.running} requests running (EXO_MAX_CONCURRENT_REQUESTS={self.max_running}) "
                           f"and {self.waiting} waiting (EXO_MAX_QUEUED_REQUESTS={self.max_queued}); try again shortly",
                      code="too_many_requests", headers={"Retry-After": str(self.retry_after())})
-    ticket = Ticket(self)
-    self.held += 1
+    tickets = [Ticket(self) for _ in range(count)]
+    self.held += count
     try:
-      yield ticket
+      yield tickets
     finally:
-      self.held -= 1
-      self._leave(ticket)
+      for ticket in tickets:
+        ticket.leave()
 
   def _leave(self, ticket: Ticket) -> None:
     if ticket.started is not None:

@@ -3,11 +3,11 @@ Bad input raises BadRequest naming the field and saying why; a parameter this se
 refused the same way, never silently ignored."""
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 from exo.api.errors import BadRequest
-from exo.inference.sampling import SamplingParams
+from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from exo.local_checkpoints import model_card
 from exo.models import get_repo, model_cards
 
@@ -19,10 +19,11 @@ ROLES = {"system", "user", "assistant", "tool", "developer"}
 # A JSON string escape that may decode to half of a surrogate pair (only escapes can: the body is strict UTF-8).
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
+MAX_CHOICES = 16  # n (times the prompts, on /v1/completions): each choice is a request of its own
 IMPLEMENTED = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-               "max_completion_tokens", "stop", "tools", "tool_choice", "n", "ignore_eos", "user"}
+               "max_completion_tokens", "stop", "tools", "tool_choice", "n", "ignore_eos", "user", "logprobs", "top_logprobs"}
 # OpenAI parameters this server does not implement, with the values that ask for nothing (null is always one).
-NEUTRAL_VALUES = {"logprobs": [False], "top_logprobs": [0], "frequency_penalty": [0], "presence_penalty": [0], "repetition_penalty": [1],
+NEUTRAL_VALUES = {"frequency_penalty": [0], "presence_penalty": [0], "repetition_penalty": [1],
                   "logit_bias": [{}], "response_format": [{"type": "text"}], "parallel_tool_calls": [True]}
 
 
@@ -35,6 +36,7 @@ class ChatRequest:
   stop: List[str] = field(default_factory=list)
   tools: Optional[List[Any]] = None
   include_usage: bool = False
+  n: int = 1
 
 
 def parse_json_body(raw: bytes) -> Dict[str, Any]:
@@ -144,7 +146,7 @@ def _seed(body: dict) -> Optional[int]:
   return value % 2**64  # OpenAI allows negative seeds; the generator wants an unsigned one
 
 
-def _stop(body: dict) -> List[str]:
+def parse_stop(body: dict) -> List[str]:
   value = body.get("stop")
   if value is None:
     return []
@@ -154,13 +156,54 @@ def _stop(body: dict) -> List[str]:
   return stops
 
 
-def _flag(body: dict, name: str) -> bool:
+def parse_flag(body: dict, name: str) -> bool:
   value = body.get(name)
   if value is None:
     return False
   if not isinstance(value, bool):
     raise BadRequest(f"{name} must be true or false", param=name)
   return value
+
+
+def parse_n(body: dict) -> int:
+  n = body.get("n")
+  if n is None:
+    return 1
+  if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+    raise BadRequest(f"n must be an integer between 1 and {MAX_CHOICES}", param="n")
+  return n
+
+
+def parse_logprobs_count(body: dict, name: str) -> Optional[int]:
+  """An integer count of alternatives, 0 to MAX_TOP_LOGPROBS, or None."""
+  value = body.get(name)
+  if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
+    raise BadRequest(f"{name} must be an integer between 0 and {MAX_TOP_LOGPROBS}", param=name)
+  return value
+
+
+def _chat_logprobs(body: dict) -> Optional[int]:
+  """OpenAI's chat fields: `logprobs` true asks for each token's logprob, `top_logprobs` for that many alternatives."""
+  top = parse_logprobs_count(body, "top_logprobs")
+  if not parse_flag(body, "logprobs"):
+    if top is not None:
+      raise BadRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return None
+  return top or 0
+
+
+def parse_stream_options(body: dict) -> bool:
+  """Whether the stream ends with the usage."""
+  options = body.get("stream_options")
+  if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool)):
+    raise BadRequest('stream_options must be an object like {"include_usage": true}', param="stream_options")
+  return bool((options or {}).get("include_usage"))
+
+
+def parse_user(body: dict) -> None:
+  user = body.get("user")
+  if user is not None and not isinstance(user, str):
+    raise BadRequest("user must be a string", param="user")
 
 
 def sampling_params(body: dict, default_temperature: float) -> SamplingParams:
@@ -174,7 +217,7 @@ def sampling_params(body: dict, default_temperature: float) -> SamplingParams:
     min_p=_number(body, "min_p", 0.0, 0.0, 1.0, "a number between 0 and 1"),
     seed=_seed(body),
     max_tokens=_max_tokens(body),
-    ignore_eos=_flag(body, "ignore_eos"),
+    ignore_eos=parse_flag(body, "ignore_eos"),
   )
 
 
@@ -183,13 +226,13 @@ def _same(value: Any, neutral: Any) -> bool:
   return isinstance(value, bool) == isinstance(neutral, bool) and type(value) in (int, float, bool, dict) and value == neutral
 
 
-def _refuse_unimplemented(body: dict) -> None:
+def refuse_unimplemented(body: dict, implemented=IMPLEMENTED, neutral_values=NEUTRAL_VALUES) -> None:
   for name, value in body.items():
-    if name in NEUTRAL_VALUES:
-      if value is not None and not any(_same(value, n) for n in NEUTRAL_VALUES[name]):
-        allowed = " or ".join(json.dumps(n) for n in NEUTRAL_VALUES[name])
+    if name in neutral_values:
+      if value is not None and not any(_same(value, n) for n in neutral_values[name]):
+        allowed = " or ".join(json.dumps(n) for n in neutral_values[name])
         raise BadRequest(f"{name} is not supported by this server (only null or {allowed})", param=name, code="unsupported_parameter")
-    elif name not in IMPLEMENTED:
+    elif name not in implemented:
       raise BadRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unsupported_parameter")
 
 
@@ -242,21 +285,13 @@ def parse_tools(body: dict) -> Optional[List[Any]]:
 
 
 def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ChatRequest:
-  _refuse_unimplemented(body)
+  refuse_unimplemented(body)
   model = resolve_model(body.get("model"), default_model, engine_classname)
   messages = parse_messages(body.get("messages"))
-  stream = _flag(body, "stream")
-  n = body.get("n")
-  if n is not None and not (_is_int(n) and n == 1):
-    raise BadRequest("n must be 1: exo returns one choice", param="n", code="unsupported_parameter")
-  options = body.get("stream_options")
-  if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool)):
-    raise BadRequest('stream_options must be an object like {"include_usage": true}', param="stream_options")
-  user = body.get("user")
-  if user is not None and not isinstance(user, str):
-    raise BadRequest("user must be a string", param="user")
-  return ChatRequest(model, messages, stream, sampling_params(body, default_temperature), _stop(body), parse_tools(body),
-                     bool((options or {}).get("include_usage")))
+  stream = parse_flag(body, "stream")
+  parse_user(body)
+  params = replace(sampling_params(body, default_temperature), logprobs=_chat_logprobs(body))
+  return ChatRequest(model, messages, stream, params, parse_stop(body), parse_tools(body), parse_stream_options(body), parse_n(body))
 
 
 def build_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Any]] = None, system_prompt: Optional[str] = None) -> str:

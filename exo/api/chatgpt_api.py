@@ -4,7 +4,8 @@ Success replies keep upstream exo's shapes; every error is OpenAI's {"error": {"
 A request passes, in order: the error middleware (ApiError and aiohttp's own errors become that JSON), access
 (API key, Origin, content type: exo/api/access.py), the response deadline, then its handler. Request bodies are
 parsed, templated and tokenised on a small thread pool, never on the event loop that carries gRPC and every open
-stream; a chat request then waits for a place (exo/api/admission.py) before it reaches the ring."""
+stream; a chat or completion request then waits for a place per choice (exo/api/admission.py, exo/api/choices.py)
+before it reaches the ring."""
 import asyncio
 import shutil
 import time
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -22,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from exo.api import responses
 from exo.api.access import Access
 from exo.api.admission import Admission
+from exo.api.choices import Choice, run_choices
+from exo.api.completion_request import CompletionRequest, Prompt, parse_completion_request
 from exo.api.chat_request import ChatRequest, build_prompt, parse_chat_request, parse_json_body, parse_messages, parse_tools, resolve_model
 from exo.api.errors import ApiError, BadRequest
 from exo.api.event_stream import STREAM_KEY, EventStream
@@ -31,10 +34,11 @@ from exo.api.reply_text import ReplyText
 from exo.api.settings import ApiSettings
 from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
+from exo.inference.sampling import SamplingParams
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import load_config
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
-from exo.orchestration.generation import generate
+from exo.orchestration.generation import generate_events
 
 TINYCHAT_DIR = Path(__file__).resolve().parent.parent / "tinychat"
 IMAGES_DIR = Path.home() / "Documents" / "Exo" / "Images"
@@ -66,6 +70,7 @@ class ChatGPTAPI:
     self.app.on_response_prepare.append(self._add_cors_headers)
     for paths, method, handler in [
       (("/v1/chat/completions", "/chat/completions"), "POST", self.handle_chat_completions),
+      (("/v1/completions", "/completions"), "POST", self.handle_completions),
       (("/v1/chat/token/encode", "/chat/token/encode"), "POST", self.handle_token_encode),
       (("/v1/models", "/models"), "GET", self.handle_models),
       (("/initial_models",), "GET", self.handle_initial_models),
@@ -227,76 +232,130 @@ class ChatGPTAPI:
   async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     chat = await self._in_thread(self._parse_chat, await request.read())
-    async with self.admission.place() as ticket:
+    async with self.admission.places(chat.n) as tickets:
       tokenizer, limits = await self.model_profile(chat.model)
       prompt, prompt_tokens = await self._in_thread(self._template, tokenizer, chat)
-      max_tokens = limits.reply_budget(prompt_tokens, chat.params.max_tokens)
-      cap = self.node.max_generate_tokens
-      layers_here = self.node.get_current_shard(build_base_shard(chat.model, self.inference_engine_classname)).get_layer_count()
-      await ticket.admit(limits.kv_bytes(prompt_tokens + min(max_tokens or cap, cap), layers_here))
-      chat.params = replace(chat.params, max_tokens=max_tokens)
+      chat.params = replace(chat.params, max_tokens=limits.reply_budget(prompt_tokens, chat.params.max_tokens))
       request_id = str(uuid.uuid4())
       if self.on_chat_completion_request is not None:
         try:
           self.on_chat_completion_request(request_id, chat, prompt)
         except Exception as e:
           self._log_error("on_chat_completion_request failed", e)
-      self.metrics.prompt_tokens.inc(prompt_tokens)
-      reply = ReplyText(tokenizer.decode, getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}, chat.stop)
       if DEBUG >= 2:
-        print(f"[{request_id}] chat completion: model={chat.model} params={chat.params} stop={chat.stop} stream={chat.stream}")
-      events = self._generation(chat, request_id, prompt, arrived)
-      if chat.stream:
-        return await self._stream(request, chat, request_id, events, prompt_tokens, reply)
-      return await self._complete(chat, request_id, events, prompt_tokens, reply)
+        print(f"[{request_id}] chat completion: model={chat.model} params={chat.params} n={chat.n} stop={chat.stop} stream={chat.stream}")
+      choices = self._choices(request_id, chat.model, [(prompt, prompt_tokens, chat.params, "")], chat.n, chat.stop, tokenizer, limits, tickets)
+      shape = responses.ChatShape(request_id, chat.model, _token_text(tokenizer))
+      return await self._reply(request, shape, chat.model, choices, [prompt_tokens], chat.stream, chat.include_usage, arrived)
 
-  async def _generation(self, chat: ChatRequest, request_id: str, prompt: str, arrived: float):
-    """The request's token events, timed for the metrics. Leaving early cancels the generation in the ring."""
-    base_shard = build_base_shard(chat.model, self.inference_engine_classname)
+  # --- completions (legacy) ---
+
+  def _parse_completion(self, raw: bytes) -> CompletionRequest:
+    return parse_completion_request(parse_json_body(raw), self.default_model, self.inference_engine_classname, self.node.default_sample_temperature)
+
+  @staticmethod
+  def _prompt_texts(tokenizer, prompts: List[Prompt]) -> List[Tuple[str, int]]:
+    """Each prompt's text and token count. Token ids are checked against the vocabulary and sent as their text (the
+    ring takes text), which the first node tokenises again."""
+    texts = []
+    for i, prompt in enumerate(prompts):
+      if isinstance(prompt, str):
+        texts.append((prompt, len(tokenizer.encode(prompt))))
+        continue
+      vocab, name = getattr(tokenizer, "vocab_size", None), "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+      if vocab is not None and max(prompt) >= vocab:
+        raise BadRequest(f"{name} has token id {max(prompt)}; this model's vocabulary has {vocab:,} tokens", param=name)
+      texts.append((tokenizer.decode(prompt), len(prompt)))
+    return texts
+
+  async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    job = await self._in_thread(self._parse_completion, await request.read())
+    async with self.admission.places(len(job.prompts) * job.n) as tickets:
+      tokenizer, limits = await self.model_profile(job.model)
+      prompts = await self._in_thread(self._prompt_texts, tokenizer, job.prompts)
+      runs = [(text, count, replace(job.params, max_tokens=limits.reply_budget(count, job.params.max_tokens, param="prompt")), text if job.echo else "")
+              for text, count in prompts]
+      request_id = str(uuid.uuid4())
+      choices = self._choices(request_id, job.model, runs, job.n, job.stop, tokenizer, limits, tickets)
+      shape = responses.TextShape(request_id, job.model, _token_text(tokenizer), {c.index: len(c.echo) for c in choices})
+      return await self._reply(request, shape, job.model, choices, [count for _, count in prompts], job.stream, job.include_usage, arrived)
+
+  # --- what chat and completions share ---
+
+  def _choices(self, request_id: str, model: str, runs: List[Tuple[str, int, SamplingParams, str]], n: int, stop: List[str], tokenizer,
+               limits: ModelLimits, tickets: List) -> List[Choice]:
+    """n choices for each (prompt, its token count, its params, echo text); each a request of its own in the ring, with
+    its own random stream (seed + index when a seed is given)."""
+    eos = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
+    cap = self.node.max_generate_tokens
+    layers_here = self.node.get_current_shard(build_base_shard(model, self.inference_engine_classname)).get_layer_count()
+    choices: List[Choice] = []
+    for p, (prompt, prompt_tokens, params, echo) in enumerate(runs):
+      kv_bytes = limits.kv_bytes(prompt_tokens + min(params.max_tokens or cap, cap), layers_here)
+      first = None
+      for j in range(n):
+        index = p * n + j
+        seeded = params if params.seed is None else replace(params, seed=(params.seed + index) % 2**64)
+        choice = Choice(index, request_id if index == 0 else f"{request_id}-{index}", prompt, seeded, tickets[index], kv_bytes,
+                        ReplyText(tokenizer.decode, eos, stop), echo, first=first)
+        first = first or choice
+        choices.append(choice)
+    return choices
+
+  async def _reply(self, request: web.Request, shape, model: str, choices: List[Choice], prompt_tokens: List[int], stream: bool,
+                   include_usage: bool, arrived: float) -> web.StreamResponse:
+    self.metrics.prompt_tokens.inc(sum(prompt_tokens))
+    for choice in choices:
+      self.admission.kv_budget_check(choice.kv_bytes)
+    chunks = run_choices(choices, lambda choice: self._generation(model, choice, arrived))
+
+    def usage() -> dict:
+      return responses.usage(sum(prompt_tokens), sum(len(c.reply.tokens) for c in choices))
+    if stream:
+      return await self._stream(request, shape, chunks, len(choices), usage if include_usage else None)
+    try:
+      async with aclosing(chunks):
+        async for _ in chunks:
+          pass
+    except Exception as e:
+      raise self._generation_error(shape.request_id, e) from None
+    return responses.json_reply(shape.reply([(c.index, c.text, c.reply.finish_reason, c.pairs) for c in choices], usage()))
+
+  async def _generation(self, model: str, choice: Choice, arrived: float):
+    """One choice's token events, timed for the metrics. Leaving early cancels the generation in the ring."""
+    base_shard = build_base_shard(model, self.inference_engine_classname)
     last = None
-    async with aclosing(generate(self.node, base_shard, prompt, chat.params, request_id=request_id, timeout=self.response_timeout)) as events:
-      async for tokens, is_finished in events:
+    async with aclosing(generate_events(self.node, base_shard, choice.prompt, choice.params, choice.request_id, self.response_timeout)) as events:
+      async for event in events:
         now = time.monotonic()
         (self.metrics.ttft.observe(now - arrived) if last is None else self.metrics.itl.observe(now - last))
         last = now
-        self.metrics.generation_tokens.inc(len(tokens))
-        yield tokens, is_finished
+        self.metrics.generation_tokens.inc(len(event.tokens))
+        yield event
 
   def _generation_error(self, request_id: str, e: Exception) -> ApiError:
+    if isinstance(e, ApiError):
+      return e
     if isinstance(e, TimeoutError):
       return self._timeout_error()
     self._log_error(f"[{request_id}] generation failed", e)
     return ApiError(500, f"Error processing prompt (see logs with DEBUG>=2): {e}", code="generation_failed")
 
-  async def _complete(self, chat: ChatRequest, request_id: str, events, prompt_tokens: int, reply: ReplyText) -> web.Response:
+  async def _stream(self, request: web.Request, shape, chunks, unfinished: int, usage: Optional[Callable[[], dict]]) -> web.StreamResponse:
+    """SSE in upstream's format, each chunk with its choice's index; the chunk that ends the last choice carries the
+    usage when asked. A failure after the first event ends the stream with an error event."""
+    stream = EventStream(request, {}, shape.error_chunk)
     try:
-      async with aclosing(events):
-        async for tokens, is_finished in events:
-          reply.feed(tokens, is_finished)
-          if reply.finish_reason is not None:
-            break  # leaving early (stop string) cancels the rest of the generation
-    except Exception as e:
-      raise self._generation_error(request_id, e) from None
-    return responses.json_reply(responses.completion(request_id, chat.model, reply.text, reply.finish_reason,
-                                                     responses.usage(prompt_tokens, len(reply.tokens))))
-
-  async def _stream(self, request: web.Request, chat: ChatRequest, request_id: str, events, prompt_tokens: int, reply: ReplyText) -> web.StreamResponse:
-    """SSE in upstream's format. A failure after the first event ends the stream with an error event."""
-    stream = EventStream(request, {}, lambda error: responses.error_chunk(request_id, chat.model, error))
-    try:
-      async with aclosing(events):
-        async for tokens, is_finished in events:
-          texts = reply.feed(tokens, is_finished)
-          for i, text in enumerate(texts):
-            last = reply.finish_reason is not None and i == len(texts) - 1
-            usage = responses.usage(prompt_tokens, len(reply.tokens)) if last and chat.include_usage else None
-            await stream.send(responses.chunk(request_id, chat.model, text, reply.finish_reason if last else None, usage))
-          if reply.finish_reason is not None:
-            break
-    except ConnectionError:  # the client left mid-stream; leaving the loop has cancelled the generation
+      async with aclosing(chunks):
+        async for chunk in chunks:
+          unfinished -= chunk.finish_reason is not None
+          usage_ = usage() if usage is not None and not unfinished else None
+          await stream.send(shape.chunk(chunk.index, chunk.text, chunk.finish_reason, chunk.pairs, usage_))
+    except ConnectionError:  # the client left mid-stream; leaving the loop has cancelled the generations
       return stream.response
     except Exception as e:
-      error = self._generation_error(request_id, e)
+      error = self._generation_error(shape.request_id, e)
       if not stream.started:
         raise error from None
       self._count_error(error)
@@ -434,6 +493,10 @@ class ChatGPTAPI:
 
   async def handle_image_file(self, request: web.Request) -> web.FileResponse:
     return _file_in(IMAGES_DIR, request.match_info["file_name"], request)
+
+
+def _token_text(tokenizer) -> Callable[[int], str]:
+  return lambda token: tokenizer.decode([token])
 
 
 def _file_in(folder: Path, name: str, request: web.Request) -> web.FileResponse:

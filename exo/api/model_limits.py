@@ -21,7 +21,7 @@ class ModelLimits:
   def kv_bytes(self, positions: int, layers: int) -> int:
     return positions * layers * self.kv_bytes_per_position_per_layer
 
-  def reply_budget(self, prompt_tokens: int, max_tokens: Optional[int]) -> Optional[int]:
+  def reply_budget(self, prompt_tokens: int, max_tokens: Optional[int], param: str = "messages") -> Optional[int]:
     """The most tokens the reply may take: max_tokens if the context holds it beside the prompt, else what the
     context leaves when max_tokens is not given. Raises BadRequest (vLLM's rule) when the prompt, or the prompt
     plus max_tokens, does not fit."""
@@ -29,8 +29,8 @@ class ModelLimits:
     if context is None:
       return max_tokens
     if prompt_tokens >= context:
-      raise BadRequest(f"the prompt is {prompt_tokens:,} tokens; this model's context is {context:,} (shorten the messages)",
-                       param="messages", code="context_length_exceeded")
+      raise BadRequest(f"the prompt is {prompt_tokens:,} tokens; this model's context is {context:,} (shorten the {param})",
+                       param=param, code="context_length_exceeded")
     if max_tokens is None:
       return context - prompt_tokens
     if prompt_tokens + max_tokens > context:

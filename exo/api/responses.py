@@ -1,12 +1,13 @@
 """The JSON shapes the API sends, in upstream exo's key order (clients and tests compare them verbatim)."""
 import json
 import time
-from typing import Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from aiohttp import web
 
 from exo.api.errors import ApiError
 from exo.helpers import VERSION
+from exo.inference.sampling import TokenLogprobs
 
 
 def json_reply(body: dict, status: int = 200, headers: Optional[dict] = None) -> web.Response:
@@ -22,31 +23,92 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _envelope(request_id: str, model: str, choice: dict) -> dict:
+def _envelope(request_id: str, model: str, choices: List[dict]) -> dict:
   return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()), "model": model,
-          "system_fingerprint": f"exo_{VERSION}", "choices": [choice]}
+          "system_fingerprint": f"exo_{VERSION}", "choices": choices}
 
 
-def completion(request_id: str, model: str, content: str, finish_reason: str, usage_: dict) -> dict:
-  body = _envelope(request_id, model, {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                                       "finish_reason": finish_reason})
-  body["usage"] = usage_
-  return body
+# A choice's logprobs as the API node has them: (token id, its TokenLogprobs or None where no node sent them).
+TokenPairs = Optional[List[Tuple[int, Optional[TokenLogprobs]]]]
 
 
-def chunk(request_id: str, model: str, content: str, finish_reason: Optional[str], usage_: Optional[dict] = None) -> dict:
-  """One stream event. Upstream's shape: object "chat.completion" and both `message` and `delta` in the choice."""
-  body = _envelope(request_id, model, {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                                       "finish_reason": finish_reason, "delta": {"role": "assistant", "content": content}})
-  if usage_ is not None:
+class ChatShape:
+  """Chat completions (upstream's shapes: a stream event is object "chat.completion" with both `message` and `delta`)."""
+
+  def __init__(self, request_id: str, model: str, token_text: Callable[[int], str]):
+    self.request_id, self.model, self.token_text = request_id, model, token_text
+
+  def _token(self, token: int, logprob: float) -> dict:
+    text = self.token_text(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+  def logprobs(self, pairs: TokenPairs) -> Optional[dict]:
+    if pairs is None:
+      return None
+    return {"content": [{**self._token(token, lp.logprob), "top_logprobs": [self._token(t, p) for t, p in lp.top]} for token, lp in pairs if lp is not None]}
+
+  def reply(self, choices: List[Tuple[int, str, str, TokenPairs]], usage_: dict) -> dict:
+    body = _envelope(self.request_id, self.model, [{"index": index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(pairs),
+                                                   "finish_reason": finish_reason} for index, text, finish_reason, pairs in choices])
     body["usage"] = usage_
-  return body
+    return body
+
+  def chunk(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs = None, usage_: Optional[dict] = None) -> dict:
+    body = _envelope(self.request_id, self.model, [{"index": index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(pairs),
+                                                   "finish_reason": finish_reason, "delta": {"role": "assistant", "content": text}}])
+    if usage_ is not None:
+      body["usage"] = usage_
+    return body
+
+  def error_chunk(self, error: ApiError) -> dict:
+    """The last event of a stream that failed: an empty chunk with finish_reason "error", and the error (the openai
+    client raises it as an APIError)."""
+    return {**self.chunk(0, "", "error"), **error.body()}
 
 
-def error_chunk(request_id: str, model: str, error: ApiError) -> dict:
-  """The last event of a stream that failed: an empty chunk with finish_reason "error", and the error (the openai
-  client raises it as an APIError)."""
-  return {**chunk(request_id, model, "", "error"), **error.body()}
+class TextShape:
+  """Legacy text completions (OpenAI's /v1/completions): object "text_completion", logprobs as parallel lists with
+  each token's character offset in the choice's text."""
+
+  def __init__(self, request_id: str, model: str, token_text: Callable[[int], str], starts: Optional[Dict[int, int]] = None):
+    self.request_id, self.model, self.token_text = request_id, model, token_text
+    self.offsets: Dict[int, int] = dict(starts or {})  # choice index -> where its next token's text starts (after an echoed prompt)
+
+  def logprobs(self, index: int, pairs: TokenPairs) -> Optional[dict]:
+    if pairs is None:
+      return None
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, lp in pairs:
+      if lp is None:
+        continue
+      text, offset = self.token_text(token), self.offsets.get(index, 0)
+      out["tokens"].append(text)
+      out["token_logprobs"].append(lp.logprob)
+      out["top_logprobs"].append({self.token_text(t): p for t, p in lp.top})
+      out["text_offset"].append(offset)
+      self.offsets[index] = offset + len(text)
+    return out
+
+  def _body(self, choices: List[dict]) -> dict:
+    return {"id": f"cmpl-{self.request_id}", "object": "text_completion", "created": int(time.time()), "model": self.model,
+            "system_fingerprint": f"exo_{VERSION}", "choices": choices}
+
+  def _choice(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs) -> dict:
+    return {"text": text, "index": index, "logprobs": self.logprobs(index, pairs), "finish_reason": finish_reason}
+
+  def reply(self, choices: List[Tuple[int, str, str, TokenPairs]], usage_: dict) -> dict:
+    body = self._body([self._choice(*choice) for choice in choices])
+    body["usage"] = usage_
+    return body
+
+  def chunk(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs = None, usage_: Optional[dict] = None) -> dict:
+    body = self._body([self._choice(index, text, finish_reason, pairs)])
+    if usage_ is not None:
+      body["usage"] = usage_
+    return body
+
+  def error_chunk(self, error: ApiError) -> dict:
+    return {**self._body([{"text": "", "index": 0, "logprobs": None, "finish_reason": "error"}]), **error.body()}
 
 
 def sse(body) -> bytes:

@@ -3,7 +3,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from exo.inference.sampling import SamplingParams, sample_rows
+from exo.inference.sampling import SamplingParams, last_rows, sample_rows
 from exo.inference.shard import Shard
 
 
@@ -50,8 +50,7 @@ class InferenceEngine(ABC):
 
   async def sample_batch(self, logits: List[np.ndarray], params: List[SamplingParams], generators: List[np.random.Generator]) -> np.ndarray:
     """Sample the last position of each request's logits, each with its own parameters and random stream."""
-    rows = np.stack([np.asarray(x).reshape(-1, np.shape(x)[-1])[-1] for x in logits])
-    return sample_rows(rows, params, generators)
+    return sample_rows(last_rows(logits), params, generators)
 
   async def finish_request(self, request_id: str) -> None:
     """Free what the engine holds for a request that has ended (its KV cache)."""

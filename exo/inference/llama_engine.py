@@ -1,5 +1,6 @@
 """What every Llama engine does the same way: load a shard, keep one KV cache per request, check inputs, run a
-batched step on the engine's own worker thread. An engine subclass names its model class and its thread."""
+batched step on the engine's own worker thread, keep prompt prefixes for later requests (prefix_cache.py) where the
+model can copy them. An engine subclass names its model class and its thread."""
 import asyncio
 import ctypes
 import ctypes.util
@@ -9,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from exo.inference.inference_engine import InferenceEngine
+from exo.inference.prefix_cache import BLOCK, DEFAULT_BUDGET_BYTES, PrefixStore
 from exo.inference.sampling import sample_last
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import resolve_tokenizer
@@ -28,6 +30,7 @@ class LlamaShardEngine(InferenceEngine):
 
   device_name = "CPU"
   keeps_quantized = False  # True: the model class takes MLX-quantized matrices as QuantizedWeight, not float32
+  copies_prefixes = False  # True: the model class has copy_prefix(source cache, new cache, positions)
 
   def __init__(self, shard_downloader, executor: ThreadPoolExecutor):
     self.shard_downloader = shard_downloader
@@ -36,6 +39,7 @@ class LlamaShardEngine(InferenceEngine):
     self.model = None
     self.tokenizer = None
     self.caches: Dict[str, object] = {}
+    self.prefixes = PrefixStore(DEFAULT_BUDGET_BYTES, lambda: {id(c) for c in list(self.caches.values())}, lambda c: c.nbytes)
     self._load_lock = asyncio.Lock()
 
   def new_model(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
@@ -51,6 +55,7 @@ class LlamaShardEngine(InferenceEngine):
       raise EngineBusy(f"{len(self.caches)} request(s) still hold KV caches of {self.shard.model_id} "
                        f"(layers {self.shard.start_layer}-{self.shard.end_layer}); {shard.model_id} can load once they end")
     self.shard = self.model = self.tokenizer = None  # the old weights go before the new ones arrive
+    self.prefixes.clear()
     config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized)
     model, tokenizer = self.new_model(config, shard, weights), resolve_tokenizer(path)
     del weights
@@ -142,6 +147,46 @@ class LlamaShardEngine(InferenceEngine):
 
   def _drop_cache(self, request_id: str) -> None:
     self.caches.pop(request_id, None)  # not returned: a future holding it would keep its memory until collected
+    self.prefixes.trim()
+
+  # --- prompt prefixes: every call runs on the engine's thread, in order with the steps ---
+
+  @property
+  def reuses_prefixes(self) -> bool:
+    return self.copies_prefixes and self.prefixes.enabled
+
+  async def start_from_prefix(self, request_id: str, shard: Shard, keys: List[str], limit: int) -> int:
+    """Begin the request's KV cache afresh (any it holds is dropped) with the longest cached prefix of `keys`, its
+    prompt's block keys, of at most `limit` positions. Returns the positions it starts with (0: none held)."""
+    return await self._run(self._start_from_prefix, request_id, shard, keys, limit)
+
+  def _start_from_prefix(self, request_id: str, shard: Shard, keys: List[str], limit: int) -> int:
+    if self.shard != shard:
+      raise RuntimeError(f"the engine now holds {self.shard}, not {shard}")
+    self.caches.pop(request_id, None)
+    entry, positions = self.prefixes.longest(keys, limit) if self.reuses_prefixes else (None, 0)
+    if entry is None:
+      return 0
+    cache = self.caches[request_id] = self.model.new_cache()
+    self.model.copy_prefix(entry.cache, cache, positions)
+    self.prefixes.hits += 1
+    self.prefixes.reused_positions += positions
+    return positions
+
+  def remember_prefix(self, request_id: str, keys: List[str]) -> None:
+    """File the request's cache under the keys of its prompt's blocks, once its prompt has run here. Queued on the
+    engine's thread without waiting: every later step and prefix lookup comes after it."""
+    if self.reuses_prefixes:
+      self.executor.submit(self._remember_prefix, request_id, keys)
+
+  def _remember_prefix(self, request_id: str, keys: List[str]) -> None:
+    cache = self.caches.get(request_id)
+    if cache is not None:
+      self.prefixes.add(cache, keys[:cache.length // BLOCK])
+
+  def prefix_cache_bytes(self) -> int:
+    """KV memory the prefix cache alone keeps (of requests that have ended)."""
+    return self.prefixes.held_bytes()
 
   def kv_cache_bytes(self) -> int:
     return sum(cache.nbytes for cache in list(self.caches.values()))

@@ -1,6 +1,6 @@
 """Vectorised sampling shared by every engine: one call for many rows, each with its own parameters."""
 from dataclasses import asdict, dataclass, fields
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -15,6 +15,7 @@ class SamplingParams:
   seed: Optional[int] = None
   max_tokens: Optional[int] = None  # None = the node's max_generate_tokens
   ignore_eos: bool = False  # generate exactly max_tokens (benchmarks), as vLLM's extension of the same name
+  logprobs: Optional[int] = None  # None = none; k = each token's log-probability and its k most likely alternatives
 
   def to_dict(self) -> dict:
     return asdict(self)
@@ -33,6 +34,11 @@ def make_generator(seed: Optional[int]) -> np.random.Generator:
 # Most of a distribution's mass sits in a few hundred tokens: look there first, sort the whole vocabulary only for
 # rows whose kept set (top-k, top-p, min-p) might reach beyond them.
 CANDIDATES = 512
+
+
+def last_rows(logits: Sequence[np.ndarray]) -> np.ndarray:
+  """The last position of each request's logits, stacked (N, vocab)."""
+  return np.stack([np.asarray(x).reshape(-1, np.shape(x)[-1])[-1] for x in logits])
 
 
 def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]) -> np.ndarray:
@@ -90,6 +96,40 @@ def _sample_candidates(rows, temps, top_k, top_p, min_p, full_mass, n, generator
     u = generators[gen_index[r]].random() * cdf[r, -1]
     picks[r] = cand[r, min(int((cdf[r] <= u).sum()), n - 1)]
   return short
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+  """A sampled token's log-probability and the `top` most likely tokens at its position, as (id, logprob), best first."""
+  logprob: float
+  top: List[Tuple[int, float]]
+
+
+def token_logprobs(logits: np.ndarray, params: Sequence[SamplingParams], tokens: Sequence[int]) -> List[Optional[TokenLogprobs]]:
+  """For each row whose request asked for logprobs: log-softmax of the distribution it was sampled from (its logits
+  over its temperature; greedy rows as they are), at the sampled token and at its best tokens (ties by id). One
+  vectorised pass for all of those rows; the others get None."""
+  wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+  out: List[Optional[TokenLogprobs]] = [None] * len(params)
+  if not wanted:
+    return out
+  rows = np.asarray(logits, dtype=np.float32).reshape(len(params), -1)[wanted]
+  temps = np.array([params[i].temperature if params[i].temperature > 0 else 1.0 for i in wanted], dtype=np.float32)[:, None]
+  scaled = rows / temps
+  top_max = scaled.max(axis=-1, keepdims=True)
+  log_total = top_max + np.log(np.exp(scaled - top_max).sum(axis=-1, keepdims=True))  # >= top_max, so every logprob <= 0
+  k = min(max(params[i].logprobs for i in wanted), scaled.shape[-1])
+  best = np.sort(np.argpartition(-scaled, k - 1, axis=-1)[:, :k], axis=-1) if k else np.zeros((len(wanted), 0), dtype=np.int64)
+  best = np.take_along_axis(best, np.argsort(-np.take_along_axis(scaled, best, axis=-1), axis=-1, kind="stable"), axis=-1)
+  best_logprobs = np.minimum(np.take_along_axis(scaled, best, axis=-1) - log_total, 0.0)
+  chosen = np.minimum(scaled[np.arange(len(wanted)), [int(tokens[i]) for i in wanted]] - log_total[:, 0], 0.0)
+  for row, i in enumerate(wanted):
+    n = params[i].logprobs
+    out[i] = TokenLogprobs(float(chosen[row]), [(int(t), float(lp)) for t, lp in zip(best[row, :n], best_logprobs[row, :n])])
+  return out
 
 
 def sample_last(x: np.ndarray, temp: float = 0.0, top_p: float = 1.0, generator: Optional[np.random.Generator] = None) -> np.ndarray:

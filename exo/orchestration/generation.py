@@ -1,6 +1,7 @@
 """The one generation path that `exo run` and the HTTP API share: prompt in, token deltas out."""
 import asyncio
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator, List, Optional, Tuple
 
 from exo.inference.sampling import SamplingParams
@@ -15,7 +16,15 @@ class GenerationError(Exception):
 
 async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingParams = SamplingParams(),
                    request_id: Optional[str] = None, timeout: float = 900.0) -> AsyncIterator[Tuple[List[int], bool]]:
-  """Yield (tokens, is_finished) for one request until it finishes.
+  """Yield (tokens, is_finished) for one request until it finishes (see `generate_events`)."""
+  async with aclosing(generate_events(node, base_shard, prompt, params, request_id, timeout)) as events:
+    async for event in events:
+      yield event.tokens, event.finished
+
+
+async def generate_events(node: Node, base_shard: Shard, prompt: str, params: SamplingParams = SamplingParams(),
+                          request_id: Optional[str] = None, timeout: float = 900.0) -> AsyncIterator[RequestEvent]:
+  """Yield one request's token events (tokens, is_finished, and logprobs when it asked for them) until it finishes.
 
   Raises GenerationError if a node reports the request failed, asyncio.TimeoutError if the prompt or any token
   takes longer than `timeout`. Leaving early (break, client gone, exception) cancels generation in the ring."""
@@ -36,7 +45,7 @@ async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingP
       if event.error is not None:
         raise GenerationError(event.error)
       finished = event.finished
-      yield event.tokens, finished
+      yield event
   finally:
     node.unwatch(request_id)
     if not finished:

@@ -5,7 +5,13 @@ Each request has one record here (exo/orchestration/requests.py). Every way work
 tensor, a result, a status, a step, a sampled token) checks it first, so a request that has ended never runs,
 samples, allocates or comes back. A request ends once: finished on the node that samples its last token (the others
 learn it from that token), cancelled by its origin (its client left), or failed anywhere; cancellations and failures
-travel the ring as opaque statuses and every node drops the request before its next step and frees its KV cache."""
+travel the ring as opaque statuses and every node drops the request before its next step and frees its KV cache.
+
+Prompt prefixes (exo/inference/prefix_cache.py): when every node of a request's ring reuses them, its first node
+names the prompt's token blocks, starts the request from the longest prefix its engine holds and runs only the rest;
+the block keys and the positions reused travel in the request's inference state, so each node starts from the same
+prefix, and each files the request's KV under those keys once its prompt has run there. A node that lacks the
+prefix says so (a prefix_miss status) and the first node runs the prompt again, whole, on every node."""
 import asyncio
 import json
 import time
@@ -19,7 +25,8 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
-from exo.inference.sampling import SamplingParams, make_generator
+from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
+from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
 from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
@@ -32,6 +39,7 @@ from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
 
 PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
+PEER_LOGPROBS_AHEAD = 64  # a token's logprobs may arrive at most this many tokens before the token itself
 PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-checked
 # A peer that dies mid-request ends it within PEER_CHECK_S + the health check's 5 s timeout (at once if a send fails).
 
@@ -90,6 +98,7 @@ class Node(RingMember):
     await self.collect_topology(set())
     if DEBUG >= 2:
       print(f"Collected topology: {self.topology}")
+    await self.announce_prefix_cache()
     self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self._watch_peers())]
     self.plugins.hook.exo_node_started(node=self)
 
@@ -132,7 +141,15 @@ class Node(RingMember):
     return {"node_id": self.id,
             "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions, "kv_bytes": per_request(r.id)}
                          for r in self.requests],
-            "kv_bytes": getattr(engine, "kv_cache_bytes", lambda: 0)()}
+            "kv_bytes": getattr(engine, "kv_cache_bytes", lambda: 0)(),
+            "prefix_cache": self._prefix_cache_state()}
+
+  def _prefix_cache_state(self) -> dict:
+    store = getattr(self.inference_engine, "prefixes", None)
+    if store is None or not self.inference_engine.reuses_prefixes:
+      return {"enabled": False}
+    return {"enabled": True, "bytes": self.inference_engine.prefix_cache_bytes(), "entries": len(store.entries),
+            "hits": store.hits, "reused_positions": store.reused_positions}
 
   # --- how requests start and end ---
 
@@ -236,7 +253,11 @@ class Node(RingMember):
       context = self._context_length()
       if context is not None and tokens.shape[1] >= context:
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
-      await self._run(shard, tokens, request, inference_state, accepted)
+      state = {k: v for k, v in (inference_state or {}).items() if k != "prefix"}  # only this node may name one
+      if self._ring_reuses_prefixes(request):
+        await self._run_from_prefix(shard, tokens, request, state, accepted=accepted)
+      else:
+        await self._run(shard, tokens, request, state, accepted)
     except RequestEnded:
       pass
     except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
@@ -246,6 +267,50 @@ class Node(RingMember):
     except Exception as e:
       await self.fail_request(request.id, e)
       raise
+
+  async def _run_from_prefix(self, shard: Shard, tokens: np.ndarray, request: Request, inference_state: Optional[dict], reuse: bool = True,
+                             accepted: Optional[asyncio.Future] = None) -> None:
+    """On the first node: the prompt from the longest prefix the engine holds (none if not `reuse`), the rest of
+    the ring told which one."""
+    keys = block_keys(shard.model_id, tokens)
+    reused = await self.inference_engine.start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
+    request.positions = reused
+    request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
+    state = {**(inference_state or {}), "prefix": {"keys": keys, "reuse": reused}}
+    await self._run(shard, tokens[:, reused:], request, state, accepted)
+
+  def _ring_reuses_prefixes(self, request: Request) -> bool:
+    engine = self.inference_engine
+    return (getattr(engine, "reuses_prefixes", False)
+            and all(self.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.id))
+
+  async def announce_prefix_cache(self) -> None:
+    """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
+    block = BLOCK if getattr(self.inference_engine, "reuses_prefixes", False) else 0
+    await self.broadcast_opaque_status("", statuses.prefix_cache(self.id, block))
+
+  async def _start_from_prefix(self, shard: Shard, request: Request, prefix: dict) -> bool:
+    """On a node after the first: the request's cache starts afresh with the prefix its first node reused. False
+    (and the first node told) if this node does not hold it."""
+    reuse, engine = prefix["reuse"], self.inference_engine
+    held = await engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if getattr(engine, "reuses_prefixes", False) else 0
+    if held != reuse:
+      print(f"exo: request {request.id} was sent to reuse {reuse} cached positions that this node does not hold; "
+            "its prompt runs again, whole", flush=True)
+      self.spawn(self.broadcast_opaque_status(request.id, statuses.prefix_miss(request.id, self.id)))
+      return False
+    request.positions = reuse
+    return True
+
+  async def _prefill_again(self, request: Request) -> None:
+    """A node lacked the prefix the request reused: its whole prompt runs again, on every node, from position 0."""
+    (shard, tokens), request.prompt = request.prompt, None
+    try:
+      await self._run_from_prefix(shard, tokens, request, {}, reuse=False)
+    except RequestEnded:
+      pass
+    except Exception as e:
+      await self.fail_request(request.id, e)
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
@@ -257,6 +322,9 @@ class Node(RingMember):
     try:
       if request.model is None:  # its first work here
         await self._enter(request, shard)
+      prefix = (inference_state or {}).get("prefix")
+      if prefix is not None and not await self._start_from_prefix(shard, request, checked_prefix(prefix)):
+        return None
       await self._run(shard, tensor, request, inference_state, accepted)
     except RequestEnded:
       pass
@@ -287,6 +355,11 @@ class Node(RingMember):
     if not self.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
       self._release(request.id)
       raise RequestEnded(request.id)
+    prefix = (state or {}).get("prefix")
+    if prefix is not None:  # its prompt has run here
+      self.inference_engine.remember_prefix(request.id, prefix["keys"])
+      if shard.is_last_layer():  # the ring has it all: the tokens that follow travel without it
+        state = {k: v for k, v in state.items() if k != "prefix"}
     request.positions += input_length(tensor)
     request.advance(Status.DECODING)
     await self.process_inference_result(shard, result, request.id, state)
@@ -325,8 +398,12 @@ class Node(RingMember):
     for request in requests:
       if request.generator is None:
         request.generator = make_generator(request.params.seed)
-    tokens = await self.inference_engine.sample_batch(results, [r.params for r in requests], [r.generator for r in requests])
-    return [int(t) for t in np.asarray(tokens).reshape(-1)]
+    params = [r.params for r in requests]
+    tokens = [int(t) for t in np.asarray(await self.inference_engine.sample_batch(results, params, [r.generator for r in requests])).reshape(-1)]
+    if any(p.logprobs is not None for p in params):  # from the same logits, for every row that asked, in one pass
+      for request, logprobs in zip(requests, token_logprobs(last_rows(results), params, tokens)):
+        request.sampled_logprobs = logprobs
+    return tokens
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
     """After sampling on the last layer: record, check EOS / length / context, fire callbacks, broadcast, forward."""
@@ -334,6 +411,7 @@ class Node(RingMember):
     if request is None:  # it ended while it was being sampled
       return
     request.tokens.append(token)
+    logprobs, request.sampled_logprobs = request.sampled_logprobs, None
     if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
       tokenizer = self.inference_engine.tokenizer
       request.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
@@ -346,12 +424,14 @@ class Node(RingMember):
     # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
     # next turn of the event loop, after the next hop's send has started.
     self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)
-    asyncio.get_running_loop().call_soon(self.trigger_on_token_callbacks, request_id, [token], is_finished)
+    asyncio.get_running_loop().call_soon(self.trigger_on_token_callbacks, request_id, [token], is_finished, logprobs and [logprobs])
     # Each token goes to the node whose client waits for it; the last one goes to every node, which ends the request
-    # there. (Upstream sends every token to every peer; a request from an upstream node has no known origin.)
+    # there. (Upstream sends every token to every peer; a request from an upstream node has no known origin.) Its
+    # logprobs go to the origin as a status just before it, so they are there when it arrives.
     to = None if is_finished or request.origin is None else request.origin
     if any(to is None or peer.id() == to for peer in self.peers):
-      self.spawn(self.broadcast_result(request_id, [token], is_finished, to))
+      preface = {request.origin: statuses.token_logprobs(request_id, len(request.tokens) - 1, logprobs)} if logprobs and request.origin else None
+      self.spawn(self.broadcast_result(request_id, [token], is_finished, to, preface))
 
   def _context_length(self) -> Optional[int]:
     return getattr(self.inference_engine, "context_length", None)
@@ -426,6 +506,7 @@ class Node(RingMember):
       try:
         if await self.update_peers():
           await self.broadcast_supported_engines(self.get_supported_inference_engines())
+        await self.announce_prefix_cache()  # every round: a peer may have dropped it before it knew this node
         await self.collect_topology(set())
         self.forget_stale()
       except Exception as e:
@@ -461,10 +542,10 @@ class Node(RingMember):
   def on_token(self) -> AsyncCallbackSystem[str, Tuple[str, List[int], bool]]:
     return self._on_token
 
-  def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool) -> None:
+  def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool, logprobs: Optional[list] = None) -> None:
     watcher = self._watchers.get(request_id)
     if watcher is not None:
-      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None))
+      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None, logprobs))
     self._on_token.trigger_all(request_id, tokens, is_finished)
 
   def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
@@ -476,7 +557,12 @@ class Node(RingMember):
       if DEBUG >= 1:
         print(f"Ignoring the end of {request_id} from {sender_host}, which is not on its path")
       return
-    self.trigger_on_token_callbacks(request_id, result, is_finished)
+    logprobs = None
+    if request is not None:
+      if request.params.logprobs is not None:
+        logprobs = [request.peer_logprobs.pop(request.tokens_received + i, None) for i in range(len(result))]
+      request.tokens_received += len(result)
+    self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
     if is_finished and request is not None:
       self.end_request(request_id, Status.FINISHED)
 
@@ -497,6 +583,8 @@ class Node(RingMember):
       request = self._open(status["request_id"])
       if request is not None and request.model is None:  # parameters can no longer change once it runs here
         request.params, request.origin = statuses.sampling_params(status["params"]), status.get("origin")
+    elif kind == statuses.TOKEN_LOGPROBS:
+      self._take_logprobs(status, sender_host)
     elif kind in statuses.REQUEST_ENDS:
       request_id_ = status["request_id"]
       request = self.requests.get(request_id_)
@@ -509,7 +597,23 @@ class Node(RingMember):
         self.end_request(request_id_, Status.CANCELLED)
       else:
         self.end_request(request_id_, Status.FAILED, status["error"])
+    elif kind == statuses.PREFIX_MISS:
+      request = self.requests.get(status["request_id"])
+      if request is not None and request.prompt is not None and (sender_host is None or self._on_path(request, sender_host)):
+        self.spawn(self._prefill_again(request))
     self._on_opaque_status.trigger_all(request_id, raw)
+
+  def _take_logprobs(self, status: dict, sender_host: Optional[str]) -> None:
+    """Keep a token's logprobs until the token itself arrives: only for a request of ours that asked for them, from a
+    node on its path, for a token not yet received and at most PEER_LOGPROBS_AHEAD tokens ahead."""
+    request, position = self.requests.get(status["request_id"]), status["position"]
+    if (request is None or request.origin != self.id or request.params.logprobs is None or len(status["top"]) > request.params.logprobs
+        or not request.tokens_received <= position < request.tokens_received + PEER_LOGPROBS_AHEAD
+        or (sender_host is not None and not self._on_path(request, sender_host))):
+      if DEBUG >= 1:
+        print(f"Ignoring token logprobs for {status['request_id']} (position {position}) from {sender_host}")
+      return
+    request.peer_logprobs[position] = statuses.logprobs_of(status)
 
   def on_node_status(self, request_id: str, opaque_status: str) -> None:
     """The built-in status observer: who is working (active_node_id), download progress, the peers' engines."""
@@ -533,6 +637,8 @@ class Node(RingMember):
           print(f"Ignoring malformed download progress: {e!r}")
     elif kind == statuses.SUPPORTED_ENGINES and status["node_id"] in self.peer_hosts:
       self.peer_engines[status["node_id"]] = status["engines"]
+    elif kind == statuses.PREFIX_CACHE and status["node_id"] in self.peer_hosts:
+      self.peer_prefix_blocks[status["node_id"]] = status["block"]
     if self.topology_viz:
       self.topology_viz.update_status(status)
 

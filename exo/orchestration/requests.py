@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
-from exo.inference.sampling import SamplingParams
+from exo.inference.sampling import SamplingParams, TokenLogprobs
 
 QUEUED_KEPT_S = 300.0  # a record with no work here (parameters only) is forgotten after this long
 QUEUED_KEPT = 4096  # and at most this many such records are kept: the oldest go first
@@ -26,10 +26,12 @@ class RequestEnded(Exception):
 
 @dataclass
 class RequestEvent:
-  """What a request's local client hears: new tokens (the last with finished=True), or its end with an error."""
+  """What a request's local client hears: new tokens (the last with finished=True), or its end with an error; and
+  when it asked for logprobs, one entry per token (None where a node did not send them)."""
   tokens: List[int]
   finished: bool
   error: Optional[str] = None
+  logprobs: Optional[List[Optional[TokenLogprobs]]] = None
 
 
 class Status(Enum):
@@ -61,7 +63,11 @@ class Request:
   tokens: List[int] = field(default_factory=list)  # tokens sampled for it here (on the node with the last layers)
   generator: Optional[np.random.Generator] = None  # its random stream, on the node that samples it
   eos_ids: Optional[Set[int]] = None  # its model's end tokens, on the node that samples it
+  sampled_logprobs: Optional[TokenLogprobs] = None  # the logprobs of the token just sampled, until handle_token sends it
+  tokens_received: int = 0  # tokens a peer has sent here, its origin
+  peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
   busy: bool = False  # a pass of it is running here
+  prompt: Optional[Tuple[object, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
   created: float = field(default_factory=time.monotonic)
 
   def advance(self, status: Status) -> None:

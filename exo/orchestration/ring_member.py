@@ -36,6 +36,7 @@ class RingMember:
     self.device_capabilities: DeviceCapabilities = UNKNOWN_DEVICE_CAPABILITIES
     self.peer_hosts: Dict[str, Set[str]] = {}  # peer id -> the IP addresses it is reached at (its calls come from there)
     self.peer_engines: Dict[str, List[str]] = {}  # peer id -> the engines it says it runs
+    self.peer_prefix_blocks: Dict[str, int] = {}  # peer id -> the block size it reuses prompt prefixes in, if it does
     self._on_opaque_status = AsyncCallbackSystem[str, Tuple[str, str]]()
     self._partitions: Tuple[Optional[tuple], List[Partition]] = (None, [])  # (what they were computed from, partitions)
     self._shards: Dict[Tuple[str, int], List[Shard]] = {}  # (model id, layers) -> each partition's shard, for _partitions
@@ -130,6 +131,7 @@ class RingMember:
     if removed or added or moved or set(self.peer_hosts) != set(following):
       self.peer_hosts = {p.id(): await self._hosts_of(p) for p in self.peers}
       self.peer_engines = {pid: engines for pid, engines in self.peer_engines.items() if pid in following}
+      self.peer_prefix_blocks = {pid: block for pid, block in self.peer_prefix_blocks.items() if pid in following}
     changed = bool(removed or added or moved)
     if changed and DEBUG >= 1:
       print(f"Peers changed: added {[p.id() for p in added]}, removed {[p.id() for p in removed]}, moved {[p.id() for p in moved]}")
@@ -184,10 +186,14 @@ class RingMember:
 
   # --- sending to the others ---
 
-  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None) -> None:
-    """SendResult to every peer, or only to peer `to`."""
+  async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None,
+                             preface: Optional[Dict[str, str]] = None) -> None:
+    """SendResult to every peer, or only to peer `to`; a peer named in `preface` gets that opaque status first (the
+    gRPC servers act on a status before they answer it, so it is there when the result arrives)."""
     async def send(peer):
       try:
+        if preface and peer.id() in preface:
+          await asyncio.wait_for(peer.send_opaque_status(request_id, preface[peer.id()]), PEER_CALL_TIMEOUT_S)
         await asyncio.wait_for(peer.send_result(request_id, result, is_finished), PEER_CALL_TIMEOUT_S)
       except Exception as e:
         if DEBUG >= 1:

@@ -4,7 +4,7 @@ import json
 import math
 from typing import Any, Optional, Tuple
 
-from exo.inference.sampling import SamplingParams
+from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
 
 # Upstream's types
@@ -17,6 +17,9 @@ CANCEL_REQUEST = "cancel_request"  # its client has gone or has what it wanted: 
 REQUEST_ERROR = "request_error"  # it failed somewhere: every node drops it, its client gets the error
 REQUEST_ENDS = (CANCEL_REQUEST, REQUEST_ERROR)
 STAGE_TIMING = "stage_timing"  # what a node's decode steps take for its layers, so the first node can size micro-batches
+TOKEN_LOGPROBS = "token_logprobs"  # a sampled token's logprobs, sent to its origin just before the token's SendResult
+PREFIX_CACHE = "prefix_cache"  # a node announces whether it reuses prompt prefixes: in blocks of `block` tokens, or 0 (not)
+PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
@@ -41,6 +44,24 @@ def request_error(request_id: str, error: str) -> str:
 
 def stage_timing(node_id: str, shard: Shard, fixed_s: float, per_row_s: float, busy: float) -> str:
   return json.dumps({"type": STAGE_TIMING, "node_id": node_id, "shard": shard.to_dict(), "fixed_s": fixed_s, "per_row_s": per_row_s, "busy": busy})
+
+
+def token_logprobs(request_id: str, position: int, logprobs: TokenLogprobs) -> str:
+  return json.dumps({"type": TOKEN_LOGPROBS, "request_id": request_id, "position": position, "logprob": logprobs.logprob,
+                     "top": [list(pair) for pair in logprobs.top]})
+
+
+def logprobs_of(status: dict) -> TokenLogprobs:
+  """The TokenLogprobs of a checked token_logprobs status."""
+  return TokenLogprobs(float(status["logprob"]), [(int(t), float(lp)) for t, lp in status["top"]])
+
+
+def prefix_cache(node_id: str, block: int) -> str:
+  return json.dumps({"type": PREFIX_CACHE, "node_id": node_id, "block": block})
+
+
+def prefix_miss(request_id: str, node_id: str) -> str:
+  return json.dumps({"type": PREFIX_MISS, "request_id": request_id, "node_id": node_id})
 
 
 def parse(raw: str) -> Tuple[Optional[str], dict]:
@@ -77,6 +98,8 @@ def sampling_params(data: Any) -> SamplingParams:
     raise InvalidStatus(f"params.max_tokens must be an integer >= 1, got {params.max_tokens!r}")
   if not isinstance(params.ignore_eos, bool):
     raise InvalidStatus("params.ignore_eos must be true or false")
+  if params.logprobs is not None and (not _is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
+    raise InvalidStatus(f"params.logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
   return params
 
 
@@ -146,8 +169,37 @@ def _check_stage_timing(status: dict) -> None:
       raise InvalidStatus(f"{key} must be a number in [0, {high:g}]")
 
 
+def _logprob(value: Any) -> bool:
+  return _is_number(value) and value <= 0
+
+
+def _check_token_logprobs(status: dict) -> None:
+  _string(status, "request_id")
+  position, top = status.get("position"), status.get("top")
+  if not _is_int(position) or position < 0:
+    raise InvalidStatus("position must be an integer >= 0")
+  if not _logprob(status.get("logprob")):
+    raise InvalidStatus("logprob must be a number <= 0")
+  if (not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS
+      or not all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _logprob(p[1]) for p in top)):
+    raise InvalidStatus(f"top must be a list of at most {MAX_TOP_LOGPROBS} [token id, logprob <= 0] pairs")
+
+
+def _check_prefix_cache(status: dict) -> None:
+  _string(status, "node_id")
+  if not _is_int(status.get("block")) or not 0 <= status["block"] <= 4096:
+    raise InvalidStatus("block must be an integer from 0 to 4096")
+
+
+def _check_prefix_miss(status: dict) -> None:
+  _string(status, "request_id")
+  _string(status, "node_id")
+
+
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
   STAGE_TIMING: _check_stage_timing,
+  TOKEN_LOGPROBS: _check_token_logprobs,
+  PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss,
 }

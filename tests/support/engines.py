@@ -190,6 +190,34 @@ async def check_cache_grows_not_preallocated(engine):
   assert engine.kv_cache_bytes() == 0
 
 
+async def check_prefix_copy_matches_computed(engine):
+  """A prompt started from another's cached prefix (its first whole blocks) gives the logits of one computed whole,
+  for its last position and for the token after; once both end, the engine holds no live KV."""
+  from exo.inference.prefix_cache import BLOCK, block_keys
+  shard = smollm2_shard()
+  first, second = prompt_ids(engine, ["Tell me about the sea and the wind over the harbour at night, in detail.",
+                                      "Tell me about the sea and the wind over the harbour at dawn, briefly."], template=True)
+  engine.prefixes.clear()
+  await engine.infer_tensor("prefix-first", shard, first.reshape(1, -1))
+  engine.remember_prefix("prefix-first", block_keys(shard.model_id, first))
+  await engine.finish_request("prefix-first")  # the store alone keeps it now
+  keys = block_keys(shard.model_id, second)
+  reused = await engine.start_from_prefix("prefix-second", shard, keys, len(second) - 1)
+  assert reused > 0 and reused % BLOCK == 0 and np.array_equal(first[:reused], second[:reused])
+  cached, _ = await engine.infer_tensor("prefix-second", shard, second[None, reused:])
+  whole, _ = await engine.infer_tensor("prefix-whole", shard, second[None, :])
+  np.testing.assert_allclose(cached, whole, atol=LOGIT_ATOL)
+  token = np.array([[argmax(whole)]])
+  after_cached, _ = await engine.infer_tensor("prefix-second", shard, token)
+  after_whole, _ = await engine.infer_tensor("prefix-whole", shard, token)
+  np.testing.assert_allclose(after_cached, after_whole, atol=LOGIT_ATOL)
+  assert argmax(after_cached) == argmax(after_whole)
+  for request_id in ("prefix-second", "prefix-whole"):
+    await engine.finish_request(request_id)
+  assert engine.kv_cache_bytes() == 0 and engine.prefix_cache_bytes() > 0
+  engine.prefixes.clear()
+
+
 # Batched attention (every request's rows in one step) against each request run alone: the same logits to this
 # absolute tolerance, and so the same greedy tokens.
 BATCHED_ATOL = 2e-4
@@ -267,3 +295,6 @@ class EngineChecks:
 
   async def test_batched_logits_match_alone(self, engine):
     await check_batched_logits_match_alone(engine, self.batched_atol)
+
+  async def test_prefix_copy_matches_computed(self, engine):
+    await check_prefix_copy_matches_computed(engine)

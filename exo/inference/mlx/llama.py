@@ -148,6 +148,14 @@ class Llama:
   def new_cache(self) -> KVCache:
     return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim, self.dtype)
 
+  def copy_prefix(self, source: KVCache, cache: KVCache, positions: int) -> None:
+    """Start `cache` with the first `positions` positions of `source` (evaluated now: the source goes on growing)."""
+    cache.reserve(positions)
+    for mine, theirs in zip(cache.arrays(), source.arrays()):
+      mine[:, :positions] = theirs[:, :positions]
+    mx.eval(cache.arrays())
+    cache.length = positions
+
   def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
     Returns per request: hidden states (L_i, d), or on the last shard the logits of its last position (1, vocab)."""

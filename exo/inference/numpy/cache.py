@@ -12,10 +12,9 @@ Memory follows use. A slot is only address space until written: the kernel maps 
 written (no huge pages: a huge page may first need the kernel to compact memory, which stalled steps by up to 250
 ms), and they go back to it when the request ends. `nbytes` counts the pages written positions occupy.
 
-Slots are reference-counted, so that a slot can outlive its request while others read from it: a later prefix
-cache can keep a finished request's slot and let new requests whose prompts start the same way read those first
-positions from it, attention then running over the shared positions and the request's own slot in two parts
-joined by their softmax normalisers. Nothing shares slots yet: each request holds the only reference to its own."""
+Slots are reference-counted. The prefix cache (exo/inference/prefix_cache.py) keeps a finished request's cache
+object, and with it its slot, while its prompt may serve later requests; a request that reuses it copies those
+positions into its own slot."""
 import math
 import mmap
 import sys

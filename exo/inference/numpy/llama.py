@@ -20,6 +20,7 @@ from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig, rope_inv_freq
 
 PAIR = 32  # gate/up columns interleaved in pairs of PAIR gate columns then PAIR up columns
+SCORE_TILE_BYTES = 1 << 20  # a prompt chunk's attention scores at a time (about a core's L2 cache)
 PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest; past this much padding a new run starts
 
 
@@ -69,7 +70,7 @@ class PromptChunk:
   over its own slot."""
 
   def __init__(self, slab: np.ndarray, slot: int, first: int, start: int, n: int):
-    self.slab, self.slot, self.first, self.n, self.width = slab, slot, first, n, start + n
+    self.slab, self.slot, self.first, self.start, self.n, self.width = slab, slot, first, start, n, start + n
     causal = np.arange(self.width)[None, :] > (start + np.arange(n))[:, None]
     self.mask = np.where(causal, -np.inf, 0.0).astype(np.float32)
 
@@ -77,18 +78,29 @@ class PromptChunk:
   def cost(self) -> float:  # in cached positions read: its rows share each read, and they are compute-bound
     return self.n * self.width / 2
 
+  def split(self, n: int) -> Tuple["PromptChunk", "PromptChunk"]:
+    """Its first n rows and the rest: a long cached prefix (a prefix cache hit) makes one chunk's attention a core's worth."""
+    return (PromptChunk(self.slab, self.slot, self.first, self.start, n),
+            PromptChunk(self.slab, self.slot, self.first + n, self.start + n, self.n - n))
+
   def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
-    n, width, (_, n_heads, hd) = self.n, self.width, q.shape
-    group = n_heads // n_kv
+    # In tiles of rows whose scores stay in the core's cache: after a long cached prefix they would be many MB.
+    tile = max(1, SCORE_TILE_BYTES // (4 * q.shape[1] * self.width))
+    for a in range(0, self.n, tile):
+      self._attend(li, q, attn, n_kv, a, min(a + tile, self.n))
+
+  def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int) -> None:
+    n, width, (_, n_heads, hd) = b - a, self.width, q.shape
+    group, rows = n_heads // n_kv, slice(self.first + a, self.first + b)
     keys, values = self.slab[self.slot, li, 0, :, :width], self.slab[self.slot, li, 1, :, :width]  # (kv heads, width, head dim)
-    queries = q[self.first:self.first + n].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
+    queries = q[rows].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
     scores = np.matmul(queries, keys.swapaxes(-1, -2)).reshape(n_kv, group, n, width)
-    scores += self.mask
+    scores += self.mask[a:b]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     out = np.matmul(scores.reshape(n_kv, group * n, width), values).reshape(n_kv, group, n, hd)
     out /= scores.sum(axis=-1, keepdims=True)
-    attn[self.first:self.first + n] = out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
+    attn[rows] = out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
 
 
 class Step:
@@ -131,7 +143,8 @@ class Step:
 
 
 def share(jobs: List, parts: int) -> List[List]:
-  """The jobs in `parts` consecutive groups of about equal cost; a decode run is cut where a group fills up."""
+  """The jobs in `parts` consecutive groups of about equal cost; a decode run or prompt chunk is cut where a group
+  fills up."""
   total = sum(job.cost for job in jobs)
   groups: List[List] = [[] for _ in range(parts)]
   g, filled = 0, 0.0
@@ -140,6 +153,8 @@ def share(jobs: List, parts: int) -> List[List]:
       room = total * (g + 1) / parts - filled
       if isinstance(job, DecodeRun) and g < parts - 1 and job.cost > room and len(job.ends) > 1:
         head, job = job.split(min(len(job.ends) - 1, max(1, round(room / job.width))))
+      elif isinstance(job, PromptChunk) and g < parts - 1 and job.cost > room and job.n > 1:
+        head, job = job.split(min(job.n - 1, max(1, round(job.n * room / job.cost))))
       else:
         head, job = job, None
       groups[g].append(head)
@@ -183,6 +198,11 @@ class Llama:
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)
+
+  def copy_prefix(self, source: KVCache, cache: KVCache, positions: int) -> None:
+    """Start `cache` with the first `positions` positions of `source`: a copy of a few MB, far cheaper than computing them."""
+    cache.data[:, :, :, :positions] = source.data[:, :, :, :positions]
+    cache.length = positions
 
   def _embed(self, ids: np.ndarray) -> np.ndarray:
     return self.embed[ids] if self.embed is not None else self.head[:, ids].T.copy()

@@ -100,6 +100,14 @@ class Llama:
   def new_cache(self) -> KVCache:
     return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim, self.dtype)
 
+  def copy_prefix(self, source: KVCache, cache: KVCache, positions: int) -> None:
+    """Start `cache` with the first `positions` positions of `source`."""
+    cache.reserve(positions)
+    pad = ((0, 0), (0, 0), (0, cache.capacity - positions), (0, 0))
+    cache.kv = [t[:, :, :positions].pad(pad).contiguous() for t in source.kv]
+    Tensor.realize(*cache.kv)
+    cache.length = positions
+
   def _jit(self, key: tuple, fn, copies: int) -> List[TinyJit]:
     if key not in self.jits:
       self.jits[key] = [TinyJit(fn) for _ in range(copies)]

@@ -9,7 +9,7 @@ from exo.helpers import DEBUG
 from exo.inference.shard import Shard
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
-from exo.networking.grpc.codec import decode_topology, encode_shard, encode_tensor
+from exo.networking.grpc.codec import decode_topology, encode_inference_state, encode_shard, encode_tensor
 from exo.networking.peer_handle import PeerHandle
 from exo.topology.device_capabilities import DeviceCapabilities
 from exo.topology.topology import Topology
@@ -132,11 +132,11 @@ class GRPCPeerHandle(PeerHandle):
 
   @staticmethod
   def _wire_state(inference_state: Optional[dict]) -> pb.InferenceState:
-    # Upstream peers cannot take non-empty state (wire.md §10), and text generation never needs it: always send
-    # the empty (present) state upstream senders send.
-    if inference_state and DEBUG >= 2:
-      print(f"Not sending inference state keys {sorted(inference_state)} to a peer")
-    return pb.InferenceState()
+    # Upstream peers cannot take non-empty state, so only the prompt prefix a request reuses travels (in
+    # other_data_json), and the node puts it in the state only when every node of the ring has announced that it
+    # reuses prefixes. Anything else stays here: the empty (present) state upstream senders send.
+    prefix = (inference_state or {}).get("prefix")
+    return pb.InferenceState() if prefix is None else encode_inference_state({"prefix": prefix})
 
   @staticmethod
   async def _unless_refused(call, request, **options):

@@ -1,0 +1,137 @@
+"""Prompt prefixes whose KV this node has computed, so that a new prompt that starts the same way skips them.
+
+A prompt is cut into blocks of BLOCK tokens and each block named by a hash chain: a block's key hashes the key before
+it and its own tokens, so one key names the whole prefix up to the end of its block (as vLLM's automatic prefix
+caching names its blocks). Only the node with the first layers sees tokens; it sends the keys on with the request
+(see Node), and every node files the request's KV cache under them once its prompt has run there.
+
+The store holds references to KV caches, never copies: a prefix is read from the cache that computed it, which only
+ever appends past its prompt. A cache still used by a live request costs the store nothing and is never evicted;
+caches only the store holds count against its budget and go least recently used first."""
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+BLOCK = 16  # tokens per block: a hit reuses whole blocks
+DEFAULT_BUDGET_BYTES = 1 << 30
+MAX_ENTRIES = 64  # caches kept beyond live requests' (each holds a slot of the engine's pool)
+KEY_CHARS = 24  # a key in hex (96 bits)
+MAX_KEYS = 1 << 16  # blocks of the longest prompt a peer may name
+
+
+def block_keys(model_id: str, tokens: np.ndarray) -> List[str]:
+  """The key of each whole block of `tokens`, in order."""
+  ids = np.ascontiguousarray(np.asarray(tokens).reshape(-1), dtype=np.int64)
+  keys, key = [], hashlib.blake2b(model_id.encode(), digest_size=KEY_CHARS // 2).digest()
+  for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+    key = hashlib.blake2b(key + ids[start:start + BLOCK].tobytes(), digest_size=KEY_CHARS // 2).digest()
+    keys.append(key.hex())
+  return keys
+
+
+@dataclass(eq=False)
+class Entry:
+  cache: object  # the engine's KV cache; its first len(keys) * BLOCK positions hold the prefix
+  keys: List[str]
+  positions: Dict[str, int] = field(default_factory=dict)  # key -> positions up to the end of its block
+
+  def __post_init__(self):
+    self.positions = {key: (i + 1) * BLOCK for i, key in enumerate(self.keys)}
+
+
+class PrefixStore:
+  """Entries by the keys they hold, least recently used first. `live()` gives the ids of the caches live requests
+  use; `nbytes(cache)` what a cache occupies."""
+
+  def __init__(self, budget_bytes: int, live: Callable[[], Set[int]], nbytes: Callable[[object], int]):
+    self.budget_bytes, self.live, self.nbytes = budget_bytes, live, nbytes
+    self.enabled = budget_bytes > 0  # off: nothing is filed or found
+    self.entries: "OrderedDict[int, Entry]" = OrderedDict()  # id(entry) -> entry, least recently used first
+    self.by_key: Dict[str, List[Entry]] = {}
+    self.hits = self.reused_positions = 0
+    self._lock = threading.Lock()  # the engine's thread files, finds and evicts; the event loop reads its size
+
+  def set_budget(self, budget_bytes: int) -> None:
+    """A new budget; 0 turns the store off."""
+    with self._lock:
+      self.budget_bytes, self.enabled = budget_bytes, budget_bytes > 0
+      self._evict()
+
+  def longest(self, keys: List[str], limit: int) -> Tuple[Optional[Entry], int]:
+    """The entry holding the longest prefix of `keys` of at most `limit` positions, and that many positions."""
+    with self._lock:
+      for key in reversed(keys[:limit // BLOCK]):  # a key held means every key before it is held too
+        held = self.by_key.get(key)
+        if held:
+          entry = held[-1]
+          self.entries.move_to_end(id(entry))
+          return entry, entry.positions[key]
+    return None, 0
+
+  def add(self, cache, keys: List[str]) -> None:
+    """File `cache` under `keys` (its prompt's blocks that it holds), unless an entry holds them all already."""
+    if not self.enabled or not keys:
+      return
+    with self._lock:
+      held = self.by_key.get(keys[-1])
+      if held:  # the same prefix: the older entry stays, freshly used
+        self.entries.move_to_end(id(held[-1]))
+        return
+      entry = Entry(cache, list(keys))
+      for older in [e for e in self.entries.values() if e.keys[-1] in entry.positions]:
+        self._remove(older)  # the new entry holds all of it
+      self.entries[id(entry)] = entry
+      for key in keys:
+        self.by_key.setdefault(key, []).append(entry)
+      self._evict()
+
+  def trim(self) -> None:
+    """Evict down to the budget (a request ended, so its cache may now count against it)."""
+    with self._lock:
+      self._evict()
+
+  def _evict(self) -> None:
+    live = self.live()
+    kept = [e for e in self.entries.values() if id(e.cache) not in live]  # least recently used first
+    total, count = sum(self.nbytes(e.cache) for e in kept), len(kept)
+    for entry in kept:
+      if total <= self.budget_bytes and count <= MAX_ENTRIES:
+        break
+      self._remove(entry)
+      total, count = total - self.nbytes(entry.cache), count - 1
+
+  def _remove(self, entry: Entry) -> None:
+    del self.entries[id(entry)]
+    for key in entry.keys:
+      held = self.by_key[key]
+      held.remove(entry)
+      if not held:
+        del self.by_key[key]
+
+  def clear(self) -> None:
+    with self._lock:
+      self.entries.clear()
+      self.by_key.clear()
+
+  def held_bytes(self) -> int:
+    """Memory only the store keeps (caches no live request uses)."""
+    with self._lock:
+      live = self.live()
+      return sum(self.nbytes(e.cache) for e in self.entries.values() if id(e.cache) not in live)
+
+
+def checked_prefix(data) -> dict:
+  """A request's `prefix` as its inference state carries it from the first node: {"keys": its prompt's block keys,
+  "reuse": the positions every node takes from its cache}. ValueError if a peer sent something unusable."""
+  if not isinstance(data, dict) or set(data) != {"keys", "reuse"}:
+    raise ValueError("inference state prefix must be an object with keys and reuse")
+  keys, reuse = data["keys"], data["reuse"]
+  if not isinstance(keys, list) or len(keys) > MAX_KEYS or not all(isinstance(k, str) and len(k) == KEY_CHARS for k in keys):
+    raise ValueError(f"inference state prefix.keys must be a list of at most {MAX_KEYS} block keys")
+  if not isinstance(reuse, int) or isinstance(reuse, bool) or reuse % BLOCK or not 0 <= reuse <= len(keys) * BLOCK:
+    raise ValueError(f"inference state prefix.reuse must be a whole number of {BLOCK}-token blocks it names, got {reuse!r}")
+  return data
