@@ -51,6 +51,7 @@ class StageTimes:
     self.busy: Deque[Tuple[float, float]] = deque()  # (start, end) of recent steps
     self.first_start: Optional[float] = None
     self.busy_total_s = 0.0
+    self._fit: Optional[StepCost] = None  # cost()'s answer until the next decode step (it is asked at every schedule)
 
   def record(self, start: float, end: float, rows: int, decode_only: bool) -> None:
     if self.first_start is None:
@@ -61,6 +62,7 @@ class StageTimes:
       self.busy.popleft()
     if decode_only:
       self.decode_steps.append((rows, end - start))
+      self._fit = None
 
   def busy_fraction(self, now: float) -> float:
     """The share of the last BUSY_WINDOW_S (or of the time since the first step, if shorter) spent in steps."""
@@ -72,11 +74,12 @@ class StageTimes:
 
   def cost(self) -> Optional[StepCost]:
     """The fitted step cost, once decode steps of at least two different sizes have been seen."""
-    if len({rows for rows, _ in self.decode_steps}) < 2:
-      return None
+    if self._fit is not None or len({rows for rows, _ in self.decode_steps}) < 2:
+      return self._fit
     n = len(self.decode_steps)
     mean_rows = sum(r for r, _ in self.decode_steps) / n
     mean_s = sum(s for _, s in self.decode_steps) / n
     spread = sum((r - mean_rows) ** 2 for r, _ in self.decode_steps)
     per_row = max(0.0, sum((r - mean_rows) * (s - mean_s) for r, s in self.decode_steps) / spread)
-    return StepCost(max(0.0, mean_s - per_row * mean_rows), per_row)
+    self._fit = StepCost(max(0.0, mean_s - per_row * mean_rows), per_row)
+    return self._fit
