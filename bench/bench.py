@@ -76,7 +76,7 @@ class Cluster:
   async def __aenter__(self) -> "Cluster":
     grpc_ports = [free_port() for _ in range(self.nodes)]
     self.api_ports = [free_port() for _ in range(self.nodes)]
-    config = {"peers": {f"bench{i}": {"address": "127.0.0.1", "port": p, "device_capabilities": {
+    config = {"peers": {f"bench{i}": {"address": "127.0.0.1", "port": self.peer_port(i, p), "device_capabilities": {
       "model": "bench", "chip": "cpu", "memory": 1000, "flops": {"fp32": 0, "fp16": 0, "int8": 0}}} for i, p in enumerate(grpc_ports)}}
     config_path = self.log_dir / f"peers-{self.nodes}.json"
     config_path.write_text(json.dumps(config))
@@ -94,7 +94,7 @@ class Cluster:
         [sys.executable, "-m", "exo.main", "--inference-engine", self.engine, "--disable-tui", "--node-id", f"bench{i}",
          "--node-host", "127.0.0.1", "--node-port", str(grpc_ports[i]), "--chatgpt-api-port", str(self.api_ports[i]),
          "--discovery-module", "manual", "--discovery-config-path", str(config_path), "--max-generate-tokens", "100000",
-         "--default-model", MODEL], env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root))
+         "--default-model", MODEL], env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, preexec_fn=self.pin(i)))
     await self._wait_ready()
     return self
 
@@ -114,6 +114,14 @@ class Cluster:
           if time.monotonic() > deadline:
             raise RuntimeError(f"cluster not ready after {limit} s; see logs in {self.log_dir}")
           await asyncio.sleep(0.25)
+
+  def peer_port(self, i: int, grpc_port: int) -> int:
+    """The port the other nodes reach node i at (bench/machines.py puts a relay there)."""
+    return grpc_port
+
+  def pin(self, i: int):
+    """What node i's process runs before exo starts (bench/machines.py pins it to its cores)."""
+    return None
 
   @property
   def url(self) -> str:

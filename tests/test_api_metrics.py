@@ -55,6 +55,10 @@ async def test_counters_and_histograms_move_as_requests_are_served():
   steps, requests = moved[("exo_batch_size_count", ())], moved[("exo_batch_size_sum", ())]
   assert steps > 0 and requests == 40 and requests / steps > 1
   assert after[("exo_batch_size_bucket", (("le", "+Inf"),))] == steps
+  # The bubble: this node's one stage (every layer) was busy for part of the time, and keeps one group in flight.
+  assert moved[("exo_stage_busy_seconds_total", (("layers", "0-7"),))] > 0
+  assert 0 < after[("exo_stage_busy_fraction", (("layers", "0-7"),))] <= 1
+  assert after[("exo_micro_batches", (("layers", "0-7"),))] == 1
 
 
 @pytest.mark.asyncio

@@ -137,7 +137,7 @@ async def test_stop_with_a_pending_flush_leaves_nothing_behind():
   assert not leftover_tasks()
   assert not node.outstanding_requests
   assert not any(plugin.sampler._pending.values()) and not plugin.sampler._timers and not plugin.sampler._flushing
-  assert all(not s.ready and (s._loop_task is None or s._loop_task.done()) for s in plugin.schedulers.values())
+  assert all(not s.ready for s in plugin.schedulers.values()) and (plugin.steps._task is None or plugin.steps._task.done())
 
 
 def plugin_waiting(plugin) -> bool:

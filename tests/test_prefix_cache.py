@@ -259,9 +259,9 @@ async def test_a_ring_reuses_prefixes_on_every_node_and_without_the_ability_stay
     received = []
     process_tensor = second.process_tensor
 
-    async def recording(base_shard, tensor, request_id=None, inference_state=None):
+    async def recording(base_shard, tensor, request_id=None, inference_state=None, accepted=None):
       received.append(dict(inference_state or {}))
-      return await process_tensor(base_shard, tensor, request_id, inference_state)
+      return await process_tensor(base_shard, tensor, request_id, inference_state, accepted=accepted)
     second.process_tensor = recording
     prompts = conversation(engine, 2)
 

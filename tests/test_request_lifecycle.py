@@ -145,7 +145,9 @@ async def test_peers_cannot_grow_the_nodes_tables():
 
 @pytest.mark.parametrize("status", [{"type": "request_params", "request_id": "m", "params": []}, {"type": "node_status", "status": 5},
                                     {"type": "request_params", "request_id": "m", "params": {"temperature": "hot"}},
-                                    {"type": "cancel_request"}, "[1, 2", {"type": "node_status", "node_id": "n", "status": "start_process_prompt", "shard": [1]}])
+                                    {"type": "cancel_request"}, "[1, 2", {"type": "node_status", "node_id": "n", "status": "start_process_prompt", "shard": [1]},
+                                    {"type": "stage_timing", "node_id": "n", "shard": {"model_id": "m", "start_layer": 0, "end_layer": 1, "n_layers": 2},
+                                     "fixed_s": -1.0, "per_row_s": 0.001, "busy": 0.5}])
 def test_an_invalid_status_is_dropped_with_one_log_line_and_the_next_one_still_works(status, capsys):
   node = make_node()
   observed = []

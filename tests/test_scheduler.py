@@ -1,9 +1,10 @@
-"""Continuous batching at one node: what each engine step takes, chunked prefill, per-request errors, stop;
-and on the real SmolLM2, 32 requests of different lengths arriving at random times give the same greedy
-tokens batched as unbatched."""
+"""Continuous batching at one node. The Scheduler is a policy: what each step takes, which group of requests goes
+when (micro-batches round a ring), chunked prefill, all on a fake clock with no engine and no waiting. The step loop
+that drives it: per-request errors, acceptance, ending requests, stop. And on the real SmolLM2, 32 requests of
+different lengths arriving at random times give the same greedy tokens batched as unbatched."""
 import asyncio
+import math
 import random
-import time
 from typing import List
 
 import numpy as np
@@ -13,269 +14,391 @@ from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatcherStopped
 from exo.orchestration.batching.config import BatchingConfig
-from exo.orchestration.batching.scheduler import LONE_PROMPT_CHUNK, RUNNING_AFTER, Scheduler
-from exo.orchestration.forward_started import FORWARD_STARTED
+from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_groups
+from exo.orchestration.batching.scheduler import GATHER_LIMIT, LONE_PROMPT_CHUNK, ROUND_TRIP_SLACK, RUNNING_AFTER, Scheduler
+from exo.orchestration.batching.step_loop import StepLoop
+from exo.orchestration.requests import RequestEnded
 from tests.support.models import smollm2_shard
 from tests.support.toy import ToyEngine, make_node, settle
 
-FIRST, LAST = Shard("toy", 0, 1, 4), Shard("toy", 2, 3, 4)
+FIRST, MIDDLE, LAST = Shard("toy", 0, 1, 6), Shard("toy", 2, 3, 6), Shard("toy", 4, 5, 6)
 HIDDEN = 4
+TOKEN = np.array([[7]])
 
 
-class StepEngine:
-  """Records every step; output = input + 1 (hidden states stay hidden states), one error on request."""
-
-  def __init__(self, delay: float = 0.0, fail=(), fail_step: int = -1):
-    self.steps: List[List[tuple]] = []
-    self.delay, self.fail, self.fail_step = delay, set(fail), fail_step
-
-  async def infer_batch(self, shard, items):
-    self.steps.append([(rid, np.shape(x)) for rid, x, _ in items])
-    if len(self.steps) - 1 == self.fail_step:
-      raise RuntimeError("the whole step broke")
-    await asyncio.sleep(self.delay)
-    return [ValueError(f"bad input for {rid}") if rid in self.fail else (np.asarray(x) + 1, {"seen": (state or {}).get("seen", 0) + np.shape(x)[1]})
-            for rid, x, state in items]
+def scheduler(shard=LAST, batch_size=8, timeout_s=0.0, chunk=0, stages=1) -> Scheduler:
+  s = Scheduler(shard, batch_size, timeout_s, chunk)
+  s.stages = s.groups = stages
+  return s
 
 
-def scheduler(engine, shard=LAST, batch_size=8, timeout_s=0.0, chunk=0, live=()):
-  """`live`: the requests still going on this node; those come back to the scheduler after each step."""
-  return Scheduler(engine, shard, batch_size, timeout_s, chunk, asyncio.Lock(), lambda request_id: request_id in live)
+def run(s: Scheduler, now: float, step_s: float = 0.0):
+  """Schedule at `now`; if a step comes, finish it step_s later with output = input + 1. Returns the step's
+  request ids (None: no step)."""
+  step = s.schedule(now)
+  if step is None:
+    return None
+  results = [(np.asarray(x) + 1, {"seen": (state or {}).get("seen", 0) + np.shape(x)[1]}) for _, x, state in step.items()]
+  s.update(step, results, now + step_s)
+  return [row.request_id for row, _ in step.rows]
 
 
-async def test_lone_request_does_not_wait_for_the_timeout():
-  s = scheduler(StepEngine(), timeout_s=30)
-  start = time.monotonic()
-  out, _ = await asyncio.wait_for(s.infer("a", np.array([[5]]), None), 5)
-  assert out.tolist() == [[6]] and time.monotonic() - start < 1
-  await s.stop()
+def taken(s: Scheduler, now: float):
+  """The positions each row of the step due now takes, finished at once."""
+  step = s.schedule(now)
+  takes = [take for _, take in step.rows]
+  s.update(step, [(np.asarray(x) + 1, state) for _, x, state in step.items()], now)
+  return takes
 
 
-async def test_every_ready_request_shares_the_step_up_to_the_batch_size():
-  engine = StepEngine(delay=0.01)
-  s = scheduler(engine, batch_size=4)
-  outs = await asyncio.gather(*[s.infer(f"r{i}", np.array([[i]]), None) for i in range(10)])
-  assert [o.tolist() for o, _ in outs] == [[[i + 1]] for i in range(10)]
-  assert [len(step) for step in engine.steps] == [4, 4, 2]
-  assert [rid for step in engine.steps for rid, _ in step] == [f"r{i}" for i in range(10)]  # oldest first
-  await s.stop()
+# --- one stage ---
+
+def test_a_lone_request_never_waits():
+  s = scheduler(timeout_s=30)
+  s.add("a", TOKEN, None, 0.0)
+  assert s.due(0.0) == 0.0 and run(s, 0.0) == ["a"]
+  s.add("a", TOKEN, None, 1.0)  # it came back: nobody else is going, so again at once
+  assert run(s, 1.0) == ["a"]
 
 
-async def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeout():
-  engine = StepEngine()
-  s = scheduler(engine, timeout_s=1.0, live={"b", "c"})
-  await s.infer("b", np.array([[0]]), None)  # b goes on (sampled, forwarded) and will come back
-  a = asyncio.ensure_future(s.infer("a", np.array([[1]]), None))
-  await asyncio.sleep(0.05)
-  assert len(engine.steps) == 1  # b is on its way back: a waits for it
-  b = asyncio.ensure_future(s.infer("b", np.array([[2]]), None))
-  await asyncio.wait_for(asyncio.gather(a, b), 5)
-  assert [len(step) for step in engine.steps] == [1, 2]
-  await s.infer("c", np.array([[3]]), None)  # c goes on and never comes back: the timeout bounds the wait
-  start = time.monotonic()
-  await asyncio.wait_for(s.infer("d", np.array([[4]]), None), 5)
-  assert 0.5 < time.monotonic() - start < 4
-  await s.stop()
+def test_ready_requests_share_a_step_up_to_the_batch_size_oldest_first():
+  s = scheduler(batch_size=4)
+  for i in range(10):
+    s.add(f"r{i}", TOKEN, None, i * 0.001)
+  assert [run(s, 1.0) for _ in range(3)] == [[f"r{i}" for i in range(4)], [f"r{i}" for i in range(4, 8)], ["r8", "r9"]]
+  assert s.schedule(1.0) is None and s.due(1.0) == math.inf
 
 
-async def test_each_request_hears_when_its_step_starts():
-  """The gRPC server replies to a message when its forward pass starts (FORWARD_STARTED): for a request that waits
-  in line that is its step, not its arrival, and a prompt hears it with its first chunk."""
-  engine = StepEngine(delay=0.05)
-  s = scheduler(engine, batch_size=1)
-  heard = {}
-
-  async def infer(request_id, x):
-    started = asyncio.get_running_loop().create_future()
-    FORWARD_STARTED.set(started)  # this task's own context, as the server sets it for each message
-    started.add_done_callback(lambda _: heard.setdefault(request_id, len(engine.steps)))
-    return await s.infer(request_id, x, None)
-
-  await asyncio.gather(infer("prompt", np.zeros((1, LONE_PROMPT_CHUNK + 3, HIDDEN))), infer("token", np.array([[7]])))
-  assert [rid for step in engine.steps for rid, _ in step] == ["prompt", "prompt", "token"]  # two chunks, then the token
-  assert heard == {"prompt": 1, "token": 3}  # announced as its step began, so len(steps) counts that step
-  await s.stop()
+def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeout():
+  s = scheduler(shard=MIDDLE, timeout_s=1.0)
+  for r in "abc":
+    s.add(r, TOKEN, None, 0.0)
+  assert run(s, 0.0) == ["a", "b", "c"]  # all three are away now
+  s.add("a", TOKEN, None, 2.0)
+  s.add("b", TOKEN, None, 2.5)
+  assert s.schedule(2.9) is None and s.due(2.9) == 3.5  # c may still come: timeout_s after the latest arrival
+  assert run(s, 3.5) == ["a", "b"]
+  s.add("c", TOKEN, None, 3.6)  # late: a and b are away again, and c waits for them no longer than timeout_s
+  assert s.due(3.6) == 4.6 and run(s, 4.6) == ["c"]
 
 
-async def test_a_batch_handed_on_gathers_while_its_messages_keep_coming():
-  """x is away; six requests arrive 0.08 s apart, each well within timeout_s of the last but the whole batch not
-  within timeout_s of the first: they share one step. Twelve at that pace would outlast GATHER_LIMIT timeouts
-  from the first, so the wait stops short of the last of them."""
-  for count in (6, 12):
-    engine = StepEngine()
-    s = scheduler(engine, batch_size=32, timeout_s=0.2, live={"x"})
-    await s.infer("x", np.array([[0]]), None)  # x goes on and stays away
-    arrivals = []
-    for i in range(count):
-      arrivals.append(asyncio.ensure_future(s.infer(f"r{i}", np.ones((1, 3, HIDDEN)), None)))
-      await asyncio.sleep(0.08)
-    await asyncio.wait_for(asyncio.gather(*arrivals), 10)
-    sizes = [len(step) for step in engine.steps[1:]]
-    if count == 6:
-      assert sizes == [6]
-    else:
-      assert 3 < sizes[0] < 12 and sum(sizes) == 12, sizes
-    await s.stop()
+def test_a_burst_whose_messages_keep_arriving_waits_at_most_gather_limit_timeouts():
+  s = scheduler(shard=MIDDLE, batch_size=32, timeout_s=0.2)
+  for i in range(13):
+    s.add(f"r{i}", TOKEN, None, 0.0)
+  run(s, 0.0)
+  for i in range(12):  # 0.15 s apart: each within timeout_s of the previous, r12 never comes
+    s.add(f"r{i}", TOKEN, None, 1.0 + 0.15 * i)
+    if 1.0 + 0.15 * i < 1.0 + GATHER_LIMIT * 0.2:
+      assert s.schedule(1.0 + 0.15 * i) is None
+  assert s.due(3.0) == pytest.approx(1.0 + GATHER_LIMIT * 0.2)
 
 
-async def test_a_request_that_ended_holds_nobody_up():
-  engine = StepEngine()
-  s = scheduler(engine, timeout_s=30, live={"b"})
-  await s.infer("b", np.array([[0]]), None)
-  a = asyncio.ensure_future(s.infer("a", np.array([[1]]), None))
-  await asyncio.sleep(0.05)
-  assert not a.done()  # b may come back
-  s.forget("b")  # b ended (the node's exo_request_ended hook)
-  await asyncio.wait_for(a, 5)
-  await s.stop()
+def test_a_request_that_ended_holds_nobody_up():
+  s = scheduler(shard=MIDDLE, timeout_s=30)
+  for r in "ab":
+    s.add(r, TOKEN, None, 0.0)
+  run(s, 0.0)
+  s.add("a", TOKEN, None, 1.0)
+  assert s.schedule(1.0) is None  # b may come back
+  s.drop("b")  # b ended (the node's exo_request_ended hook)
+  assert run(s, 1.0) == ["a"]
 
+
+def test_a_request_that_ended_during_its_step_is_not_handed_back():
+  s = scheduler()
+  for r in "ab":
+    s.add(r, TOKEN, None, 0.0)
+  step = s.schedule(0.0)
+  s.drop("b")
+  done = s.update(step, [(TOKEN + 1, None), (TOKEN + 1, None)], 0.1)
+  assert [row.request_id for row, _ in done] == ["a"] and "b" not in s.away
+
+
+# --- micro-batches round a ring ---
+
+def test_the_first_layers_node_keeps_one_group_per_stage_in_flight():
+  """Four requests, a ring of two stages: two groups of two. While one group is away the other steps; neither
+  waits for the other."""
+  s = scheduler(shard=FIRST, timeout_s=0.005, stages=2)
+  for r in "abcd":
+    s.add(r, np.zeros((1, 5), dtype=np.int64), None, 0.0)
+  first = run(s, 0.0, step_s=0.1)
+  second = run(s, 0.1, step_s=0.1)
+  assert len(first) == len(second) == 2 and set(first) | set(second) == set("abcd")
+  for r in first:  # the first group comes back while the second one is away
+    s.add(r, TOKEN, None, 0.3)
+  assert run(s, 0.3, step_s=0.1) == first
+  for r in second:
+    s.add(r, TOKEN, None, 0.4)
+  assert run(s, 0.4, step_s=0.1) == second
+
+
+def test_a_group_waits_for_its_late_member_up_to_the_slack_of_a_typical_round_trip():
+  s = scheduler(shard=FIRST, timeout_s=0.005, stages=2)
+  for r in "abcd":
+    s.add(r, TOKEN, None, 0.0)
+  groups = [run(s, 0.0, step_s=0.1), run(s, 0.1, step_s=0.1)]
+  t = 0.2
+  for _ in range(3):  # each group goes round in 0.2 s
+    for group in groups:
+      for r in group:
+        s.add(r, TOKEN, None, t + 0.2)
+      assert run(s, t + 0.2, step_s=0.1) == group
+      t += 0.1
+  late, on_time = groups[0]
+  s.add(on_time, TOKEN, None, t + 0.2)
+  left = max(s.away[late], 0)
+  assert s.schedule(t + 0.25) is None  # well past timeout_s, but the late member is not overdue yet
+  assert s.due(t + 0.25) == pytest.approx(left + ROUND_TRIP_SLACK * s.typical_round_trip())
+  assert run(s, s.due(t + 0.25)) == [on_time]
+
+
+def test_groups_stay_balanced_by_rows_as_requests_leave():
+  s = scheduler(shard=FIRST, stages=2)
+  for i in range(8):
+    s.add(f"r{i}", TOKEN, None, 0.0)
+  a, b = run(s, 0.0), run(s, 0.0)
+  assert len(a) == len(b) == 4
+  for r in a[:3]:
+    s.drop(r)  # three of the first group finish
+  for r in b:
+    s.add(r, TOKEN, None, 1.0)
+  moved = run(s, 1.0)
+  assert len(moved) == 3 and set(moved) < set(b)  # one of the big group's members moved over to the small one
+  sizes = sorted(list(s.group_of.values()).count(g) for g in range(2))
+  assert sizes == [2, 3]
+
+
+def test_newcomers_join_the_smallest_group():
+  s = scheduler(shard=FIRST, stages=2)
+  for i in range(3):
+    s.add(f"r{i}", TOKEN, None, 0.0)
+  run(s, 0.0)
+  run(s, 0.0)
+  sizes = {g: list(s.group_of.values()).count(g) for g in range(2)}
+  s.add("new", np.zeros((1, 4), dtype=np.int64), None, 1.0)
+  assert run(s, 1.0) == ["new"] and s.group_of["new"] == min(sizes, key=sizes.get)
+
+
+def test_other_stages_gather_each_group_as_it_arrives_and_keep_groups_apart():
+  """The stage after the first sees each group arrive as a burst of messages: it gathers the burst (timeout_s after
+  the latest arrival), and the next group, a whole step later, goes in a step of its own."""
+  s = scheduler(shard=LAST, timeout_s=0.05)
+  for r in "ab":
+    s.add(r, TOKEN, None, 0.0)
+  assert run(s, 0.0) == ["a", "b"]
+  s.add("c", TOKEN, None, 0.02)
+  s.add("d", TOKEN, None, 0.06)
+  assert s.schedule(0.1) is None and run(s, 0.11) == ["c", "d"]
+  s.add("a", TOKEN, None, 1.0)
+  s.add("b", TOKEN, None, 1.001)
+  assert run(s, 1.051) == ["a", "b"]
+
+
+def test_the_number_of_groups_follows_the_measured_step_costs_and_hops():
+  even = [StepCost(0.030, 0.0035)] * 2  # two equal stages: reading the weights costs as much as 8.5 rows
+  assert best_groups(32, even, hops_s=0.002) == 2
+  assert best_groups(1, even, hops_s=0.002) == 1
+  assert best_groups(32, even, hops_s=0.2) > 2  # a slow link: more groups fill it
+  assert best_groups(32, [StepCost(0.030, 0.0035), StepCost(0.300, 0.0035)], hops_s=0.002) == 1  # one slow stage's weights decide
+  times = StageTimes()
+  for rows in (4, 8, 16, 8):
+    times.record(0.0, 0.030 + 0.0035 * rows, rows, decode_only=True)
+  cost = times.cost()
+  assert cost.fixed_s == pytest.approx(0.030) and cost.per_row_s == pytest.approx(0.0035)
+
+
+def test_the_first_layers_node_plans_its_groups_from_its_measurements():
+  s = scheduler(shard=FIRST, batch_size=32, stages=2)
+  for i in range(32):
+    s.add(f"r{i}", TOKEN, None, 0.0)
+  t = 0.0
+  for size in (4, 8, 16, 8):  # steps of different sizes: a fit of 30 ms + 3.5 ms per row
+    s.times.record(t, t + 0.030 + 0.0035 * size, size, decode_only=True)
+  s.round_trips.extend([0.030 + 0.0035 * 16 + 0.002] * 4)  # the other stage's step for 16 rows, and 2 ms of links
+  assert len(run(s, t, step_s=0.030 + 0.0035 * 16)) == 16 and s.groups == 2
+  s.round_trips.clear()
+  s.round_trips.extend([0.5] * 4)  # a slow link
+  assert len(run(s, t, step_s=0.030 + 0.0035 * 16)) < 16 and s.groups > 2
+
+
+def test_busy_fraction_counts_steps_in_the_recent_window():
+  times = StageTimes()
+  times.record(0.0, 1.0, 4, True)
+  times.record(2.0, 2.5, 4, True)
+  assert times.busy_fraction(3.0) == pytest.approx(0.5) and times.busy_total_s == pytest.approx(1.5)
+  assert times.busy_fraction(100.0) == 0.0
+
+
+# --- chunked prefill ---
 
 @pytest.mark.parametrize("shard", [FIRST, LAST])
-async def test_the_first_layers_node_keeps_a_batch_together_round_the_ring(shard):
-  """a and b have been spending ~0.4 s in the rest of the ring between steps. c becomes ready while they are away
-  and they come back 0.1 s later, ten times timeout_s. On the first layers' node c waits for them, so all three
-  share a step and go round together; elsewhere c goes alone after timeout_s."""
-  engine = StepEngine()
-  s = scheduler(engine, shard=shard, timeout_s=0.01, live={"a", "b", "c"})
-  for t in range(3):  # the typical round trip becomes ~0.4 s
-    await asyncio.gather(s.infer("a", np.array([[t]]), None), s.infer("b", np.array([[t]]), None))
-    await asyncio.sleep(0.4)
-  await asyncio.gather(s.infer("a", np.array([[3]]), None), s.infer("b", np.array([[3]]), None))
-  assert [len(step) for step in engine.steps] == [2, 2, 2, 2]  # a and b are away now
-
-  c = asyncio.ensure_future(s.infer("c", np.array([[0]]), None))
-  if shard is LAST:
-    await asyncio.wait_for(c, 5)  # completes while a and b are still away
-  else:
-    await asyncio.sleep(0.1)
-  await asyncio.wait_for(asyncio.gather(c, s.infer("a", np.array([[4]]), None), s.infer("b", np.array([[4]]), None)), 5)
-  expected = [["c", "a", "b"]] if shard is FIRST else [["c"], ["a", "b"]]
-  assert [[rid for rid, _ in step] for step in engine.steps[4:]] == expected, engine.steps
-  await s.stop()
-
-
-@pytest.mark.parametrize("shard", [FIRST, LAST])
-async def test_chunked_prefill_shares_steps_with_running_decodes(shard):
-  engine = StepEngine(delay=0.005)
-  s = scheduler(engine, shard=shard, batch_size=8, chunk=64, live={"d0", "d1", "d2"})  # running decodes come back
+def test_chunked_prefill_shares_steps_with_running_decodes(shard):
+  s = scheduler(shard=shard, chunk=64)
+  for t in range(RUNNING_AFTER):
+    for r in ("d0", "d1", "d2"):
+      s.add(r, TOKEN, None, t)
+    run(s, t)
   prompt = np.arange(300).reshape(1, 300) if shard is FIRST else np.ones((1, 300, HIDDEN))
-
-  running = [asyncio.Event() for _ in range(3)]
-
-  async def decode(rid, running):
-    for t in range(RUNNING_AFTER + 8):
-      out, _ = await s.infer(rid, np.array([[t]]), None)
-      assert out.tolist() == [[t + 1]]
-      if t + 1 == RUNNING_AFTER:
-        running.set()
-    s.forget(rid)  # as the node's exo_request_ended hook does
-
-  decodes = [asyncio.ensure_future(decode(f"d{i}", event)) for i, event in enumerate(running)]
-  s.timeout_s = 1.0
-  await asyncio.wait_for(asyncio.gather(*[event.wait() for event in running]), 5)  # the streams are running
-  out, state = await asyncio.wait_for(s.infer("long", prompt, None), 10)
-  await asyncio.gather(*decodes)
-  long_steps = [shape for step in engine.steps for rid, shape in step if rid == "long"]
-  assert [sh[1] for sh in long_steps] == [64, 64, 64, 64, 44]
+  s.add("long", prompt, None, 10.0)
+  outputs, t = [], 10.0
+  while "long" in s.ready:
+    for r in ("d0", "d1", "d2"):
+      if r not in s.ready:
+        s.add(r, TOKEN, None, t)
+    step = s.schedule(t)
+    assert len(step.rows) == 4  # the decodes keep running beside each chunk
+    results = [(np.asarray(x) + 1, {"seen": (state or {}).get("seen", 0) + np.shape(x)[1]}) for _, x, state in step.items()]
+    outputs += [(row.request_id, result) for row, result in s.update(step, results, t)]
+    t += 1
+  assert [take for take in s.stats.sizes] and t - 10.0 == 5  # 64, 64, 64, 64, 44
+  (out, state), = [result for r, result in outputs if r == "long"]
   assert state == {"seen": 300}  # each chunk got the state the previous one returned
   if shard is FIRST:  # hidden states of every position go on to the next node
     assert out.shape == (1, 300) and (out == prompt + 1).all()
   else:  # the last shard's output is the final chunk's (only its last position is ever sampled)
     assert out.shape == (1, 44, HIDDEN)
-  steps_with_long = [step for step in engine.steps if any(rid == "long" for rid, _ in step)]
-  assert all(len(step) == 4 for step in steps_with_long[:3])  # the decodes kept running beside each chunk
-  await s.stop()
 
 
-async def test_at_most_one_chunk_budget_of_prompt_tokens_per_step_beside_a_running_stream():
-  engine = StepEngine()
-  s = scheduler(engine, batch_size=8, chunk=100, live={"d"})
+def test_at_most_one_chunk_budget_of_prompt_tokens_per_step_beside_a_running_stream():
+  s = scheduler(chunk=100)
   for t in range(RUNNING_AFTER):
-    await s.infer("d", np.array([[t]]), None)  # d's stream is running, and it is away now
-  await asyncio.gather(*[s.infer(f"p{i}", np.zeros((1, 70), dtype=np.int64), None) for i in range(3)])
-  assert [[sh[1] for _, sh in step] for step in engine.steps[RUNNING_AFTER:]] == [[70, 30], [40, 60], [10]]
-  await s.stop()
+    s.add("d", TOKEN, None, t)
+    run(s, t)  # d's stream is running, and it is away now
+  for i in range(3):
+    s.add(f"p{i}", np.zeros((1, 70), dtype=np.int64), None, 10.0)
+  assert [taken(s, 10.0) for _ in range(3)] == [[70, 30], [40, 60], [10]]
 
 
-async def test_a_chunk_grows_with_the_decode_rows_beside_it():
+def test_a_chunk_grows_with_the_decode_rows_beside_it():
   """Beside many running streams a step is long anyway: the prompt budget grows to 2 tokens per decode row."""
-  engine = StepEngine()
+  s = scheduler(batch_size=16, chunk=8)
   streams = [f"d{i}" for i in range(12)]
-  s = scheduler(engine, batch_size=16, timeout_s=1.0, chunk=8, live=set(streams))
-
-  async def stream(request_id, steps):
-    for t in range(steps):
-      await s.infer(request_id, np.array([[t]]), None)
-  await asyncio.gather(*[stream(r, RUNNING_AFTER) for r in streams])  # all 12 are running now
-  await asyncio.wait_for(asyncio.gather(*[stream(r, 3) for r in streams], s.infer("p", np.zeros((1, 60), dtype=np.int64), None)), 10)
-  chunks = [(shape[1], len(step)) for step in engine.steps for rid, shape in step if rid == "p"]
+  for t in range(RUNNING_AFTER):
+    for r in streams:
+      s.add(r, TOKEN, None, t)
+    run(s, t)
+  s.add("p", np.zeros((1, 60), dtype=np.int64), None, 10.0)
+  chunks = []
+  for t in range(3):
+    for r in streams:
+      s.add(r, TOKEN, None, 10.0 + t)
+    step = s.schedule(10.0 + t)
+    chunks += [(take, len(step.rows)) for row, take in step.rows if row.request_id == "p"]
+    s.update(step, [(np.asarray(x) + 1, None) for _, x, _ in step.items()], 10.0 + t)
   assert chunks == [(24, 13), (24, 13), (12, 13)], "2 x 12 decode rows: 24-token chunks, each beside all 12 streams"
-  await s.stop()
 
 
-async def test_prompts_are_not_cut_small_while_no_stream_is_running():
+def test_prompts_are_not_cut_small_while_no_stream_is_running():
   """Chunks protect running streams; a prompt alone, or beside streams that have only just started (a burst),
   runs in steps of up to LONE_PROMPT_CHUNK."""
-  engine = StepEngine()
-  s = scheduler(engine, chunk=64, live={"d"})
-  await s.infer("p", np.zeros((1, LONE_PROMPT_CHUNK + 88), dtype=np.int64), None)
+  s = scheduler(chunk=64)
+  s.add("p", np.zeros((1, LONE_PROMPT_CHUNK + 88), dtype=np.int64), None, 0.0)
+  assert [taken(s, 0.0), taken(s, 0.0)] == [[LONE_PROMPT_CHUNK], [88]]
+  s.drop("p")
   for t in range(RUNNING_AFTER - 1):
-    await s.infer("d", np.array([[t]]), None)  # d has just started and is away
-  await s.infer("q", np.zeros((1, 100), dtype=np.int64), None)
-  await s.infer("d", np.array([[RUNNING_AFTER]]), None)  # now d's stream is running
-  await s.infer("r", np.zeros((1, 100), dtype=np.int64), None)
-  expected = [[LONE_PROMPT_CHUNK], [88]] + [[1]] * (RUNNING_AFTER - 1) + [[100], [1], [64], [36]]
-  assert [[sh[1] for _, sh in step] for step in engine.steps] == expected
-  s.forget("d")
-  await s.infer("t", np.zeros((1, 100), dtype=np.int64), None)  # d ended: nobody to protect
-  assert [sh[1] for _, sh in engine.steps[-1]] == [100]
-  await s.stop()
+    s.add("d", TOKEN, None, t)
+    run(s, t)  # d has just started and is away
+  s.add("q", np.zeros((1, 100), dtype=np.int64), None, 10.0)
+  assert taken(s, 10.0) == [100]
+  s.add("d", TOKEN, None, 11.0)
+  run(s, 11.0)  # now d's stream is running
+  s.add("r", np.zeros((1, 100), dtype=np.int64), None, 12.0)
+  assert [taken(s, 12.0), taken(s, 12.0)] == [[64], [36]]
+  s.drop("d")
+  s.add("t", np.zeros((1, 100), dtype=np.int64), None, 13.0)
+  assert taken(s, 13.0) == [100]  # d ended: nobody to protect
 
 
-async def test_a_failing_row_fails_alone_and_a_failing_step_fails_only_its_rows():
-  engine = StepEngine(fail={"bad"}, fail_step=1)
-  s = scheduler(engine, batch_size=4)
-  first = await asyncio.gather(*[s.infer(rid, np.array([[1]]), None) for rid in ["a", "bad", "c"]], return_exceptions=True)
-  assert isinstance(first[1], ValueError) and not isinstance(first[0], Exception) and not isinstance(first[2], Exception)
-  second = await asyncio.gather(*[s.infer(rid, np.array([[1]]), None) for rid in ["a", "c"]], return_exceptions=True)
-  assert all(isinstance(r, RuntimeError) for r in second)
-  third = await s.infer("a", np.array([[1]]), None)
-  assert third[0].tolist() == [[2]]
-  await s.stop()
+# --- the step loop ---
+
+class StepEngine:
+  """Records every step; output = input + 1; one error on request; steps held until released."""
+
+  def __init__(self, fail=(), fail_step: int = -1, malformed=()):
+    self.steps: List[List[str]] = []
+    self.fail, self.fail_step, self.malformed = set(fail), fail_step, set(malformed)
+    self.release = asyncio.Event()
+    self.release.set()
+    self.entered = asyncio.Event()
+
+  async def infer_batch(self, shard, items):
+    self.steps.append([rid for rid, _, _ in items])
+    self.entered.set()
+    await self.release.wait()
+    if len(self.steps) - 1 == self.fail_step:
+      raise RuntimeError("the whole step broke")
+    return [ValueError(f"bad input for {rid}") if rid in self.fail else "not a pair" if rid in self.malformed else (np.asarray(x) + 1, state)
+            for rid, x, state in items]
 
 
-async def test_a_malformed_result_or_a_scheduler_bug_ends_requests_with_an_error_never_a_hang():
-  class Malformed(StepEngine):
-    async def infer_batch(self, shard, items):
-      results = await super().infer_batch(shard, items)
-      return ["not an (output, state) pair" if rid == "bad" else r for (rid, _, _), r in zip(items, results)]
-  s = scheduler(Malformed())
-  good, bad = await asyncio.wait_for(asyncio.gather(*[s.infer(rid, np.array([[1]]), None) for rid in ["good", "bad"]], return_exceptions=True), 5)
-  assert good[0].tolist() == [[2]] and isinstance(bad, ValueError)
+def step_loop(engine, batch_size=8, live=lambda request_id: True):
+  return StepLoop(engine, lambda shard: Scheduler(shard, batch_size, 0.0, 0), live)
 
-  def broken_pick():
-    raise RuntimeError("a bug in picking the rows")
-  s._pick = broken_pick
-  with pytest.raises(RuntimeError, match="a bug in picking"):
-    await asyncio.wait_for(s.infer("a", np.array([[1]]), None), 5)
-  del s._pick  # the loop survived its bug: the next request runs
-  assert (await asyncio.wait_for(s.infer("b", np.array([[1]]), None), 5))[0].tolist() == [[2]]
-  await s.stop()
+
+async def test_the_loop_runs_each_request_and_fails_only_the_bad_rows():
+  engine = StepEngine(fail={"bad"}, malformed={"odd"})
+  loop = step_loop(engine)
+  results = await asyncio.wait_for(asyncio.gather(*[loop.infer(LAST, r, TOKEN, None) for r in ("a", "bad", "odd", "c")], return_exceptions=True), 5)
+  assert results[0][0].tolist() == [[8]] and results[3][0].tolist() == [[8]]
+  assert isinstance(results[1], ValueError) and isinstance(results[2], ValueError)
+  engine.fail_step = len(engine.steps)
+  with pytest.raises(RuntimeError, match="whole step"):
+    await asyncio.wait_for(loop.infer(LAST, "a", TOKEN, None), 5)
+  assert (await asyncio.wait_for(loop.infer(LAST, "a", TOKEN, None), 5))[0].tolist() == [[8]]  # the loop goes on
+  await loop.stop()
+
+
+async def test_a_message_is_accepted_when_its_step_starts_not_when_it_arrives():
+  engine = StepEngine()
+  engine.release.clear()
+  loop = step_loop(engine, batch_size=1)
+  accepted = {r: asyncio.get_running_loop().create_future() for r in "ab"}
+  calls = [asyncio.ensure_future(loop.infer(LAST, r, TOKEN, None, accepted[r])) for r in "ab"]
+  await asyncio.wait_for(engine.entered.wait(), 5)
+  assert accepted["a"].done() and not accepted["b"].done()  # b waits in line: no reply yet
+  engine.release.set()
+  await asyncio.wait_for(asyncio.gather(*calls), 5)
+  assert accepted["b"].done() and engine.steps == [["a"], ["b"]]
+  await loop.stop()
+
+
+async def test_a_request_that_ends_leaves_at_once_and_one_that_ended_while_queued_never_runs():
+  engine = StepEngine()
+  engine.release.clear()
+  live = {"a", "b", "c"}
+  loop = step_loop(engine, batch_size=1, live=lambda r: r in live)
+  calls = {r: asyncio.ensure_future(loop.infer(LAST, r, TOKEN, None)) for r in "abc"}
+  await asyncio.wait_for(engine.entered.wait(), 5)
+  loop.forget("b")  # ended while waiting: its waiter fails at once
+  with pytest.raises(RequestEnded):
+    await asyncio.wait_for(calls["b"], 5)
+  live.discard("c")  # ended without the hook having run yet: dropped just before the engine call
+  engine.release.set()
+  await asyncio.wait_for(calls["a"], 5)
+  with pytest.raises(RequestEnded):
+    await asyncio.wait_for(calls["c"], 5)
+  assert engine.steps == [["a"]]
+  await loop.stop()
 
 
 async def test_stop_lets_the_step_finish_and_fails_the_waiting():
-  engine = StepEngine(delay=0.2)
-  s = scheduler(engine, batch_size=2)
-  running = [asyncio.ensure_future(s.infer(r, np.array([[1]]), None)) for r in "ab"]
-  await asyncio.sleep(0.05)
-  waiting = asyncio.ensure_future(s.infer("c", np.array([[1]]), None))
-  await asyncio.sleep(0)
-  await asyncio.wait_for(s.stop(), 5)
-  assert [r.result()[0].tolist() for r in running] == [[[2]], [[2]]]
+  engine = StepEngine()
+  engine.release.clear()
+  loop = step_loop(engine, batch_size=2)
+  running = [asyncio.ensure_future(loop.infer(LAST, r, TOKEN, None)) for r in "ab"]
+  await asyncio.wait_for(engine.entered.wait(), 5)
+  waiting = asyncio.ensure_future(loop.infer(LAST, "c", TOKEN, None))
+  await asyncio.sleep(0)  # (lets `waiting` reach the loop; nothing is timed)
+  stopping = asyncio.ensure_future(loop.stop())
+  engine.release.set()
+  await asyncio.wait_for(stopping, 5)
+  assert [r.result()[0].tolist() for r in running] == [[[8]], [[8]]]
   with pytest.raises(BatcherStopped):
     await waiting
   with pytest.raises(BatcherStopped):
-    await s.infer("d", np.array([[1]]), None)
+    await loop.infer(LAST, "d", TOKEN, None)
 
 
 async def test_prompts_are_chunked_through_a_node_and_outputs_still_match():

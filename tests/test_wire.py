@@ -20,7 +20,7 @@ from exo.networking.grpc.codec import (decode_inference_state, decode_tensor, de
                                        encode_tensor, encode_topology, is_empty_tensor)
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS, GRPCPeerHandle
 from exo.networking.grpc.grpc_server import SERVER_OPTIONS, GRPCServer
-from exo.orchestration.forward_started import FORWARD_STARTED, announce
+from exo.orchestration.acceptance import accept
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
 from exo.topology.topology import Topology
 from tests.support.cluster import free_port
@@ -164,10 +164,10 @@ class RecordingNode:
   def get_current_shard(self, base_shard):
     return Shard(base_shard.model_id, 4, 7, 8) if base_shard.model_id == "dummy" else base_shard  # this node: layers 4-7
 
-  async def process_prompt(self, shard, prompt, request_id=None, inference_state=None):
+  async def process_prompt(self, shard, prompt, request_id=None, inference_state=None, accepted=None):
     self.calls.put_nowait(("prompt", shard, prompt, request_id, inference_state))
 
-  async def process_tensor(self, shard, tensor, request_id=None, inference_state=None):
+  async def process_tensor(self, shard, tensor, request_id=None, inference_state=None, accepted=None):
     self.calls.put_nowait(("tensor", shard, tensor, request_id, inference_state))
 
   def on_result(self, request_id, result, is_finished, sender_host=None):
@@ -260,12 +260,12 @@ async def test_a_tensor_is_answered_when_its_forward_pass_starts(served, monkeyp
   node, _, peer, _ = served
   gates = {rid: (asyncio.Event(), asyncio.Event()) for rid in ("announced", "ended", "stuck")}
 
-  async def process_tensor(shard, tensor, request_id=None, inference_state=None):
+  async def process_tensor(shard, tensor, request_id=None, inference_state=None, accepted=None):
     start, end = gates[request_id]
     node.calls.put_nowait(("tensor", request_id))
     await start.wait()
     if request_id == "announced":
-      announce(FORWARD_STARTED.get())
+      accept(accepted)
     await end.wait()
   node.process_tensor = process_tensor
   monkeypatch.setattr(grpc_server, "REPLY_WAIT_S", 60.0)

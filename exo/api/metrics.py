@@ -1,10 +1,11 @@
 """Prometheus metrics of one API node, served as text at /metrics. Each API has its own registry, so several nodes
 in one process (tests) keep their own counts. Engine-side figures (requests per engine step, KV cache bytes) are
 read from the node when scraped."""
+import time
 from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
@@ -29,9 +30,30 @@ class EngineCollector:
     family = HistogramMetricFamily("exo_batch_size", "Requests per engine step (batching on)")
     family.add_metric([], buckets, sum(size * n for size, n in sizes.items()))
     yield family
+    yield from self._stages(list(getattr(plugin, "schedulers", {}).values()))
     kv_cache_bytes = getattr(self.node.inference_engine, "kv_cache_bytes", None)
     if kv_cache_bytes is not None:
       yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_cache_bytes())
+
+
+  def _stages(self, schedulers):
+    """The pipeline's bubble as this node sees it: how busy each of its stages is, and on the node with the first
+    layers the micro-batches in flight and the time a group spends on the links per hop."""
+    busy_total = CounterMetricFamily("exo_stage_busy_seconds", "Seconds this stage's engine spent in steps", labels=["layers"])
+    busy = GaugeMetricFamily("exo_stage_busy_fraction", "Share of the last 10 s this stage's engine spent in steps", labels=["layers"])
+    groups = GaugeMetricFamily("exo_micro_batches", "Groups of requests travelling the ring one behind the other", labels=["layers"])
+    hop = GaugeMetricFamily("exo_hop_latency_seconds", "Estimated time per hop between stages, beyond their steps", labels=["layers"])
+    now = time.monotonic()
+    for scheduler in schedulers:
+      layers = f"{scheduler.shard.start_layer}-{scheduler.shard.end_layer}"
+      busy_total.add_metric([layers], scheduler.times.busy_total_s)
+      busy.add_metric([layers], scheduler.times.busy_fraction(now))
+      if scheduler.shard.is_first_layer():
+        groups.add_metric([layers], scheduler.groups)
+        hops = scheduler.hop_estimate()
+        if hops is not None:
+          hop.add_metric([layers], hops / max(1, scheduler.stages))
+    yield from (busy_total, busy, groups, hop)
 
 
 class ApiMetrics:

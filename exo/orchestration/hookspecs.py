@@ -9,6 +9,7 @@ Hooks that do asynchronous work return an awaitable (pluggy calls are synchronou
 `firstresult` hooks stop at the first implementation that returns something other than None, so a plugin
 takes a piece of work over by returning an awaitable, or leaves it to the next one by returning None.
 Wrappers (`@hookimpl(wrapper=True)`) see and may replace the awaitable the inner implementations return."""
+import asyncio
 from typing import Awaitable, Optional, Tuple
 
 import numpy as np
@@ -30,13 +31,14 @@ def exo_node_stopping(node) -> Optional[Awaitable[None]]:
 
 
 @hookspec(firstresult=True)
-def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[Tuple[np.ndarray, Optional[dict]]]]:
+def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict],
+                     accepted: Optional[asyncio.Future]) -> Optional[Awaitable[Tuple[np.ndarray, Optional[dict]]]]:
   """Run this node's layers for one request: token ids (1, L) on the first shard, hidden states otherwise.
   Return an awaitable of (output, inference_state). The core runs `engine.infer_tensor` alone (a long prompt in
   chunks); a batching plugin gathers concurrent calls for the same shard into one `engine.infer_batch` step. Before
-  each step, drop requests that are no longer live (`node.requests.is_live`). Whoever starts the pass
-  calls `forward_started.announce` with the future FORWARD_STARTED held when it was called: the gRPC server
-  replies to the message then (else when the work ends, or after 0.1 s)."""
+  each step, drop requests that are no longer live (`node.requests.is_live`). Whoever starts the pass calls
+  `acceptance.accept(accepted)` (None when no message waits for a reply): the gRPC server replies to the message
+  then (else when the work ends, or after 0.1 s)."""
 
 
 @hookspec(firstresult=True)

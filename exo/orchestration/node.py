@@ -30,7 +30,7 @@ from exo.inference.sampling import SamplingParams, last_rows, make_generator, to
 from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
-from exo.orchestration.forward_started import FORWARD_STARTED, announce
+from exo.orchestration.acceptance import accept
 from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.model_gate import LeftTheLine, ModelGate
 from exo.orchestration.requests import Request, RequestEnded, RequestEvent, RequestRegistry, Status
@@ -48,8 +48,8 @@ class CorePlugin:
   """The node's own behaviour, as the last implementation of each hook."""
 
   @hookimpl(trylast=True)
-  def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state):
-    announce(FORWARD_STARTED.get())  # the engine takes it up as soon as the returned coroutine runs
+  def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state, accepted):
+    accept(accepted)  # the engine takes it up as soon as the returned coroutine runs
     return node.infer_unbatched(shard, tensor, request_id, inference_state)
 
   @hookimpl(trylast=True)
@@ -220,7 +220,10 @@ class Node(RingMember):
 
   # --- the work ---
 
-  async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {}) -> Optional[np.ndarray]:
+  async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
+                           accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
+    """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
+    is resolved once its forward pass here has started (see acceptance)."""
     shard = self.get_current_shard(base_shard)
     request_id = request_id or str(uuid.uuid4())
     self.accepts_prompt(request_id)
@@ -230,17 +233,18 @@ class Node(RingMember):
     self.spawn(self.broadcast_opaque_status(request_id, json.dumps(status)))
     start = time.perf_counter_ns()
     try:
-      await self._process_prompt(shard, prompt, request, inference_state)
+      await self._process_prompt(shard, prompt, request, inference_state, accepted)
     finally:
       status.update(status="end_process_prompt", elapsed_time_ns=time.perf_counter_ns() - start)
       self.spawn(self.broadcast_opaque_status(request_id, json.dumps(status)))
     return None
 
-  async def _process_prompt(self, shard: Shard, prompt: str, request: Request, inference_state: Optional[dict]) -> None:
+  async def _process_prompt(self, shard: Shard, prompt: str, request: Request, inference_state: Optional[dict], accepted: Optional[asyncio.Future]) -> None:
     try:
       if not shard.is_first_layer():
         request.advance(Status.PREFILLING)
         request.ring = request.ring or self.ring_ids()
+        accept(accepted)  # no pass here: it goes on
         await self.forward_prompt(shard, prompt, request.id, 0, inference_state)
         return
       await self._enter(request, shard)
@@ -251,9 +255,9 @@ class Node(RingMember):
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
       state = {k: v for k, v in (inference_state or {}).items() if k != "prefix"}  # only this node may name one
       if self._ring_reuses_prefixes(request):
-        await self._run_from_prefix(shard, tokens, request, state)
+        await self._run_from_prefix(shard, tokens, request, state, accepted=accepted)
       else:
-        await self._run(shard, tokens, request, state)
+        await self._run(shard, tokens, request, state, accepted)
     except RequestEnded:
       pass
     except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
@@ -264,7 +268,8 @@ class Node(RingMember):
       await self.fail_request(request.id, e)
       raise
 
-  async def _run_from_prefix(self, shard: Shard, tokens: np.ndarray, request: Request, inference_state: Optional[dict], reuse: bool = True) -> None:
+  async def _run_from_prefix(self, shard: Shard, tokens: np.ndarray, request: Request, inference_state: Optional[dict], reuse: bool = True,
+                             accepted: Optional[asyncio.Future] = None) -> None:
     """On the first node: the prompt from the longest prefix the engine holds (none if not `reuse`), the rest of
     the ring told which one."""
     keys = block_keys(shard.model_id, tokens)
@@ -272,7 +277,7 @@ class Node(RingMember):
     request.positions = reused
     request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
     state = {**(inference_state or {}), "prefix": {"keys": keys, "reuse": reused}}
-    await self._run(shard, tokens[:, reused:], request, state)
+    await self._run(shard, tokens[:, reused:], request, state, accepted)
 
   def _ring_reuses_prefixes(self, request: Request) -> bool:
     engine = self.inference_engine
@@ -307,7 +312,9 @@ class Node(RingMember):
     except Exception as e:
       await self.fail_request(request.id, e)
 
-  async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
+  async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
+                           accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
+    """Run this node's layers for a request's tensor, then what follows. `accepted` as for process_prompt."""
     shard = self.get_current_shard(base_shard)
     request = self._open(request_id or str(uuid.uuid4()))
     if request is None:  # a hop still in flight when the request ended: going on would revive it
@@ -318,7 +325,7 @@ class Node(RingMember):
       prefix = (inference_state or {}).get("prefix")
       if prefix is not None and not await self._start_from_prefix(shard, request, checked_prefix(prefix)):
         return None
-      await self._run(shard, tensor, request, inference_state)
+      await self._run(shard, tensor, request, inference_state, accepted)
     except RequestEnded:
       pass
     except Exception as e:
@@ -335,14 +342,14 @@ class Node(RingMember):
       raise RequestEnded(request.id) from None
     request.advance(Status.PREFILLING)
 
-  async def _run(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict]) -> None:
+  async def _run(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict], accepted: Optional[asyncio.Future] = None) -> None:
     """This node's layers for the request, then what follows (sampling, forwarding)."""
     if request.busy:  # a second copy of a message (a peer's bug or mischief) must not run on the same cache
       print(f"exo: dropped a second pass of request {request.id} that arrived while its pass ran here", flush=True)
       return
     request.busy = True
     try:
-      result, state = await self.infer_tensor(shard, tensor, request.id, inference_state)
+      result, state = await self.infer_tensor(shard, tensor, request.id, inference_state, accepted)
     finally:
       request.busy = False
     if not self.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
@@ -357,8 +364,9 @@ class Node(RingMember):
     request.advance(Status.DECODING)
     await self.process_inference_result(shard, result, request.id, state)
 
-  async def infer_tensor(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
-    return await self.plugins.hook.exo_infer_tensor(node=self, shard=shard, tensor=tensor, request_id=request_id, inference_state=inference_state)
+  async def infer_tensor(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict], accepted: Optional[asyncio.Future] = None):
+    return await self.plugins.hook.exo_infer_tensor(node=self, shard=shard, tensor=tensor, request_id=request_id, inference_state=inference_state,
+                                                    accepted=accepted)
 
   async def infer_unbatched(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
     """The engine alone, a long prompt in PROMPT_CHUNK pieces so that an end stops it between two of them."""

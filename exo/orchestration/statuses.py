@@ -16,6 +16,7 @@ REQUEST_PARAMS = "request_params"  # a request's sampling parameters and the nod
 CANCEL_REQUEST = "cancel_request"  # its client has gone or has what it wanted: every node drops it
 REQUEST_ERROR = "request_error"  # it failed somewhere: every node drops it, its client gets the error
 REQUEST_ENDS = (CANCEL_REQUEST, REQUEST_ERROR)
+STAGE_TIMING = "stage_timing"  # what a node's decode steps take for its layers, so the first node can size micro-batches
 TOKEN_LOGPROBS = "token_logprobs"  # a sampled token's logprobs, sent to its origin just before the token's SendResult
 PREFIX_CACHE = "prefix_cache"  # a node announces whether it reuses prompt prefixes: in blocks of `block` tokens, or 0 (not)
 PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
@@ -39,6 +40,10 @@ def cancel_request(request_id: str) -> str:
 
 def request_error(request_id: str, error: str) -> str:
   return json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": error[:MAX_ERROR_CHARS]})
+
+
+def stage_timing(node_id: str, shard: Shard, fixed_s: float, per_row_s: float, busy: float) -> str:
+  return json.dumps({"type": STAGE_TIMING, "node_id": node_id, "shard": shard.to_dict(), "fixed_s": fixed_s, "per_row_s": per_row_s, "busy": busy})
 
 
 def token_logprobs(request_id: str, position: int, logprobs: TokenLogprobs) -> str:
@@ -156,6 +161,14 @@ def _check_request_end(status: dict) -> None:
     _string(status, "error", limit=10 * MAX_ERROR_CHARS)
 
 
+def _check_stage_timing(status: dict) -> None:
+  _string(status, "node_id")
+  shard(status.get("shard"))
+  for key, high in (("fixed_s", 3600.0), ("per_row_s", 3600.0), ("busy", 1.0)):
+    if not _is_number(status.get(key)) or not 0 <= status[key] <= high:
+      raise InvalidStatus(f"{key} must be a number in [0, {high:g}]")
+
+
 def _logprob(value: Any) -> bool:
   return _is_number(value) and value <= 0
 
@@ -186,6 +199,7 @@ def _check_prefix_miss(status: dict) -> None:
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
+  STAGE_TIMING: _check_stage_timing,
   TOKEN_LOGPROBS: _check_token_logprobs,
   PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss,
 }

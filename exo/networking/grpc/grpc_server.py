@@ -13,7 +13,7 @@ from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_topology, is_empty_tensor
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS
 from exo.networking.server import Server
-from exo.orchestration.forward_started import FORWARD_STARTED, announce
+from exo.orchestration.acceptance import accept
 from exo.orchestration.ring_member import caller_host
 
 # Upstream's server options: its client's, plus no HTTP/2 stream cap. keepalive_permit_without_calls=1 and a 5 s
@@ -86,10 +86,15 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{host or context.peer()} is not a member of this node's ring")
     return host
 
-  async def _accept(self, coro, what: str) -> None:
+  async def _accept(self, work, what: str) -> None:
     """Work on in the background (allowed by wire.md §6), so each hop is free for the next message and the ring
-    pipelines; reply once the forward pass has started (see forward_started), the work has ended, or REPLY_WAIT_S
-    has passed. Failures end the request through the Node (fail_request), not through this reply."""
+    pipelines; reply once the node accepts the message (its forward pass has started, see acceptance), the work
+    has ended, or REPLY_WAIT_S has passed. `work(accepted)` makes the node's coroutine. Failures end the request
+    through the Node (fail_request), not through this reply."""
+    loop = asyncio.get_running_loop()
+    accepted = loop.create_future()
+    coro = work(accepted)
+
     async def run():
       try:
         await coro
@@ -98,19 +103,13 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       except Exception as e:
         if DEBUG >= 1:
           print(f"{what} failed: {e!r}")
-    loop = asyncio.get_running_loop()
-    started = loop.create_future()
-    token = FORWARD_STARTED.set(started)
-    try:
-      task = asyncio.create_task(run())  # the task's context holds `started`
-    finally:
-      FORWARD_STARTED.reset(token)
+    task = asyncio.create_task(run())
     self._work.add(task)
     task.add_done_callback(self._work.discard)
-    task.add_done_callback(lambda _: announce(started))
-    timer = loop.call_later(REPLY_WAIT_S, announce, started)
+    task.add_done_callback(lambda _: accept(accepted))
+    timer = loop.call_later(REPLY_WAIT_S, accept, accepted)
     try:
-      await started
+      await accepted
     finally:
       timer.cancel()
 
@@ -129,7 +128,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
     if DEBUG >= 5:
       print(f"Received SendPrompt {shard} {request.request_id!r}: {request.prompt!r}")
-    await self._accept(self.node.process_prompt(shard, request.prompt, request.request_id, state), f"prompt {request.request_id}")
+    await self._accept(lambda accepted: self.node.process_prompt(shard, request.prompt, request.request_id, state, accepted=accepted), f"prompt {request.request_id}")
     return pb.Tensor()
 
   async def SendTensor(self, request, context):
@@ -144,7 +143,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     await self._from_member(context)
     if DEBUG >= 5:
       print(f"Received SendTensor {shard} {request.request_id!r}: {tensor.dtype} {tensor.shape}")
-    await self._accept(self.node.process_tensor(shard, tensor, request.request_id, state), f"tensor {request.request_id}")
+    await self._accept(lambda accepted: self.node.process_tensor(shard, tensor, request.request_id, state, accepted=accepted), f"tensor {request.request_id}")
     return pb.Tensor()
 
   async def SendExample(self, request, context):

@@ -1,16 +1,19 @@
 """The batching plugin: the hook implementations that let concurrent requests share work on this node.
 
-Forward passes (exo_infer_tensor): a Scheduler per shard runs every ready request in one engine step.
-Sampling on the last layer (exo_process_inference_result): every request whose logits a step produced is sampled
-in one vectorised call (`node.sample_tokens`, each row with its own parameters and random stream), then each token
-goes through `node.handle_token` exactly as it would unbatched. Every request still travels the ring as its own
-message, so nodes without this plugin (or upstream exo nodes) share the ring unchanged.
+Forward passes (exo_infer_tensor): the engine's step loop runs the steps each shard's Scheduler decides (several
+requests per step, micro-batches in flight round the ring). Sampling on the last layer
+(exo_process_inference_result): the requests whose logits one step produced are sampled together in one
+vectorised call (`node.sample_tokens`, each row with its own parameters and random stream) as soon as the last of
+them arrives, then each token goes through `node.handle_token` exactly as it would unbatched. Every request still
+travels the ring as its own message, so nodes without this plugin (or upstream exo nodes) share the ring unchanged.
 
-Neither waits for requests that cannot come. A step waits only for requests that this node's steps handed back
-and that are still going (the Scheduler keeps them); a sampling batch waits only for requests a last-shard step
-has handed back that have not reached sampling yet (`to_sample`). Both forget a request the moment it ends."""
+Neither waits for requests that cannot come: a step waits only for requests of its own group that are still
+going, a sampling call only for the rows of its own step that have not reached sampling yet (`to_sample`). Both
+forget a request the moment it ends."""
 import asyncio
+import math
 import sys
+import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Set, Tuple, Union
 
@@ -20,28 +23,38 @@ from exo.helpers import DEBUG
 from exo.inference.sampling import make_generator
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import Batcher, BatchStats
+from exo.orchestration import statuses
 from exo.orchestration.batching.config import BatchingConfig
+from exo.orchestration.batching.micro_batches import StepCost
 from exo.orchestration.hookspecs import hookimpl
-from exo.orchestration.batching.scheduler import Scheduler
+from exo.orchestration.batching.scheduler import Row, Scheduler, Step
+from exo.orchestration.batching.step_loop import StepLoop
 
 PLUGIN_NAME = "exo-batching"
+STAGE_REPORT_S = 1.0  # how often a stage tells the others what its steps take
+STAGE_TIMING_FRESH_S = 10.0  # a stage's report older than this is not used
 
 SampleItem = Tuple[np.ndarray, str, Optional[dict]]  # logits, request id, inference state
+SampleKey = Tuple[Shard, int]  # the shard and the step whose rows are sampled together
 
 
 class BatchingPlugin:
   def __init__(self, node, config: BatchingConfig):
     self.node, self.config = node, config
-    self.sampler: Batcher[Shard, SampleItem, None] = Batcher(self._sample_group, config.batch_size, config.timeout_ms / 1000, self._nothing_else_coming)
-    self.schedulers: Dict[Shard, Scheduler] = {}
-    self.engine_lock = asyncio.Lock()
-    self.to_sample: Dict[Shard, Set[str]] = defaultdict(set)  # handed back by a last-shard step, not yet in sampling
+    self.sampler: Batcher[SampleKey, SampleItem, None] = Batcher(self._sample_group, config.batch_size, config.timeout_ms / 1000, self._nothing_else_coming)
+    self.steps = StepLoop(node.inference_engine, self._new_scheduler, node.requests.is_live, self._step_done)
+    self.to_sample: Dict[SampleKey, Set[str]] = defaultdict(set)  # rows of a last-shard step not yet in sampling
+    self.sampled_with: Dict[str, SampleKey] = {}  # request id -> the step it is sampled with
+    self.stage_costs: Dict[Tuple[str, str], Tuple[StepCost, float]] = {}  # (node id, model) -> its stage's step cost, when heard
+    self._reported: Dict[Shard, float] = {}  # when each of our stages last told the others its step cost
+    self._steps_done = 0
+    node.on_opaque_status.register(PLUGIN_NAME).on_next(self._heard_status)
 
   # --- hooks ---
 
   @hookimpl
-  def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state):
-    return self._infer(shard, tensor, request_id, inference_state)
+  def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state, accepted):
+    return self.steps.infer(shard, request_id, tensor, inference_state, accepted)
 
   @hookimpl
   def exo_process_inference_result(self, node, shard, result, request_id, inference_state):
@@ -56,12 +69,8 @@ class BatchingPlugin:
 
   @hookimpl
   def exo_request_ended(self, node, request_id):
-    for scheduler in self.schedulers.values():
-      scheduler.forget(request_id)
-    for shard, waiting in self.to_sample.items():
-      if request_id in waiting:
-        waiting.discard(request_id)
-        self.sampler.poke(shard)
+    self.steps.forget(request_id)
+    self._not_sampled(request_id)
 
   @hookimpl
   def exo_node_stopping(self, node):
@@ -75,28 +84,75 @@ class BatchingPlugin:
 
   # --- forward passes ---
 
-  def scheduler(self, shard: Shard) -> Scheduler:
-    if shard not in self.schedulers:
-      self.schedulers[shard] = Scheduler(self.node.inference_engine, shard, self.config.batch_size, self.config.timeout_ms / 1000,
-                                         self.config.prefill_chunk, self.engine_lock, self.node.requests.is_live,
-                                         lambda request_id: self._delivered(shard, request_id))
-    return self.schedulers[shard]
+  @property
+  def schedulers(self) -> Dict[Shard, Scheduler]:
+    return self.steps.schedulers
 
-  async def _infer(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
-    return await self.scheduler(shard).infer(request_id, tensor, inference_state)
+  def _new_scheduler(self, shard: Shard) -> Scheduler:
+    scheduler = Scheduler(shard, self.config.batch_size, self.config.timeout_ms / 1000, self.config.prefill_chunk)
+    scheduler.stages = self._stages()
+    return scheduler
 
-  def _delivered(self, shard: Shard, request_id: str) -> None:
-    if shard.is_last_layer():
-      self.to_sample[shard].add(request_id)
+  def _stages(self) -> int:
+    node = self.node
+    return len(node.partitions()) if node.partitioning_strategy else 1
+
+  def _step_done(self, scheduler: Scheduler, step: Step, done: List[Tuple[Row, object]]) -> None:
+    """After each step: its rows on the last layers are sampled together; the ring's size is kept current."""
+    self._steps_done += 1
+    scheduler.stages = self._stages()
+    self._report(scheduler)
+    if scheduler.shard.is_first_layer():
+      scheduler.other_stages = self._other_stages(scheduler)
+    if scheduler.shard.is_last_layer():
+      key = (scheduler.shard, self._steps_done)
+      for row, result in done:
+        if not isinstance(result, BaseException) and self.node.requests.is_live(row.request_id):
+          self.to_sample[key].add(row.request_id)
+          self.sampled_with[row.request_id] = key
+
+  # --- what the other stages take (for the number of micro-batches) ---
+
+  def _report(self, scheduler: Scheduler) -> None:
+    """Every STAGE_REPORT_S, tell the ring what this stage's decode steps take (a status old nodes ignore)."""
+    now, cost = time.monotonic(), scheduler.times.cost()
+    if cost is None or not self.node.peers or now - self._reported.get(scheduler.shard, -math.inf) < STAGE_REPORT_S:
+      return
+    self._reported[scheduler.shard] = now
+    status = statuses.stage_timing(self.node.id, scheduler.shard, cost.fixed_s, cost.per_row_s, scheduler.times.busy_fraction(now))
+    self.node.spawn(self.node.broadcast_opaque_status("", status))
+
+  def _heard_status(self, request_id: str, raw: str) -> None:
+    try:
+      kind, status = statuses.parse(raw)
+    except statuses.InvalidStatus:
+      return
+    if kind == statuses.STAGE_TIMING and status["node_id"] != self.node.id:
+      self.stage_costs[(status["node_id"], status["shard"]["model_id"])] = (StepCost(status["fixed_s"], status["per_row_s"]), time.monotonic())
+
+  def _other_stages(self, scheduler: Scheduler) -> List[StepCost]:
+    """The other stages' step costs, heard within STAGE_TIMING_FRESH_S; [] unless every one of them is known."""
+    now, model = time.monotonic(), scheduler.shard.model_id
+    heard = [self.stage_costs.get((node_id, model)) for node_id in self.node.ring_ids() if node_id != self.node.id]
+    if not heard or any(h is None or now - h[1] > STAGE_TIMING_FRESH_S for h in heard):
+      return []
+    return [cost for cost, _ in heard]
+
+  def _not_sampled(self, request_id: str) -> None:
+    """The request will not reach sampling (it ended or failed on the way): its step's other rows stop waiting."""
+    key = self.sampled_with.pop(request_id, None)
+    if key is not None and request_id in self.to_sample.get(key, ()):
+      self.to_sample[key].discard(request_id)
+      if not self.to_sample[key]:
+        del self.to_sample[key]
+      self.sampler.poke(key)
 
   async def _then_account(self, shard: Shard, request_id: str, handled):
     try:
       if handled is not None:
         await handled
     finally:
-      if request_id in self.to_sample[shard]:  # it failed before reaching sampling: stop waiting for it
-        self.to_sample[shard].discard(request_id)
-        self.sampler.poke(shard)
+      self._not_sampled(request_id)
 
   def step_stats(self) -> BatchStats:
     stats = BatchStats()
@@ -107,14 +163,19 @@ class BatchingPlugin:
   # --- sampling ---
 
   async def _sample(self, shard: Shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> None:
-    self.to_sample[shard].discard(request_id)
-    await self.sampler.submit(shard, (result, request_id, inference_state))
+    key = self.sampled_with.pop(request_id, (shard, 0))  # (step 0: not from a step of this node; gathered by timeout)
+    waiting = self.to_sample.get(key)
+    if waiting is not None:
+      waiting.discard(request_id)
+      if not waiting:
+        del self.to_sample[key]
+    await self.sampler.submit(key, (result, request_id, inference_state))
 
-  def _nothing_else_coming(self, shard: Shard, waiting: int) -> bool:
-    return not self.to_sample.get(shard)
+  def _nothing_else_coming(self, key: SampleKey, waiting: int) -> bool:
+    return key[1] != 0 and not self.to_sample.get(key)
 
-  async def _sample_group(self, shard: Shard, items: List[SampleItem]) -> List[Optional[BaseException]]:
-    node = self.node
+  async def _sample_group(self, key: SampleKey, items: List[SampleItem]) -> List[Optional[BaseException]]:
+    node, shard = self.node, key[0]
     # A request that ended while it waited (error, cancel, stop) must not be revived by its token.
     live = [item for item in items if node.requests.is_live(item[1])]
     tokens = dict(zip((item[1] for item in live), await self._sample_rows(shard, [item[0] for item in live], [item[1] for item in live])))
@@ -162,7 +223,7 @@ class BatchingPlugin:
 
   async def stop(self) -> None:
     """Steps under way finish; requests still waiting for a step or a sampling batch end with an error."""
-    await asyncio.gather(*[scheduler.stop() for scheduler in self.schedulers.values()])
+    await self.steps.stop()
     await self.sampler.stop()
     for _ in range(3):  # let the requests just failed reach their error handlers while the node still runs
       await asyncio.sleep(0)

@@ -1,157 +1,268 @@
-"""Continuous batching at one node, for one shard: iteration-level scheduling as in Orca (OSDI'22) and vLLM.
+"""Continuous batching at one node for one shard, as a policy: `schedule(now)` says what the next engine step runs,
+`update(step, results, now)` takes what it returned. Nothing here waits or touches the engine; the step loop
+(step_loop.py) drives it with the clock, tests with a fake one.
 
-Every engine step takes the requests that are ready for this shard, oldest first, up to the batch size: decode
-tokens, and chunks of new prompts up to `prefill_chunk` prompt tokens per step, or 2 per decode row when that is
-more (so a long prompt shares steps with running streams instead of freezing them). One `engine.infer_batch` call
-runs them all; each request then gets its own output and carries on exactly as unbatched. Requests join and leave
-between steps; each keeps its own KV cache in the engine.
+A step takes ready requests, oldest first, up to the batch size: decode tokens, and chunks of new prompts up to
+`prefill_chunk` prompt tokens per step, or 2 per decode row when that is more (so a long prompt shares steps with
+running streams instead of freezing them). Each request keeps its own KV cache in the engine and carries on exactly
+as unbatched; requests join and leave between steps.
 
-A step starts at once when the batch is full or no request is on its way back to this shard; a lone request never
-waits. Otherwise it waits for the requests a step of this shard handed back, which come back for their next token
-(see `_start_by`)."""
-import asyncio
-import time
-from collections import deque
+Micro-batches. The node with the first layers splits its requests into m groups (micro_batches.py says how many)
+that travel the ring one behind the other, so that every stage works while the others do. Each request there
+belongs to one group, balanced by rows; a group's step starts once all its live members are back, or once the late
+ones are overdue (ROUND_TRIP_SLACK typical round trips after they left), and never waits for another group.
+
+The other stages see each group arrive as a burst of messages, one per request, and gather it: a step waits while
+requests it handed back are still going, up to `timeout_s` after the latest arrival and GATHER_LIMIT timeouts
+after the first; the next group comes a whole step of the previous stage later, so groups stay apart. A lone
+request never waits: with nothing else going on this shard, a step starts at once."""
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from exo.inference.shard import Shard
-from exo.orchestration.batching.batcher import BatcherStopped, BatchStats
-from exo.orchestration.forward_started import FORWARD_STARTED, announce
-from exo.orchestration.requests import RequestEnded
+from exo.orchestration.batching.batcher import BatchStats
+from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_groups
 
-GATHER_LIMIT = 4  # a batch handed on may gather for up to this many timeouts, while its messages keep coming
-ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a request up to this many typical round trips
+GATHER_LIMIT = 4  # a burst whose messages keep arriving waits up to this many timeouts after its first
+ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a group's member up to this many typical round trips
 ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
 LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no running stream is here (bounds a step's attention memory)
 RUNNING_AFTER = 4  # decode steps after which a request's stream is running, and prompt chunks protect it
 PROMPT_TOKENS_PER_DECODE_ROW = 2  # beside D decode rows a step takes up to max(prefill_chunk, 2 D) prompt tokens
 
+Result = Union[Tuple[np.ndarray, Optional[dict]], BaseException]
+
+
+def input_length(tensor) -> int:
+  """Positions an input holds when it is a (1, L, ...) sequence that can be split; else 1."""
+  shape = np.shape(tensor)
+  return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
+
 
 @dataclass(eq=False)
-class Job:
-  """One request's pending forward pass. A prompt longer than a chunk runs in several steps."""
+class Row:
+  """One request's pending forward pass here. A prompt longer than a chunk runs in several steps."""
   request_id: str
   tensor: np.ndarray  # what is still to run: chunks are cut off its front
   state: Optional[dict]
-  future: asyncio.Future
-  since: float = field(default_factory=time.monotonic)  # ready since
+  since: float  # ready since
   outputs: List[np.ndarray] = field(default_factory=list)  # hidden states of earlier chunks, joined at the end
-  started: Optional[asyncio.Future] = field(default_factory=FORWARD_STARTED.get)  # announced with its first step
 
   @property
   def length(self) -> int:
-    """Positions this job still has to run, when its input is a (1, L, ...) sequence that can be split."""
-    shape = np.shape(self.tensor)
-    return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
+    return input_length(self.tensor)
+
+
+@dataclass(eq=False)
+class Step:
+  """What one engine call runs: each row with the positions it takes now."""
+  rows: List[Tuple[Row, int]]
+  group: int
+  started: float
+
+  def items(self) -> List[Tuple[str, np.ndarray, Optional[dict]]]:
+    return [(row.request_id, row.tensor if take == row.length else row.tensor[:, :take], row.state) for row, take in self.rows]
 
 
 class Scheduler:
-  def __init__(self, engine, shard: Shard, batch_size: int, timeout_s: float, prefill_chunk: int, engine_lock: asyncio.Lock,
-               is_live: Callable[[str], bool] = lambda request_id: False, delivered: Callable[[str], None] = lambda request_id: None):
-    self.engine, self.shard, self.batch_size, self.timeout_s, self.prefill_chunk = engine, shard, batch_size, timeout_s, prefill_chunk
-    self.engine_lock, self.is_live, self.delivered = engine_lock, is_live, delivered
-    self.ready: Dict[str, Job] = {}  # insertion order = readiness order
+  def __init__(self, shard: Shard, batch_size: int, timeout_s: float, prefill_chunk: int):
+    self.shard, self.batch_size, self.timeout_s, self.prefill_chunk = shard, batch_size, timeout_s, prefill_chunk
+    self.ready: Dict[str, Row] = {}  # insertion order = readiness order
     self.away: Dict[str, float] = {}  # handed back by a step and still going (sampled, or round the ring): since when
-    self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here, until forget()
+    self.group_of: Dict[str, int] = {}  # live requests here -> their group (on the first layers' node)
+    self.decodes: Dict[str, int] = {}  # single-position steps each live request has had here
     self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
+    self.times = StageTimes()
     self.stats = BatchStats()  # requests per engine step
-    self._due = asyncio.Event()  # set when the next step may start
-    self._due_timer: Optional[asyncio.TimerHandle] = None
-    self._loop_task: Optional[asyncio.Task] = None
-    self._idle_since = time.monotonic()
-    self._stopped = False
+    self.stages = 1  # stages of the ring (the plugin keeps it current)
+    self.other_stages: List[StepCost] = []  # the other stages' step costs, where known
+    self.groups = 1  # micro-batches the first layers' node keeps going
+    self._members: Counter = Counter()
 
-  async def infer(self, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Tuple[np.ndarray, Optional[dict]]:
-    if self._stopped:
-      raise BatcherStopped("batching has stopped on this node")
+  # --- what happens to requests ---
+
+  def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float) -> Row:
     if request_id in self.ready:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {self.shard}")
     left = self.away.pop(request_id, None)
     if left is not None:
-      self.round_trips.append(time.monotonic() - left)
-    future = asyncio.get_running_loop().create_future()
-    self.ready[request_id] = Job(request_id, tensor, state, future)
-    if self._loop_task is None:
-      self._loop_task = asyncio.get_running_loop().create_task(self._run())
-    self.poke()
-    return await future
+      self.round_trips.append(now - left)
+    row = self.ready[request_id] = Row(request_id, tensor, state, now)
+    return row
 
-  def forget(self, request_id: str) -> None:
-    """The request has ended on this node: it leaves the line (a prompt between two of its chunks too) and will not
-    come back."""
+  def drop(self, request_id: str) -> Optional[Row]:
+    """The request has ended here, or its caller has gone: it leaves (a prompt between two chunks too). Returns its
+    row if it was waiting."""
     self.decodes.pop(request_id, None)
-    job = self.ready.pop(request_id, None)
-    if job is not None and not job.future.done():
-      job.future.set_exception(RequestEnded(request_id))
-    if self.away.pop(request_id, None) is not None or job is not None:
-      self.poke()
+    self.away.pop(request_id, None)
+    self.group_of.pop(request_id, None)
+    return self.ready.pop(request_id, None)
 
-  def poke(self) -> None:
-    """Something changed (a request became ready or went away): look again when the next step can start.
+  # --- the policy ---
 
-    This only re-arms a timer: in a burst of arrivals (a batch handed on by the previous node comes as one message
-    per request) the loop task wakes once, when the step is due, not once per message."""
-    if self._due_timer is not None:
-      self._due_timer.cancel()
-      self._due_timer = None
-    if not self.ready and not self._stopped:
-      return
-    delay = self._start_by() - time.monotonic()
-    if delay <= 0:
-      self._due.set()
-    else:
-      self._due_timer = asyncio.get_running_loop().call_later(delay, self._due.set)
+  def schedule(self, now: float) -> Optional[Step]:
+    """The step to run now, or None (then `due(now)` says when to ask again)."""
+    first_layer = self.shard.is_first_layer()
+    if first_layer:
+      self._plan_groups()
+    rows = []
+    for _ in range(2):  # a second look if the due group handed all its rows over to a smaller one
+      if self.due(now) > now:
+        return None
+      key, candidates = self._due_group(now)
+      rows = self._pick(candidates)
+      if rows:
+        break
+    if not rows:
+      return None
+    if first_layer:
+      for row, _ in rows:
+        self.group_of[row.request_id] = key
+    return Step(rows, key, now)
 
-  def _start_by(self) -> float:
-    """When the next step starts at the latest (monotonic time).
+  def due(self, now: float) -> float:
+    """When the next step can start at the earliest, if nothing changes (math.inf: no work)."""
+    return min((self._due_at(key, rows, now) for key, rows in self._by_group().items()), default=math.inf)
 
-    At once if the batch is full or no request is away. Otherwise ready work waits for the requests that are away,
-    up to `timeout_s` after the engine fell idle or the latest request became ready, and at most GATHER_LIMIT
-    timeouts after the first: a batch handed on by the previous node arrives one message per request (prompts' big
-    messages several ms apart), and gathers here while its messages keep coming. When only new tokens are ready,
-    the node of the first layers, where every request's next token starts, also waits for each away request up to
-    ROUND_TRIP_SLACK typical round trips from when it left: the requests then travel the ring as one batch instead
-    of splitting into groups, each of which would pay for reading all the weights. (A prompt chunk is work enough
-    for a step of its own.) A request away longer than that is late and holds nobody up."""
-    now = time.monotonic()
-    if self._stopped or len(self.ready) >= self.batch_size or not self.away:
+  def update(self, step: Step, results: List[Result], now: float) -> List[Tuple[Row, Result]]:
+    """Take a step's results. Returns the rows whose whole input has now run (or failed), each with its result;
+    a prompt with chunks still to go stays ready."""
+    decode_only = all(take == 1 for _, take in step.rows)
+    self.times.record(step.started, now, len(step.rows), decode_only)
+    self.stats.record(len(step.rows))
+    done = []
+    for (row, take), result in zip(step.rows, results):
+      if self.ready.get(row.request_id) is not row:
+        continue  # it ended while the step ran
+      if isinstance(result, BaseException):
+        self.drop(row.request_id)
+        done.append((row, result))
+        continue
+      if take == 1 and row.length == 1:
+        self.decodes[row.request_id] = self.decodes.get(row.request_id, 0) + 1
+      output, row.state = result
+      if take < row.length:  # a prompt chunk: nothing is sampled or forwarded until the last one
+        if not self.shard.is_last_layer():
+          row.outputs.append(output)
+        row.tensor = row.tensor[:, take:]
+        continue
+      if row.outputs:
+        output = np.concatenate(row.outputs + [output], axis=1)
+      del self.ready[row.request_id]
+      self.away[row.request_id] = now
+      done.append((row, (output, row.state)))
+    return done
+
+  def typical_round_trip(self) -> Optional[float]:
+    return sorted(self.round_trips)[len(self.round_trips) // 2] if self.round_trips else None
+
+  def hop_estimate(self) -> Optional[float]:
+    """Seconds a group spends between stages per round beyond their steps (first layers' node only): the shortest
+    recent round trip less the other stages' steps for a group of this size."""
+    if not self.round_trips or not self.shard.is_first_layer():
+      return None
+    own = self.times.cost()
+    others = self.other_stages or ([own] * (self.stages - 1) if own else None)
+    if others is None:
+      return None
+    per_group = max(1, math.ceil(self._live() / max(1, self.groups)))
+    return max(0.0, min(self.round_trips) - sum(cost(per_group) for cost in others))
+
+  # --- inside ---
+
+  def _by_group(self) -> Dict[Optional[int], List[Row]]:
+    """The ready rows by group (None: newcomers, and every row off the first layers' node); also counts each
+    group's live members."""
+    self._members = Counter(self.group_of.values())
+    groups: Dict[Optional[int], List[Row]] = {}
+    for row in self.ready.values():
+      groups.setdefault(self.group_of.get(row.request_id), []).append(row)
+    return groups
+
+  def _missing(self, key: Optional[int]) -> List[str]:
+    """The live members of a group that are not here yet."""
+    return [] if key is None else [r for r, c in self.group_of.items() if c == key and r not in self.ready]
+
+  def _due_at(self, key: Optional[int], rows: List[Row], now: float) -> float:
+    """When the ready rows of one group (None: newcomers, and every row off the first layers' node) may start their step."""
+    grouped = key is not None and self.shard.is_first_layer()
+    if len(rows) >= self.batch_size or (self._members[key] == len(rows) if grouped else not self.away):
       return now
-    first = max(next(iter(self.ready.values())).since, self._idle_since)
-    latest = max(next(reversed(self.ready.values())).since, self._idle_since)
+    missing = self._missing(key) if grouped else list(self.away)
+    first, latest = min(row.since for row in rows), max(row.since for row in rows)
     start_by = min(latest + self.timeout_s, first + GATHER_LIMIT * self.timeout_s)
-    if self.shard.is_first_layer() and self.round_trips and all(job.length == 1 for job in self.ready.values()):
-      typical = sorted(self.round_trips)[len(self.round_trips) // 2]
-      start_by = max(start_by, max(self.away.values()) + ROUND_TRIP_SLACK * typical)
+    typical = self.typical_round_trip()
+    if grouped and typical is not None and all(row.length == 1 for row in rows):
+      # The group goes round together: waiting for a late member costs less than splitting the group.
+      start_by = max(start_by, max(self.away.get(r, now) for r in missing) + ROUND_TRIP_SLACK * typical)
     return start_by
 
-  async def _run(self) -> None:
-    while not self._stopped:
-      try:
-        await self._next_step()
-      except Exception as e:  # a bug here must not leave every waiting request hanging: they end with it
-        for job in self.ready.values():
-          if not job.future.done():
-            job.future.set_exception(e)
-        self.ready.clear()
-    for job in self.ready.values():
-      if not job.future.done():
-        job.future.set_exception(BatcherStopped("node stopping"))
-    self.ready.clear()
+  def _due_group(self, now: float) -> Tuple[Optional[int], List[Row]]:
+    """The group whose step is due and the rows the step may take, in readiness order.
 
-  async def _next_step(self) -> None:
-    await self._due.wait()
-    self._due.clear()
-    for request_id in [r for r, job in self.ready.items() if job.future.done()]:
-      del self.ready[request_id]  # its caller has gone
-    if self.ready and not self._stopped and self._start_by() <= time.monotonic():
-      await self._step(self._pick())
-    self.poke()
+    On the first layers' node: the due group that has waited longest, with newcomers while it has room (newcomers
+    alone fill the smallest group). Elsewhere: every ready row."""
+    if not self.shard.is_first_layer():
+      return None, list(self.ready.values())
+    by_group = self._by_group()
+    due = {key: rows for key, rows in by_group.items() if self._due_at(key, rows, now) <= now}
+    key = min(due, key=lambda k: min(row.since for row in due[k]))
+    rows = due[key] if key is not None else []
+    if key is None or key >= self.groups:
+      key = self._smallest_group()
+      rows += by_group.get(key, []) if key in due else []
+    else:
+      moving = self._rebalance(key, rows)
+      rows = [row for row in rows if row not in moving]
+    room = math.ceil(self._live() / max(1, self.groups)) - self._group_sizes().get(key, 0)
+    newcomers = [row for row in by_group.get(None, []) if row not in rows][:max(1 if not rows else 0, room)]
+    take = set(map(id, rows + newcomers))
+    return key, [row for row in self.ready.values() if id(row) in take]
 
-  def _pick(self) -> List[Tuple[Job, int]]:
-    """(job, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget.
+  def _live(self) -> int:
+    return len(set(self.group_of) | set(self.ready))
+
+  def _group_sizes(self) -> Dict[int, int]:
+    sizes = {g: 0 for g in range(self.groups)}
+    for c in self.group_of.values():
+      if c in sizes:
+        sizes[c] += 1
+    return sizes
+
+  def _smallest_group(self) -> int:
+    sizes = self._group_sizes()
+    return min(sizes, key=lambda g: (sizes[g], g))
+
+  def _rebalance(self, key: int, rows: List[Row]) -> List[Row]:
+    """A group that has grown two or more members larger than the smallest (requests left the others) hands its
+    newest ready members over, half the difference; they go with their new group from now on."""
+    moving = []
+    for row in reversed(rows):
+      sizes = self._group_sizes()
+      smallest = self._smallest_group()
+      if sizes[key] - sizes[smallest] < 2:
+        break
+      self.group_of[row.request_id] = smallest
+      moving.append(row)
+    return moving
+
+  def _plan_groups(self) -> None:
+    """m for the live requests, from the measured step costs and hops; before there is a fit, one group per stage."""
+    live = self._live()
+    own = self.times.cost()
+    hops = self.hop_estimate()
+    if own is None or hops is None:
+      self.groups = max(1, min(self.stages, live))
+      return
+    others = self.other_stages or [own] * (self.stages - 1)
+    self.groups = best_groups(max(1, live), [own, *others], hops)
+
+  def _pick(self, candidates: List[Row]) -> List[Tuple[Row, int]]:
+    """(row, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget.
 
     Chunks protect running streams, those past RUNNING_AFTER tokens here. With none here (a lone prompt, or a burst of
     requests that arrived together) prompts run in chunks of up to LONE_PROMPT_CHUNK tokens: a burst then starts
@@ -159,87 +270,20 @@ class Scheduler:
     running = any(self.decodes.get(request_id, 0) >= RUNNING_AFTER for request_id in [*self.ready, *self.away])
     if running and self.prefill_chunk:
       # A chunk stalls the step's streams by its share of the step: with many decode rows the step is long anyway,
-      # and a chunk that grows with them stalls them no more than prefill_chunk stalls a few, while the prompts
-      # of a burst of requests start instead of waiting behind 24-token chunks for tens of seconds.
-      decode_rows = min(self.batch_size, sum(1 for job in self.ready.values() if job.length == 1))
+      # and a chunk that grows with them stalls them no more than prefill_chunk stalls a few.
+      decode_rows = min(self.batch_size, sum(1 for row in candidates if row.length == 1))
       budget = max(self.prefill_chunk, PROMPT_TOKENS_PER_DECODE_ROW * decode_rows)
     else:
-      budget = (self.prefill_chunk if running else max(self.prefill_chunk, LONE_PROMPT_CHUNK)) or float("inf")
+      budget = (self.prefill_chunk if running else max(self.prefill_chunk, LONE_PROMPT_CHUNK)) or math.inf
     rows = []
-    for job in self.ready.values():
+    for row in candidates:
       if len(rows) >= self.batch_size:
         break
-      take = job.length
+      take = row.length
       if take > 1:
         if budget <= 0:
           continue
         take = int(min(take, budget))
         budget -= take
-      rows.append((job, take))
+      rows.append((row, take))
     return rows
-
-  async def _step(self, rows: List[Tuple[Job, int]]) -> None:
-    # A prompt part-way through its chunks keeps its place in line; everything else leaves the line now.
-    for job, take in rows:
-      if take == job.length:
-        del self.ready[job.request_id]
-      if job.length == 1:
-        self.decodes[job.request_id] = self.decodes.get(job.request_id, 0) + 1
-    items = [(job.request_id, job.tensor if take == job.length else job.tensor[:, :take], job.state) for job, take in rows]
-    self.stats.record(len(items))
-    try:
-      async with self.engine_lock:  # one step at a time on this engine, whatever the shard
-        live = [i for i, (job, _) in enumerate(rows) if not job.future.done()]  # a request may have ended meanwhile
-        rows, items = [rows[i] for i in live], [items[i] for i in live]
-        for job, _ in rows:
-          announce(job.started)  # its reply goes out when this task yields: for our engines, once their thread has the step
-        results = list(await self.engine.infer_batch(self.shard, items)) if items else []
-      if len(results) != len(items):
-        raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
-    except asyncio.CancelledError:  # only when the event loop itself is torn down
-      for job, _ in rows:
-        self.ready.pop(job.request_id, None)
-        job.future.cancel()
-      raise
-    except Exception as e:  # the whole step failed: each of its requests learns why
-      results = [e] * len(items)
-    self._idle_since = time.monotonic()
-    for (job, take), result in zip(rows, results):
-      try:
-        if isinstance(result, BaseException):
-          raise result
-        self._deliver(job, take, result)
-      except Exception as e:  # this request ends with its error; the others carry on
-        self.ready.pop(job.request_id, None)
-        if not job.future.done():
-          job.future.set_exception(e)
-
-  def _deliver(self, job: Job, take: int, result: Tuple[np.ndarray, Optional[dict]]) -> None:
-    if job.future.done():  # its caller has gone
-      self.ready.pop(job.request_id, None)
-      return
-    output, job.state = result
-    if take < job.length:  # a prompt chunk: nothing is sampled or forwarded until the last one
-      if not self.shard.is_last_layer():
-        job.outputs.append(output)
-      job.tensor = job.tensor[:, take:]
-      return
-    if job.outputs:
-      output = np.concatenate(job.outputs + [output], axis=1)
-    job.future.set_result((output, job.state))
-    if self.is_live(job.request_id):
-      self.away[job.request_id] = self._idle_since
-      self.delivered(job.request_id)
-    else:
-      self.decodes.pop(job.request_id, None)
-
-  async def stop(self) -> None:
-    """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
-    self._stopped = True
-    self.poke()
-    if self._loop_task is not None:
-      await asyncio.gather(self._loop_task, return_exceptions=True)
-    for job in self.ready.values():
-      if not job.future.done():
-        job.future.set_exception(BatcherStopped("node stopping"))
-    self.ready.clear()

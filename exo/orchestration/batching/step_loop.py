@@ -1,0 +1,153 @@
+"""The step loop: one per engine. It asks each shard's Scheduler for the next step, runs it on the engine (one step
+at a time, whatever the shard), hands the results back to the Scheduler and to the requests waiting for them.
+
+Callers wait in `infer`. A request that ends leaves at once (`forget`), its waiter failing with RequestEnded; rows
+whose request ended while their step was queued are dropped just before the engine call. A message's acceptance
+(the gRPC server replies to it then) is given when its first step starts."""
+import asyncio
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from exo.inference.shard import Shard
+from exo.orchestration.acceptance import accept
+from exo.orchestration.batching.batcher import BatcherStopped
+from exo.orchestration.batching.scheduler import Row, Scheduler, Step
+from exo.orchestration.requests import RequestEnded
+
+IDLE_LOOK_S = 1.0  # with no work due, the loop looks again at least this often
+
+
+class StepLoop:
+  def __init__(self, engine, new_scheduler: Callable[[Shard], Scheduler], is_live: Callable[[str], bool] = lambda request_id: True,
+               on_step: Callable[[Scheduler, Step, List[Tuple[Row, object]]], None] = lambda scheduler, step, done: None,
+               clock: Callable[[], float] = time.monotonic):
+    self.engine, self.new_scheduler, self.is_live, self.on_step, self.clock = engine, new_scheduler, is_live, on_step, clock
+    self.schedulers: Dict[Shard, Scheduler] = {}
+    self._waiters: Dict[str, Tuple[asyncio.Future, Optional[asyncio.Future]]] = {}  # request id -> (result, acceptance)
+    self._wake = asyncio.Event()
+    self._task: Optional[asyncio.Task] = None
+    self._stopped = False
+
+  def scheduler(self, shard: Shard) -> Scheduler:
+    if shard not in self.schedulers:
+      self.schedulers[shard] = self.new_scheduler(shard)
+    return self.schedulers[shard]
+
+  async def infer(self, shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict],
+                  accepted: Optional[asyncio.Future] = None) -> Tuple[np.ndarray, Optional[dict]]:
+    if self._stopped:
+      raise BatcherStopped("batching has stopped on this node")
+    if request_id in self._waiters:
+      raise RuntimeError(f"request {request_id} is already waiting for a step on {shard}")
+    scheduler = self.scheduler(shard)
+    scheduler.add(request_id, tensor, state, self.clock())
+    future = asyncio.get_running_loop().create_future()
+    self._waiters[request_id] = (future, accepted)
+    if self._task is None:
+      self._task = asyncio.get_running_loop().create_task(self._run())
+    self._wake.set()
+    try:
+      return await future
+    finally:
+      if self._waiters.get(request_id, (None,))[0] is future:
+        del self._waiters[request_id]
+        scheduler.drop(request_id)  # its caller has gone
+        self._wake.set()
+
+  def forget(self, request_id: str) -> None:
+    """The request has ended on this node: it leaves every line and will not come back."""
+    for scheduler in self.schedulers.values():
+      scheduler.drop(request_id)
+    self._fail(request_id, RequestEnded(request_id))
+    self._wake.set()
+
+  def _fail(self, request_id: str, error: BaseException) -> None:
+    future, _ = self._waiters.pop(request_id, (None, None))
+    if future is not None and not future.done():
+      future.set_exception(error)
+
+  async def _run(self) -> None:
+    while not self._stopped:
+      try:
+        await self._next()
+      except Exception as e:  # a bug here must not leave every waiting request hanging: they end with it
+        for scheduler in self.schedulers.values():
+          for request_id in list(scheduler.ready):
+            scheduler.drop(request_id)
+            self._fail(request_id, e)
+
+  async def _next(self) -> None:
+    now = self.clock()
+    for shard, scheduler in sorted(self.schedulers.items(), key=lambda item: item[1].due(now)):
+      step = scheduler.schedule(now)
+      if step is not None:
+        await self._step(scheduler, step)
+        return
+    due = min((s.due(now) for s in self.schedulers.values()), default=float("inf"))
+    self._wake.clear()
+    wait = IDLE_LOOK_S if due == float("inf") else min(IDLE_LOOK_S, max(due - now, 0.0005))
+    try:
+      await asyncio.wait_for(self._wake.wait(), wait)
+    except asyncio.TimeoutError:
+      pass
+
+  async def _step(self, scheduler: Scheduler, step: Step) -> None:
+    for row, _ in list(step.rows):  # a request may have ended while its step was queued
+      if not self.is_live(row.request_id) or row.request_id not in self._waiters:
+        scheduler.drop(row.request_id)
+        self._fail(row.request_id, RequestEnded(row.request_id))
+    step.rows = [(row, take) for row, take in step.rows if scheduler.ready.get(row.request_id) is row]
+    if not step.rows:
+      return
+    for row, _ in step.rows:
+      accept(self._waiters[row.request_id][1])  # its reply goes out when this task yields: once the engine has the step
+    items = step.items()
+    try:
+      results = list(await self.engine.infer_batch(scheduler.shard, items))
+      if len(results) != len(items):
+        raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
+      results = [_checked(r) for r in results]
+    except asyncio.CancelledError:  # only when the event loop itself is torn down
+      for row, _ in step.rows:
+        self._fail(row.request_id, RequestEnded(row.request_id))
+      raise
+    except Exception as e:  # the whole step failed: each of its requests learns why
+      results = [e] * len(items)
+    done = scheduler.update(step, results, self.clock())
+    for row, result in done:
+      future, _ = self._waiters.pop(row.request_id, (None, None))
+      if future is None or future.done():
+        continue
+      if isinstance(result, BaseException):
+        future.set_exception(result)
+      else:
+        future.set_result(result)
+    for row, _ in done:
+      if not self.is_live(row.request_id):
+        scheduler.drop(row.request_id)
+    self.on_step(scheduler, step, done)
+
+  async def stop(self) -> None:
+    """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
+    self._stopped = True
+    self._wake.set()
+    if self._task is not None:
+      await asyncio.gather(self._task, return_exceptions=True)
+    for scheduler in self.schedulers.values():
+      for request_id in list(scheduler.ready):
+        scheduler.drop(request_id)
+    for request_id in list(self._waiters):
+      self._fail(request_id, BatcherStopped("node stopping"))
+
+
+def _checked(result):
+  """An engine's (output, state) pair; anything else fails its own row, not the step."""
+  if isinstance(result, BaseException):
+    return result
+  try:
+    output, state = result
+  except (TypeError, ValueError) as e:
+    return ValueError(f"the engine returned a malformed result: {e}")
+  return output, state
