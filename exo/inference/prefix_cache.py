@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-BLOCK = 16  # tokens per block: a hit reuses whole blocks
+BLOCK = 8  # tokens per block: a hit reuses whole blocks, so the next turn of a chat recomputes at most BLOCK - 1 of its own
 DEFAULT_BUDGET_BYTES = 1 << 30
 MAX_ENTRIES = 64  # caches kept beyond live requests' (each holds a slot of the engine's pool)
 KEY_CHARS = 24  # a key in hex (96 bits)
