@@ -6,6 +6,7 @@ that never announced the ability, as an upstream node, and answers filed on both
 import argparse
 import asyncio
 import contextlib
+import json
 from typing import List
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from exo.inference import llama_engine
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-from exo.inference.prefix_cache import BLOCK, MAX_ENTRIES, PrefixStore, block_keys, checked_prefix
+from exo.inference.prefix_cache import BLOCK, MAX_ENTRIES, MAX_KEYS, PrefixStore, block_keys, checked_prefix
 from exo.inference.sampling import SamplingParams
 from exo.main import prefix_cache_budget
 from exo.networking.discovery import NoDiscovery
@@ -22,6 +23,7 @@ from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
 from exo.networking.grpc.grpc_server import GRPCServer
 from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.orchestration import node as node_module
+from exo.orchestration import statuses
 from exo.orchestration.batching import scheduler as scheduler_module
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
@@ -114,6 +116,14 @@ def test_a_finished_request_extends_its_entry_and_a_taken_over_cache_keeps_only_
 def test_a_peers_unusable_prefix_is_refused(bad):
   with pytest.raises(ValueError, match="prefix"):
     checked_prefix(bad)
+
+
+@pytest.mark.parametrize("bad", [{"keys": ["0" * 24]}, {"request_id": "r", "keys": "0" * 24}, {"request_id": "r", "keys": ["x"]},
+                                 {"request_id": "r", "keys": ["0" * 24] * (MAX_KEYS + 1)}, {"request_id": "", "keys": ["0" * 24]}])
+def test_a_peers_unusable_answer_blocks_are_refused(bad):
+  assert statuses.parse(statuses.prefix_extend("r", ["0" * 24]))[1]["keys"] == ["0" * 24]
+  with pytest.raises(statuses.InvalidStatus):
+    statuses.parse(json.dumps({"type": statuses.PREFIX_EXTEND, **bad}))
 
 
 def test_settings_on_by_default_a_budget_and_an_off_switch():
