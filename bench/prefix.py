@@ -5,9 +5,10 @@
 
 Two cases, each run with the prefix cache off (EXO_PREFIX_CACHE=0) and on, taking turns going first:
 - chat: one eight-turn conversation, as tinychat holds it: each turn sends the whole conversation so far (about
-  150 new prompt tokens a turn, the model's streamed answers of 16 tokens included). Reported: TTFT at each turn
-  and turn 8 / turn 1 (target: <= 1.5x with the cache, on one node and on the ring). With `llama-server` on PATH
-  it runs beside, on the same GGUF, as the reference a user would compare with.
+  150 new prompt tokens a turn, the model's streamed answers of 16 tokens included). Reported: TTFT at each turn,
+  the prompt positions each turn took from the cache (GET /v1/state), and turn 8 / turn 1 (target: <= 1.5x with
+  the cache, on one node and on the ring). With `llama-server` on PATH it runs beside, on the same GGUF, as the
+  reference a user would compare with.
 - shared: 16 users whose conversations share one 600-token system prompt, sent at once (N=16), after one
   earlier user's request with that system prompt. Reported: TTFT p50 of the 16 (target: cache on <= 1/3 of off).
 Greedy answers must be the same with the cache on and off; the script checks them. Batching is on (16 requests per
@@ -47,17 +48,30 @@ async def ask(session: aiohttp.ClientSession, url: str, messages: List[dict], mo
   return {"ttft": result["times"][0] - result["sent"], "text": result["text"]}
 
 
+async def reused_positions(session: aiohttp.ClientSession, url: str) -> Optional[int]:
+  """Prompt positions the API's node has taken from its prefix cache so far (None: not an exo node, or cache off)."""
+  try:
+    async with session.get(url.replace("/v1/chat/completions", "/v1/state")) as r:
+      return (await r.json())["prefix_cache"].get("reused_positions") if r.status == 200 else None
+  except (aiohttp.ClientError, ValueError, KeyError):
+    return None
+
+
 async def chat_case(url: str, salt: int, model: str = MODEL) -> dict:
   """One eight-turn conversation; each turn's answer goes into the next turn's prompt."""
-  messages, ttfts, answers = [], [], []
+  messages, ttfts, answers, reused = [], [], [], []
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    before = await reused_positions(session, url)
     for turn in range(TURNS):
       messages.append({"role": "user", "content": f"Turn {turn + 1}. Read these words and say what they bring to mind: {text(TURN_WORDS, salt + turn)}"})
       reply = await ask(session, url, messages, model)
       ttfts.append(reply["ttft"])
       answers.append(reply["text"])
       messages.append({"role": "assistant", "content": reply["text"]})
-  return {"ttft": ttfts, "answers": answers, "turn8_over_turn1": ttfts[-1] / ttfts[0]}
+      after = await reused_positions(session, url)
+      reused.append(None if after is None else after - before)
+      before = after
+  return {"ttft": ttfts, "answers": answers, "reused": reused, "turn8_over_turn1": ttfts[-1] / ttfts[0]}
 
 
 async def shared_case(url: str, salt: int) -> dict:
@@ -148,6 +162,8 @@ async def main() -> None:
           parts = [f"{nodes} node(s) cache {'on ' if cache else 'off'} repeat {repeat}"]
           if "chat" in row:
             parts.append("chat TTFT " + " ".join(f"{t:.2f}" for t in row["chat"]["ttft"]) + f" s (turn 8 / 1 = {row['chat']['turn8_over_turn1']:.2f}x)")
+            if cache:
+              parts.append("positions reused by turn " + " ".join(str(n) for n in row["chat"]["reused"]))
           if "shared" in row:
             parts.append(f"shared prompt N={USERS} TTFT p50 {row['shared']['ttft_p50']:.2f} s")
           print("  " + "; ".join(parts), flush=True)

@@ -1,10 +1,12 @@
 """Prompt prefix reuse: the store's bookkeeping, then the real SmolLM2 on the numpy engine, where greedy answers with
 the cache equal those without it, token for token: one node unbatched and batched (prompts in chunks), a shared
-prefix that ends mid-block, a tiny budget beside a live request, and a 2-node ring over real gRPC in this process
-(including a node that lacks the prefix, and a node that never announced the ability, as an upstream node)."""
+prefix that ends mid-block, a tiny budget beside a live request, a finished answer filed for the next turn (and a
+cancelled one not), and a 2-node ring over real gRPC in this process (including a node that lacks the prefix, a node
+that never announced the ability, as an upstream node, and answers filed on both nodes)."""
 import argparse
 import asyncio
 import contextlib
+import json
 from typing import List
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 
 from exo.inference import llama_engine
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-from exo.inference.prefix_cache import BLOCK, MAX_ENTRIES, PrefixStore, block_keys, checked_prefix
+from exo.inference.prefix_cache import BLOCK, MAX_ENTRIES, MAX_KEYS, PrefixStore, block_keys, checked_prefix
 from exo.inference.sampling import SamplingParams
 from exo.main import prefix_cache_budget
 from exo.networking.discovery import NoDiscovery
@@ -21,6 +23,7 @@ from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
 from exo.networking.grpc.grpc_server import GRPCServer
 from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.orchestration import node as node_module
+from exo.orchestration import statuses
 from exo.orchestration.batching import scheduler as scheduler_module
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
@@ -40,8 +43,8 @@ ANSWER_TOKENS = 8
 # --- the store ---
 
 class FakeCache:
-  def __init__(self, nbytes: int):
-    self.nbytes = nbytes
+  def __init__(self, nbytes: int, length: int = 0):
+    self.nbytes, self.length = nbytes, length
 
 
 def store_of(budget: int, live: List[FakeCache]) -> PrefixStore:
@@ -90,12 +93,37 @@ def test_eviction_follows_use_and_never_touches_a_live_cache():
   assert len(many.entries) == MAX_ENTRIES
 
 
+def test_a_finished_request_extends_its_entry_and_a_taken_over_cache_keeps_only_the_shared_blocks():
+  store, keys = store_of(1 << 20, []), [f"{i:024x}" for i in range(6)]
+  cache = FakeCache(10, length=4 * BLOCK + 3)
+  store.add(cache, keys[:2], "r1")
+  store.extend("r1", keys[1:5], lambda c: c.length)  # not its prompt's blocks first: ignored
+  store.extend("r2", keys[:5], lambda c: c.length)  # no entry of that request
+  assert store.longest(keys, 10 * BLOCK)[1] == 2 * BLOCK
+  store.extend("r1", keys, lambda c: c.length)  # its answer: as far as the cache holds whole blocks
+  entry, positions = store.longest(keys, 10 * BLOCK)
+  assert entry.cache is cache and positions == 4 * BLOCK and len(store.entries) == 1
+  store.take_over(entry, 3 * BLOCK, "r3")  # r3 writes from position 48 on
+  assert store.longest(keys, 10 * BLOCK) == (entry, 3 * BLOCK) and keys[3] not in store.by_key
+  store.add(cache, keys[:3], "r3")  # r3's prompt is all held already, in the cache it took over: the entry is r3's
+  store.extend("r3", keys[:5], lambda c: 5 * BLOCK)
+  assert store.longest(keys, 10 * BLOCK)[1] == 5 * BLOCK and list(store.by_request) == ["r3"]
+
+
 @pytest.mark.parametrize("bad", [None, [], {"keys": []}, {"keys": ["x"], "reuse": 0}, {"keys": ["0" * 24], "reuse": BLOCK + 1},
                                  {"keys": ["0" * 24], "reuse": 2 * BLOCK}, {"keys": ["0" * 24], "reuse": True},
                                  {"keys": ["0" * 24], "reuse": 0, "more": 1}])
 def test_a_peers_unusable_prefix_is_refused(bad):
   with pytest.raises(ValueError, match="prefix"):
     checked_prefix(bad)
+
+
+@pytest.mark.parametrize("bad", [{"keys": ["0" * 24]}, {"request_id": "r", "keys": "0" * 24}, {"request_id": "r", "keys": ["x"]},
+                                 {"request_id": "r", "keys": ["0" * 24] * (MAX_KEYS + 1)}, {"request_id": "", "keys": ["0" * 24]}])
+def test_a_peers_unusable_answer_blocks_are_refused(bad):
+  assert statuses.parse(statuses.prefix_extend("r", ["0" * 24]))[1]["keys"] == ["0" * 24]
+  with pytest.raises(statuses.InvalidStatus):
+    statuses.parse(json.dumps({"type": statuses.PREFIX_EXTEND, **bad}))
 
 
 def test_settings_on_by_default_a_budget_and_an_off_switch():
@@ -236,6 +264,55 @@ async def test_a_tiny_budget_evicts_ended_prompts_and_never_a_live_requests_cach
     await node.stop()
 
 
+def template(engine, messages) -> str:
+  return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+async def two_turns(engine, node: Node, first_answer_tokens: int) -> tuple:
+  """A chat's first turn, answered by the model, and the second turn's prompt, which holds that answer."""
+  messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Describe a walk along a river at dawn."}]
+  first = template(engine, messages)
+  first_answer = await answer(node, first, first_answer_tokens, ignore_eos=True)
+  messages += [{"role": "assistant", "content": engine.tokenizer.decode(first_answer)}, {"role": "user", "content": QUESTIONS[1]}]
+  return first, first_answer, template(engine, messages)
+
+
+@pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])
+async def test_a_finished_answer_is_filed_and_the_next_turn_reuses_it(engine, batching):
+  node = await one_node(engine, batching)
+  try:
+    first, first_answer, second = await two_turns(engine, node, 2 * BLOCK + 1)  # 2 * BLOCK of it fed back
+    prompt_tokens, second_ids = len(engine.tokenizer.encode(first)), engine.tokenizer.encode(second)
+    assert second_ids[:prompt_tokens + 2 * BLOCK] == engine.tokenizer.encode(first) + first_answer[:2 * BLOCK]  # re-rendered alike
+    with prefixes_off(engine):
+      reference = await answer(node, second)
+    reused = engine.prefixes.reused_positions
+    assert await answer(node, second) == reference
+    # Every whole block the first turn's cache held, its answer's included: past the first prompt.
+    assert engine.prefixes.reused_positions - reused == (prompt_tokens + 2 * BLOCK) // BLOCK * BLOCK > prompt_tokens
+  finally:
+    await node.stop()
+
+
+async def test_a_cancelled_answer_files_nothing_past_its_prompt(engine):
+  node = await one_node(engine, batching=False)
+  try:
+    prompt = template(engine, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Describe a walk along a river at dawn."}])
+    prompt_tokens, got = len(engine.tokenizer.encode(prompt)), []
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    async with contextlib.aclosing(generate(node, smollm2_shard(), prompt, params, timeout=120)) as tokens:
+      async for new, _ in tokens:
+        got += new
+        if len(got) > 2 * BLOCK:
+          break  # the client leaves: the request is cancelled
+    await eventually(lambda: not node.requests and not engine.caches and not node._tasks, 10)
+    await engine._run(lambda: None)  # anything queued on the engine's thread has run
+    (entry,) = engine.prefixes.entries.values()
+    assert len(entry.keys) == prompt_tokens // BLOCK and entry.cache.length > prompt_tokens + 2 * BLOCK
+  finally:
+    await node.stop()
+
+
 # --- SmolLM2 over a 2-node ring, real gRPC in this process ---
 
 async def start_ring_node(node_id: str, port: int, config, downloader) -> Node:
@@ -287,5 +364,30 @@ async def test_a_ring_reuses_prefixes_on_every_node_and_without_the_ability_stay
     assert first.inference_engine.prefixes.hits == 2 and second.inference_engine.prefixes.hits == 1
     for node in nodes:
       await eventually(lambda: node.state()["kv_bytes"] == 0 and not node.state()["requests"], 10)
+  finally:
+    await asyncio.gather(*[n.stop() for n in nodes])
+
+
+async def test_a_ring_files_each_answer_on_every_node(tmp_path, downloader, engine, monkeypatch):
+  monkeypatch.setattr(llama_engine, "load_shard_weights", cached_weights)
+  ports = {"answer-a": free_port(), "answer-b": free_port()}
+  config = write_manual_config(tmp_path / "peers.json", ports)
+  nodes = [await start_ring_node(node_id, port, config, downloader) for node_id, port in ports.items()]
+  try:
+    await wait_for_ring(ports, 30)
+    await eventually(lambda: all(len(n.partitions()) == 2 for n in nodes), 30)
+    first, second = sorted(nodes, key=lambda n: n.get_partition_index())
+    await eventually(lambda: first.peer_prefix_blocks.get(second.id) == BLOCK, 10)
+    engines = [first.inference_engine, second.inference_engine]
+    prompt, _, next_prompt = await two_turns(engine, first, 2 * BLOCK + 1)
+    await eventually(lambda: not first._filings, 10)  # the answer's blocks are on their way into both stores
+    with prefixes_off(*engines):
+      reference = await answer(first, next_prompt)
+    await second.announce_prefix_cache()  # it may have announced its cache off meanwhile
+    await eventually(lambda: first.peer_prefix_blocks.get(second.id) == BLOCK, 10)
+    before = [e.prefixes.reused_positions for e in engines]
+    assert await answer(first, next_prompt) == reference
+    held = (len(engine.tokenizer.encode(prompt)) + 2 * BLOCK) // BLOCK * BLOCK  # the first turn's answer included
+    assert [e.prefixes.reused_positions - b for e, b in zip(engines, before)] == [held, held]
   finally:
     await asyncio.gather(*[n.stop() for n in nodes])

@@ -167,8 +167,13 @@ class LlamaShardEngine(InferenceEngine):
     entry, positions = self.prefixes.longest(keys, limit) if self.reuses_prefixes else (None, 0)
     if entry is None:
       return 0
-    cache = self.caches[request_id] = self.model.new_cache()
-    self.model.copy_prefix(entry.cache, cache, positions)
+    if id(entry.cache) in self.prefixes.live():
+      cache = self.caches[request_id] = self.model.new_cache()
+      self.model.copy_prefix(entry.cache, cache, positions)
+    else:  # only the store holds it: this request takes it over and writes past the prefix, no copy
+      cache = self.caches[request_id] = entry.cache
+      self.prefixes.take_over(entry, positions, request_id)
+      cache.length = positions
     self.prefixes.hits += 1
     self.prefixes.reused_positions += positions
     return positions
@@ -182,7 +187,13 @@ class LlamaShardEngine(InferenceEngine):
   def _remember_prefix(self, request_id: str, keys: List[str]) -> None:
     cache = self.caches.get(request_id)
     if cache is not None:
-      self.prefixes.add(cache, keys[:cache.length // BLOCK])
+      self.prefixes.add(cache, keys[:cache.length // BLOCK], request_id)
+
+  def extend_prefix(self, request_id: str, keys: List[str]) -> None:
+    """The request has finished: its entry is filed under `keys`, its prompt's blocks and then its answer's, as far
+    as its cache holds them. Queued like remember_prefix."""
+    if self.reuses_prefixes:
+      self.executor.submit(self.prefixes.extend, request_id, keys, lambda cache: cache.length)
 
   def prefix_cache_bytes(self) -> int:
     """KV memory the prefix cache alone keeps (of requests that have ended)."""

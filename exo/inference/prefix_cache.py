@@ -3,11 +3,15 @@
 A prompt is cut into blocks of BLOCK tokens and each block named by a hash chain: a block's key hashes the key before
 it and its own tokens, so one key names the whole prefix up to the end of its block (as vLLM's automatic prefix
 caching names its blocks). Only the node with the first layers sees tokens; it sends the keys on with the request
-(see Node), and every node files the request's KV cache under them once its prompt has run there.
+(see Node), and every node files the request's KV cache under them once its prompt has run there. When the request
+finishes, its first node names the blocks its answer added, and every node extends the request's entry with them:
+the next turn of a chat, whose prompt holds that answer, reuses it too.
 
 The store holds references to KV caches, never copies: a prefix is read from the cache that computed it, which only
 ever appends past its prompt. A cache still used by a live request costs the store nothing and is never evicted;
-caches only the store holds count against its budget and go least recently used first."""
+caches only the store holds count against its budget and go least recently used first. A new request may take over
+a cache no live request uses (no copy at all): the entry then keeps only the blocks the two share, since the new
+request writes past them."""
 import hashlib
 import threading
 from collections import OrderedDict
@@ -16,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-BLOCK = 16  # tokens per block: a hit reuses whole blocks
+BLOCK = 8  # tokens per block: a hit reuses whole blocks, so the next turn of a chat recomputes at most BLOCK - 1 of its own
 DEFAULT_BUDGET_BYTES = 1 << 30
 MAX_ENTRIES = 64  # caches kept beyond live requests' (each holds a slot of the engine's pool)
 KEY_CHARS = 24  # a key in hex (96 bits)
@@ -37,6 +41,7 @@ def block_keys(model_id: str, tokens: np.ndarray) -> List[str]:
 class Entry:
   cache: object  # the engine's KV cache; its first len(keys) * BLOCK positions hold the prefix
   keys: List[str]
+  request_id: Optional[str] = None  # the request whose cache it is, until another takes the cache over
   positions: Dict[str, int] = field(default_factory=dict)  # key -> positions up to the end of its block
 
   def __post_init__(self):
@@ -52,6 +57,7 @@ class PrefixStore:
     self.enabled = budget_bytes > 0  # off: nothing is filed or found
     self.entries: "OrderedDict[int, Entry]" = OrderedDict()  # id(entry) -> entry, least recently used first
     self.by_key: Dict[str, List[Entry]] = {}
+    self.by_request: Dict[str, Entry] = {}
     self.hits = self.reused_positions = 0
     self._lock = threading.Lock()  # the engine's thread files, finds and evicts; the event loop reads its size
 
@@ -72,22 +78,59 @@ class PrefixStore:
           return entry, entry.positions[key]
     return None, 0
 
-  def add(self, cache, keys: List[str]) -> None:
-    """File `cache` under `keys` (its prompt's blocks that it holds), unless an entry holds them all already."""
+  def add(self, cache, keys: List[str], request_id: Optional[str] = None) -> None:
+    """File `cache` under `keys` (its prompt's blocks that it holds), unless another entry holds them all already."""
     if not self.enabled or not keys:
       return
     with self._lock:
       held = self.by_key.get(keys[-1])
-      if held:  # the same prefix: the older entry stays, freshly used
-        self.entries.move_to_end(id(held[-1]))
+      if held:  # the same prefix: the older entry stays, freshly used (and is this request's, if it took its cache over)
+        older = held[-1]
+        self.entries.move_to_end(id(older))
+        if older.cache is cache:
+          self._own(older, request_id)
         return
-      entry = Entry(cache, list(keys))
-      for older in [e for e in self.entries.values() if e.keys[-1] in entry.positions]:
-        self._remove(older)  # the new entry holds all of it
-      self.entries[id(entry)] = entry
-      for key in keys:
-        self.by_key.setdefault(key, []).append(entry)
-      self._evict()
+      self._file(Entry(cache, list(keys), request_id))
+
+  def extend(self, request_id: str, keys: List[str], held: Callable[[object], int]) -> None:
+    """The request's entry, if it still has one, now under `keys`: the blocks of its prompt, then more, as far as its
+    cache holds them (`held(cache)` positions)."""
+    with self._lock:
+      entry = self.by_request.get(request_id)
+      if entry is None:
+        return
+      keys = keys[:held(entry.cache) // BLOCK]
+      if len(keys) <= len(entry.keys) or keys[:len(entry.keys)] != entry.keys:  # nothing new, or not its prompt's
+        return
+      self._remove(entry)
+      self._file(Entry(entry.cache, keys, request_id))
+
+  def take_over(self, entry: Entry, positions: int, request_id: str) -> None:
+    """A new request uses `entry`'s cache itself and writes past `positions`: the entry keeps only the blocks before."""
+    with self._lock:
+      if id(entry) not in self.entries:
+        return
+      for key in entry.keys[positions // BLOCK:]:
+        self._unindex(entry, key)
+      entry.keys = entry.keys[:positions // BLOCK]
+      entry.positions = {key: entry.positions[key] for key in entry.keys}
+      self._own(entry, request_id)
+
+  def _file(self, entry: Entry) -> None:
+    for older in [e for e in self.entries.values() if e.keys[-1] in entry.positions]:
+      self._remove(older)  # the new entry holds all of it
+    self.entries[id(entry)] = entry
+    for key in entry.keys:
+      self.by_key.setdefault(key, []).append(entry)
+    self._own(entry, entry.request_id)
+    self._evict()
+
+  def _own(self, entry: Entry, request_id: Optional[str]) -> None:
+    if self.by_request.get(entry.request_id) is entry:
+      del self.by_request[entry.request_id]
+    entry.request_id = request_id
+    if request_id is not None:
+      self.by_request[request_id] = entry
 
   def trim(self) -> None:
     """Evict down to the budget (a request ended, so its cache may now count against it)."""
@@ -107,15 +150,20 @@ class PrefixStore:
   def _remove(self, entry: Entry) -> None:
     del self.entries[id(entry)]
     for key in entry.keys:
-      held = self.by_key[key]
-      held.remove(entry)
-      if not held:
-        del self.by_key[key]
+      self._unindex(entry, key)
+    self._own(entry, None)
+
+  def _unindex(self, entry: Entry, key: str) -> None:
+    held = self.by_key[key]
+    held.remove(entry)
+    if not held:
+      del self.by_key[key]
 
   def clear(self) -> None:
     with self._lock:
       self.entries.clear()
       self.by_key.clear()
+      self.by_request.clear()
 
   def held_bytes(self) -> int:
     """Memory only the store keeps (caches no live request uses)."""
@@ -129,9 +177,14 @@ def checked_prefix(data) -> dict:
   "reuse": the positions every node takes from its cache}. ValueError if a peer sent something unusable."""
   if not isinstance(data, dict) or set(data) != {"keys", "reuse"}:
     raise ValueError("inference state prefix must be an object with keys and reuse")
-  keys, reuse = data["keys"], data["reuse"]
-  if not isinstance(keys, list) or len(keys) > MAX_KEYS or not all(isinstance(k, str) and len(k) == KEY_CHARS for k in keys):
-    raise ValueError(f"inference state prefix.keys must be a list of at most {MAX_KEYS} block keys")
+  keys, reuse = checked_keys(data["keys"], "inference state prefix.keys"), data["reuse"]
   if not isinstance(reuse, int) or isinstance(reuse, bool) or reuse % BLOCK or not 0 <= reuse <= len(keys) * BLOCK:
     raise ValueError(f"inference state prefix.reuse must be a whole number of {BLOCK}-token blocks it names, got {reuse!r}")
   return data
+
+
+def checked_keys(keys, what: str) -> List[str]:
+  """Block keys a peer sent; ValueError naming `what` if they are not."""
+  if not isinstance(keys, list) or len(keys) > MAX_KEYS or not all(isinstance(k, str) and len(k) == KEY_CHARS for k in keys):
+    raise ValueError(f"{what} must be a list of at most {MAX_KEYS} block keys")
+  return keys

@@ -11,7 +11,10 @@ Prompt prefixes (exo/inference/prefix_cache.py): when every node of a request's 
 names the prompt's token blocks, starts the request from the longest prefix its engine holds and runs only the rest;
 the block keys and the positions reused travel in the request's inference state, so each node starts from the same
 prefix, and each files the request's KV under those keys once its prompt has run there. A node that lacks the
-prefix says so (a prefix_miss status) and the first node runs the prompt again, whole, on every node."""
+prefix says so (a prefix_miss status) and the first node runs the prompt again, whole, on every node. When the
+request finishes, the first node, which knows the answer's tokens too, sends every node the keys of all the blocks
+its cache holds (a prefix_extend status), then files them itself: a later request only names blocks that every node
+has been told of."""
 import asyncio
 import json
 import time
@@ -41,6 +44,7 @@ from exo.topology.partitioning_strategy import PartitioningStrategy
 PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
 PEER_LOGPROBS_AHEAD = 64  # a token's logprobs may arrive at most this many tokens before the token itself
 PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-checked
+FILING_TIMEOUT_S = 2.0  # the longest a finished answer's blocks wait for a peer (a new prompt waits for them)
 # A peer that dies mid-request ends it within PEER_CHECK_S + the health check's 5 s timeout (at once if a send fails).
 
 
@@ -81,6 +85,7 @@ class Node(RingMember):
     self._on_opaque_status.register("node_status").on_next(self.on_node_status)
     self._tasks: Set[asyncio.Task] = set()
     self._releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
+    self._filings: Set[asyncio.Task] = set()  # finished answers being filed (see _file_answer)
     self._background: List[asyncio.Task] = []
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
@@ -197,6 +202,10 @@ class Node(RingMember):
       return False
     if request.model is not None:
       self._release(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
+      if status is Status.FINISHED and request.sequence is not None:
+        filing = self.spawn(self._file_answer(request))
+        self._filings.add(filing)
+        filing.add_done_callback(self._filings.discard)
     self.model_gate.leave(request_id)
     self.plugins.hook.exo_request_ended(node=self, request_id=request_id)
     watcher = self._watchers.get(request_id)
@@ -273,11 +282,25 @@ class Node(RingMember):
     """On the first node: the prompt from the longest prefix the engine holds (none if not `reuse`), the rest of
     the ring told which one."""
     keys = block_keys(shard.model_id, tokens)
+    if self._filings:  # an answer that just finished may be what this prompt starts with: a few ms
+      await asyncio.wait(list(self._filings))
     reused = await self.inference_engine.start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
     request.positions = reused
     request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
+    request.sequence = tokens[0].tolist()
     state = {**(inference_state or {}), "prefix": {"keys": keys, "reuse": reused}}
     await self._run(shard, tokens[:, reused:], request, state, accepted)
+
+  async def _file_answer(self, request: Request) -> None:
+    """On the first node, once the request has finished: every node files the blocks its cache holds, the answer's
+    included. The others are told first, so that no later request is sent to reuse blocks a peer never heard of."""
+    keys = block_keys(request.model, np.array(request.sequence, dtype=np.int64))
+    if len(keys) * BLOCK <= request.prompt_tokens:  # the answer completed no block past the prompt's
+      return
+    status, peers = statuses.prefix_extend(request.id, keys), [p for p in self.peers if p.id() in request.ring]
+    # A peer the status misses answers a later request with prefix_miss, which stays correct.
+    await asyncio.gather(*[asyncio.wait_for(p.send_opaque_status(request.id, status), FILING_TIMEOUT_S) for p in peers], return_exceptions=True)
+    self.inference_engine.extend_prefix(request.id, keys)
 
   def _ring_reuses_prefixes(self, request: Request) -> bool:
     engine = self.inference_engine
@@ -325,6 +348,8 @@ class Node(RingMember):
       prefix = (inference_state or {}).get("prefix")
       if prefix is not None and not await self._start_from_prefix(shard, request, checked_prefix(prefix)):
         return None
+      if request.sequence is not None:  # a token fed back to the first node
+        request.sequence += np.asarray(tensor).reshape(-1).tolist()
       await self._run(shard, tensor, request, inference_state, accepted)
     except RequestEnded:
       pass
@@ -601,6 +626,10 @@ class Node(RingMember):
       request = self.requests.get(status["request_id"])
       if request is not None and request.prompt is not None and (sender_host is None or self._on_path(request, sender_host)):
         self.spawn(self._prefill_again(request))
+    elif kind == statuses.PREFIX_EXTEND and (sender_host is None or self.peers_at(sender_host)):
+      extend = getattr(self.inference_engine, "extend_prefix", None)
+      if extend is not None:
+        extend(status["request_id"], status["keys"])
     self._on_opaque_status.trigger_all(request_id, raw)
 
   def _take_logprobs(self, status: dict, sender_host: Optional[str]) -> None:

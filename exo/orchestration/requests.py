@@ -68,6 +68,7 @@ class Request:
   peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
   busy: bool = False  # a pass of it is running here
   prompt: Optional[Tuple[object, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
+  sequence: Optional[List[int]] = None  # on the first node of a ring that reuses prefixes: the ids its KV cache holds here
   created: float = field(default_factory=time.monotonic)
 
   def advance(self, status: Status) -> None:

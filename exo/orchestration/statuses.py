@@ -2,8 +2,9 @@
 not know): building ours, and checking every one a peer sends before anything acts on it."""
 import json
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
+from exo.inference.prefix_cache import checked_keys
 from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
 
@@ -20,6 +21,7 @@ STAGE_TIMING = "stage_timing"  # what a node's decode steps take for its layers,
 TOKEN_LOGPROBS = "token_logprobs"  # a sampled token's logprobs, sent to its origin just before the token's SendResult
 PREFIX_CACHE = "prefix_cache"  # a node announces whether it reuses prompt prefixes: in blocks of `block` tokens, or 0 (not)
 PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
+PREFIX_EXTEND = "prefix_extend"  # a request finished: the block keys of all its cache holds (prompt and answer), to file
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
@@ -62,6 +64,10 @@ def prefix_cache(node_id: str, block: int) -> str:
 
 def prefix_miss(request_id: str, node_id: str) -> str:
   return json.dumps({"type": PREFIX_MISS, "request_id": request_id, "node_id": node_id})
+
+
+def prefix_extend(request_id: str, keys: List[str]) -> str:
+  return json.dumps({"type": PREFIX_EXTEND, "request_id": request_id, "keys": keys})
 
 
 def parse(raw: str) -> Tuple[Optional[str], dict]:
@@ -196,10 +202,18 @@ def _check_prefix_miss(status: dict) -> None:
   _string(status, "node_id")
 
 
+def _check_prefix_extend(status: dict) -> None:
+  _string(status, "request_id")
+  try:
+    checked_keys(status.get("keys"), "keys")
+  except ValueError as e:
+    raise InvalidStatus(str(e)) from None
+
+
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
   STAGE_TIMING: _check_stage_timing,
   TOKEN_LOGPROBS: _check_token_logprobs,
-  PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss,
+  PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss, PREFIX_EXTEND: _check_prefix_extend,
 }

@@ -192,7 +192,8 @@ async def check_cache_grows_not_preallocated(engine):
 
 async def check_prefix_copy_matches_computed(engine):
   """A prompt started from another's cached prefix (its first whole blocks) gives the logits of one computed whole,
-  for its last position and for the token after; once both end, the engine holds no live KV."""
+  for its last position and for the token after, whether it takes over the ended request's cache or copies from a
+  live one; once they end, the engine holds no live KV."""
   from exo.inference.prefix_cache import BLOCK, block_keys
   shard = smollm2_shard()
   first, second = prompt_ids(engine, ["Tell me about the sea and the wind over the harbour at night, in detail.",
@@ -207,12 +208,17 @@ async def check_prefix_copy_matches_computed(engine):
   cached, _ = await engine.infer_tensor("prefix-second", shard, second[None, reused:])
   whole, _ = await engine.infer_tensor("prefix-whole", shard, second[None, :])
   np.testing.assert_allclose(cached, whole, atol=LOGIT_ATOL)
+  # The cache prefix-second took over is live now: a third request copies the prefix out of it.
+  assert await engine.start_from_prefix("prefix-copy", shard, keys, len(second) - 1) == reused
+  assert engine.caches["prefix-copy"] is not engine.caches["prefix-second"]
+  copied, _ = await engine.infer_tensor("prefix-copy", shard, second[None, reused:])
+  np.testing.assert_allclose(copied, whole, atol=LOGIT_ATOL)
   token = np.array([[argmax(whole)]])
   after_cached, _ = await engine.infer_tensor("prefix-second", shard, token)
   after_whole, _ = await engine.infer_tensor("prefix-whole", shard, token)
   np.testing.assert_allclose(after_cached, after_whole, atol=LOGIT_ATOL)
   assert argmax(after_cached) == argmax(after_whole)
-  for request_id in ("prefix-second", "prefix-whole"):
+  for request_id in ("prefix-second", "prefix-copy", "prefix-whole"):
     await engine.finish_request(request_id)
   assert engine.kv_cache_bytes() == 0 and engine.prefix_cache_bytes() > 0
   engine.prefixes.clear()

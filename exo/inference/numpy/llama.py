@@ -71,8 +71,8 @@ class PromptChunk:
 
   def __init__(self, slab: np.ndarray, slot: int, first: int, start: int, n: int):
     self.slab, self.slot, self.first, self.start, self.n, self.width = slab, slot, first, start, n, start + n
-    causal = np.arange(self.width)[None, :] > (start + np.arange(n))[:, None]
-    self.mask = np.where(causal, -np.inf, 0.0).astype(np.float32)
+    # Only among its own rows does a key come after a query: every cached position before `start` is seen by all.
+    self.mask = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], -np.inf, 0.0).astype(np.float32)
 
   @property
   def cost(self) -> float:  # in cached positions read: its rows share each read, and they are compute-bound
@@ -90,12 +90,13 @@ class PromptChunk:
       self._attend(li, q, attn, n_kv, a, min(a + tile, self.n))
 
   def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int) -> None:
-    n, width, (_, n_heads, hd) = b - a, self.width, q.shape
+    # Rows a..b see positions up to start + b - 1; of those, only the last b - a are hidden from some of them.
+    n, width, (_, n_heads, hd) = b - a, self.start + b, q.shape
     group, rows = n_heads // n_kv, slice(self.first + a, self.first + b)
     keys, values = self.slab[self.slot, li, 0, :, :width], self.slab[self.slot, li, 1, :, :width]  # (kv heads, width, head dim)
     queries = q[rows].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
     scores = np.matmul(queries, keys.swapaxes(-1, -2)).reshape(n_kv, group, n, width)
-    scores += self.mask[a:b]
+    scores[..., width - n:] += self.mask[a:b, a:b]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     out = np.matmul(scores.reshape(n_kv, group * n, width), values).reshape(n_kv, group, n, hd)
