@@ -324,15 +324,24 @@ async def start_ring_node(node_id: str, port: int, config, downloader) -> Node:
   return node
 
 
-async def test_a_ring_reuses_prefixes_on_every_node_and_without_the_ability_stays_correct(tmp_path, downloader, engine, monkeypatch):
-  monkeypatch.setattr(llama_engine, "load_shard_weights", cached_weights)
-  ports = {"ring-a": free_port(), "ring-b": free_port()}
+@contextlib.asynccontextmanager
+async def two_node_ring(tmp_path, downloader, names):
+  """(first, second): two nodes of one ring in this process, by partition order, stopped afterwards."""
+  ports = {name: free_port() for name in names}
   config = write_manual_config(tmp_path / "peers.json", ports)
   nodes = [await start_ring_node(node_id, port, config, downloader) for node_id, port in ports.items()]
   try:
     await wait_for_ring(ports, 30)
     await eventually(lambda: all(len(n.partitions()) == 2 for n in nodes), 30)
-    first, second = sorted(nodes, key=lambda n: n.get_partition_index())
+    yield sorted(nodes, key=lambda n: n.get_partition_index())
+  finally:
+    await asyncio.gather(*[n.stop() for n in nodes])
+
+
+async def test_a_ring_reuses_prefixes_on_every_node_and_without_the_ability_stays_correct(tmp_path, downloader, engine, monkeypatch):
+  monkeypatch.setattr(llama_engine, "load_shard_weights", cached_weights)
+  async with two_node_ring(tmp_path, downloader, ["ring-a", "ring-b"]) as nodes:
+    first, second = nodes
     received = []
     process_tensor = second.process_tensor
 
@@ -364,19 +373,11 @@ async def test_a_ring_reuses_prefixes_on_every_node_and_without_the_ability_stay
     assert first.inference_engine.prefixes.hits == 2 and second.inference_engine.prefixes.hits == 1
     for node in nodes:
       await eventually(lambda: node.state()["kv_bytes"] == 0 and not node.state()["requests"], 10)
-  finally:
-    await asyncio.gather(*[n.stop() for n in nodes])
 
 
 async def test_a_ring_files_each_answer_on_every_node(tmp_path, downloader, engine, monkeypatch):
   monkeypatch.setattr(llama_engine, "load_shard_weights", cached_weights)
-  ports = {"answer-a": free_port(), "answer-b": free_port()}
-  config = write_manual_config(tmp_path / "peers.json", ports)
-  nodes = [await start_ring_node(node_id, port, config, downloader) for node_id, port in ports.items()]
-  try:
-    await wait_for_ring(ports, 30)
-    await eventually(lambda: all(len(n.partitions()) == 2 for n in nodes), 30)
-    first, second = sorted(nodes, key=lambda n: n.get_partition_index())
+  async with two_node_ring(tmp_path, downloader, ["answer-a", "answer-b"]) as (first, second):
     await eventually(lambda: first.peer_prefix_blocks.get(second.id) == BLOCK, 10)
     engines = [first.inference_engine, second.inference_engine]
     prompt, _, next_prompt = await two_turns(engine, first, 2 * BLOCK + 1)
@@ -389,5 +390,3 @@ async def test_a_ring_files_each_answer_on_every_node(tmp_path, downloader, engi
     assert await answer(first, next_prompt) == reference
     held = (len(engine.tokenizer.encode(prompt)) + 2 * BLOCK) // BLOCK * BLOCK  # the first turn's answer included
     assert [e.prefixes.reused_positions - b for e, b in zip(engines, before)] == [held, held]
-  finally:
-    await asyncio.gather(*[n.stop() for n in nodes])
