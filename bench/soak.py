@@ -9,8 +9,9 @@ turn with SmolLM2. It reports:
 - greedy divergences: a finished answer that differs from its prompt's solo answer, or a cancelled one that is not a
   prefix of it (must be 0);
 - live requests and KV bytes on every node once the clients have stopped, from GET /v1/state (must be 0);
-- each node's resident memory at the start, middle and end (flat within 10%), the prefix cache held to
-  --prefix-cache-mb (its prompts are filed from the solo runs on; a second model's load empties it).
+- each node's resident memory at the start, middle and end: flat within 10%, not counting what its prefix cache
+  holds at either end (held to --prefix-cache-mb; its prompts and answers are filed from the solo runs on, and a
+  second model's load empties it).
 
   python bench/soak.py --seconds 600              # one node, then a 2-node ring
   python bench/soak.py --seconds 60 --rings 1     # one node only
@@ -75,6 +76,11 @@ def resident_mib(cluster: Cluster) -> List[float]:
   return [round(psutil.Process(p.pid).memory_info().rss / 2**20, 1) for p in cluster.procs]
 
 
+def prefix_cache_mib(states: List[dict]) -> List[float]:
+  """What each node's prefix cache holds on purpose (finished requests' KV, within its budget)."""
+  return [round(s.get("prefix_cache", {}).get("bytes", 0) / 2**20, 1) for s in states]
+
+
 async def soak(cluster: Cluster, args) -> dict:
   seconds, clients, cancel_fraction, second_model_fraction, seed = args.seconds, args.clients, args.cancel_fraction, args.second_model_fraction, args.seed
   pool = prompt_pool(seed, args.prompt_tokens)
@@ -87,7 +93,7 @@ async def soak(cluster: Cluster, args) -> dict:
       if error:
         raise RuntimeError(f"solo run of a {model} prompt failed: {error}")
       solo[(model, prompt)] = "".join(parts)
-    memory = {"start": resident_mib(cluster)}
+    memory = {"start": resident_mib(cluster), "prefix_start": prefix_cache_mib(await node_states(cluster.api_ports))}
     counts = {"requests": 0, "finished": 0, "cancelled": 0, "second_model": 0}
     errors: List[str] = []
     divergences: List[str] = []
@@ -139,11 +145,12 @@ async def soak(cluster: Cluster, args) -> dict:
   while any(s["requests"] or s["kv_bytes"] for s in states) and time.monotonic() < deadline:
     await asyncio.sleep(0.25)
     states = await node_states(ports)
-  memory["end"] = resident_mib(cluster)
+  memory["end"], memory["prefix_end"] = resident_mib(cluster), prefix_cache_mib(states)
+  growth = [(e - pe) / (s - ps) - 1 for s, ps, e, pe in zip(memory["start"], memory["prefix_start"], memory["end"], memory["prefix_end"])]
   return {"nodes": cluster.nodes, "seconds": round(elapsed, 1), "clients": clients, **counts, "errors": len(errors),
           "error_examples": errors[:5], "divergences": len(divergences), "divergence_examples": divergences[:5],
           "live_after": sum(len(s["requests"]) for s in states), "kv_bytes_after": sum(s["kv_bytes"] for s in states),
-          "resident_mib": memory, "memory_growth": max(e / s - 1 for s, e in zip(memory["start"], memory["end"]))}
+          "resident_mib": memory, "memory_growth": max(growth)}
 
 
 def install_second_model(home: Path) -> None:
