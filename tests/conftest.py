@@ -8,7 +8,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 from exo.download.shard_download import HFShardDownloader, embedded_model_path  # noqa: E402
-from tests.support.api_server import ApiServer  # noqa: E402
+from tests.support.api_server import ApiServer, openai_client  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2_path():
@@ -33,6 +33,12 @@ def make_server():
   yield make
   for s in started:
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  """The official `openai` client against the module's own `server` fixture."""
+  return openai_client(server)
 
 
 @pytest.fixture(scope="session")

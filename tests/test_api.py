@@ -22,11 +22,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server):
-  return openai.OpenAI(base_url=f"{server.url}/v1", api_key="exo", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
 def greedy_france(client):
   return client.chat.completions.create(model=MODEL, messages=FRANCE)
 

@@ -1,7 +1,6 @@
 """What the official `openai` client sends beyond one plain answer: logprobs / top_logprobs, n choices, and the legacy
 /v1/completions route; against the real SmolLM2-135M on the numpy engine (one in-thread node), streaming and not.
 Bad values of these fields are 400s naming the field (on the dummy engine, where nothing needs a model)."""
-import asyncio
 
 import aiohttp
 import openai
@@ -19,11 +18,6 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server():
   return shared_server("numpy")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-  return openai.OpenAI(base_url=f"{server.url}/v1", api_key="exo", max_retries=0, timeout=180)
 
 
 def check_chat_logprobs(entries, top_n):

@@ -25,7 +25,7 @@ from exo.orchestration.node import Node
 from exo.orchestration.requests import QUEUED_KEPT, QUEUED_KEPT_S, RequestRegistry, Status
 from exo.topology.device_capabilities import DeviceCapabilities
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
-from tests.support.api_server import ApiServer, shared_server
+from tests.support.api_server import ApiServer, openai_client, shared_server
 from tests.support.checkpoints import install_random_model
 
 DUMMY = Shard("dummy", 0, 0, 8)
@@ -237,10 +237,6 @@ def stream_text(client: openai.OpenAI, model: str, content: str, max_tokens: int
   return text
 
 
-def client_of(server: ApiServer, timeout: float = 180) -> openai.OpenAI:
-  return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=timeout, max_retries=0)
-
-
 def state_of(server: ApiServer) -> dict:
   with urllib.request.urlopen(f"{server.url}/v1/state", timeout=10) as response:
     return json.loads(response.read())
@@ -275,7 +271,7 @@ def smol_server(request, tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def solo_story() -> str:
-  return stream_text(client_of(shared_server("numpy")), "smollm2-135m", STORY, STORY_TOKENS)
+  return stream_text(openai_client(shared_server("numpy")), "smollm2-135m", STORY, STORY_TOKENS)
 
 
 def test_a_request_for_another_model_waits_and_changes_nobody_elses_answer(smol_server):
@@ -283,7 +279,7 @@ def test_a_request_for_another_model_waits_and_changes_nobody_elses_answer(smol_
   other, started, first_done = {}, threading.Event(), []
 
   def ask_other_model():
-    reply = client_of(smol_server).chat.completions.create(model="llama-3.2-1b", messages=[{"role": "user", "content": "Hi"}],
+    reply = openai_client(smol_server).chat.completions.create(model="llama-3.2-1b", messages=[{"role": "user", "content": "Hi"}],
                                                          max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     other.update(reply=reply, at=time.monotonic())
 
@@ -298,7 +294,7 @@ def test_a_request_for_another_model_waits_and_changes_nobody_elses_answer(smol_
       asker.start()
       started.set()
 
-  text = stream_text(client_of(smol_server), "smollm2-135m", STORY, STORY_TOKENS, on_chunk)
+  text = stream_text(openai_client(smol_server), "smollm2-135m", STORY, STORY_TOKENS, on_chunk)
   first_done.append(time.monotonic())
   assert started.is_set()
   asker.join(120)
@@ -306,13 +302,13 @@ def test_a_request_for_another_model_waits_and_changes_nobody_elses_answer(smol_
   assert other["reply"].usage.completion_tokens == 8 and other["at"] > first_done[0]
   wait_for(lambda: state_of(smol_server)["requests"] == [] and state_of(smol_server)["kv_bytes"] == 0, 10, "no request left")
   # And back: the first model answers as before once the other's request has ended.
-  assert stream_text(client_of(smol_server), "smollm2-135m", STORY, STORY_TOKENS) == solo
+  assert stream_text(openai_client(smol_server), "smollm2-135m", STORY, STORY_TOKENS) == solo
 
 
 def test_an_error_mid_prefill_ends_the_prefill_and_frees_its_cache(smol_server):
   """A peer reports the request failed while its ~2,200-token prompt is being computed beside 4 running streams: the
   prompt stops within a chunk, its client gets the error at once, and nothing of it stays behind."""
-  client = client_of(smol_server)
+  client = openai_client(smol_server)
   streams = [threading.Thread(target=stream_text, args=(client, "smollm2-135m", f"Count slowly from {i}.", 60)) for i in range(4)]
   for thread in streams:
     thread.start()

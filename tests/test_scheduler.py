@@ -18,6 +18,7 @@ from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_
 from exo.orchestration.batching.scheduler import GATHER_LIMIT, LONE_PROMPT_CHUNK, ROUND_TRIP_SLACK, RUNNING_AFTER, Scheduler
 from exo.orchestration.batching.step_loop import StepLoop
 from exo.orchestration.requests import RequestEnded
+from tests.support.api_server import eventually
 from tests.support.models import smollm2_shard
 from tests.support.toy import ToyEngine, make_node, settle
 
@@ -390,7 +391,7 @@ async def test_stop_lets_the_step_finish_and_fails_the_waiting():
   running = [asyncio.ensure_future(loop.infer(LAST, r, TOKEN, None)) for r in "ab"]
   await asyncio.wait_for(engine.entered.wait(), 5)
   waiting = asyncio.ensure_future(loop.infer(LAST, "c", TOKEN, None))
-  await asyncio.sleep(0)  # (lets `waiting` reach the loop; nothing is timed)
+  await eventually(lambda: "c" in loop._waiters, 5)  # it is in line
   stopping = asyncio.ensure_future(loop.stop())
   engine.release.set()
   await asyncio.wait_for(stopping, 5)

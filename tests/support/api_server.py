@@ -9,6 +9,7 @@ import time
 from typing import Dict, Optional, Union
 
 import numpy as np
+import openai
 
 from exo.api import ChatGPTAPI
 from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
@@ -105,6 +106,11 @@ class FailingEngine(DummyInferenceEngine):
 
 
 _shared: Dict[str, ApiServer] = {}
+
+
+def openai_client(server: "ApiServer", timeout: float = 180) -> openai.OpenAI:
+  """The official client against the server's API, failing fast (no retries)."""
+  return openai.OpenAI(base_url=f"{server.url}/v1", api_key="exo", timeout=timeout, max_retries=0)
 
 
 def shared_server(engine: str) -> ApiServer:
