@@ -96,6 +96,41 @@ async def test_a_request_that_waits_too_long_for_the_gate_gets_a_clear_error_and
   assert gate.idle_for("B")
 
 
+class LoadOnCue(DummyInferenceEngine):
+  """A dummy engine whose loads of one model end only when the test says so."""
+
+  def __init__(self, slow_model: str):
+    super().__init__()
+    self.slow_model, self.cue, self.loading = slow_model, asyncio.Event(), asyncio.Event()
+
+  async def ensure_shard(self, shard: Shard):
+    if shard.model_id == self.slow_model and self.shard != shard:
+      self.loading.set()
+      await self.cue.wait()
+    self.shard = shard
+
+
+async def test_a_preload_holds_the_gate_so_no_request_for_another_model_starts_under_it():
+  """A peer's prompt makes an idle node preload its model; a request for another model that arrives during that load
+  must wait for it, or the load would replace its model before its first step."""
+  engine = LoadOnCue("llama-3.2-1b")
+  node = Node("solo", None, engine, NoDiscovery(), NoopShardDownloader(), partitioning_strategy=RingMemoryWeightedPartitioningStrategy())
+  await node.start()
+  try:
+    preload = asyncio.ensure_future(node._preload(Shard("llama-3.2-1b", 0, 15, 16)))
+    await engine.loading.wait()
+    request = asyncio.ensure_future(node.model_gate.enter("r", DUMMY.model_id))
+    await asyncio.sleep(0)
+    assert not request.done() and node.model_gate.serving == "llama-3.2-1b"
+    engine.cue.set()
+    await preload
+    await request
+    assert node.model_gate.serving == DUMMY.model_id and node.model_gate.holders == {"r"}
+    assert not node.model_gate.hold_if_idle("another-preload", "llama-3.2-1b")  # and none starts while "r" holds it
+  finally:
+    await node.stop()
+
+
 # --- one node, the dummy engine ---
 
 async def test_a_second_prompt_for_a_live_or_ended_request_is_refused():

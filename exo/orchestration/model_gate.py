@@ -5,7 +5,8 @@ it ends; the engine switches models only when no request holds the gate, so one 
 never wipes the KV caches of the requests in flight. Requests wait in line, in arrival order: the first one that
 needs another model waits until the requests of the loaded one have ended, and those that arrive after it wait
 behind it, whatever their model, so a busy model cannot starve the other. A request that waits longer than
-`wait_s` ends with ModelBusy."""
+`wait_s` ends with ModelBusy. A preload holds the gate like a request while it loads, so no request for another
+model is let in meanwhile (the load would replace that request's model under it)."""
 import asyncio
 from collections import deque
 from typing import Deque, Optional, Set, Tuple
@@ -34,6 +35,13 @@ class ModelGate:
   def idle_for(self, model: str) -> bool:
     """Nothing would be disturbed by loading `model` now."""
     return not self._line and (not self.holders or self.serving == model)
+
+  def hold_if_idle(self, holder: str, model: str) -> bool:
+    """Hold the gate for `model` now if that disturbs nobody (a preload: it never waits in line). False if not."""
+    if not self.idle_for(model):
+      return False
+    self._admit(holder, model)
+    return True
 
   async def enter(self, request_id: str, model: str) -> None:
     if request_id in self.holders:
