@@ -10,6 +10,17 @@ import pytest  # noqa: E402
 from exo.download.shard_download import HFShardDownloader, embedded_model_path  # noqa: E402
 from tests.support.api_server import ApiServer, openai_client  # noqa: E402
 
+# The longest files first (a few minutes each here): the suite runs a file per worker (-n 2 --dist loadfile), and a
+# long file handed out last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ["test_batching_acceptance", "test_mlx_checkpoints", "test_engines_tinygrad", "test_cluster",
+                 "test_request_lifecycle", "test_prefix_cache", "test_engine_agreement", "test_engines_mlx"]
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
   path = embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
