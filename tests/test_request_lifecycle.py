@@ -96,33 +96,56 @@ async def test_a_request_that_waits_too_long_for_the_gate_gets_a_clear_error_and
   assert gate.idle_for("B")
 
 
-class LoadOnCue(DummyInferenceEngine):
-  """A dummy engine whose loads of one model end only when the test says so."""
+class OnCue:
+  """Something that starts (`started` is set) and then waits until the test gives its cue."""
 
+  def __init__(self):
+    self.started, self.cue = asyncio.Event(), asyncio.Event()
+
+  async def wait(self):
+    self.started.set()
+    await self.cue.wait()
+
+
+class DownloadOnCue(NoopShardDownloader):
+  def __init__(self):
+    super().__init__()
+    self.download = OnCue()
+
+  async def ensure_shard(self, shard: Shard, inference_engine_name: str):
+    await self.download.wait()
+    return await super().ensure_shard(shard, inference_engine_name)
+
+
+class LoadOnCue(DummyInferenceEngine):
   def __init__(self, slow_model: str):
     super().__init__()
-    self.slow_model, self.cue, self.loading = slow_model, asyncio.Event(), asyncio.Event()
+    self.slow_model, self.load = slow_model, OnCue()
 
   async def ensure_shard(self, shard: Shard):
     if shard.model_id == self.slow_model and self.shard != shard:
-      self.loading.set()
-      await self.cue.wait()
+      await self.load.wait()
     self.shard = shard
 
 
-async def test_a_preload_holds_the_gate_so_no_request_for_another_model_starts_under_it():
-  """A peer's prompt makes an idle node preload its model; a request for another model that arrives during that load
-  must wait for it, or the load would replace its model before its first step."""
-  engine = LoadOnCue("llama-3.2-1b")
-  node = Node("solo", None, engine, NoDiscovery(), NoopShardDownloader(), partitioning_strategy=RingMemoryWeightedPartitioningStrategy())
+async def test_a_preload_holds_the_gate_while_it_loads_but_not_while_it_downloads():
+  """A peer's prompt makes an idle node preload its model. While the files download, requests for the loaded model
+  still start; a request for another model that arrives during the load itself waits for it, or the load would
+  replace its model before its first step."""
+  engine, downloader = LoadOnCue("llama-3.2-1b"), DownloadOnCue()
+  node = Node("solo", None, engine, NoDiscovery(), downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy())
   await node.start()
   try:
     preload = asyncio.ensure_future(node._preload(Shard("llama-3.2-1b", 0, 15, 16)))
-    await engine.loading.wait()
+    await downloader.download.started.wait()
+    await asyncio.wait_for(node.model_gate.enter("during-download", DUMMY.model_id), 1)  # admitted at once
+    node.model_gate.leave("during-download")
+    downloader.download.cue.set()
+    await engine.load.started.wait()
     request = asyncio.ensure_future(node.model_gate.enter("r", DUMMY.model_id))
     await asyncio.sleep(0)
     assert not request.done() and node.model_gate.serving == "llama-3.2-1b"
-    engine.cue.set()
+    engine.load.cue.set()
     await preload
     await request
     assert node.model_gate.serving == DUMMY.model_id and node.model_gate.holders == {"r"}

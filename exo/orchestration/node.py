@@ -673,16 +673,20 @@ class Node(RingMember):
 
   async def _preload(self, shard: Shard) -> None:
     """Start loading our own layers as soon as any node starts a prompt for a model, unless that would disturb the
-    requests this node serves. The load holds the model gate, so no request for another model starts meanwhile."""
+    requests this node serves. The download leaves the model gate open (it may take minutes); the load holds it, so
+    no request for another model starts meanwhile."""
     try:
       card = model_card(shard.model_id)
     except ValueError:  # a local checkpoint this node does not serve
       return
-    holder = f"preload-{uuid.uuid4()}"
-    if card is None or card["layers"] != shard.n_layers or not self.model_gate.hold_if_idle(holder, shard.model_id):
+    if card is None or card["layers"] != shard.n_layers or not self.model_gate.idle_for(shard.model_id):
       return
+    holder, own = f"preload-{uuid.uuid4()}", self.get_current_shard(shard)
     try:
-      await self.inference_engine.ensure_shard(self.get_current_shard(shard))
+      await self.shard_downloader.ensure_shard(own, self.inference_engine.__class__.__name__)
+      if not self.model_gate.hold_if_idle(holder, shard.model_id):
+        return
+      await self.inference_engine.ensure_shard(own)
     except Exception as e:
       if DEBUG >= 1:
         print(f"Preloading {shard.model_id} failed: {e!r}")
