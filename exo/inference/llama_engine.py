@@ -4,6 +4,7 @@ model can copy them. An engine subclass names its model class and its thread."""
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
@@ -148,6 +149,8 @@ class LlamaShardEngine(InferenceEngine):
   def _drop_cache(self, request_id: str) -> None:
     self.caches.pop(request_id, None)  # not returned: a future holding it would keep its memory until collected
     self.prefixes.trim()
+    if not self.caches:  # the last live request has ended: what its steps allocated goes back too
+      _return_freed_memory()
 
   # --- prompt prefixes: every call runs on the engine's thread, in order with the steps ---
 
@@ -211,10 +214,16 @@ class LlamaShardEngine(InferenceEngine):
     await self.ensure_shard(shard)
 
 
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+  libc = ctypes.util.find_library("c")  # runs ldconfig: once
+  return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+
+
 def _return_freed_memory() -> None:
   """Hand the heap's free pages back to the kernel (glibc). Loading frees gigabytes of temporaries a few MB at a
-  time; glibc's allocator, having raised its mmap threshold past those sizes, keeps them in its arenas otherwise."""
-  libc = ctypes.util.find_library("c")
-  trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+  time, and a busy step's threads free their activations the same way; glibc's allocator, having raised its mmap
+  threshold past those sizes, keeps them in its arenas otherwise."""
+  trim = _malloc_trim()
   if trim is not None:
     trim(0)
