@@ -681,8 +681,9 @@ class Node(RingMember):
       return
     if card is None or card["layers"] != shard.n_layers or not self.model_gate.idle_for(shard.model_id):
       return
-    holder, own = f"preload-{uuid.uuid4()}", self.get_current_shard(shard)
+    holder = f"preload-{uuid.uuid4()}"
     try:
+      own = self.get_current_shard(shard)
       await self.shard_downloader.ensure_shard(own, self.inference_engine.__class__.__name__)
       if not self.model_gate.hold_if_idle(holder, shard.model_id):
         return
