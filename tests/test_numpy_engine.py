@@ -1,7 +1,9 @@
 """The numpy engine on the real SmolLM2-135M: answers, KV-cache correctness, sharding, isolation, memory, and its
 kernels (the products shared among the cores, the KV pool, attention jobs shared among the cores)."""
 import asyncio
+import gc
 import mmap
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +166,33 @@ def test_cache_pool_slots_are_counted_and_reused():
   pool.release(3)
   fresh = KVCache(pool)
   assert fresh.slot == 3 and not fresh.data.any(), "a released slot reads as zeros"
+
+
+def test_the_cores_keep_nothing_of_the_last_task_they_ran():
+  """A step's tasks are closures over the model: a worker that kept its last one would keep a model its engine has
+  let go (switching from SmolLM2 to another model left SmolLM2's 540 MB resident)."""
+  from exo.inference.numpy import kernels
+  if kernels.CORES < 2:
+    pytest.skip("one core: no worker threads")
+
+  class Model:
+    pass
+  model, failing = Model(), Model()
+  seen = []
+
+  def part(a: int, b: int, model=model) -> None:
+    seen.append((a, b))
+
+  def fails(a: int, b: int, model=failing) -> None:
+    raise ValueError("a slice failed")
+  kernels.split_over_cores(part, 2)
+  with pytest.raises(ValueError):
+    kernels.split_over_cores(fails, 2)
+  assert sorted(seen) == [(0, 1), (1, 2)]
+  gone = [weakref.ref(model), weakref.ref(failing)]
+  del model, failing, part, fails
+  gc.collect()
+  assert [ref() for ref in gone] == [None, None]
 
 
 def test_a_product_split_over_the_cores_equals_it_on_one_thread():

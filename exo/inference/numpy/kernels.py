@@ -39,6 +39,8 @@ class _Worker:
         part(lo, hi)
       except BaseException as e:  # handed to the caller by wait()
         self.error = e
+      # Hold nothing of the task while idle: its closure may hold a whole model that its engine has let go.
+      part = self.task = None
       self.done.release()
 
   def start(self, part: Callable[[int, int], None], lo: int, hi: int) -> None:
@@ -47,7 +49,8 @@ class _Worker:
 
   def wait(self) -> Optional[BaseException]:
     self.done.acquire()
-    return self.error
+    error, self.error = self.error, None  # its traceback holds the task's frames
+    return error
 
 
 _workers: Optional[List[_Worker]] = None
