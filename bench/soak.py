@@ -76,6 +76,19 @@ def resident_mib(cluster: Cluster) -> List[float]:
   return [round(psutil.Process(p.pid).memory_info().rss / 2**20, 1) for p in cluster.procs]
 
 
+async def settled_resident_mib(cluster: Cluster, within_s: float = 5.0) -> List[float]:
+  """Resident memory once it has stopped changing: an engine hands its freed heap back just after its last request
+  ends, which may be a moment after /v1/state shows nothing left."""
+  last, deadline = resident_mib(cluster), time.monotonic() + within_s
+  while time.monotonic() < deadline:
+    await asyncio.sleep(0.25)
+    now = resident_mib(cluster)
+    if all(abs(a - b) < 1.0 for a, b in zip(now, last)):
+      return now
+    last = now
+  return last
+
+
 def prefix_cache_mib(states: List[dict]) -> List[float]:
   """What each node's prefix cache holds on purpose (finished requests' KV, within its budget)."""
   return [round(s.get("prefix_cache", {}).get("bytes", 0) / 2**20, 1) for s in states]
@@ -93,7 +106,7 @@ async def soak(cluster: Cluster, args) -> dict:
       if error:
         raise RuntimeError(f"solo run of a {model} prompt failed: {error}")
       solo[(model, prompt)] = "".join(parts)
-    memory = {"start": resident_mib(cluster), "prefix_start": prefix_cache_mib(await node_states(cluster.api_ports))}
+    memory = {"start": await settled_resident_mib(cluster), "prefix_start": prefix_cache_mib(await node_states(cluster.api_ports))}
     counts = {"requests": 0, "finished": 0, "cancelled": 0, "second_model": 0}
     errors: List[str] = []
     divergences: List[str] = []
@@ -145,7 +158,7 @@ async def soak(cluster: Cluster, args) -> dict:
   while any(s["requests"] or s["kv_bytes"] for s in states) and time.monotonic() < deadline:
     await asyncio.sleep(0.25)
     states = await node_states(ports)
-  memory["end"], memory["prefix_end"] = resident_mib(cluster), prefix_cache_mib(states)
+  memory["end"], memory["prefix_end"] = await settled_resident_mib(cluster), prefix_cache_mib(states)
   growth = [(e - pe) / (s - ps) - 1 for s, ps, e, pe in zip(memory["start"], memory["prefix_start"], memory["end"], memory["prefix_end"])]
   return {"nodes": cluster.nodes, "seconds": round(elapsed, 1), "clients": clients, **counts, "errors": len(errors),
           "error_examples": errors[:5], "divergences": len(divergences), "divergence_examples": divergences[:5],
