@@ -125,7 +125,14 @@ async def test_manual_peers_are_the_healthy_others_and_the_file_reloads_by_mtime
 
     FakePeer.healthy = {"127.0.0.1:2": False}
     await discovery.poll_once()
-    assert sorted(discovery.known_peers) == ["c"]
+    assert sorted(discovery.known_peers) == ["a", "c"]  # one missed round is forgiven
+    FakePeer.healthy = {}
+    await discovery.poll_once()
+    FakePeer.healthy = {"127.0.0.1:2": False}
+    await discovery.poll_once()
+    assert sorted(discovery.known_peers) == ["a", "c"] and discovery.known_peers["a"] is handle_a  # the count restarted
+    await discovery.poll_once()
+    assert sorted(discovery.known_peers) == ["c"]  # two in a row: it leaves
     FakePeer.healthy = {}
     await discovery.poll_once()
     assert discovery.known_peers["a"] is not handle_a  # readmitted with a fresh handle: the node closed the old one

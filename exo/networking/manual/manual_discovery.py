@@ -1,7 +1,9 @@
 """Peers from a JSON file listing every node (wire.md §9): for fixed clusters, and for tests on one host.
 
 The file is re-read when its mtime increases, so nodes can be added or moved without restarts; a broken edit
-keeps the last good peer set. Every listed peer is health-checked each round and only healthy ones are peers."""
+keeps the last good peer set. Every listed peer is health-checked each round; a healthy one becomes a peer, and a
+peer leaves the set after failing FAILED_ROUNDS rounds in a row (one missed check on a busy host, a few seconds of
+a node loading a model, would otherwise end every request that crosses it)."""
 import asyncio
 import os
 from typing import Callable, Dict, List, Optional
@@ -13,6 +15,7 @@ from exo.networking.peer_handle import PeerHandle
 from exo.topology.device_capabilities import DeviceCapabilities
 
 DESCRIPTION = "MAN"
+FAILED_ROUNDS = 2
 
 
 class NodeNotInConfigError(ValueError):
@@ -28,6 +31,7 @@ class ManualDiscovery(Discovery):
     self.poll_interval = poll_interval
     self.known_peers: Dict[str, PeerHandle] = {}  # healthy: the peer set
     self._handles: Dict[str, PeerHandle] = {}  # one handle per listed peer, reused between rounds
+    self._failed: Dict[str, int] = {}  # peers' failed rounds in a row
     self._peers_config: Dict[str, PeerConfig] = {}
     self._config_mtime: Optional[float] = None
     self._task: Optional[asyncio.Task] = None
@@ -74,7 +78,9 @@ class ManualDiscovery(Discovery):
     handles = {peer_id: self._handle_for(peer_id, peer) for peer_id, peer in configured.items()}
     healthy = await asyncio.gather(*[h.health_check() for h in handles.values()])
     statuses = dict(zip(handles, healthy))
-    next_peers = {peer_id: handle for peer_id, handle in handles.items() if statuses[peer_id]}
+    self._failed = {peer_id: 0 if statuses[peer_id] else self._failed.get(peer_id, 0) + 1 for peer_id in handles}
+    next_peers = {peer_id: handle for peer_id, handle in handles.items()
+                  if statuses[peer_id] or (peer_id in self.known_peers and self._failed[peer_id] < FAILED_ROUNDS)}
     for peer_id in [p for p in self.known_peers if p not in next_peers]:
       # Gone unhealthy: the node disconnects the handle it was given; probe with a fresh one from now on.
       self._handles.pop(peer_id, None)
