@@ -9,6 +9,7 @@ import threading
 import time
 
 import urllib.request
+import numpy as np
 import openai
 import pytest
 
@@ -25,7 +26,7 @@ from exo.orchestration.node import Node
 from exo.orchestration.requests import QUEUED_KEPT, QUEUED_KEPT_S, RequestRegistry, Status
 from exo.topology.device_capabilities import DeviceCapabilities
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
-from tests.support.api_server import ApiServer, openai_client, shared_server
+from tests.support.api_server import ApiServer, eventually, openai_client, shared_server
 from tests.support.checkpoints import install_random_model
 
 DUMMY = Shard("dummy", 0, 0, 8)
@@ -150,6 +151,37 @@ async def test_a_preload_holds_the_gate_while_it_loads_but_not_while_it_download
     await request
     assert node.model_gate.serving == DUMMY.model_id and node.model_gate.holders == {"r"}
     assert not node.model_gate.hold_if_idle("another-preload", "llama-3.2-1b")  # and none starts while "r" holds it
+  finally:
+    await node.stop()
+
+
+class RecordingEngine(DummyInferenceEngine):
+  def __init__(self):
+    super().__init__()
+    self.passes = []
+
+  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
+    self.passes.append((request_id, shard.model_id))
+    return await super().infer_tensor(request_id, shard, input_data, inference_state)
+
+
+async def test_every_message_of_a_request_waits_for_its_turn_at_the_gate():
+  """While a request waits for the gate (another model is being served), a second message of it (a resend, a
+  peer's duplicate) must wait too: run at once, it would load its model under the requests that hold the gate."""
+  engine = RecordingEngine()
+  node = Node("solo", None, engine, NoDiscovery(), NoopShardDownloader(), partitioning_strategy=RingMemoryWeightedPartitioningStrategy())
+  await node.start()
+  try:
+    await node.model_gate.enter("holder", "another-model")
+    first = asyncio.ensure_future(node.process_tensor(DUMMY, np.array([[1]]), "r"))
+    await eventually(lambda: node.requests.get("r") is not None and node.requests.get("r").model is not None)  # in line
+    second = asyncio.ensure_future(node.process_tensor(DUMMY, np.array([[2]]), "r"))
+    for _ in range(20):  # let the second message go as far as it would
+      await asyncio.sleep(0)
+    assert engine.passes == [] and not first.done() and not second.done()
+    node.model_gate.leave("holder")
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert engine.passes and all(p == ("r", DUMMY.model_id) for p in engine.passes)
   finally:
     await node.stop()
 

@@ -343,8 +343,7 @@ class Node(RingMember):
     if request is None:  # a hop still in flight when the request ended: going on would revive it
       return None
     try:
-      if request.model is None:  # its first work here
-        await self._enter(request, shard)
+      await self._enter(request, shard)
       prefix = (inference_state or {}).get("prefix")
       if prefix is not None and not await self._start_from_prefix(shard, request, checked_prefix(prefix)):
         return None
@@ -358,11 +357,15 @@ class Node(RingMember):
     return None
 
   async def _enter(self, request: Request, shard: Shard) -> None:
-    """Wait until this node's engine serves the request's model (see ModelGate)."""
-    request.model = shard.model_id
-    request.ring = request.ring or self.ring_ids()
+    """Wait until this node's engine serves the request's model (see ModelGate). Every message of the request
+    waits for its one turn: a second one that arrives while the first still waits must not run on the engine
+    (it would load the model under the requests that hold the gate)."""
+    if request.admitted is None:  # its first work here
+      request.model = shard.model_id
+      request.ring = request.ring or self.ring_ids()
+      request.admitted = asyncio.ensure_future(self.model_gate.enter(request.id, shard.model_id))
     try:
-      await self.model_gate.enter(request.id, shard.model_id)
+      await asyncio.shield(request.admitted)
     except LeftTheLine:
       raise RequestEnded(request.id) from None
     request.advance(Status.PREFILLING)

@@ -57,6 +57,7 @@ class Request:
   origin: Optional[str] = None  # the node whose client asked (None for requests from upstream nodes)
   status: Status = Status.QUEUED
   model: Optional[str] = None  # the model it runs on here, once it has work here
+  admitted: Optional[object] = None  # the asyncio task of its turn at the model gate here, once it has asked
   ring: Tuple[str, ...] = ()  # ids of the ring's nodes when it started here: the nodes it needs
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
   prompt_tokens: int = 0  # its prompt's length, where known (on the node with the first layers)
