@@ -99,21 +99,25 @@ class Cluster:
     return self
 
   async def _wait_ready(self, limit: float = 180.0) -> None:
+    """Until every node sees all of them with the same capabilities: the layer split is computed from those, and
+    a node whose view of a peer is still the discovery file's would ask it for other layers (which it refuses)."""
     deadline = time.monotonic() + limit
     async with aiohttp.ClientSession() as session:
-      for port in self.api_ports:
-        while True:
-          if any(p.poll() is not None for p in self.procs):
-            raise RuntimeError(f"an exo process exited; see logs in {self.log_dir}")
+      while True:
+        if any(p.poll() is not None for p in self.procs):
+          raise RuntimeError(f"an exo process exited; see logs in {self.log_dir}")
+        views = []
+        for port in self.api_ports:
           try:
             async with session.get(f"http://127.0.0.1:{port}/v1/topology") as r:
-              if r.status == 200 and len((await r.json())["nodes"]) == self.nodes:
-                break
+              views.append((await r.json())["nodes"] if r.status == 200 else None)
           except aiohttp.ClientError:
-            pass
-          if time.monotonic() > deadline:
-            raise RuntimeError(f"cluster not ready after {limit} s; see logs in {self.log_dir}")
-          await asyncio.sleep(0.25)
+            views.append(None)
+        if all(view is not None and len(view) == self.nodes and view == views[0] for view in views):
+          return
+        if time.monotonic() > deadline:
+          raise RuntimeError(f"cluster not ready after {limit} s; see logs in {self.log_dir}")
+        await asyncio.sleep(0.25)
 
   def peer_port(self, i: int, grpc_port: int) -> int:
     """The port the other nodes reach node i at (bench/machines.py puts a relay there)."""
