@@ -143,9 +143,8 @@ async def test_a_preload_holds_the_gate_while_it_loads_but_not_while_it_download
     node.model_gate.leave("during-download")
     downloader.download.cue.set()
     await engine.load.started.wait()
+    assert not node.model_gate.idle_for(DUMMY.model_id) and node.model_gate.serving == "llama-3.2-1b"  # enter waits
     request = asyncio.ensure_future(node.model_gate.enter("r", DUMMY.model_id))
-    await asyncio.sleep(0)
-    assert not request.done() and node.model_gate.serving == "llama-3.2-1b"
     engine.load.cue.set()
     await preload
     await request
@@ -165,6 +164,25 @@ class RecordingEngine(DummyInferenceEngine):
     return await super().infer_tensor(request_id, shard, input_data, inference_state)
 
 
+def run_until_it_waits(coro) -> asyncio.Future:
+  """Run `coro` here and now up to its first wait on a future (no scheduling in between); a task goes on from there."""
+  async def rest(waiting):
+    while True:
+      if waiting is not None:
+        await asyncio.wait([waiting])
+      try:
+        waiting = coro.send(None)
+      except StopIteration as stop:
+        return stop.value
+  try:
+    waiting = coro.send(None)
+  except StopIteration as stop:
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(stop.value)
+    return done
+  return asyncio.ensure_future(rest(waiting))
+
+
 async def test_every_message_of_a_request_waits_for_its_turn_at_the_gate():
   """While a request waits for the gate (another model is being served), a second message of it (a resend, a
   peer's duplicate) must wait too: run at once, it would load its model under the requests that hold the gate."""
@@ -175,9 +193,7 @@ async def test_every_message_of_a_request_waits_for_its_turn_at_the_gate():
     await node.model_gate.enter("holder", "another-model")
     first = asyncio.ensure_future(node.process_tensor(DUMMY, np.array([[1]]), "r"))
     await eventually(lambda: node.requests.get("r") is not None and node.requests.get("r").model is not None)  # in line
-    second = asyncio.ensure_future(node.process_tensor(DUMMY, np.array([[2]]), "r"))
-    for _ in range(20):  # let the second message go as far as it would
-      await asyncio.sleep(0)
+    second = run_until_it_waits(node.process_tensor(DUMMY, np.array([[2]]), "r"))  # as far as it goes now
     assert engine.passes == [] and not first.done() and not second.done()
     node.model_gate.leave("holder")
     await asyncio.wait_for(asyncio.gather(first, second), 10)
