@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 import time
+from typing import Optional
 
 import aiohttp
 import grpc
@@ -24,6 +25,7 @@ from exo.networking.grpc.grpc_server import GRPCServer
 from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.orchestration.generation import GenerationError, generate
 from exo.orchestration.node import Node
+from exo.orchestration.requests import Status
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from tests.support.cluster import QUESTION, TOKEN_LINE, Cluster, ExoProcess, chat, free_port, node_args, tokens_of, wait_for_ring, write_manual_config
 
@@ -138,9 +140,9 @@ class SlowDummyEngine(DummyInferenceEngine):
     return await super().infer_tensor(request_id, shard, input_data, inference_state)
 
 
-async def start_inprocess_node(node_id: str, port: int, config) -> Node:
+async def start_inprocess_node(node_id: str, port: int, config, engine: Optional[DummyInferenceEngine] = None) -> Node:
   discovery = ManualDiscovery(str(config), node_id, GRPCPeerHandle, poll_interval=0.2)
-  node = Node(node_id, None, SlowDummyEngine(0.4), discovery, NoopShardDownloader(), RingMemoryWeightedPartitioningStrategy())
+  node = Node(node_id, None, engine or SlowDummyEngine(0.4), discovery, NoopShardDownloader(), RingMemoryWeightedPartitioningStrategy())
   node.server = GRPCServer(node, "127.0.0.1", port)
   await node.start()
   return node
@@ -171,6 +173,56 @@ async def test_a_node_joining_mid_generation_ends_the_request_with_an_error_and_
     assert hop_count() == settled, "the failed request is still going round the ring"
     assert all("mid-join" not in node.outstanding_requests for node in nodes)
   finally:
+    await asyncio.gather(*[node.stop() for node in nodes])
+
+
+class HeldDummyEngine(SlowDummyEngine):
+  """SlowDummyEngine whose hops wait, once `held` is cleared, until it is set again; `waiting` counts those waiting."""
+
+  def __init__(self, hop_s: float):
+    super().__init__(hop_s)
+    self.held, self.waiting = asyncio.Event(), 0
+    self.held.set()
+
+  async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
+    result = await super().infer_tensor(request_id, shard, input_data, inference_state)
+    self.waiting += 1
+    try:
+      await self.held.wait()
+    finally:
+      self.waiting -= 1
+    return result
+
+
+async def test_a_node_dropped_from_the_ring_while_it_still_runs_hears_that_its_requests_failed(tmp_path):
+  """a stops counting b as a peer (here: b leaves a's discovery file; in life: missed health checks) while b, still
+  up and seeing a, waits for a's next hop of a request. a fails the request, and no later status of a's reaches a
+  node that is not its peer: b would keep that request (and its KV) for good. a tells it on the way out."""
+  ports = {"a": free_port(), "b": free_port()}
+  config_a = write_manual_config(tmp_path / "peers-a.json", ports)
+  config_b = write_manual_config(tmp_path / "peers-b.json", ports)
+  nodes = [await start_inprocess_node("a", ports["a"], config_a, HeldDummyEngine(0.1)), await start_inprocess_node("b", ports["b"], config_b)]
+  engine_a = nodes[0].inference_engine
+  try:
+    await wait_for_ring(ports, 20)
+    stream = generate(nodes[0], Shard("dummy", 0, 0, 8), "hello", request_id="dropped-b", timeout=30)
+    assert (await anext(stream))[0] == [2]
+    engine_a.held.clear()
+    deadline = time.monotonic() + 10
+    while not engine_a.waiting and time.monotonic() < deadline:  # the request's next hop is held at a; b waits for it
+      await asyncio.sleep(0.05)
+    assert engine_a.waiting and nodes[1].requests.is_live("dropped-b")
+    write_manual_config(config_a, {"a": ports["a"]})
+    with pytest.raises(GenerationError, match="node b at .* left the ring during the request"):
+      async for _ in stream:
+        pass
+    deadline = time.monotonic() + 5
+    while nodes[1].requests.is_live("dropped-b") and time.monotonic() < deadline:
+      await asyncio.sleep(0.05)
+    assert nodes[1].requests.ended("dropped-b") is Status.FAILED
+    assert [p.id() for p in nodes[1].peers] == ["a"]  # b never lost sight of a: only a's word ended the request there
+  finally:
+    engine_a.held.set()
     await asyncio.gather(*[node.stop() for node in nodes])
 
 

@@ -37,7 +37,7 @@ from exo.orchestration.acceptance import accept
 from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.model_gate import LeftTheLine, ModelGate
 from exo.orchestration.requests import Request, RequestEnded, RequestEvent, RequestRegistry, Status
-from exo.orchestration.ring_member import RingMember
+from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S, RingMember
 from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
 
@@ -507,12 +507,30 @@ class Node(RingMember):
       # with an error now rather than leave their clients waiting for tokens that will not come.
       gone = {p.id(): p for p in removed}
       why = f"the ring changed during the request (joined {[p.id() for p in added]}, left {list(gone)}, moved {[p.id() for p in moved]})"
+      errors_for: Dict[str, List[Tuple[str, str]]] = {}  # per node that left: (request id, its request_error status)
       for request in self.requests:
         lost = [gone[n] for n in request.ring if n in gone]
         if request.ring and not lost and not added and not any(p.id() in request.ring for p in moved):
           continue  # it never needed the nodes that changed
-        self.spawn(self.fail_request(request.id, f"node {lost[0].id()} at {lost[0].addr()} left the ring during the request" if lost else why))
+        message = f"node {lost[0].id()} at {lost[0].addr()} left the ring during the request" if lost else why
+        self.spawn(self.fail_request(request.id, message))
+        for peer in lost:
+          errors_for.setdefault(peer.id(), []).append((request.id, statuses.request_error(request.id, message)))
+      for peer_id, errors in errors_for.items():
+        self.spawn(self._tell_departed(gone[peer_id], errors))
     return changed
+
+  async def _tell_departed(self, peer, errors: List[Tuple[str, str]]) -> None:
+    """A node that left this node's ring (it may only have missed health checks) may still hold the requests
+    that crossed it, which no later status reaches: tell it they failed, best effort, then close the channel."""
+    try:
+      for request_id, status in errors:
+        await asyncio.wait_for(peer.send_opaque_status(request_id, status), PEER_CALL_TIMEOUT_S)
+    except Exception as e:
+      if DEBUG >= 1:
+        print(f"Could not tell departed node {peer.id()} that its requests failed: {e!r}")
+    finally:
+      await peer.disconnect()
 
   async def _watch_peers(self) -> None:
     """Health-check the peers live requests need; a dead one ends them, with an error naming it."""
@@ -522,7 +540,7 @@ class Node(RingMember):
       peers = [p for p in self.peers if p.id() in needed]
       healthy = await asyncio.gather(*[p.health_check() for p in peers], return_exceptions=True)
       for peer, ok in zip(peers, healthy):
-        if ok is True:
+        if ok is True or peer not in self.peers:  # one that left the ring meanwhile: update_peers ends its requests
           continue
         for request in self.requests:
           if peer.id() in request.ring:

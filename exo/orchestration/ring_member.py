@@ -125,9 +125,9 @@ class RingMember:
           print(f"Failed to connect peers: {peer.id()}@{peer.addr()}: {e!r}")
         return False
 
+    self.peers = list(following.values())  # first: from here on, a call to a peer that left fails as one that left
     await asyncio.gather(*[disconnect(p) for p in removed + [current[p.id()] for p in moved]])
     await asyncio.gather(*[connect(p) for p in next_peers])
-    self.peers = list(following.values())
     if removed or added or moved or set(self.peer_hosts) != set(following):
       self.peer_hosts = {p.id(): await self._hosts_of(p) for p in self.peers}
       self.peer_engines = {pid: engines for pid, engines in self.peer_engines.items() if pid in following}
