@@ -32,7 +32,7 @@ from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from tests.support.api_server import eventually
 from tests.support.cluster import free_port, wait_for_ring, write_manual_config
-from tests.support.engines import cached_weights, check_prefix_copy_matches_computed, load_engine
+from tests.support.engines import cached_weights, check_prefix_copy_matches_computed, load_engine, load_engine_async
 from tests.support.models import smollm2_shard
 
 SYSTEM = "You are a careful assistant. You answer in one short sentence and never use lists. " * 3
@@ -153,6 +153,16 @@ def engine(downloader):
 
 async def test_a_copied_prefix_gives_the_logits_of_one_computed_whole(engine):
   await check_prefix_copy_matches_computed(engine)
+
+
+async def test_a_prefix_start_loads_its_shard_first(downloader, monkeypatch):
+  """A request's first message at a node after the first starts from a prefix before any step: on a node whose
+  engine still held another shard, it used to fail ("the engine now holds ...") instead of loading its own."""
+  monkeypatch.setattr(llama_engine, "load_shard_weights", cached_weights)
+  other = await load_engine_async(NumpyDynamicShardInferenceEngine, downloader, smollm2_shard(15))
+  wanted = smollm2_shard(0, 14)
+  assert await other.start_from_prefix("first-message", wanted, block_keys(wanted.model_id, np.arange(2 * BLOCK)[None]), BLOCK) == 0
+  assert other.shard == wanted and "first-message" not in other.caches
 
 
 @contextlib.contextmanager

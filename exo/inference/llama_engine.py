@@ -160,7 +160,9 @@ class LlamaShardEngine(InferenceEngine):
 
   async def start_from_prefix(self, request_id: str, shard: Shard, keys: List[str], limit: int) -> int:
     """Begin the request's KV cache afresh (any it holds is dropped) with the longest cached prefix of `keys`, its
-    prompt's block keys, of at most `limit` positions. Returns the positions it starts with (0: none held)."""
+    prompt's block keys, of at most `limit` positions. Returns the positions it starts with (0: none held). A
+    request's first message at a node may be this call, not a step: the shard is loaded first, as for a step."""
+    await self.ensure_shard(shard)
     return await self._run(self._start_from_prefix, request_id, shard, keys, limit)
 
   def _start_from_prefix(self, request_id: str, shard: Shard, keys: List[str], limit: int) -> int:
