@@ -364,6 +364,8 @@ class Node(RingMember):
       request.model = shard.model_id
       request.ring = request.ring or self.ring_ids()
       request.admitted = asyncio.ensure_future(self.model_gate.enter(request.id, shard.model_id))
+      # Its waiters may all be gone (cancelled) when it ends in an error: that error is no one's to log.
+      request.admitted.add_done_callback(lambda admitted: admitted.cancelled() or admitted.exception())
     try:
       await asyncio.shield(request.admitted)
     except LeftTheLine:
