@@ -23,6 +23,7 @@ from exo.networking.grpc.codec import encode_tensor
 from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
 from exo.networking.grpc.grpc_server import GRPCServer
 from exo.networking.manual.manual_discovery import ManualDiscovery
+from exo.orchestration import statuses
 from exo.orchestration.generation import GenerationError, generate
 from exo.orchestration.node import Node
 from exo.orchestration.requests import Status
@@ -177,20 +178,18 @@ async def test_a_node_joining_mid_generation_ends_the_request_with_an_error_and_
 
 
 class HeldDummyEngine(SlowDummyEngine):
-  """SlowDummyEngine whose hops wait, once `held` is cleared, until it is set again; `waiting` counts those waiting."""
+  """SlowDummyEngine whose hops wait, once `held` is cleared, until it is set again; `holding` is set when one does."""
 
   def __init__(self, hop_s: float):
     super().__init__(hop_s)
-    self.held, self.waiting = asyncio.Event(), 0
+    self.held, self.holding = asyncio.Event(), asyncio.Event()
     self.held.set()
 
   async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
     result = await super().infer_tensor(request_id, shard, input_data, inference_state)
-    self.waiting += 1
-    try:
+    if not self.held.is_set():
+      self.holding.set()
       await self.held.wait()
-    finally:
-      self.waiting -= 1
     return result
 
 
@@ -202,23 +201,22 @@ async def test_a_node_dropped_from_the_ring_while_it_still_runs_hears_that_its_r
   config_a = write_manual_config(tmp_path / "peers-a.json", ports)
   config_b = write_manual_config(tmp_path / "peers-b.json", ports)
   nodes = [await start_inprocess_node("a", ports["a"], config_a, HeldDummyEngine(0.1)), await start_inprocess_node("b", ports["b"], config_b)]
-  engine_a = nodes[0].inference_engine
+  engine_a, told_b = nodes[0].inference_engine, asyncio.Event()
+  # b's observers run after b has acted on a status
+  nodes[1].on_opaque_status.register("test").on_next(
+    lambda request_id, raw: request_id == "dropped-b" and json.loads(raw).get("type") == statuses.REQUEST_ERROR and told_b.set())
   try:
     await wait_for_ring(ports, 20)
     stream = generate(nodes[0], Shard("dummy", 0, 0, 8), "hello", request_id="dropped-b", timeout=30)
     assert (await anext(stream))[0] == [2]
     engine_a.held.clear()
-    deadline = time.monotonic() + 10
-    while not engine_a.waiting and time.monotonic() < deadline:  # the request's next hop is held at a; b waits for it
-      await asyncio.sleep(0.05)
-    assert engine_a.waiting and nodes[1].requests.is_live("dropped-b")
+    await asyncio.wait_for(engine_a.holding.wait(), 10)  # the request's next hop is held at a; b waits for it
+    assert nodes[1].requests.is_live("dropped-b")
     write_manual_config(config_a, {"a": ports["a"]})
     with pytest.raises(GenerationError, match="node b at .* left the ring during the request"):
       async for _ in stream:
         pass
-    deadline = time.monotonic() + 5
-    while nodes[1].requests.is_live("dropped-b") and time.monotonic() < deadline:
-      await asyncio.sleep(0.05)
+    await asyncio.wait_for(told_b.wait(), 5)
     assert nodes[1].requests.ended("dropped-b") is Status.FAILED
     assert [p.id() for p in nodes[1].peers] == ["a"]  # b never lost sight of a: only a's word ended the request there
   finally:
