@@ -42,7 +42,7 @@ class DecodeRun:
     self.slab, self.slot, self.first, self.ends = slab, slot, first, ends  # ends: positions each row sees
     self.width = int(ends.max())
     hidden = np.arange(self.width)[None, :] >= ends[:, None]
-    self.mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
+    self.mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, :]  # over (query head, row, KV head, position)
 
   @property
   def cost(self) -> int:  # cached positions read
@@ -56,13 +56,17 @@ class DecodeRun:
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
     keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
-    scores = np.matmul(q[rows].reshape(n, n_kv, n_heads // n_kv, hd), keys.swapaxes(-1, -2))
+    # Each query head a column of its own: numpy hands a product whose last dimension is 1 to sgemv. A KV head's 3
+    # query heads as one 3-row sgemm cost more to set up than to compute: for 64 requests of 131 positions, QK and
+    # PV took 3.8 ms a layer that way, 2.5 ms as matrix-vector products.
+    queries = q[rows].reshape(n, n_kv, n_heads // n_kv, hd).transpose(2, 0, 1, 3)[..., None]  # (group, n, kv heads, head dim, 1)
+    scores = np.matmul(keys, queries)[..., 0]  # (group, n, kv heads, width)
     scores += self.mask
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    out = np.matmul(scores, values)
+    out = np.matmul(values.swapaxes(-1, -2), scores[..., None])[..., 0]  # (group, n, kv heads, head dim)
     out /= scores.sum(axis=-1, keepdims=True)
-    attn[rows] = out.reshape(n, n_heads * hd)
+    attn[rows] = out.transpose(1, 2, 0, 3).reshape(n, n_heads * hd)
 
 
 class PromptChunk:
