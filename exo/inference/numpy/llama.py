@@ -25,8 +25,8 @@ PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-  """x: (rows, d). Its two norms a layer run between the cores' slices, on one core: the sum of squares in one pass
-  and one temporary (64 rows: 9.5 ms a step against 13.9 with x * x and a mean)."""
+  """x: (rows, d). A layer's two norms run on one core between the cores' slices, so they are kept lean: the sum of
+  squares in one pass and one temporary (64 rows: 9.5 ms a step against 13.9 with x * x and a mean)."""
   scale = 1.0 / np.sqrt(np.einsum("ij,ij->i", x, x) * (1.0 / x.shape[-1]) + eps)
   out = np.multiply(x, weight)
   out *= scale[:, None]
@@ -62,8 +62,8 @@ class DecodeRun:
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
     keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
     # Each query head a column of its own: numpy hands a product whose last dimension is 1 to sgemv. A KV head's 3
-    # query heads as one 3-row sgemm cost more to set up than to compute: for 64 requests of 131 positions, QK and
-    # PV took 3.8 ms a layer that way, 2.5 ms as matrix-vector products.
+    # query heads as one 3-row sgemm cost more to set up than to compute: for 64 requests of 131 positions, a layer's
+    # attention took 3.8 ms on one core that way, 2.5 ms as matrix-vector products.
     queries = q[rows].reshape(n, n_kv, n_heads // n_kv, hd).transpose(2, 0, 1, 3)[..., None]  # (group, n, kv heads, head dim, 1)
     scores = np.matmul(keys, queries)[..., 0]  # (group, n, kv heads, width)
     scores += self.mask
