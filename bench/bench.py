@@ -150,6 +150,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, max_
   sent = record["sent"] = time.perf_counter()
   times = record["times"] = []
   text = record["text_parts"] = []
+  usage = None  # with stream_options include_usage: the last chunk's
   async with session.post(url, json=body) as response:
     if response.status != 200:
       raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
@@ -157,12 +158,13 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, max_
       if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
         continue
       chunk = json.loads(line[6:])
+      usage = chunk.get("usage") or usage
       choice = chunk["choices"][0] if chunk.get("choices") else None
       if choice is None:
         continue
       times.append(time.perf_counter())
       text.append((choice.get("delta") or {}).get("content") or "")
-  return {"sent": sent, "times": times, "text": "".join(text)}
+  return {"sent": sent, "times": times, "text": "".join(text), "usage": usage}
 
 
 def pct(values: List[float], q: float) -> float:
@@ -211,21 +213,28 @@ async def interference(url: str, streams: int, long_prompt_tokens: int, max_toke
           "worst_gap_over_median": max(ratios) if ratios else float("nan"), "newcomer_ttft_s": late["times"][0] - late["sent"]}
 
 
-def model_flops_per_token(prompt_tokens: int, tokens: int) -> float:
-  """The arithmetic of one generated token's forward pass, averaged over a stream: 2 FLOPs per weight of every layer
-  and of the head, plus attention (4 FLOPs per head dimension per cached position per head per layer) at the
-  stream's mean context. The prompt's forward passes are not counted, as in the figure the issue quotes."""
+def model_arithmetic() -> Dict[str, int]:
+  """SmolLM2's sizes for counting FLOPs: the layers' weights (norms aside), the head's, and attention's FLOPs per
+  position a row sees (4 per head dimension per head per layer: the scores and the weighted sum)."""
   from exo.download.shard_download import embedded_model_path
   from exo.inference.weights import gguf_reader
   reader = gguf_reader(str(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")))
   field = lambda key: reader.fields[key].contents()
   sizes = {t.name: int(np.prod(t.shape)) for t in reader.tensors}
-  layer_weights = sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight") and not name.endswith("norm.weight"))
-  head = sizes.get("output.weight", sizes["token_embd.weight"])
-  layers, heads = field("llama.block_count"), field("llama.attention.head_count")
-  head_dim = field("llama.embedding_length") // heads
+  heads = field("llama.attention.head_count")
+  figures = {"layer_weights": sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight") and not name.endswith("norm.weight")),
+             "head": sizes.get("output.weight", sizes["token_embd.weight"]),
+             "attention_per_position": 4 * field("llama.block_count") * heads * (field("llama.embedding_length") // heads)}
   gguf_reader.cache_clear()
-  return 2 * (layer_weights + head) + 4 * layers * heads * head_dim * (prompt_tokens + tokens / 2)
+  return figures
+
+
+def model_flops_per_token(prompt_tokens: int, tokens: int) -> float:
+  """The arithmetic of one generated token's forward pass, averaged over a stream: 2 FLOPs per weight of every layer
+  and of the head, plus attention at the stream's mean context. The prompt's forward passes are not counted, as in
+  the figure the issue quotes."""
+  m = model_arithmetic()
+  return 2 * (m["layer_weights"] + m["head"]) + m["attention_per_position"] * (prompt_tokens + tokens / 2)
 
 
 def sgemm_peak() -> float:

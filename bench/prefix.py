@@ -7,8 +7,10 @@ Two cases, each run with the prefix cache off (EXO_PREFIX_CACHE=0) and on, takin
 - chat: one eight-turn conversation, as tinychat holds it: each turn sends the whole conversation so far (about
   150 new prompt tokens a turn, the model's streamed answers of 16 tokens included). Reported: TTFT at each turn,
   the prompt positions each turn took from the cache (GET /v1/state), and turn 8 / turn 1 (target: <= 1.5x with
-  the cache, on one node and on the ring). With `llama-server` on PATH it runs beside, on the same GGUF, as the
-  reference a user would compare with.
+  the cache, on one node and on the ring), beside the same ratio of the arithmetic each turn did (its new
+  positions through the weights, each attending to every position up to its own): what TTFT would show if
+  attention ran as fast per FLOP as the weight products. With `llama-server` on PATH it runs beside, on the same
+  GGUF, as the reference a user would compare with.
 - shared: 16 users whose conversations share one 600-token system prompt, sent at once (N=16), after one
   earlier user's request with that system prompt. Reported: TTFT p50 of the 16 (target: cache on <= 1/3 of off).
 Greedy answers must be the same with the cache on and off; the script checks them. Batching is on (16 requests per
@@ -30,7 +32,7 @@ import aiohttp
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from bench import MODEL, ROOT, WORDS, Cluster, free_port, pct, stream_one  # noqa: E402
+from bench import MODEL, ROOT, WORDS, Cluster, free_port, model_arithmetic, pct, stream_one  # noqa: E402
 
 TURNS = 8
 TURN_WORDS = 120  # about 150 prompt tokens a turn, with the template
@@ -44,8 +46,15 @@ def text(words: int, salt: int) -> str:
 
 
 async def ask(session: aiohttp.ClientSession, url: str, messages: List[dict], model: str = MODEL) -> dict:
-  result = await stream_one(session, url, "", ANSWER_TOKENS, {"messages": messages, "model": model})
-  return {"ttft": result["times"][0] - result["sent"], "text": result["text"]}
+  result = await stream_one(session, url, "", ANSWER_TOKENS, {"messages": messages, "model": model, "stream_options": {"include_usage": True}})
+  return {"ttft": result["times"][0] - result["sent"], "text": result["text"], "prompt_tokens": (result["usage"] or {}).get("prompt_tokens")}
+
+
+def prefill_flops(m: Dict[str, int], reused: int, new: int) -> float:
+  """A prompt's forward pass from position `reused` on: every new row through the layers' weights and attending
+  to all positions up to its own, the last one through the head."""
+  seen = new * reused + new * (new + 1) // 2
+  return 2 * m["layer_weights"] * new + m["attention_per_position"] * seen + 2 * m["head"]
 
 
 async def reused_positions(session: aiohttp.ClientSession, url: str) -> Optional[int]:
@@ -59,7 +68,7 @@ async def reused_positions(session: aiohttp.ClientSession, url: str) -> Optional
 
 async def chat_case(url: str, salt: int, model: str = MODEL) -> dict:
   """One eight-turn conversation; each turn's answer goes into the next turn's prompt."""
-  messages, ttfts, answers, reused = [], [], [], []
+  messages, ttfts, answers, reused, prompts = [], [], [], [], []
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
     before = await reused_positions(session, url)
     for turn in range(TURNS):
@@ -67,11 +76,17 @@ async def chat_case(url: str, salt: int, model: str = MODEL) -> dict:
       reply = await ask(session, url, messages, model)
       ttfts.append(reply["ttft"])
       answers.append(reply["text"])
+      prompts.append(reply["prompt_tokens"])
       messages.append({"role": "assistant", "content": reply["text"]})
       after = await reused_positions(session, url)
       reused.append(None if after is None else after - before)
       before = after
-  return {"ttft": ttfts, "answers": answers, "reused": reused, "turn8_over_turn1": ttfts[-1] / ttfts[0]}
+  result = {"ttft": ttfts, "answers": answers, "reused": reused, "prompt_tokens": prompts, "turn8_over_turn1": ttfts[-1] / ttfts[0]}
+  if None not in prompts and None not in reused:  # turn 8's arithmetic over turn 1's: what equal rates per FLOP would give
+    m = model_arithmetic()
+    flops = [prefill_flops(m, r, p - r) for r, p in zip(reused, prompts)]
+    result["arithmetic_turn8_over_turn1"] = flops[-1] / flops[0]
+  return result
 
 
 async def shared_case(url: str, salt: int) -> dict:
@@ -164,6 +179,7 @@ async def main() -> None:
             parts.append("chat TTFT " + " ".join(f"{t:.2f}" for t in row["chat"]["ttft"]) + f" s (turn 8 / 1 = {row['chat']['turn8_over_turn1']:.2f}x)")
             if cache:
               parts.append("positions reused by turn " + " ".join(str(n) for n in row["chat"]["reused"]))
+              parts.append("prompt tokens " + " ".join(str(n) for n in row["chat"]["prompt_tokens"]))
           if "shared" in row:
             parts.append(f"shared prompt N={USERS} TTFT p50 {row['shared']['ttft_p50']:.2f} s")
           print("  " + "; ".join(parts), flush=True)
@@ -184,6 +200,9 @@ async def main() -> None:
         ratios = [r["chat"]["turn8_over_turn1"] for r in runs[cache]]
         print(f"  chat, cache {'on ' if cache else 'off'}: TTFT by turn {' '.join(f'{t:.2f}' for t in turns)} s; "
               f"turn 8 / turn 1 = {statistics.median(ratios):.2f}x (median of {', '.join(f'{x:.2f}x' for x in ratios)})")
+        arithmetic = [r["chat"]["arithmetic_turn8_over_turn1"] for r in runs[cache] if "arithmetic_turn8_over_turn1" in r["chat"]]
+        if arithmetic:  # the positions each turn computed, counted in FLOPs: the ratio at equal rates per FLOP
+          print(f"    the arithmetic of the positions computed, turn 8 / turn 1 = {statistics.median(arithmetic):.2f}x")
     if "shared" in args.cases:
       pairs = [(on["shared"]["ttft_p50"], off["shared"]["ttft_p50"]) for on, off in zip(runs[True], runs[False])]
       ratios = [a / b for a, b in pairs]
