@@ -13,6 +13,7 @@ machine's sgemm peak measured in the same run (bench/products.py), and their rat
 """
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -213,6 +214,7 @@ async def interference(url: str, streams: int, long_prompt_tokens: int, max_toke
           "worst_gap_over_median": max(ratios) if ratios else float("nan"), "newcomer_ttft_s": late["times"][0] - late["sent"]}
 
 
+@functools.lru_cache(maxsize=1)  # parsing the GGUF's metadata takes seconds; the prefix bench asks once a conversation
 def model_arithmetic() -> Dict[str, int]:
   """SmolLM2's sizes for counting FLOPs: the layers' weights (norms aside), the head's, and attention's FLOPs per
   position a row sees (4 per head dimension per head per layer: the scores and the weighted sum)."""
