@@ -265,6 +265,43 @@ def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
   assert len(costs) == 2 and max(costs) <= 1.1 * min(costs), "the cores read about as many cached positions each"
 
 
+@pytest.mark.parametrize("scale", [0.05, 3.0, -3.0])
+def test_attention_equals_a_float64_softmax_whatever_the_scores(scale):
+  """Attention takes exp(score) unshifted while that is exact and shifts by each row's max otherwise. Scores of
+  +-190 (every key along the query's direction) overflow exp, or make every weight of a row underflow, unshifted:
+  decode runs and prompt chunks (a long cached prefix, rows in several tiles, a causal part) still equal a float64
+  softmax over each row's own positions."""
+  from exo.inference.numpy import llama
+  from exo.inference.numpy.cache import KVCache, KVPool
+  n_kv, group, hd = 2, 3, 64
+  rng = np.random.default_rng(1)
+  pool = KVPool(n_layers=1, n_kv_heads=n_kv, head_dim=hd, positions=1024)
+  caches = [KVCache(pool) for _ in range(3)]  # the decode rows read slots 0-2, the prompt chunk slot 1
+  direction = np.ones(hd, dtype=np.float32)
+  for cache in caches:
+    cache.data[0, 0] = direction + 0.2 * rng.standard_normal((n_kv, pool.positions, hd), dtype=np.float32)
+    cache.data[0, 1] = rng.standard_normal((n_kv, pool.positions, hd), dtype=np.float32)
+  rows, start, n = 3 + 150, 200, 150  # three decode rows, then a prompt chunk of 150 rows after 200 cached positions
+  q = (scale * direction + rng.standard_normal((rows, n_kv * group, hd), dtype=np.float32)).astype(np.float32)
+  ends = np.array([300, 260, 280])  # positions each decode row sees
+  attn = np.zeros((rows, n_kv * group * hd), dtype=np.float32)
+  slab, first_slot = pool.where(caches[0].slot)
+  llama.DecodeRun(slab, first_slot, 0, ends).attend(0, q, attn, n_kv)
+  llama.PromptChunk(*pool.where(caches[1].slot), 3, start, n).attend(0, q, attn, n_kv)
+
+  def expected(cache, row, seen):
+    keys, values = cache.data[0, 0].astype(np.float64), cache.data[0, 1].astype(np.float64)
+    out = []
+    for head in range(n_kv * group):
+      scores = keys[head // group, :seen] @ q[row, head]
+      weights = np.exp(scores - scores.max())
+      out.append(weights @ values[head // group, :seen] / weights.sum())
+    return np.concatenate(out)
+  for row in range(rows):
+    want = expected(caches[row], row, ends[row]) if row < 3 else expected(caches[1], row, start + row - 3 + 1)
+    np.testing.assert_allclose(attn[row], want, rtol=0, atol=1e-4, err_msg=f"row {row}")
+
+
 async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, monkeypatch):
   from exo.inference.numpy import llama
   from tests.support.engines import OPENINGS, batched, greedy, prompt_ids

@@ -21,7 +21,11 @@ from exo.inference.weights import LlamaConfig, rope_inv_freq
 
 PAIR = 32  # gate/up columns interleaved in pairs of PAIR gate columns then PAIR up columns
 SCORE_TILE_BYTES = 1 << 20  # a prompt chunk's attention scores at a time (about a core's L2 cache)
+PROMPT_TILE_ROWS = 64  # a prompt chunk's rows at a time: a block of keys serves 3 x this many query rows, and a fresh
+# prompt's causal triangle wastes little (64: 10-25% faster than 128 or 256 at 24-512 rows)
+MIN_KEY_BLOCK = 128  # keys at a time, at least (fewer make the product with the values too thin to run well)
 PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest; past this much padding a new run starts
+MIN_TOTAL = 1e-18  # a row's sum of exp(score) below this may have lost terms to underflow: it is computed again, shifted
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -37,6 +41,18 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
   half = x.shape[-1] // 2
   x1, x2 = x[..., :half], x[..., half:]
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def exact_enough(total: np.ndarray, out: np.ndarray) -> bool:
+  """Whether attention computed with exp(score), not exp(score - row max), is as exact as the shifted form.
+
+  Softmax is the same whatever is subtracted from a row's scores, and float32's exp and sums are as exact at any
+  magnitude, so the shift only guards against overflow (a score above 88) and against a row whose every weight
+  underflows. Scores stay far from both here (SmolLM2: -22 to 29), and leaving the shift out saves two passes over
+  the scores and lets a prompt's keys be taken in blocks. A row that overflowed shows as inf or nan; a row whose
+  total is below MIN_TOTAL had its largest score below about -50, where terms 37 orders smaller may have been lost.
+  Either way the caller computes it again, shifted."""
+  return bool(np.isfinite(total).all() and total.min() >= MIN_TOTAL and np.isfinite(out).all())
 
 
 class DecodeRun:
@@ -57,7 +73,7 @@ class DecodeRun:
     return (DecodeRun(self.slab, self.slot, self.first, self.ends[:n]),
             DecodeRun(self.slab, self.slot + n, self.first + n, self.ends[n:]))
 
-  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, shifted: bool = False) -> None:
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
     keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
@@ -67,10 +83,15 @@ class DecodeRun:
     queries = q[rows].reshape(n, n_kv, n_heads // n_kv, hd).transpose(2, 0, 1, 3)[..., None]  # (group, n, kv heads, head dim, 1)
     scores = np.matmul(keys, queries)[..., 0]  # (group, n, kv heads, width)
     scores += self.mask
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    out = np.matmul(values.swapaxes(-1, -2), scores[..., None])[..., 0]  # (group, n, kv heads, head dim)
-    out /= scores.sum(axis=-1, keepdims=True)
+    if shifted:
+      scores -= scores.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
+      np.exp(scores, out=scores)
+      total = scores.sum(axis=-1, keepdims=True)
+      out = np.matmul(values.swapaxes(-1, -2), scores[..., None])[..., 0]  # (group, n, kv heads, head dim)
+    if not shifted and not exact_enough(total, out):
+      return self.attend(li, q, attn, n_kv, shifted=True)
+    out /= total
     attn[rows] = out.transpose(1, 2, 0, 3).reshape(n, n_heads * hd)
 
 
@@ -93,24 +114,46 @@ class PromptChunk:
             PromptChunk(self.slab, self.slot, self.first + n, self.start + n, self.n - n))
 
   def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
-    # In tiles of rows whose scores stay in the core's cache: after a long cached prefix they would be many MB.
-    tile = max(1, SCORE_TILE_BYTES // (4 * q.shape[1] * self.width))
-    for a in range(0, self.n, tile):
-      self._attend(li, q, attn, n_kv, a, min(a + tile, self.n))
+    for a in range(0, self.n, PROMPT_TILE_ROWS):
+      b = min(a + PROMPT_TILE_ROWS, self.n)
+      if not self._attend(li, q, attn, n_kv, a, b):
+        self._attend(li, q, attn, n_kv, a, b, shift=self._row_max(li, q, n_kv, a, b))
 
-  def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int) -> None:
-    # Rows a..b see positions up to start + b - 1; of those, only the last b - a are hidden from some of them.
+  def _blocks(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int):
+    """(keys from, to, masked scores) for rows a..b, their keys taken in blocks whose scores fit the core's cache:
+    rows a..b see positions up to start + b - 1, and only positions from `start` on are hidden from some of them."""
     n, width, (_, n_heads, hd) = b - a, self.start + b, q.shape
-    group, rows = n_heads // n_kv, slice(self.first + a, self.first + b)
-    keys, values = self.slab[self.slot, li, 0, :, :width], self.slab[self.slot, li, 1, :, :width]  # (kv heads, width, head dim)
-    queries = q[rows].reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)
-    scores = np.matmul(queries, keys.swapaxes(-1, -2)).reshape(n_kv, group, n, width)
-    scores[..., width - n:] += self.mask[a:b, a:b]
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    out = np.matmul(scores.reshape(n_kv, group * n, width), values).reshape(n_kv, group, n, hd)
-    out /= scores.sum(axis=-1, keepdims=True)
-    attn[rows] = out.transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
+    keys = self.slab[self.slot, li, 0]  # (kv heads, positions, head dim)
+    queries = q[self.first + a:self.first + b].reshape(n, n_kv, n_heads // n_kv, hd).transpose(1, 2, 0, 3).reshape(n_kv, -1, hd)
+    block = max(MIN_KEY_BLOCK, SCORE_TILE_BYTES // (4 * n_heads * n))
+    for k0 in range(0, width, block):
+      k1 = min(k0 + block, width)
+      scores = np.matmul(queries, keys[:, k0:k1].swapaxes(-1, -2))  # (kv heads, group * n, k1 - k0)
+      lo = max(k0, self.start)
+      if lo < k1:
+        scores.reshape(n_kv, -1, n, k1 - k0)[..., lo - k0:] += self.mask[a:b, lo - self.start:k1 - self.start]
+      yield k0, k1, scores
+
+  def _row_max(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int) -> np.ndarray:
+    return np.max([scores.max(axis=-1, keepdims=True) for _, _, scores in self._blocks(li, q, n_kv, a, b)], axis=0)
+
+  def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int, shift=None) -> bool:
+    """Rows a..b's attention into attn; False, writing nothing, if unshifted exp was not exact enough (exact_enough)."""
+    n, (_, n_heads, hd) = b - a, q.shape
+    values = self.slab[self.slot, li, 1]
+    out, total = np.zeros((n_kv, n_heads // n_kv * n, hd), dtype=np.float32), np.zeros((n_kv, n_heads // n_kv * n, 1), dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
+      for k0, k1, scores in self._blocks(li, q, n_kv, a, b):
+        if shift is not None:
+          scores -= shift
+        np.exp(scores, out=scores)
+        total += scores.sum(axis=-1, keepdims=True)
+        out += np.matmul(scores, values[:, k0:k1])
+    if shift is None and not exact_enough(total, out):
+      return False
+    out /= total
+    attn[self.first + a:self.first + b] = out.reshape(n_kv, -1, n, hd).transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
+    return True
 
 
 class Step:
