@@ -263,6 +263,9 @@ def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
   assert sum((slots(job) for job in prompt if isinstance(job, llama.DecodeRun)), []) == [0, 2, 3]
   costs = [sum(job.cost for job in group) for group in llama.share(jobs(llama.Step(pool, caches[4:20], [1] * 16)), 2)]
   assert len(costs) == 2 and max(costs) <= 1.1 * min(costs), "the cores read about as many cached positions each"
+  fresh = [job for group in llama.share([llama.PromptChunk(*pool.where(KVCache(pool).slot), 0, 0, 512)], 2) for job in group]
+  assert [job.n for job in fresh] == [362, 150], "a fresh prompt's later rows see more positions: it is cut where both halves see as many"
+  assert abs(fresh[0].seen(fresh[0].n) - fresh[1].seen(fresh[1].n)) < 0.01 * fresh[0].seen(fresh[0].n)
 
 
 @pytest.mark.parametrize("scale", [0.05, 3.0, -3.0])

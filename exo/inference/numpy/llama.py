@@ -25,6 +25,8 @@ PROMPT_TILE_ROWS = 64  # a prompt chunk's rows at a time: a block of keys serves
 # prompt's causal triangle wastes little (64: 10-25% faster than 128 or 256 at 24-512 rows)
 MIN_KEY_BLOCK = 128  # keys at a time, at least (fewer make the product with the values too thin to run well)
 PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest; past this much padding a new run starts
+PROMPT_POSITION_COST = 0.3  # a prompt row's attention per position it sees, as a share of a decode row's (its rows
+# share each key read, in products: 30 against 110 ns a position on one core of this VM)
 MIN_TOTAL = 1e-18  # a row's sum of exp(score) below this may have lost terms to underflow: it is computed again, shifted
 
 
@@ -105,8 +107,17 @@ class PromptChunk:
     self.mask = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], -np.inf, 0.0).astype(np.float32)
 
   @property
-  def cost(self) -> float:  # in cached positions read: its rows share each read, and they are compute-bound
-    return self.n * self.width / 2
+  def cost(self) -> float:  # as a decode row's cached positions
+    return PROMPT_POSITION_COST * self.seen(self.n)
+
+  def seen(self, rows: int) -> int:
+    """Positions its first `rows` rows attend to (causal: the later rows see more)."""
+    return rows * self.start + rows * (rows + 1) // 2
+
+  def rows_costing(self, cost: float) -> int:
+    """How many of its first rows cost about `cost`: where to cut it between two cores."""
+    b = self.start + 0.5
+    return round(math.sqrt(b * b + 2 * cost / PROMPT_POSITION_COST) - b)
 
   def split(self, n: int) -> Tuple["PromptChunk", "PromptChunk"]:
     """Its first n rows and the rest: a long cached prefix (a prefix cache hit) makes one chunk's attention a core's worth."""
@@ -207,7 +218,7 @@ def share(jobs: List, parts: int) -> List[List]:
       if isinstance(job, DecodeRun) and g < parts - 1 and job.cost > room and len(job.ends) > 1:
         head, job = job.split(min(len(job.ends) - 1, max(1, round(room / job.width))))
       elif isinstance(job, PromptChunk) and g < parts - 1 and job.cost > room and job.n > 1:
-        head, job = job.split(min(job.n - 1, max(1, round(job.n * room / job.cost))))
+        head, job = job.split(min(job.n - 1, max(1, job.rows_costing(room))))
       else:
         head, job = job, None
       groups[g].append(head)
