@@ -10,7 +10,8 @@ engine does (kernels.split_over_cores). Each product reads one of several copies
 more in all), so that the weight comes from memory as in a real step, not from cache.
 
 `sgemm_peak()` is the machine's float32 sgemm rate, a large square product on all cores: the benchmark prints the
-model's achieved FLOP/s as a fraction of it."""
+model's achieved FLOP/s as a fraction of it. `--ceiling N` prints the most that fraction can be at N streams for any
+engine whose products run no faster than these (see `ceiling`)."""
 import argparse
 import sys
 import time
@@ -25,6 +26,8 @@ from exo.inference.numpy import kernels  # noqa: E402
 from exo.inference.numpy.engine import single_threaded_blas  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}
+LAYERS = 30  # each shape but the head once per layer
+PROMPT_ROWS = 256  # rows a prompt step is counted at in the ceiling (more than any bench step of prompts holds)
 BLOCK = 32
 COLD_BYTES = 64 << 20
 
@@ -83,15 +86,51 @@ def measure(n_in: int, n_out: int, rows_list: List[int], split: bool) -> Dict[st
   return result
 
 
+def ceiling(n: int, prompt_tokens: int, tokens: int, split: bool) -> Dict[str, float]:
+  """bench.py's "of peak" figure at n streams of prompt_tokens + tokens if every weight product ran at the fastest
+  form's rate measured here for its rows, and nothing else took any time (attention, norms, sampling, the event
+  loop): an upper bound for an engine built on these products. Generated tokens run as `tokens` steps of n rows; the
+  prompts' rows as steps of PROMPT_ROWS (the faster end of this table), each request's last row through the head.
+  The FLOPs counted are the bench's: the generated tokens' forward passes, attention included at their mean context."""
+  rows = sorted({n, PROMPT_ROWS})
+  rate = {}  # (shape, rows) -> GFLOP/s of the fastest form
+  for name, (n_in, n_out) in SHAPES.items():
+    result = measure(n_in, n_out, rows, split)
+    for i, r in enumerate(rows):
+      rate[name, r] = max(rates[i] for rates in result.values())
+
+  def seconds(name: str, r: int, count: int) -> float:
+    n_in, n_out = SHAPES[name]
+    return count * 2 * r * n_in * n_out / (rate[name, r] * 1e9)
+  layers = [name for name in SHAPES if name != "head"]
+  decode_step = sum(seconds(name, n, LAYERS) for name in layers) + seconds("head", n, 1)
+  prompts = sum(seconds(name, PROMPT_ROWS, LAYERS) for name in layers) * n * prompt_tokens / PROMPT_ROWS + seconds("head", n, 1)
+  weights = LAYERS * sum(SHAPES[name][0] * SHAPES[name][1] for name in layers) + SHAPES["head"][0] * SHAPES["head"][1]
+  flops_per_token = 2 * weights + 4 * LAYERS * SHAPES["qkv"][0] * (prompt_tokens + tokens / 2)  # 4 per position seen per query dimension
+  peak = sgemm_peak()
+  achieved = n * tokens * flops_per_token / (prompts + tokens * decode_step) / 1e9
+  return {"peak": peak, "achieved": achieved, "fraction": achieved / peak, "decode_step_s": decode_step, "prompts_s": prompts}
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
   p.add_argument("--threads", type=int, default=kernels.CORES, choices=[1, kernels.CORES])
   p.add_argument("--shapes", default=",".join(SHAPES))
   p.add_argument("--peak", action="store_true", help="print only the sgemm peak, GFLOP/s")
+  p.add_argument("--ceiling", type=int, metavar="N", help="print the bench's highest possible 'of peak' figure at N streams")
+  p.add_argument("--prompt-tokens", type=int, default=64, help="with --ceiling: as bench.py's")
+  p.add_argument("--tokens", type=int, default=128, help="with --ceiling: as bench.py's")
   args = p.parse_args()
   if args.peak:
     print(f"{sgemm_peak():.1f}")
+    return
+  if args.ceiling:
+    single_threaded_blas()
+    c = ceiling(args.ceiling, args.prompt_tokens, args.tokens, args.threads > 1)
+    print(f"N={args.ceiling}, {args.prompt_tokens} prompt + {args.tokens} generated tokens, products at this table's fastest rates and "
+          f"nothing else: decode steps {c['decode_step_s'] * 1e3:.0f} ms, prompts {c['prompts_s']:.2f} s; {c['achieved']:.0f} GFLOP/s, "
+          f"at most {c['fraction']:.0%} of the sgemm peak ({c['peak']:.0f} GFLOP/s)")
     return
   single_threaded_blas()
   rows_list = [int(r) for r in args.rows.split(",")]
