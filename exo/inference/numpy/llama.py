@@ -3,7 +3,8 @@
 All rows of all requests go through each weight product together, the product's columns shared among the cores
 (kernels.py). Attention reads the KV pool (cache.py): decode rows of requests in consecutive slots are one batched
 product over a strided view of those slots, each row masked to its own length; a prompt chunk attends on its own
-with a causal mask. The cores share attention by requests, cut so that each reads about as many cached positions.
+with a causal mask, its keys in blocks. Softmax is taken unshifted where that is exact (see exact_enough). The cores
+share attention by requests, cut so that each has about as much of it to compute.
 
 Every step of a layer that follows a product runs inside that product's column slices, on whichever core computed
 them: RoPE and the cache write after q/k/v, the residual add after the output and down projections, SiLU-and-gate
