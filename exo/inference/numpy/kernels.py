@@ -4,9 +4,11 @@ A weight is kept once, as an (in, out) row-major matrix, and `x @ w` is a plain 
 bench/products.py compares it with the 32-column blocked layout this engine used before (one small product per
 block) on SmolLM2's shapes, weights coming from memory as in a real step. On this 2-core VM sgemm is 1.2-1.5x
 faster from 16 rows up, and on one core (where a 1-row step runs) at every row count; the blocked form wins only
-for 2-8 rows on both cores, by 0-30% depending on the shape (the head's 49152 columns most). One copy means one
-layout, and this is the one that pays where batches are; the (out, in) layout checkpoints store is slower still
-for sgemm (x @ w.T: 10-40% at 4-64 rows).
+for 2-8 rows on both cores, by 0-30% depending on the shape (the head's 49152 columns most). The crossover depends
+on the CPU: on an AVX-512 VM of the same kind the blocked form won at 16 rows by 25-65% (all but the head) and at
+64 rows for q/k/v, o and down by 10-22%, sgemm for gate/up and the head. One copy means one layout, and this is
+the one that pays where batches are on most of these machines; the (out, in) layout checkpoints store is slower
+still for sgemm (x @ w.T: 10-40% at 4-64 rows).
 
 OpenBLAS runs single-threaded here (see engine.py): its own threads spin between calls, which on a shared machine
 made steps several times slower. The engine shares work itself: `split_over_cores` hands slices of a task to worker
