@@ -7,7 +7,7 @@ faster from 16 rows up, and on one core (where a 1-row step runs) at every row c
 for 2-8 rows on both cores, by 0-30% depending on the shape (the head's 49152 columns most). The crossover depends
 on the CPU: on an AVX-512 VM of the same kind the blocked form won at 16 rows by 25-65% (all but the head) and at
 64 rows for q/k/v, o and down by 10-22%, sgemm for gate/up and the head. One copy means one layout, and this is
-the one that pays where batches are on most of these machines; the (out, in) layout checkpoints store is slower
+the one that paid where batches are on the VMs measured before it; the (out, in) layout checkpoints store is slower
 still for sgemm (x @ w.T: 10-40% at 4-64 rows).
 
 OpenBLAS runs single-threaded here (see engine.py): its own threads spin between calls, which on a shared machine
