@@ -21,6 +21,7 @@ from typing import Callable, Dict, List
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from exo.inference.numpy import kernels  # noqa: E402
 from exo.inference.numpy.engine import single_threaded_blas  # noqa: E402
@@ -105,10 +106,9 @@ def ceiling(n: int, prompt_tokens: int, tokens: int, split: bool) -> Dict[str, f
   layers = [name for name in SHAPES if name != "head"]
   decode_step = sum(seconds(name, n, LAYERS) for name in layers) + seconds("head", n, 1)
   prompts = sum(seconds(name, PROMPT_ROWS, LAYERS) for name in layers) * n * prompt_tokens / PROMPT_ROWS + seconds("head", n, 1)
-  weights = LAYERS * sum(SHAPES[name][0] * SHAPES[name][1] for name in layers) + SHAPES["head"][0] * SHAPES["head"][1]
-  flops_per_token = 2 * weights + 4 * LAYERS * SHAPES["qkv"][0] * (prompt_tokens + tokens / 2)  # 4 per position seen per query dimension
+  from bench import model_flops_per_token  # bench/bench.py, beside this file
   peak = sgemm_peak()
-  achieved = n * tokens * flops_per_token / (prompts + tokens * decode_step) / 1e9
+  achieved = n * tokens * model_flops_per_token(prompt_tokens, tokens) / (prompts + tokens * decode_step) / 1e9
   return {"peak": peak, "achieved": achieved, "fraction": achieved / peak, "decode_step_s": decode_step, "prompts_s": prompts}
 
 

@@ -103,7 +103,7 @@ class PromptChunk:
   over its own slot."""
 
   def __init__(self, slab: np.ndarray, slot: int, first: int, start: int, n: int):
-    self.slab, self.slot, self.first, self.start, self.n, self.width = slab, slot, first, start, n, start + n
+    self.slab, self.slot, self.first, self.start, self.n = slab, slot, first, start, n
     # Only among its own rows does a key come after a query: every cached position before `start` is seen by all.
     self.mask = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], -np.inf, 0.0).astype(np.float32)
 
