@@ -16,6 +16,7 @@ class SamplingParams:
   max_tokens: Optional[int] = None  # None = the node's max_generate_tokens
   ignore_eos: bool = False  # generate exactly max_tokens (benchmarks), as vLLM's extension of the same name
   logprobs: Optional[int] = None  # None = none; k = each token's log-probability and its k most likely alternatives
+  grammar: Optional[str] = None  # Lark text (llguidance's dialect) the answer must follow; see exo/inference/grammar.py
 
   def to_dict(self) -> dict:
     return asdict(self)
@@ -130,6 +131,31 @@ def token_logprobs(logits: np.ndarray, params: Sequence[SamplingParams], tokens:
     n = params[i].logprobs
     out[i] = TokenLogprobs(float(chosen[row]), [(int(t), float(lp)) for t, lp in zip(best[row, :n], best_logprobs[row, :n])])
   return out
+
+
+def draw_then_check(params: SamplingParams) -> bool:
+  """Whether a constrained row may first draw from its unmasked distribution and keep the token when the grammar
+  allows it. Without top-k, top-p or min-p, keeping an allowed draw and otherwise drawing again from the masked
+  logits gives exactly the masked distribution (greedy: the masked argmax); with them the cut would differ, so such
+  rows, and rows that report logprobs, draw from the masked logits at once."""
+  return params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0 and params.logprobs is None
+
+
+def allowed(masks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+  """For each bitmask row (int32 words, bit i of word w = token 32 w + i) whether its token is allowed."""
+  tokens = np.asarray(tokens, dtype=np.int64)
+  inside = tokens < masks.shape[1] * 32
+  words = masks[np.arange(len(tokens)), np.minimum(tokens >> 5, masks.shape[1] - 1)].astype(np.int64)
+  return inside & (((words >> (tokens & 31)) & 1) == 1)
+
+
+def masked(rows: np.ndarray, masks: np.ndarray) -> np.ndarray:
+  """Logit rows with every token the bitmask rows do not allow set to -inf (tokens past the mask too)."""
+  rows = np.asarray(rows, dtype=np.float32)
+  bits = np.unpackbits(np.ascontiguousarray(masks).view(np.uint8), axis=1, bitorder="little").astype(bool)
+  width = rows.shape[1]
+  bits = bits[:, :width] if bits.shape[1] >= width else np.pad(bits, ((0, 0), (0, width - bits.shape[1])))
+  return np.where(bits, rows, np.float32(-np.inf))
 
 
 def sample_last(x: np.ndarray, temp: float = 0.0, top_p: float = 1.0, generator: Optional[np.random.Generator] = None) -> np.ndarray:

@@ -20,7 +20,7 @@ import json
 import time
 import traceback
 import uuid
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 import pluggy
@@ -28,6 +28,8 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
+from exo.inference import constrained
+from exo.inference.grammar import CannotConstrain, MaskTimes
 from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
 from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
 from exo.inference.shard import Shard
@@ -420,20 +422,36 @@ class Node(RingMember):
       self.forward_or_finish(shard, result, request_id, inference_state, is_finished=False)
       return
     token = (await self.sample_tokens(shard, [result], [request_id]))[0]
+    if isinstance(token, Exception):
+      raise token
     self.handle_token(shard, token, request_id, inference_state)
 
-  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str]) -> List[int]:
-    """Sample each request's next token from its logits, each with its own parameters and random stream."""
+  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
+                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
+    """Sample each request's next token from its logits, each with its own parameters and random stream; a request
+    with a grammar only among the tokens it allows (exo/inference/constrained.py; `masks` may hold its mask already).
+    A request whose grammar this node cannot follow gets an error in place of its token."""
     requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
     for request in requests:
       if request.generator is None:
         request.generator = make_generator(request.params.seed)
-    params = [r.params for r in requests]
-    tokens = [int(t) for t in np.asarray(await self.inference_engine.sample_batch(results, params, [r.generator for r in requests])).reshape(-1)]
-    if any(p.logprobs is not None for p in params):  # from the same logits, for every row that asked, in one pass
-      for request, logprobs in zip(requests, token_logprobs(last_rows(results), params, tokens)):
-        request.sampled_logprobs = logprobs
-    return tokens
+    prepared = await constrained.prepare(requests, self.inference_engine.tokenizer)
+    out: List[Union[int, Exception]] = [CannotConstrain(f"node {self.id} cannot constrain this request's output, so it does not answer it: {c}")
+                                        if isinstance(c, Exception) else 0 for c in prepared]
+    rows = [i for i, c in enumerate(prepared) if not isinstance(c, Exception)]
+    if not rows:
+      return out
+    params, constraints = [requests[i].params for i in rows], [prepared[i] for i in rows]
+    drawn, logits = await constrained.sample(self.inference_engine, [results[i] for i in rows], params, [requests[i].generator for i in rows],
+                                             constraints, masks and [masks[i] for i in rows], mask_times)
+    tokens = [int(t) for t in drawn]
+    if any(p.logprobs is not None for p in params):  # from the logits each was drawn from, for every row that asked, in one pass
+      logits = last_rows([results[i] for i in rows]) if logits is None else logits
+      for i, logprobs in zip(rows, token_logprobs(logits, params, tokens)):
+        requests[i].sampled_logprobs = logprobs
+    for i, token, error in zip(rows, tokens, constrained.advance(constraints, tokens)):
+      out[i] = token if error is None else error
+    return out
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
     """After sampling on the last layer: record, check EOS / length / context, fire callbacks, broadcast, forward."""
@@ -448,7 +466,7 @@ class Node(RingMember):
     limit = min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
     context = self._context_length()
     is_finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
-                   or (context is not None and request.positions >= context))
+                   or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
     if DEBUG >= 2:
       print(f"[{request_id}] token {token} ({len(request.tokens)}/{limit}) finished={is_finished}")
     # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
