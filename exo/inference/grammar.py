@@ -9,6 +9,7 @@ of the compiled matcher. Compiling and computing masks run on GRAMMAR_THREADS th
 event loop or the engine's thread (llguidance releases the GIL while it works)."""
 import asyncio
 import json
+import re
 import threading
 import time
 import weakref
@@ -25,6 +26,7 @@ except ImportError:  # a node without it cannot constrain: requests that need it
 
 # JSON as json.dumps writes it: ", " and ": ", no other whitespace. A fixed layout keeps answers short (free
 # whitespace lets a small model wander into newlines) and lets the tool-call parsers read calls as they stream.
+ENGINE = "llguidance"  # what nodes announce they constrain with
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar travels the ring in a status; far beyond any real schema
 COMPILED_KEPT = 256  # compiled grammars kept per process
@@ -74,8 +76,10 @@ def check(grammar: str) -> None:
     raise GrammarError(_first_lines(error))
 
 
-def _first_lines(error: str, lines: int = 3) -> str:
-  return "\n".join(error.strip().splitlines()[:lines])[:600]
+def _first_lines(error: str, lines: int = 1) -> str:
+  """llguidance's message without the grammar listing it appends (and without the grammar's own line:column)."""
+  text = "\n".join(error.strip().splitlines()[:lines])
+  return re.sub(r"^at \d+\(\d+\): ", "", text)[:600]
 
 
 # --- the vocabulary, once per tokenizer ---

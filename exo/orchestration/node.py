@@ -28,7 +28,7 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
-from exo.inference import constrained
+from exo.inference import constrained, grammar
 from exo.inference.grammar import CannotConstrain, MaskTimes
 from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
 from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
@@ -80,6 +80,7 @@ class Node(RingMember):
     self.max_generate_tokens = max_generate_tokens
     self.default_sample_temperature = default_sample_temperature
     self.node_download_progress: Dict[str, RepoProgressEvent] = {}
+    self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()
     self.model_gate = ModelGate()
     self._watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
@@ -106,6 +107,7 @@ class Node(RingMember):
     if DEBUG >= 2:
       print(f"Collected topology: {self.topology}")
     await self.announce_prefix_cache()
+    await self.announce_structured_output()
     self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self._watch_peers())]
     self.plugins.hook.exo_node_started(node=self)
 
@@ -179,6 +181,11 @@ class Node(RingMember):
     if request is None:
       raise ValueError(f"request {request_id} has already ended")
     request.params = params
+    sampler = self.ring_ids()[-1]
+    if params.grammar and sampler != self.id and sampler not in self.peer_grammar_engines:
+      # Its grammar would be ignored there (an upstream node, or one before structured output): no unconstrained answer.
+      raise CannotConstrain(f"node {sampler}, which samples this model's tokens, has not said that it can constrain output; "
+                            "it may run an exo without structured output, so the request is not run")
     await self.broadcast_opaque_status(request_id, statuses.request_params(request_id, params, self.id))
 
   async def cancel_request(self, request_id: str) -> None:
@@ -308,6 +315,11 @@ class Node(RingMember):
     engine = self.inference_engine
     return (getattr(engine, "reuses_prefixes", False)
             and all(self.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.id))
+
+  async def announce_structured_output(self) -> None:
+    """Tell the ring that this node follows requests' grammars when it samples them (upstream nodes never say)."""
+    if grammar.available():
+      await self.broadcast_opaque_status("", statuses.structured_output(self.id, grammar.ENGINE))
 
   async def announce_prefix_cache(self) -> None:
     """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
@@ -573,6 +585,7 @@ class Node(RingMember):
         if await self.update_peers():
           await self.broadcast_supported_engines(self.get_supported_inference_engines())
         await self.announce_prefix_cache()  # every round: a peer may have dropped it before it knew this node
+        await self.announce_structured_output()
         await self.collect_topology(set())
         self.forget_stale()
       except Exception as e:
@@ -709,6 +722,8 @@ class Node(RingMember):
       self.peer_engines[status["node_id"]] = status["engines"]
     elif kind == statuses.PREFIX_CACHE and status["node_id"] in self.peer_hosts:
       self.peer_prefix_blocks[status["node_id"]] = status["block"]
+    elif kind == statuses.STRUCTURED_OUTPUT and status["node_id"] in self.peer_hosts:
+      self.peer_grammar_engines[status["node_id"]] = status["engine"]
     if self.topology_viz:
       self.topology_viz.update_status(status)
 
