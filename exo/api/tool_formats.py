@@ -31,6 +31,7 @@ class CallText:
 
 
 View = Tuple[str, List[CallText]]  # (the answer's plain text so far, the calls so far)
+MAX_CALLS = 4  # calls in one reply at most: a small model that may add calls tends to repeat its first one until cut off
 
 
 # --- reading JSON as it streams ---
@@ -166,7 +167,7 @@ class HermesFormat(ToolFormat):
   def grammar(self, use: ToolUse, reply: Optional[ResponseFormat]) -> str:
     opening, closing = self._marker(self.OPEN), self._marker(self.CLOSE)
     call = f'"\\n" {call_fragment(use, self.key)} "\\n" {closing}'
-    more = f' ("\\n" {opening} call)*' if use.parallel else ""
+    more = f' ("\\n" {opening} call){{0,{MAX_CALLS - 1}}}' if use.several else ""
     lines = [f"call: {call}"]
     if use.forced:
       lines.insert(0, f"start: {opening} call{more}")
@@ -261,13 +262,13 @@ class GenericFormat(ToolFormat):
       rule = "You must call one of the tools."
     else:
       rule = 'If a tool can help, call it; otherwise answer with {"response": "<your answer>"}.'
-    calls = "one or more calls" if use.parallel else "exactly one call"
+    calls = f"one to {MAX_CALLS} calls" if use.several else "exactly one call"
     text = (f"You can call these tools:\n{tools}\n\nAnswer with one JSON object. To call tools: "
             f'{{"tool_calls": [{{"name": "<tool name>", "arguments": {{<arguments>}}}}]}} with {calls}. {rule}')
     return {"role": "system", "content": f"{system['content']}\n\n{text}" if system else text}
 
   def grammar(self, use: ToolUse, reply: Optional[ResponseFormat]) -> str:
-    more = ' (", " call)*' if use.parallel else ""
+    more = f' (", " call){{0,{MAX_CALLS - 1}}}' if use.several else ""
     lines = [f'calls: {grammar.lark_string(GENERIC_CALLS)} call{more} "]}}"', f"call: {call_fragment(use, self.key)}"]
     if use.forced:
       return "\n".join(["start: calls"] + lines)

@@ -43,6 +43,11 @@ class ToolUse:
   def forced(self) -> bool:
     return self.choice != "auto"
 
+  @property
+  def several(self) -> bool:
+    """Whether one reply may hold several calls: parallel_tool_calls, unless one function is named (one call of it)."""
+    return self.parallel and self.choice != "function"
+
 
 def parse_tool_definitions(body: dict) -> List[Tool]:
   value = body.get("tools")

@@ -52,13 +52,40 @@ def _require() -> None:
 
 
 def json_fragment(schema: Any, lenient: bool = False) -> str:
-  """`%json {...}`: the values `schema` allows, in JSON_LAYOUT. With `lenient`, keywords the engine does not
-  implement are ignored instead of refused."""
+  """`%json {...}`: values `schema` allows, in JSON_LAYOUT. An object schema that lists its properties and says
+  nothing of others gets no others (`closed`): every answer still validates against the schema as given, and a small
+  model cannot wander off into keys nobody asked for. With `lenient`, keywords the engine does not implement are
+  ignored instead of refused."""
   schema = {} if schema is True else schema  # JSON Schema's "anything"
   if not isinstance(schema, dict):
     raise GrammarError("a JSON Schema must be an object (or true)")
   options = {**JSON_LAYOUT, "lenient": bool(lenient)}
-  return "%json " + json.dumps({**{k: v for k, v in schema.items() if k != "x-guidance"}, "x-guidance": options})
+  return "%json " + json.dumps({**{k: v for k, v in closed(schema).items() if k != "x-guidance"}, "x-guidance": options})
+
+
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties", "propertyNames", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed(schema: Any) -> Any:
+  """A copy of `schema` in which every object schema with `properties` and none of _OPEN_KEYS allows no others."""
+  if not isinstance(schema, dict):
+    return schema
+  out = dict(schema)
+  for key in _SUBSCHEMA:
+    if key in out:
+      out[key] = closed(out[key])
+  for key in _SUBSCHEMA_LISTS:
+    if isinstance(out.get(key), list):
+      out[key] = [closed(s) for s in out[key]]
+  for key in _SUBSCHEMA_MAPS:
+    if isinstance(out.get(key), dict):
+      out[key] = {name: closed(s) for name, s in out[key].items()}
+  if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+    out["additionalProperties"] = False
+  return out
 
 
 def lark_string(text: str) -> str:
