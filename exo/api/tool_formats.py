@@ -117,13 +117,32 @@ def read_call(text: str, pos: int, key: str, final: bool) -> Tuple[Optional[Call
 
 # --- the formats ---
 
-def _one_call_schema(tool: Tool, key: str) -> dict:
-  return {"type": "object", "properties": {"name": {"const": tool.name}, key: tool.parameters}, "required": ["name", key], "additionalProperties": False}
+def rebased(schema: Any, base: str) -> Any:
+  """A copy of `schema` to be placed at JSON pointer `base` inside another: its local `$ref`s ("#/$defs/X", "#")
+  point where its parts now are."""
+  if isinstance(schema, list):
+    return [rebased(s, base) for s in schema]
+  if not isinstance(schema, dict):
+    return schema
+  return {k: ("#" + base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebased(v, base)) for k, v in schema.items()}
+
+
+def _one_call_schema(tool: Tool, key: str, base: str) -> dict:
+  """A call of `tool` as a JSON object, to be placed at `base` ("" for the root)."""
+  return {"type": "object", "properties": {"name": {"const": tool.name}, key: rebased(tool.parameters, f"{base}/properties/{key}")},
+          "required": ["name", key], "additionalProperties": False}
+
+
+def call_schemas(use: ToolUse, key: str, first: int = 0) -> List[dict]:
+  """Each callable tool's call schema, as alternatives of one anyOf starting at index `first`."""
+  if len(use.callable) == 1 and first == 0:
+    return [_one_call_schema(use.callable[0], key, "")]
+  return [_one_call_schema(t, key, f"/anyOf/{first + i}") for i, t in enumerate(use.callable)]
 
 
 def call_fragment(use: ToolUse, key: str) -> str:
   """%json of one call of any callable tool, the arguments under `key`."""
-  schemas = [_one_call_schema(t, key) for t in use.callable]
+  schemas = call_schemas(use, key)
   lenient = not all(t.strict for t in use.callable)
   return grammar.json_fragment(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, lenient=lenient)
 
@@ -213,7 +232,7 @@ class Llama3Format(ToolFormat):
     if use.forced:
       return f"start: {call_fragment(use, self.key)}"
     if reply is not None:  # both are JSON objects: one %json whose anyOf holds the reply's schema beside the calls'
-      schemas = [reply.schema] + [_one_call_schema(t, self.key) for t in use.callable]
+      schemas = [rebased(reply.schema, "/anyOf/0")] + call_schemas(use, self.key, first=1)
       return "start: " + grammar.json_fragment({"anyOf": schemas}, lenient=not reply.strict or not all(t.strict for t in use.callable))
     return f"start: TEXT | call\nTEXT: /([^{{](.|\\n)*)?/\ncall: {call_fragment(use, self.key)}"
 
