@@ -70,14 +70,17 @@ async def test_greedy_constrained_is_the_best_allowed_token_and_free_rows_are_un
   assert list(tokens) == [3, 1]
 
 
-def test_object_schemas_that_list_properties_are_closed_and_others_stay_open():
-  schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}, "c": {"type": "object"}},
-            "$defs": {"x": {"properties": {"y": {}}}}, "anyOf": [{"properties": {"z": {}}, "additionalProperties": True}]}
-  closed = grammar.closed(schema)
+def test_schemas_are_tightened_only_where_they_say_nothing():
+  schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer", "minimum": 0}}}, "c": {"type": "object"}},
+            "$defs": {"x": {"properties": {"y": {"type": ["integer", "null"]}}}}, "anyOf": [{"properties": {"z": {}}, "additionalProperties": True}]}
+  closed = grammar.tightened(schema)
   assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
   assert "additionalProperties" not in closed["properties"]["c"]  # {"type": "object"}: any object, as json_object asks
   assert closed["$defs"]["x"]["additionalProperties"] is False and closed["anyOf"][0]["additionalProperties"] is True
   assert "additionalProperties" not in schema  # the request's own schema is left as it was
+  b, y = closed["properties"]["a"]["properties"]["b"], closed["$defs"]["x"]["properties"]["y"]
+  assert b == {"type": "integer", "minimum": 0, "maximum": grammar.SAFE_INTEGER}  # no endless digits
+  assert y["minimum"] == -grammar.SAFE_INTEGER and y["maximum"] == grammar.SAFE_INTEGER
 
 
 def stream_all(fmt, text, step=3):

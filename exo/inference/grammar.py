@@ -52,15 +52,14 @@ def _require() -> None:
 
 
 def json_fragment(schema: Any, lenient: bool = False) -> str:
-  """`%json {...}`: values `schema` allows, in JSON_LAYOUT. An object schema that lists its properties and says
-  nothing of others gets no others (`closed`): every answer still validates against the schema as given, and a small
-  model cannot wander off into keys nobody asked for. With `lenient`, keywords the engine does not implement are
-  ignored instead of refused."""
+  """`%json {...}`: values `schema` allows, in JSON_LAYOUT, `tightened`: every answer still validates against the
+  schema as given, and a small model cannot wander off into keys nobody asked for or digits without end. With
+  `lenient`, keywords the engine does not implement are ignored instead of refused."""
   schema = {} if schema is True else schema  # JSON Schema's "anything"
   if not isinstance(schema, dict):
     raise GrammarError("a JSON Schema must be an object (or true)")
   options = {**JSON_LAYOUT, "lenient": bool(lenient)}
-  return "%json " + json.dumps({**{k: v for k, v in closed(schema).items() if k != "x-guidance"}, "x-guidance": options})
+  return "%json " + json.dumps({**{k: v for k, v in tightened(schema).items() if k != "x-guidance"}, "x-guidance": options})
 
 
 _SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties", "propertyNames", "unevaluatedItems")
@@ -69,22 +68,32 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def closed(schema: Any) -> Any:
-  """A copy of `schema` in which every object schema with `properties` and none of _OPEN_KEYS allows no others."""
+SAFE_INTEGER = 2**53 - 1  # JSON's interoperable integers (RFC 8259): bounds an integer schema that has none
+
+
+def tightened(schema: Any) -> Any:
+  """A copy of `schema` in which every object schema with `properties` and none of _OPEN_KEYS allows no other
+  properties, and every integer schema without bounds stays within +-SAFE_INTEGER."""
   if not isinstance(schema, dict):
     return schema
   out = dict(schema)
   for key in _SUBSCHEMA:
     if key in out:
-      out[key] = closed(out[key])
+      out[key] = tightened(out[key])
   for key in _SUBSCHEMA_LISTS:
     if isinstance(out.get(key), list):
-      out[key] = [closed(s) for s in out[key]]
+      out[key] = [tightened(s) for s in out[key]]
   for key in _SUBSCHEMA_MAPS:
     if isinstance(out.get(key), dict):
-      out[key] = {name: closed(s) for name, s in out[key].items()}
+      out[key] = {name: tightened(s) for name, s in out[key].items()}
   if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
     out["additionalProperties"] = False
+  types = out.get("type")
+  if types == "integer" or (isinstance(types, list) and "integer" in types and "number" not in types):
+    if "maximum" not in out and "exclusiveMaximum" not in out:
+      out["maximum"] = SAFE_INTEGER
+    if "minimum" not in out and "exclusiveMinimum" not in out:
+      out["minimum"] = -SAFE_INTEGER
   return out
 
 

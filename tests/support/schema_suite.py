@@ -94,7 +94,7 @@ SCHEMAS: Dict[str, dict] = {
 PROMPTS: Tuple[str, str] = ("Write an example {name} as JSON.", "Fill in this form about a {name} and reply in JSON only.")
 
 # A few schemas covering each kind, for the tests (the bench runs them all).
-SUBSET: List[str] = ["person", "color", "version_const", "zip_code", "scores", "order", "shape", "defs_person", "nullable_name", "defs_tree"]
+SUBSET: List[str] = ["person", "color", "version_const", "zip_code", "scores", "order", "shape", "defs_person", "nullable_name", "defs_list"]
 
 
 def prompt(name: str, which: int) -> str:
