@@ -158,3 +158,13 @@ def test_a_peers_grammar_is_checked_like_its_other_parameters():
   for bad in (5, "", "x" * (grammar.MAX_GRAMMAR_CHARS + 1)):
     with pytest.raises(statuses.InvalidStatus, match="grammar"):
       statuses.sampling_params({**SamplingParams().to_dict(), "grammar": bad})
+
+
+async def test_a_constrained_rows_logprobs_are_those_of_its_masked_distribution_and_finite():
+  from exo.inference.sampling import token_logprobs
+  logits = np.log(np.array([[[0.5, 0.2, 0.2, 0.1]]], dtype=np.float32))
+  params = [SamplingParams(logprobs=4)]
+  tokens, rows = await constrained.sample(Sampler(), [logits[0]], params, [make_generator(1)], [object()], [bitmask([1, 2], 4)[0]])
+  (lp,) = token_logprobs(rows, params, tokens)
+  assert tokens[0] == 1 and abs(lp.logprob - np.log(0.5)) < 1e-5  # 0.2 of the 0.4 the grammar allows
+  assert [t for t, _ in lp.top] == [1, 2, 0, 3] and lp.top[2][1] == -9999.0 and lp.top[3][1] == -9999.0

@@ -100,6 +100,7 @@ def _sample_candidates(rows, temps, top_k, top_p, min_p, full_mass, n, generator
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+IMPOSSIBLE_LOGPROB = -9999.0
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,9 @@ def token_logprobs(logits: np.ndarray, params: Sequence[SamplingParams], tokens:
   k = min(max(params[i].logprobs for i in wanted), scaled.shape[-1])
   best = np.sort(np.argpartition(-scaled, k - 1, axis=-1)[:, :k], axis=-1) if k else np.zeros((len(wanted), 0), dtype=np.int64)
   best = np.take_along_axis(best, np.argsort(-np.take_along_axis(scaled, best, axis=-1), axis=-1, kind="stable"), axis=-1)
-  best_logprobs = np.minimum(np.take_along_axis(scaled, best, axis=-1) - log_total, 0.0)
-  chosen = np.minimum(scaled[np.arange(len(wanted)), [int(tokens[i]) for i in wanted]] - log_total[:, 0], 0.0)
+  # A token a grammar rules out has -inf: reported as OpenAI reports impossible tokens, -9999 (JSON has no infinity).
+  best_logprobs = np.clip(np.take_along_axis(scaled, best, axis=-1) - log_total, IMPOSSIBLE_LOGPROB, 0.0)
+  chosen = np.clip(scaled[np.arange(len(wanted)), [int(tokens[i]) for i in wanted]] - log_total[:, 0], IMPOSSIBLE_LOGPROB, 0.0)
   for row, i in enumerate(wanted):
     n = params[i].logprobs
     out[i] = TokenLogprobs(float(chosen[row]), [(int(t), float(lp)) for t, lp in zip(best[row, :n], best_logprobs[row, :n])])
