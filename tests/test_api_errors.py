@@ -166,7 +166,7 @@ BAD_VALUES = [
   ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
   ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options"),
   ({"tools": {"name": "x"}}, "tools must be a list"),
-  ({"tool_choice": "required"}, "tool_choice is not supported"),
+  ({"tool_choice": "required"}, 'tool_choice "required" needs tools'),
   ({"model": 7}, "model must be a string"),
   ({"user": 7}, "user must be a string"),
   ({"messages": []}, "messages is required"),
@@ -179,8 +179,8 @@ BAD_VALUES = [
   # Parameters this server does not implement are refused, never silently ignored.
   ({"frequency_penalty": 99}, "frequency_penalty is not supported"),
   ({"presence_penalty": "x"}, "presence_penalty is not supported"),
-  ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
-  ({"response_format": "json"}, "response_format is not supported"),
+  ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}, "is not a valid JSON Schema"),
+  ({"response_format": "json"}, "response_format must be an object"),
   ({"logit_bias": {"42": 5}}, "logit_bias is not supported"),
   ({"temprature": 0.5}, "Unrecognized request argument supplied: temprature"),
 ]
