@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from exo.api.errors import BadRequest
 from exo.api.structured import ResponseFormat
-from exo.api.tool_formats import GenericFormat, ToolCallStream, ToolFormat, format_for
+from exo.api.tool_formats import ToolCallStream, ToolFormat, format_for
 from exo.api.tools import ToolUse
 from exo.inference import grammar
 

@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from exo.inference.grammar import CannotConstrain, Constraint, GrammarError, MaskTimes, compute_masks, in_grammar_thread
-from exo.inference.sampling import SamplingParams, allowed, draw_then_check, last_rows, masked, sample_rows
+from exo.inference.sampling import SamplingParams, allowed, draw_then_check, last_rows, make_generator, masked, sample_rows, token_logprobs
 
 
 async def prepare(requests: Sequence, tokenizer) -> List[Union[None, Constraint, Exception]]:
@@ -92,3 +92,30 @@ def advance(constraints: Sequence[Optional[Constraint]], tokens: Sequence[int]) 
     except GrammarError as e:
       errors.append(e)
   return errors
+
+
+async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarray], sampler: str, masks: Optional[Sequence[Optional[np.ndarray]]] = None,
+                          times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
+  """Each request's next token (exo/orchestration/requests.py's records: their parameters, random streams and
+  grammars), its logprobs set on the record when it asked, its matcher advanced; a request whose grammar `sampler`
+  (the node, for the error) cannot follow gets an error in place of its token."""
+  for request in requests:
+    if request.generator is None:
+      request.generator = make_generator(request.params.seed)
+  prepared = await prepare(requests, engine.tokenizer)
+  out: List[Union[int, Exception]] = [CannotConstrain(f"{sampler} cannot constrain this request's output, so it does not answer it: {c}")
+                                      if isinstance(c, Exception) else 0 for c in prepared]
+  rows = [i for i, c in enumerate(prepared) if not isinstance(c, Exception)]
+  if not rows:
+    return out
+  params, constraints = [requests[i].params for i in rows], [prepared[i] for i in rows]
+  drawn, logits = await sample(engine, [results[i] for i in rows], params, [requests[i].generator for i in rows], constraints,
+                               masks and [masks[i] for i in rows], times)
+  tokens = [int(t) for t in drawn]
+  if any(p.logprobs is not None for p in params):  # from the logits each was drawn from, for every row that asked, in one pass
+    logits = last_rows([results[i] for i in rows]) if logits is None else logits
+    for i, logprobs in zip(rows, token_logprobs(logits, params, tokens)):
+      requests[i].sampled_logprobs = logprobs
+  for i, token, error in zip(rows, tokens, advance(constraints, tokens)):
+    out[i] = token if error is None else error
+  return out

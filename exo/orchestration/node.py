@@ -31,7 +31,7 @@ from exo.inference.inference_engine import InferenceEngine, inference_engine_cla
 from exo.inference import constrained, grammar
 from exo.inference.grammar import CannotConstrain, MaskTimes
 from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
-from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
+from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
@@ -440,30 +440,11 @@ class Node(RingMember):
 
   async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
                           mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
-    """Sample each request's next token from its logits, each with its own parameters and random stream; a request
-    with a grammar only among the tokens it allows (exo/inference/constrained.py; `masks` may hold its mask already).
-    A request whose grammar this node cannot follow gets an error in place of its token."""
+    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
+    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
+    node cannot follow gets an error in place of its token."""
     requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    for request in requests:
-      if request.generator is None:
-        request.generator = make_generator(request.params.seed)
-    prepared = await constrained.prepare(requests, self.inference_engine.tokenizer)
-    out: List[Union[int, Exception]] = [CannotConstrain(f"node {self.id} cannot constrain this request's output, so it does not answer it: {c}")
-                                        if isinstance(c, Exception) else 0 for c in prepared]
-    rows = [i for i, c in enumerate(prepared) if not isinstance(c, Exception)]
-    if not rows:
-      return out
-    params, constraints = [requests[i].params for i in rows], [prepared[i] for i in rows]
-    drawn, logits = await constrained.sample(self.inference_engine, [results[i] for i in rows], params, [requests[i].generator for i in rows],
-                                             constraints, masks and [masks[i] for i in rows], mask_times)
-    tokens = [int(t) for t in drawn]
-    if any(p.logprobs is not None for p in params):  # from the logits each was drawn from, for every row that asked, in one pass
-      logits = last_rows([results[i] for i in rows]) if logits is None else logits
-      for i, logprobs in zip(rows, token_logprobs(logits, params, tokens)):
-        requests[i].sampled_logprobs = logprobs
-    for i, token, error in zip(rows, tokens, constrained.advance(constraints, tokens)):
-      out[i] = token if error is None else error
-    return out
+    return await constrained.sample_requests(self.inference_engine, requests, results, f"node {self.id}", masks, mask_times)
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
     """After sampling on the last layer: record, check EOS / length / context, fire callbacks, broadcast, forward."""

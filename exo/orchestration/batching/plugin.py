@@ -29,7 +29,7 @@ from exo.orchestration import statuses
 from exo.orchestration.batching.batcher import BatchStats
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.micro_batches import StepCost
-from exo.orchestration.batching.scheduler import Row, Scheduler, Step
+from exo.orchestration.batching.scheduler import Scheduler, Step
 from exo.orchestration.batching.step_loop import Done, StepLoop
 from exo.orchestration.hookspecs import hookimpl
 
