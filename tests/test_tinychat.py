@@ -177,7 +177,7 @@ def test_a_node_with_an_api_key_asks_for_it_once(browser):
     page.goto(server.url)  # a fresh port: this origin's localStorage starts empty
     page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
     ask(page, "hello with a key")
-    assert page.inner_text(".message.assistant").strip() == "dummy" * 9
+    assert page.inner_text(".message.assistant").strip() == "dummy" * 10
     assert page.evaluate("localStorage.getItem('apiKey')") == "sekrit"
     page.reload()  # the kept key is sent from now on: no second question
     page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
