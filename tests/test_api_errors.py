@@ -166,7 +166,7 @@ BAD_VALUES = [
   ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
   ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options"),
   ({"tools": {"name": "x"}}, "tools must be a list"),
-  ({"tool_choice": "required"}, "tool_choice is not supported"),
+  ({"tool_choice": "required"}, 'tool_choice "required" needs tools'),
   ({"model": 7}, "model must be a string"),
   ({"user": 7}, "user must be a string"),
   ({"messages": []}, "messages is required"),
@@ -179,8 +179,8 @@ BAD_VALUES = [
   # Parameters this server does not implement are refused, never silently ignored.
   ({"frequency_penalty": 99}, "frequency_penalty is not supported"),
   ({"presence_penalty": "x"}, "presence_penalty is not supported"),
-  ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
-  ({"response_format": "json"}, "response_format is not supported"),
+  ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}, "is not a valid JSON Schema"),
+  ({"response_format": "json"}, "response_format must be an object"),
   ({"logit_bias": {"42": 5}}, "logit_bias is not supported"),
   ({"temprature": 0.5}, "Unrecognized request argument supplied: temprature"),
 ]
@@ -422,9 +422,11 @@ async def test_concurrent_requests_are_isolated_from_bad_ones(server):
 # --- reply text: incremental decoding and stop strings (no server) ---
 
 def fake_tokenizer(pieces):
-  """Token i decodes to pieces[i]; pieces may be bytes so multi-byte characters can split across tokens."""
-  def decode(tokens):
-    raw = b"".join(p if isinstance(p, bytes) else p.encode() for p in (pieces[t] for t in tokens))
+  """Token i decodes to pieces[i]; pieces may be bytes so multi-byte characters can split across tokens; "<eos>" is a
+  special token."""
+  def decode(tokens, skip_special_tokens=False):
+    kept = [pieces[t] for t in tokens if not (skip_special_tokens and pieces[t] == "<eos>")]
+    raw = b"".join(p if isinstance(p, bytes) else p.encode() for p in kept)
     return raw.decode("utf-8", errors="replace")
   return decode
 
@@ -451,14 +453,18 @@ def test_stop_string_split_across_tokens_is_cut_and_never_leaks():
 def test_held_text_that_is_not_a_stop_string_is_released():
   reply = ReplyText(fake_tokenizer(["a", "wo", "x", "<eos>"]), {3}, stop=["wor"])
   chunks = run(reply, [0, 1, 2, 3])
-  assert chunks[:3] == [["a"], [""], ["wox"]] and chunks[3] == ["<eos>"]
-  assert reply.text == "awox<eos>" and reply.finish_reason == "stop"
+  assert chunks[:3] == [["a"], [""], ["wox"]] and chunks[3] == [""]  # the end token counts but adds no text
+  assert reply.text == "awox" and reply.finish_reason == "stop" and len(reply.tokens) == 4
 
 
-def test_final_chunk_carries_only_the_last_tokens_text():
+def test_final_chunk_carries_the_held_text_and_never_the_end_tokens():
   reply = ReplyText(fake_tokenizer(["Par", "is", "<eos>"]), {2}, stop=["Paris!"])
   chunks = run(reply, [0, 1, 2])
-  assert chunks == [[""], [""], ["Paris", "<eos>"]] and reply.finish_reason == "stop"
+  assert chunks == [[""], [""], ["Paris"]] and reply.finish_reason == "stop"
+  reply = ReplyText(fake_tokenizer(["Par", "is", "}"]), set(), complete=lambda tokens: tokens == [0, 1, 2])
+  assert run(reply, [0, 1, 2]) == [["Par"], ["is"], ["}"]] and reply.finish_reason == "stop"  # a completed grammar
+  reply = ReplyText(fake_tokenizer(["Par", "is", "}"]), set(), complete=lambda tokens: False)
+  assert run(reply, [0, 1, 2])[-1] == ["}"] and reply.finish_reason == "length"
 
 
 def test_multibyte_character_split_across_tokens_waits_for_its_last_byte():

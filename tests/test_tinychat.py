@@ -115,12 +115,13 @@ def test_streamed_answer_from_smollm2(open_page):
   page.screenshot(path=str(ARTIFACTS / "tinychat.png"))
 
 
-def test_conversations_persist_and_stop_finish_hides_end_marker(open_page):
+def test_conversations_persist_and_the_stop_chunks_text_is_kept(open_page):
   server = shared_server("dummy")
   page = open_page(server.url)
   ask(page, "first question")
-  # Ten tokens, the last is the end-of-turn token: its text is not part of the answer.
-  assert page.inner_text(".message.assistant").strip() == "dummy" * 9
+  # Ten tokens; the server never sends an end-of-turn marker's text (the dummy tokenizer has no special tokens, so
+  # its last token reads "dummy" too), and the text of the "stop" chunk is part of the answer.
+  assert page.inner_text(".message.assistant").strip() == "dummy" * 10
   page.click("#new-chat")
   ask(page, "second question")
   assert [h["title"] for h in histories(page)] == ["second question", "first question"]
@@ -176,7 +177,7 @@ def test_a_node_with_an_api_key_asks_for_it_once(browser):
     page.goto(server.url)  # a fresh port: this origin's localStorage starts empty
     page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
     ask(page, "hello with a key")
-    assert page.inner_text(".message.assistant").strip() == "dummy" * 9
+    assert page.inner_text(".message.assistant").strip() == "dummy" * 10
     assert page.evaluate("localStorage.getItem('apiKey')") == "sekrit"
     page.reload()  # the kept key is sent from now on: no second question
     page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")

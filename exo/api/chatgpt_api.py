@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from exo.api import responses
 from exo.api.access import Access
 from exo.api.admission import Admission
+from exo.api.answer import AnswerPlan, plan_answer
 from exo.api.choices import Choice, run_choices
 from exo.api.completion_request import CompletionRequest, Prompt, parse_completion_request
 from exo.api.chat_request import ChatRequest, build_prompt, parse_chat_request, parse_json_body, parse_messages, parse_tools, resolve_model
@@ -225,17 +226,18 @@ class ChatGPTAPI:
   def _parse_chat(self, raw: bytes) -> ChatRequest:
     return parse_chat_request(parse_json_body(raw), self.default_model, self.inference_engine_classname, self.node.default_sample_temperature)
 
-  def _template(self, tokenizer, chat: ChatRequest) -> Tuple[str, int]:
-    prompt = build_prompt(tokenizer, chat.messages, chat.tools, self.system_prompt)
-    return prompt, len(tokenizer.encode(prompt))
+  def _template(self, tokenizer, chat: ChatRequest) -> Tuple[str, int, AnswerPlan]:
+    plan = plan_answer(tokenizer, chat.messages, chat.response_format, chat.tool_use, chat.tools)
+    prompt = build_prompt(tokenizer, plan.messages, plan.tools, self.system_prompt)
+    return prompt, len(tokenizer.encode(prompt)), plan
 
   async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     chat = await self._in_thread(self._parse_chat, await request.read())
     async with self.admission.places(chat.n) as tickets:
       tokenizer, limits = await self.model_profile(chat.model)
-      prompt, prompt_tokens = await self._in_thread(self._template, tokenizer, chat)
-      chat.params = replace(chat.params, max_tokens=limits.reply_budget(prompt_tokens, chat.params.max_tokens))
+      prompt, prompt_tokens, plan = await self._in_thread(self._template, tokenizer, chat)
+      chat.params = replace(chat.params, max_tokens=limits.reply_budget(prompt_tokens, chat.params.max_tokens), grammar=plan.grammar)
       request_id = str(uuid.uuid4())
       if self.on_chat_completion_request is not None:
         try:
@@ -244,7 +246,7 @@ class ChatGPTAPI:
           self._log_error("on_chat_completion_request failed", e)
       if DEBUG >= 2:
         print(f"[{request_id}] chat completion: model={chat.model} params={chat.params} n={chat.n} stop={chat.stop} stream={chat.stream}")
-      choices = self._choices(request_id, chat.model, [(prompt, prompt_tokens, chat.params, "")], chat.n, chat.stop, tokenizer, limits, tickets)
+      choices = self._choices(request_id, chat.model, [(prompt, prompt_tokens, chat.params, "")], chat.n, chat.stop, tokenizer, limits, tickets, plan)
       shape = responses.ChatShape(request_id, chat.model, _token_text(tokenizer))
       return await self._reply(request, shape, chat.model, choices, [prompt_tokens], chat.stream, chat.include_usage, arrived)
 
@@ -284,9 +286,9 @@ class ChatGPTAPI:
   # --- what chat and completions share ---
 
   def _choices(self, request_id: str, model: str, runs: List[Tuple[str, int, SamplingParams, str]], n: int, stop: List[str], tokenizer,
-               limits: ModelLimits, tickets: List) -> List[Choice]:
+               limits: ModelLimits, tickets: List, plan: Optional[AnswerPlan] = None) -> List[Choice]:
     """n choices for each (prompt, its token count, its params, echo text); each a request of its own in the ring, with
-    its own random stream (seed + index when a seed is given)."""
+    its own random stream (seed + index when a seed is given), and its own reading of tool calls when it may make some."""
     eos = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
     cap = self.node.max_generate_tokens
     layers_here = self.node.get_current_shard(build_base_shard(model, self.inference_engine_classname)).get_layer_count()
@@ -297,8 +299,9 @@ class ChatGPTAPI:
       for j in range(n):
         index = p * n + j
         seeded = params if params.seed is None else replace(params, seed=(params.seed + index) % 2**64)
+        complete = plan.completed_by(tokenizer) if plan is not None else None
         choice = Choice(index, request_id if index == 0 else f"{request_id}-{index}", prompt, seeded, tickets[index], kv_bytes,
-                        ReplyText(tokenizer.decode, eos, stop), echo, first=first)
+                        ReplyText(tokenizer.decode, eos, stop, complete), echo, first=first, tools=plan and plan.tool_stream())
         first = first or choice
         choices.append(choice)
     return choices
@@ -320,7 +323,7 @@ class ChatGPTAPI:
           pass
     except Exception as e:
       raise self._generation_error(shape.request_id, e) from None
-    return responses.json_reply(shape.reply([(c.index, c.text, c.reply.finish_reason, c.pairs) for c in choices], usage()))
+    return responses.json_reply(shape.reply([(c.index, c.content, c.finish_reason, c.pairs, c.tool_calls) for c in choices], usage()))
 
   async def _generation(self, model: str, choice: Choice, arrived: float):
     """One choice's token events, timed for the metrics. Leaving early cancels the generation in the ring."""
@@ -351,7 +354,7 @@ class ChatGPTAPI:
         async for chunk in chunks:
           unfinished -= chunk.finish_reason is not None
           usage_ = usage() if usage is not None and not unfinished else None
-          await stream.send(shape.chunk(chunk.index, chunk.text, chunk.finish_reason, chunk.pairs, usage_))
+          await stream.send(shape.chunk(chunk.index, chunk.text, chunk.finish_reason, chunk.pairs, usage_, chunk.tool_calls))
     except ConnectionError:  # the client left mid-stream; leaving the loop has cancelled the generations
       return stream.response
     except Exception as e:

@@ -31,6 +31,11 @@ class EngineCollector:
     family.add_metric([], buckets, sum(size * n for size, n in sizes.items()))
     yield family
     yield from self._stages(list(getattr(plugin, "schedulers", {}).values()))
+    masks = getattr(plugin, "mask_times", None)
+    if masks is not None:  # grammar masks computed during steps (structured output), beside the forward passes
+      yield CounterMetricFamily("exo_grammar_mask_seconds", "Seconds spent computing grammar masks for steps' constrained rows", value=masks.seconds)
+      yield CounterMetricFamily("exo_grammar_mask_steps", "Steps whose constrained rows had their masks computed", value=masks.batches)
+      yield CounterMetricFamily("exo_grammar_mask_rows", "Constrained rows whose masks were computed", value=masks.rows)
     kv_cache_bytes = getattr(self.node.inference_engine, "kv_cache_bytes", None)
     if kv_cache_bytes is not None:
       yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_cache_bytes())

@@ -45,8 +45,9 @@ def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference
 def exo_process_inference_result(node, shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[None]]:
   """What follows a forward pass (Node.process_inference_result): on the last layer sample the request's next
   token (with its own parameters), record it, fire callbacks, broadcast it and forward it round the ring.
-  Return an awaitable doing all of it. The core samples one request at a time (`node.sample_tokens`); a
-  batching plugin samples many requests in one call and then hands each token to `node.handle_token`."""
+  Return an awaitable doing all of it. The core samples one request at a time (`node.sample_tokens`); the
+  batching plugin has already sampled the rows of each step together, inside the step (their grammars' masks
+  computed beside its forward pass), and hands each request's token to `node.handle_token`."""
 
 
 @hookspec

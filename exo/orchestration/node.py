@@ -20,7 +20,7 @@ import json
 import time
 import traceback
 import uuid
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 import pluggy
@@ -28,8 +28,10 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
+from exo.inference import constrained, grammar
+from exo.inference.grammar import CannotConstrain, MaskTimes
 from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
-from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
+from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
@@ -78,6 +80,7 @@ class Node(RingMember):
     self.max_generate_tokens = max_generate_tokens
     self.default_sample_temperature = default_sample_temperature
     self.node_download_progress: Dict[str, RepoProgressEvent] = {}
+    self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()
     self.model_gate = ModelGate()
     self._watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
@@ -104,6 +107,7 @@ class Node(RingMember):
     if DEBUG >= 2:
       print(f"Collected topology: {self.topology}")
     await self.announce_prefix_cache()
+    await self.announce_structured_output()
     self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self._watch_peers())]
     self.plugins.hook.exo_node_started(node=self)
 
@@ -177,6 +181,11 @@ class Node(RingMember):
     if request is None:
       raise ValueError(f"request {request_id} has already ended")
     request.params = params
+    sampler = self.ring_ids()[-1]
+    if params.grammar and sampler != self.id and sampler not in self.peer_grammar_engines:
+      # Its grammar would be ignored there (an upstream node, or one before structured output): no unconstrained answer.
+      raise CannotConstrain(f"node {sampler}, which samples this model's tokens, has not said that it can constrain output; "
+                            "it may run an exo without structured output, so the request is not run")
     await self.broadcast_opaque_status(request_id, statuses.request_params(request_id, params, self.id))
 
   async def cancel_request(self, request_id: str) -> None:
@@ -307,6 +316,11 @@ class Node(RingMember):
     return (getattr(engine, "reuses_prefixes", False)
             and all(self.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.id))
 
+  async def announce_structured_output(self) -> None:
+    """Tell the ring that this node follows requests' grammars when it samples them (upstream nodes never say)."""
+    if grammar.available():
+      await self.broadcast_opaque_status("", statuses.structured_output(self.id, grammar.ENGINE))
+
   async def announce_prefix_cache(self) -> None:
     """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
     block = BLOCK if getattr(self.inference_engine, "reuses_prefixes", False) else 0
@@ -420,20 +434,17 @@ class Node(RingMember):
       self.forward_or_finish(shard, result, request_id, inference_state, is_finished=False)
       return
     token = (await self.sample_tokens(shard, [result], [request_id]))[0]
+    if isinstance(token, Exception):
+      raise token
     self.handle_token(shard, token, request_id, inference_state)
 
-  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str]) -> List[int]:
-    """Sample each request's next token from its logits, each with its own parameters and random stream."""
+  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
+                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
+    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
+    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
+    node cannot follow gets an error in place of its token."""
     requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    for request in requests:
-      if request.generator is None:
-        request.generator = make_generator(request.params.seed)
-    params = [r.params for r in requests]
-    tokens = [int(t) for t in np.asarray(await self.inference_engine.sample_batch(results, params, [r.generator for r in requests])).reshape(-1)]
-    if any(p.logprobs is not None for p in params):  # from the same logits, for every row that asked, in one pass
-      for request, logprobs in zip(requests, token_logprobs(last_rows(results), params, tokens)):
-        request.sampled_logprobs = logprobs
-    return tokens
+    return await constrained.sample_requests(self.inference_engine, requests, results, f"node {self.id}", masks, mask_times)
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
     """After sampling on the last layer: record, check EOS / length / context, fire callbacks, broadcast, forward."""
@@ -448,7 +459,7 @@ class Node(RingMember):
     limit = min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
     context = self._context_length()
     is_finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
-                   or (context is not None and request.positions >= context))
+                   or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
     if DEBUG >= 2:
       print(f"[{request_id}] token {token} ({len(request.tokens)}/{limit}) finished={is_finished}")
     # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
@@ -555,6 +566,7 @@ class Node(RingMember):
         if await self.update_peers():
           await self.broadcast_supported_engines(self.get_supported_inference_engines())
         await self.announce_prefix_cache()  # every round: a peer may have dropped it before it knew this node
+        await self.announce_structured_output()
         await self.collect_topology(set())
         self.forget_stale()
       except Exception as e:
@@ -691,6 +703,8 @@ class Node(RingMember):
       self.peer_engines[status["node_id"]] = status["engines"]
     elif kind == statuses.PREFIX_CACHE and status["node_id"] in self.peer_hosts:
       self.peer_prefix_blocks[status["node_id"]] = status["block"]
+    elif kind == statuses.STRUCTURED_OUTPUT and status["node_id"] in self.peer_hosts:
+      self.peer_grammar_engines[status["node_id"]] = status["engine"]
     if self.topology_viz:
       self.topology_viz.update_status(status)
 

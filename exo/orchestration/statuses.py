@@ -4,6 +4,7 @@ import json
 import math
 from typing import Any, List, Optional, Tuple
 
+from exo.inference.grammar import MAX_GRAMMAR_CHARS
 from exo.inference.prefix_cache import checked_keys
 from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
@@ -22,6 +23,7 @@ TOKEN_LOGPROBS = "token_logprobs"  # a sampled token's logprobs, sent to its ori
 PREFIX_CACHE = "prefix_cache"  # a node announces whether it reuses prompt prefixes: in blocks of `block` tokens, or 0 (not)
 PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
 PREFIX_EXTEND = "prefix_extend"  # a request finished: the block keys of all its cache holds (prompt and answer), to file
+STRUCTURED_OUTPUT = "structured_output"  # a node announces that it samples requests' grammars (params.grammar), and with what
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
@@ -70,6 +72,10 @@ def prefix_extend(request_id: str, keys: List[str]) -> str:
   return json.dumps({"type": PREFIX_EXTEND, "request_id": request_id, "keys": keys})
 
 
+def structured_output(node_id: str, engine: str) -> str:
+  return json.dumps({"type": STRUCTURED_OUTPUT, "node_id": node_id, "engine": engine})
+
+
 def parse(raw: str) -> Tuple[Optional[str], dict]:
   """(type, the status as a dict), checked for the types this node acts on; InvalidStatus if it cannot be used.
   (`shard` and `sampling_params` turn a checked status's parts into objects.)"""
@@ -106,6 +112,8 @@ def sampling_params(data: Any) -> SamplingParams:
     raise InvalidStatus("params.ignore_eos must be true or false")
   if params.logprobs is not None and (not _is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
     raise InvalidStatus(f"params.logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
+  if params.grammar is not None and (not isinstance(params.grammar, str) or not params.grammar or len(params.grammar) > MAX_GRAMMAR_CHARS):
+    raise InvalidStatus(f"params.grammar must be null or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
   return params
 
 
@@ -202,6 +210,11 @@ def _check_prefix_miss(status: dict) -> None:
   _string(status, "node_id")
 
 
+def _check_structured_output(status: dict) -> None:
+  _string(status, "node_id")
+  _string(status, "engine", limit=64)
+
+
 def _check_prefix_extend(status: dict) -> None:
   _string(status, "request_id")
   try:
@@ -216,4 +229,5 @@ _CHECKS = {
   STAGE_TIMING: _check_stage_timing,
   TOKEN_LOGPROBS: _check_token_logprobs,
   PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss, PREFIX_EXTEND: _check_prefix_extend,
+  STRUCTURED_OUTPUT: _check_structured_output,
 }

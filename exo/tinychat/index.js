@@ -209,10 +209,9 @@ function showError(text) {
 
 // --- streaming a reply ---
 
-// Reads exo's SSE stream (`data: {json}\n\n` events) and calls onDelta with each piece of text.
-// A "stop" finish carries the end-of-turn marker as its content, which is not part of the answer; a "length"
-// finish carries a real last token; an event with an `error` (finish "error") ends the answer with that error.
-// A `[DONE]` line (other servers send one) also ends the stream.
+// Reads exo's SSE stream (`data: {json}\n\n` events) and calls onDelta with each piece of text. The last event
+// carries the answer's last text, if any (never an end-of-turn marker), with the finish reason; an event with an
+// `error` (finish "error") ends the answer with that error. A `[DONE]` line (other servers send one) also ends it.
 async function readStream(response, onDelta) {
   let finishReason = null;
   for await (const data of sseData(response)) {
@@ -222,8 +221,8 @@ async function readStream(response, onDelta) {
     const choice = payload.choices && payload.choices[0];
     if (!choice) continue;
     const content = (choice.delta && choice.delta.content) || "";
-    if (choice.finish_reason === "stop") return "stop";
     if (content) onDelta(content);
+    if (choice.finish_reason === "stop") return "stop";
     if (choice.finish_reason) finishReason = choice.finish_reason;
   }
   return finishReason;
