@@ -211,10 +211,13 @@ async def test_a_node_killed_mid_download_resumes_after_its_restart(hub, checkpo
     same_files(solo.home / "downloads" / FOLDER, checkpoint, [p.name for p in checkpoint.iterdir()])
 
 
-async def test_a_missing_file_and_bytes_that_differ_fail_clearly_every_time_until_the_hub_is_fixed(hub, checkpoint, tmp_path):
+async def test_a_missing_repository_or_file_and_bytes_that_differ_fail_clearly_every_time_until_the_hub_is_fixed(hub, checkpoint, tmp_path):
   repo = hub.repos[REPO]
   async with node(tmp_path, hub_env(hub, tmp_path)) as cluster:
     url = cluster.url("solo")
+    status, body, seconds = await timed_chat(url, "llama-3.2-3b")  # its repository is not on the hub
+    assert status == 502 and body["error"]["code"] == "repo_not_found" and "unsloth/Llama-3.2-3B-Instruct" in body["error"]["message"], body
+    print(f"repository not found: {status} in {seconds:.2f} s: {body['error']['message']}")
     repo.unserved.add(BIG)
     for _ in range(2):  # not remembered as complete, nor as failed: each request tries again
       status, body, seconds = await timed_chat(url)
