@@ -13,6 +13,7 @@ from exo.download.hub import FileHash, HubFile, RepoListing
 from exo.download.record import DownloadRecord
 from exo.download.shard_files import needed_files
 from exo.inference.shard import Shard
+from exo.topology.topology import Topology
 from exo.viz.topology_viz import TopologyViz, download_summary
 
 pytestmark = pytest.mark.unit
@@ -112,6 +113,8 @@ def test_a_download_error_keeps_its_kind_across_the_ring(kind):
 
 def test_the_tui_shows_a_download_file_by_file():
   viz = TopologyViz()
+  viz.update_visualization(Topology(), [], "node-b")
+  viz.update_status({"type": "download_progress", "node_id": "stranger", "progress": {}})  # not of this ring: ignored
   progress = DownloadProgress(SHARD, "org/repo", "main", {"big.safetensors": 4 << 20, "config.json": 100}, {"config.json": 100}, clock=Clock())
   progress.add("big.safetensors", 1 << 20)
   event = progress.event("in_progress").to_dict()

@@ -11,6 +11,7 @@ PROGRESS_INTERVAL_S. Nothing is remembered between attempts but what the folder'
 import asyncio
 import shutil
 from abc import ABC, abstractmethod
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Tuple
@@ -111,16 +112,18 @@ class HFShardDownloader(ShardDownloader):
     folder = repo_dir(repo_id)
     self._outcomes[shard.model_id] = {"repo_id": repo_id, "status": "in_progress", "error": None}
     try:
-      if not _complete_on_disk(folder, shard):
-        await self._fetch_shard(repo_id, shard, folder)
-    except DownloadFailure as failure:
-      error = DownloadError.of(failure, shard.model_id, repo_id, hub.endpoint(), self.node_id)
-      self._outcomes[shard.model_id].update(status="failed", error={"message": error.message, "code": error.kind, "status": error.status})
+      async with _folder_lock(folder):
+        if not _complete_on_disk(folder, shard):
+          await self._fetch_shard(repo_id, shard, folder)
+    except Exception as e:
+      error = DownloadError.of(e, shard.model_id, repo_id, hub.endpoint(), self.node_id) if isinstance(e, DownloadFailure) else e
+      self._outcomes[shard.model_id].update(status="failed", error={"message": str(error) or repr(error), "code": getattr(error, "kind", "download_failed"),
+                                                                    "status": getattr(error, "status", 500)})
       progress = self._running[repo_id].progress
       if progress is not None:  # ring peers stop showing it as under way (upstream nodes list only in_progress ones)
         self._on_progress.trigger_all(shard, progress.event("not_started"))
       if DEBUG >= 1:
-        print(error, flush=True)
+        print(f"exo: {error!r}" if error is e else error, flush=True)
       raise error from None
     self._outcomes[shard.model_id]["status"] = "complete"
     return folder
@@ -190,6 +193,28 @@ class HFShardDownloader(ShardDownloader):
         continue
       folder = repo_dir(repo_id)
       yield folder, await asyncio.to_thread(_status_on_disk, folder, shard, repo_id, self.is_downloading(repo_id))
+
+
+@asynccontextmanager
+async def _folder_lock(folder: Path):
+  """One process at a time downloads into a folder (nodes on one machine may share an EXO_HOME): the others wait."""
+  try:
+    import fcntl
+  except ImportError:  # Windows
+    yield
+    return
+  folder.mkdir(parents=True, exist_ok=True)
+  with open(folder / ".exo-download.lock", "w") as handle:
+    while True:
+      try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except BlockingIOError:
+        await asyncio.sleep(0.2)  # polled, so that a waiter can be cancelled
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 async def _all_or_none(jobs: List, limit: int) -> None:

@@ -86,8 +86,8 @@ class TopologyViz:
           view.elapsed_s = status["elapsed_time_ns"] / 1e9
       elif kind == "request_error" and request_id in self.requests:
         self.requests[request_id].error = str(status.get("error", "failed"))
-      elif kind == "download_progress" and isinstance(status.get("node_id"), str):
-        try:  # at once, not only at the next topology round (the Node has checked who sent it)
+      elif kind == "download_progress" and status.get("node_id") in (self.node_id, *self.topology.nodes):
+        try:  # at once, not only at the next topology round; from this ring's nodes only
           self.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
         except (KeyError, TypeError, ValueError):
           pass
