@@ -156,12 +156,6 @@ class FileHash:
     return f"{self.file.path} hashes to {self.hash.hexdigest()[:16]}…, the hub announced {self.expected[:16]}…"
 
 
-def _disk_full(e: OSError, path: Path) -> DownloadFailure:
-  if e.errno in (errno.ENOSPC, errno.EDQUOT):
-    return DownloadFailure("disk_full", f"no space left on the disk of {path.parent} while writing {path.name}")
-  raise e
-
-
 def file_matches(path: Path, file: HubFile) -> bool:
   """Whether a file on disk is the one the hub announced: its size, and its hash where there is one."""
   if not path.is_file() or path.stat().st_size != file.size:
@@ -231,7 +225,8 @@ async def fetch_file(session: aiohttp.ClientSession, repo_id: str, commit: str, 
   from huggingface_hub.utils import build_hf_headers
   final = folder / file.path
   partial = _Partial(final.with_name(final.name + ".partial"), file)
-  url, headers = hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint()), build_hf_headers()
+  url = hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint())
+  headers = {**build_hf_headers(), "Accept-Encoding": "identity"}  # sizes and Ranges in the file's own bytes, not gzip's
   timeout = aiohttp.ClientTimeout(total=None, sock_connect=HUB_TIMEOUT_S, sock_read=HUB_TIMEOUT_S)
   try:
     have = await asyncio.to_thread(partial.open)
@@ -274,8 +269,10 @@ async def fetch_file(session: aiohttp.ClientSession, repo_id: str, commit: str, 
       partial.path.unlink()  # a next attempt fetches it whole
       on_bytes(-have)
       raise DownloadFailure("corrupt", mismatch)
-  except OSError as e:
-    raise _disk_full(e, final) from e
+  except OSError as e:  # the disk's, not the network's (those are handled above)
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+      raise
+    raise DownloadFailure("disk_full", f"no space left on the disk of {folder} while writing {file.path}") from e
   finally:
     partial.close()
   os.replace(partial.path, final)

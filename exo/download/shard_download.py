@@ -22,9 +22,9 @@ from exo.download import hub
 from exo.download.download_progress import DownloadProgress, RepoProgressEvent
 from exo.download.errors import DownloadError, DownloadFailure
 from exo.download.record import DownloadRecord
-from exo.download.shard_files import (INDEX, embedded_model_path, has_shard_files, local_model_path, matching_files, needed_files,  # noqa: F401
-                                      read_weight_map, repo_dir, shard_file_patterns)
-from exo.helpers import DEBUG, AsyncCallbackSystem
+from exo.download.shard_files import INDEX, has_shard_files, local_model_path, matching_files, needed_files, read_weight_map, repo_dir
+from exo.download.shard_files import embedded_model_path  # noqa: F401 (imported from here by the tests and benches)
+from exo.helpers import AsyncCallbackSystem
 from exo.inference.shard import Shard
 from exo.models import get_repo
 
@@ -122,8 +122,7 @@ class HFShardDownloader(ShardDownloader):
       progress = self._running[repo_id].progress
       if progress is not None:  # ring peers stop showing it as under way (upstream nodes list only in_progress ones)
         self._on_progress.trigger_all(shard, progress.event("not_started"))
-      if DEBUG >= 1:
-        print(f"exo: {error!r}" if error is e else error, flush=True)
+      print(f"exo: {error!r}" if error is e else f"exo: {error}", flush=True)  # the node's operator hears of it too
       raise error from None
     self._outcomes[shard.model_id]["status"] = "complete"
     return folder
