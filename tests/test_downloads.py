@@ -91,13 +91,6 @@ async def model_pool(url: str) -> dict:
   return pool
 
 
-async def wait_downloaded(url: str, model: str = MODEL, timeout: float = 120) -> None:
-  deadline = time.monotonic() + timeout
-  while not (await model_pool(url)).get(model, {}).get("downloaded"):
-    assert time.monotonic() < deadline, f"{model} not downloaded within {timeout} s"
-    await asyncio.sleep(0.2)
-
-
 def same_files(folder: Path, source: Path, names) -> None:
   for name in names:
     assert hashlib.sha256((folder / name).read_bytes()).digest() == hashlib.sha256((source / name).read_bytes()).digest(), name
@@ -128,8 +121,9 @@ async def test_a_fresh_download_reports_progress_while_bytes_arrive(hub, checkpo
   async with node(tmp_path, hub_env(hub, tmp_path)) as cluster:
     url = cluster.url("solo")
     assert (await call("POST", f"{url}/download", {"model": MODEL}))[0] == 200
-    seen = []
+    seen, deadline = [], time.monotonic() + 120
     while not (await model_pool(url)).get(MODEL, {}).get("downloaded"):
+      assert time.monotonic() < deadline, f"not downloaded within 120 s: {seen[-1:]}"
       _, progress = await call("GET", f"{url}/v1/download/progress")
       if "solo" in progress:
         seen.append(progress["solo"])
