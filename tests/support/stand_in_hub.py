@@ -43,12 +43,9 @@ class HubRepo:
   unserved: Set[str] = field(default_factory=set)  # listed, but resolve answers 404
   served_instead: Dict[str, bytes] = field(default_factory=dict)  # listed with the real bytes' hash, these bytes served
 
-  @property
-  def commit(self) -> str:
-    digest = hashlib.sha1()
-    for path in sorted(self.files):
-      digest.update(path.encode() + b"\0" + hashlib.sha256(self.files[path]).digest())
-    return digest.hexdigest()
+  def __post_init__(self):  # the files do not change once served: their hashes are taken once
+    self.sha256 = {path: hashlib.sha256(data).hexdigest() for path, data in self.files.items()}
+    self.commit = hashlib.sha1("".join(f"{p}\0{h}" for p, h in sorted(self.sha256.items())).encode()).hexdigest()
 
   def is_lfs(self, path: str) -> bool:
     return any(fnmatch(path, p) for p in LFS_PATTERNS)
@@ -58,7 +55,7 @@ class HubRepo:
     data = self.files[path]
     if not self.is_lfs(path):
       return {"rfilename": path, "size": len(data), "blobId": git_blob_id(data)}
-    sha256 = hashlib.sha256(data).hexdigest()
+    sha256 = self.sha256[path]
     pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {len(data)}\n".encode()
     return {"rfilename": path, "size": len(data), "blobId": git_blob_id(pointer), "lfs": {"size": len(data), "sha256": sha256, "pointerSize": len(pointer)}}
 
