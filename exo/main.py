@@ -181,6 +181,7 @@ def prefix_cache_budget(args, environ) -> int:
 
 
 async def main(args) -> int:
+  from exo.download.errors import DownloadError
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
   from exo.local_checkpoints import serve as serve_local_checkpoints
@@ -227,7 +228,8 @@ async def main(args) -> int:
   except ValueError as e:
     fail(str(e))
 
-  shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads)
+  node_id = args.node_id or get_or_create_node_id()
+  shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads, node_id)
   try:
     engine = get_inference_engine(engine_name, shard_downloader)
   except ImportError as e:
@@ -236,7 +238,6 @@ async def main(args) -> int:
     engine.prefixes.set_budget(prefix_budget)
     state = f"on, keeping up to {prefix_budget / 2**20:,.0f} MiB of ended requests' prompts" if prefix_budget else "off"
     print(f"exo: prefix cache {state}", file=sys.stderr, flush=True)
-  node_id = args.node_id or get_or_create_node_id()
   node_port = args.node_port or find_available_port(args.node_host)
   from exo.topology.device_capabilities import device_capabilities
   try:
@@ -256,10 +257,10 @@ async def main(args) -> int:
     register_batching(node, batching)
 
   def broadcast_download_progress(shard, event) -> None:
-    # wire.md §7: the ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go.
-    if event.status != "not_started":
-      status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict()}
-      node.spawn(node.broadcast_opaque_status("", json.dumps(status)))
+    # The ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go. The
+    # downloader sends "not_started" only for a download that failed: peers then stop listing it as under way.
+    status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict()}
+    node.spawn(node.broadcast_opaque_status("", json.dumps(status)))
   shard_downloader.on_progress.register("broadcast").on_next(broadcast_download_progress)
   from exo.networking.discovery import NoDiscovery
   if not isinstance(discovery, NoDiscovery):
@@ -285,7 +286,11 @@ async def main(args) -> int:
       if not runner.done():
         runner.cancel()
         return 130
-      runner.result()
+      try:
+        runner.result()
+      except DownloadError as e:
+        print(f"exo: error: {e}", file=sys.stderr)  # one line that says what failed and why; no traceback
+        return 1
       if args.wait_for_peers > 0:
         await asyncio.sleep(5)  # let peers see the final result before this node leaves the ring
       return 0

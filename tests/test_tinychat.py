@@ -1,9 +1,11 @@
 """tinychat: served as static files with no third-party fetches, and driven in headless Debian Chromium against a
 real node: a streamed answer from SmolLM2, conversations kept in localStorage, both finish kinds, errors, the
 topology and download views. Screenshots go to tests/artifacts/ (gitignored)."""
+import asyncio
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -188,3 +190,46 @@ def test_a_node_with_an_api_key_asks_for_it_once(browser):
   finally:
     page.close()
     server.stop()
+
+
+def test_a_download_shows_a_growing_bar_and_a_failure_says_why(open_page, tmp_path):
+  """A real node fetching llama-3.2-1b from a slowed stand-in hub: the bar grows as bytes arrive; then a model whose
+  repository the hub lacks: the downloads view and a chat with it say so."""
+  from tests.support.checkpoints import write_layer_split_llama
+  from tests.support.cluster import Cluster
+  from tests.support.stand_in_hub import StandInHub
+  hub = StandInHub().start()
+  hub.add_repo("unsloth/Llama-3.2-1B-Instruct", write_layer_split_llama(tmp_path / "llama", 16))
+  hub.bytes_per_second = 2e6  # ~9 s for its ~17 MB: several of tinychat's polls (one a second)
+  cluster = Cluster(tmp_path, ["chat-node"], "numpy", {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""})
+  try:
+    with ThreadPoolExecutor(1) as thread:  # playwright's sync API holds this thread's event loop
+      thread.submit(asyncio.run, cluster.start()).result()
+    page = open_page(cluster.url("chat-node"))
+    page.evaluate("""() => {
+      window.widths = [];
+      new MutationObserver(() => {
+        const bar = document.querySelector('#downloads .download:not(.failed) .bar > div');
+        const width = bar && parseFloat(bar.style.width);
+        if (bar && width !== window.widths[window.widths.length - 1]) window.widths.push(width);
+      }).observe(document.getElementById('downloads'), {childList: true, subtree: true, attributes: true});
+    }""")
+    page.select_option("#model-select", "llama-3.2-1b")
+    page.click("#download-model")
+    page.wait_for_function("window.widths.filter((w) => w > 0 && w < 100).length >= 2", timeout=60000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "tinychat-download-under-way.png"))
+    assert "chat-node" in page.inner_text("#downloads") and "model-00003-of-00003.safetensors" in page.inner_text("#downloads .files")
+    page.wait_for_function("document.querySelector('#model-select option[value=\"llama-3.2-1b\"]').textContent.includes('✓')", timeout=90000)
+    growing = [w for w in page.evaluate("window.widths") if 0 < w < 100]
+    assert len(set(growing)) >= 3 and growing == sorted(growing), growing
+    page.select_option("#model-select", "llama-3.2-3b")
+    page.click("#download-model")
+    failure = page.wait_for_selector(".download.failed", timeout=30000).inner_text()
+    assert "Could not download model llama-3.2-3b (repository unsloth/Llama-3.2-3B-Instruct" in failure and "repository not found" in failure, failure
+    page.screenshot(path=str(ARTIFACTS / "tinychat-download-failed.png"))
+    ask(page, "Hello")
+    assert "repository not found" in page.inner_text(".message.error")
+  finally:
+    cluster.stop()
+    hub.stop()

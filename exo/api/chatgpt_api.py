@@ -26,6 +26,7 @@ from exo.api.admission import Admission
 from exo.api.answer import AnswerPlan, plan_answer
 from exo.api.choices import Choice, run_choices
 from exo.api.completion_request import CompletionRequest, Prompt, parse_completion_request
+from exo.api.downloads import download_api_error, downloads_view, peer_download_api_error
 from exo.api.chat_request import ChatRequest, build_prompt, parse_chat_request, parse_json_body, parse_messages, parse_tools, resolve_model
 from exo.api.errors import ApiError, BadRequest
 from exo.api.event_stream import STREAM_KEY, EventStream
@@ -33,6 +34,7 @@ from exo.api.metrics import ApiMetrics
 from exo.api.model_limits import ModelLimits
 from exo.api.reply_text import ReplyText
 from exo.api.settings import ApiSettings
+from exo.download.errors import DownloadError
 from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.sampling import SamplingParams
@@ -77,6 +79,7 @@ class ChatGPTAPI:
       (("/initial_models",), "GET", self.handle_initial_models),
       (("/modelpool",), "GET", self.handle_model_pool),
       (("/v1/download/progress",), "GET", self.handle_download_progress),
+      (("/v1/downloads",), "GET", self.handle_downloads),
       (("/download",), "POST", self.handle_download),
       (("/models/{model_name}",), "DELETE", self.handle_delete_model),
       (("/v1/topology", "/topology"), "GET", self.handle_topology),
@@ -120,6 +123,8 @@ class ChatGPTAPI:
       return await handler(request)
     except ApiError as e:
       error = e
+    except DownloadError as e:
+      error = download_api_error(e)
     except web.HTTPException as e:
       if e.status < 400:
         raise
@@ -194,13 +199,15 @@ class ChatGPTAPI:
     return await self._in_thread(parse_json_body, await request.read())
 
   def _local_files(self, repo: str):
-    """Where a model's tokenizer and config are on this machine: the embedded model, $EXO_HOME/downloads, or None."""
+    """Where a model's tokenizer and config are on this machine without a download: the embedded model, a local
+    checkpoint, or None."""
     if repo == "dummy":
       return "dummy"
-    return local_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
+    return local_model_path(repo)
 
   async def model_profile(self, model_id: str) -> Tuple[object, ModelLimits]:
-    """A model's tokenizer and limits, read from its files: the embedded model, $EXO_HOME/downloads, or downloaded.
+    """A model's tokenizer and limits, read from its files: the embedded model, a local checkpoint, or this node's
+    shard of a download (which ends at once when it is complete on disk, and raises DownloadError when it fails).
     Never by loading the engine, which would wipe the KV caches of the requests it serves."""
     if model_id in self._profiles:
       return self._profiles[model_id]
@@ -342,6 +349,9 @@ class ChatGPTAPI:
       return e
     if isinstance(e, TimeoutError):
       return self._timeout_error()
+    peer_download = peer_download_api_error(str(e))  # the ring's download failed, here or on another node
+    if peer_download is not None:
+      return peer_download
     self._log_error(f"[{request_id}] generation failed", e)
     return ApiError(500, f"Error processing prompt (see logs with DEBUG>=2): {e}", code="generation_failed")
 
@@ -410,6 +420,9 @@ class ChatGPTAPI:
   async def handle_download_progress(self, request: web.Request) -> web.Response:
     return responses.json_reply({node_id: event.to_dict() for node_id, event in self.node.node_download_progress.items() if event.status == "in_progress"})
 
+  async def handle_downloads(self, request: web.Request) -> web.Response:
+    return responses.json_reply(downloads_view(self.node.shard_downloader))
+
   def _known_model(self, model, param: str) -> str:
     if not isinstance(model, str) or not model:
       raise BadRequest(f"{param} is required: a model id such as {next(iter(model_cards))!r}", param=param)
@@ -438,6 +451,8 @@ class ChatGPTAPI:
     if repo is None:
       raise BadRequest(f"model {model} has no files for {self.inference_engine_classname}", param="model_name", code="model_not_supported")
     path = repo_dir(repo)
+    if getattr(self.node.shard_downloader, "is_downloading", lambda repo: False)(repo):
+      raise ApiError(409, f"Model {model} is downloading; delete its files once the download has ended", param="model_name", code="download_in_progress")
     if not path.exists():
       raise ApiError(404, f"Model {model} files not found", param="model_name", code="model_files_not_found")
     try:
