@@ -123,6 +123,7 @@ def read_prompts(args) -> List[str]:
 async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[str], timeout: float) -> None:
   """Run prompts concurrently through the node; one prompt streams to stdout, several print answers under each prompt."""
   from exo.inference.sampling import SamplingParams
+  from exo.inference.tokenizers import eos_ids
   from exo.models import build_base_shard
   from exo.orchestration.generation import generate
 
@@ -130,6 +131,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   await node.inference_engine.ensure_shard(node.get_current_shard(base_shard))
   tokenizer = node.inference_engine.tokenizer
   params = SamplingParams(temperature=node.default_sample_temperature)
+  ends = eos_ids(tokenizer)
 
   async def answer(prompt: str, stream: bool) -> List[int]:
     templated = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -138,7 +140,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
     async for delta, _ in generate(node, base_shard, templated, params, timeout=timeout):
       tokens += delta
       if stream:
-        text = tokenizer.decode([t for t in tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+        text = tokenizer.decode([t for t in tokens if t not in ends])
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
           print(text[len(printed):], end="", flush=True)
           printed = text
@@ -151,7 +153,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   else:
     tokens = await asyncio.gather(*[answer(p, stream=False) for p in prompts])
     for prompt, answer_tokens in zip(prompts, tokens):
-      text = tokenizer.decode([t for t in answer_tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+      text = tokenizer.decode([t for t in answer_tokens if t not in ends])
       print(f"\n>>> {prompt}\n{text}")
   elapsed = time.perf_counter() - start
   total = sum(len(t) for t in tokens)
@@ -232,15 +234,15 @@ async def main(args) -> int:
     engine = get_inference_engine(engine_name, shard_downloader)
   except ImportError as e:
     fail(f"the {engine_name} engine is not installed ({e.name} missing); install it with: pip install 'exo[{engine_name}]'")
-  if getattr(engine, "copies_prefixes", False):
-    engine.prefixes.set_budget(prefix_budget)
+  engine.set_prefix_budget(prefix_budget)
+  if engine.copies_prefixes:
     state = f"on, keeping up to {prefix_budget / 2**20:,.0f} MiB of ended requests' prompts" if prefix_budget else "off"
     print(f"exo: prefix cache {state}", file=sys.stderr, flush=True)
   node_id = args.node_id or get_or_create_node_id()
   node_port = args.node_port or find_available_port(args.node_host)
   from exo.topology.device_capabilities import device_capabilities
   try:
-    discovery = build_discovery(args, node_id, node_port, await device_capabilities(getattr(engine, "device_name", "CPU")))
+    discovery = build_discovery(args, node_id, node_port, await device_capabilities(engine.device_name))
   except (ValueError, FileNotFoundError) as e:
     fail(str(e))
   is_run = args.command == "run" or bool(args.run_model)

@@ -241,7 +241,7 @@ def test_workers_start_on_first_use_not_at_import():
 
 
 def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
-  from exo.inference.numpy import llama
+  from exo.inference.numpy import attention
   from exo.inference.numpy.cache import KVCache, KVPool
   pool = KVPool(n_layers=1, n_kv_heads=1, head_dim=8, positions=2048)
   caches = [KVCache(pool) for _ in range(20)]
@@ -249,21 +249,21 @@ def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
     cache.length = 100
   jobs = lambda step: [job for group in step.job_groups for job in group]
   slots = lambda job: list(range(job.slot, job.slot + len(job.ends)))
-  decode = llama.Step(pool, caches[:16], [1] * 16)
-  assert all(isinstance(job, llama.DecodeRun) for job in jobs(decode)) and sum(map(slots, jobs(decode)), []) == list(range(16))
-  if llama.CORES > 1:
-    assert len(decode.job_groups) == llama.CORES and {sum(len(j.ends) for j in g) for g in decode.job_groups} == {16 // llama.CORES}
-  assert [slots(job) for job in llama.share(jobs(llama.Step(pool, [caches[i] for i in (0, 1, 2, 5, 6, 9)], [1] * 6)), 1)[0]] == \
+  decode = attention.Step(pool, caches[:16], [1] * 16)
+  assert all(isinstance(job, attention.DecodeRun) for job in jobs(decode)) and sum(map(slots, jobs(decode)), []) == list(range(16))
+  if attention.CORES > 1:
+    assert len(decode.job_groups) == attention.CORES and {sum(len(j.ends) for j in g) for g in decode.job_groups} == {16 // attention.CORES}
+  assert [slots(job) for job in attention.share(jobs(attention.Step(pool, [caches[i] for i in (0, 1, 2, 5, 6, 9)], [1] * 6)), 1)[0]] == \
     [[0, 1, 2], [5, 6], [9]], "one run per stretch of consecutive slots"
   caches[3].length = 1000  # far longer than its neighbours: padding them all to it would waste most of the run
-  assert len(jobs(llama.Step(pool, caches[:8], [1] * 8))) >= 3
-  prompt = jobs(llama.Step(pool, caches[:4], [1, 30, 1, 1]))
-  chunks = [job for job in prompt if isinstance(job, llama.PromptChunk)]
+  assert len(jobs(attention.Step(pool, caches[:8], [1] * 8))) >= 3
+  prompt = jobs(attention.Step(pool, caches[:4], [1, 30, 1, 1]))
+  chunks = [job for job in prompt if isinstance(job, attention.PromptChunk)]
   assert {job.slot for job in chunks} == {1} and sum(job.n for job in chunks) == 30, "a prompt chunk attends on its own (the cores may share its rows)"
-  assert sum((slots(job) for job in prompt if isinstance(job, llama.DecodeRun)), []) == [0, 2, 3]
-  costs = [sum(job.cost for job in group) for group in llama.share(jobs(llama.Step(pool, caches[4:20], [1] * 16)), 2)]
+  assert sum((slots(job) for job in prompt if isinstance(job, attention.DecodeRun)), []) == [0, 2, 3]
+  costs = [sum(job.cost for job in group) for group in attention.share(jobs(attention.Step(pool, caches[4:20], [1] * 16)), 2)]
   assert len(costs) == 2 and max(costs) <= 1.1 * min(costs), "the cores read about as many cached positions each"
-  fresh = [job for group in llama.share([llama.PromptChunk(*pool.where(KVCache(pool).slot), 0, 0, 512)], 2) for job in group]
+  fresh = [job for group in attention.share([attention.PromptChunk(*pool.where(KVCache(pool).slot), 0, 0, 512)], 2) for job in group]
   assert [job.n for job in fresh] == [362, 150], "a fresh prompt's later rows see more positions: it is cut where both halves see as many"
   assert abs(fresh[0].seen(fresh[0].n) - fresh[1].seen(fresh[1].n)) < 0.01 * fresh[0].seen(fresh[0].n)
 
@@ -274,7 +274,7 @@ def test_attention_equals_a_float64_softmax_whatever_the_scores(scale):
   +-190 (every key along the query's direction) overflow exp, or make every weight of a row underflow, unshifted:
   decode runs and prompt chunks (a long cached prefix, rows in several tiles, a causal part) still equal a float64
   softmax over each row's own positions."""
-  from exo.inference.numpy import llama
+  from exo.inference.numpy import attention
   from exo.inference.numpy.cache import KVCache, KVPool
   n_kv, group, hd = 2, 3, 64
   rng = np.random.default_rng(1)
@@ -289,8 +289,8 @@ def test_attention_equals_a_float64_softmax_whatever_the_scores(scale):
   ends = np.array([300, 260, 280])  # positions each decode row sees
   attn = np.zeros((rows, n_kv * group * hd), dtype=np.float32)
   slab, first_slot = pool.where(caches[0].slot)
-  llama.DecodeRun(slab, first_slot, 0, ends).attend(0, q, attn, n_kv)
-  llama.PromptChunk(*pool.where(caches[1].slot), 3, start, n).attend(0, q, attn, n_kv)
+  attention.DecodeRun(slab, first_slot, 0, ends).attend(0, q, attn, n_kv)
+  attention.PromptChunk(*pool.where(caches[1].slot), 3, start, n).attend(0, q, attn, n_kv)
 
   def expected(cache, row, seen):
     keys, values = cache.data[0, 0].astype(np.float64), cache.data[0, 1].astype(np.float64)
@@ -306,15 +306,15 @@ def test_attention_equals_a_float64_softmax_whatever_the_scores(scale):
 
 
 async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, monkeypatch):
-  from exo.inference.numpy import llama
+  from exo.inference.numpy import attention, llama
   from tests.support.engines import OPENINGS, batched, greedy, prompt_ids
   prompts = prompt_ids(engine, OPENINGS + [f"{opening} (again)" for opening in OPENINGS])  # 16: decode steps of 16 rows
   alone = [await greedy(engine, f"alone-{i}", ids, 6, stop_at_eos=False) for i, ids in enumerate(prompts)]
   steps, original = [], llama.Step
   monkeypatch.setattr(llama, "Step", lambda *args: steps.append(original(*args)) or steps[-1])
   assert await batched(engine, prompts, 6, "cores", join_every=0, stop_at_eos=False) == alone
-  if llama.CORES > 1:
-    assert len(steps) == 6 and all(len(step.job_groups) == llama.CORES for step in steps), "each step's attention was shared among the cores"
+  if attention.CORES > 1:
+    assert len(steps) == 6 and all(len(step.job_groups) == attention.CORES for step in steps), "each step's attention was shared among the cores"
   assert engine.kv_cache_bytes() == 0
 
 

@@ -23,17 +23,16 @@ class EngineCollector:
 
   def collect(self):
     sizes = Tally()
-    plugin = self.node.plugins.get_plugin("exo-batching")
-    for scheduler in list(getattr(plugin, "schedulers", {}).values()):
+    plugin = self.node.plugins.get_plugin("exo-batching")  # None when batching is off
+    schedulers = list(plugin.schedulers.values()) if plugin is not None else []
+    for scheduler in schedulers:
       sizes.update(scheduler.stats.sizes)
     buckets = [(str(b), sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS] + [("+Inf", sum(sizes.values()))]
     family = HistogramMetricFamily("exo_batch_size", "Requests per engine step (batching on)")
     family.add_metric([], buckets, sum(size * n for size, n in sizes.items()))
     yield family
-    yield from self._stages(list(getattr(plugin, "schedulers", {}).values()))
-    kv_cache_bytes = getattr(self.node.inference_engine, "kv_cache_bytes", None)
-    if kv_cache_bytes is not None:
-      yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_cache_bytes())
+    yield from self._stages(schedulers)
+    yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=self.node.inference_engine.kv_cache_bytes())
 
 
   def _stages(self, schedulers):

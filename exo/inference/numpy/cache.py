@@ -97,6 +97,11 @@ class KVCache:
     slab, index = self.pool.where(self.slot)
     return slab[index]
 
+  def copy_prefix(self, source: "KVCache", positions: int) -> None:
+    """Start with the first `positions` positions of `source`: a copy of a few MB, far cheaper than computing them."""
+    self.data[:, :, :, :positions] = source.data[:, :, :, :positions]
+    self.length = positions
+
   @property
   def nbytes(self) -> int:
     """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row."""
