@@ -163,6 +163,14 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   print(summary, file=sys.stderr if len(prompts) == 1 else sys.stdout)
 
 
+def load_installed_plugins(node) -> List[str]:
+  """Register the plugins installed in the `exo` entry-point group with the node; their names. Only the command
+  does this: a Node built in code (a test, an embedding program) runs exactly the plugins it is given."""
+  before = {name for name, _ in node.plugins.list_name_plugin()}
+  node.plugins.load_setuptools_entrypoints("exo")
+  return sorted(name for name, _ in node.plugins.list_name_plugin() if name not in before)
+
+
 def prefix_cache_budget(args, environ) -> int:
   """Bytes of KV the prefix cache may keep for ended requests (0: off), from the flags, else the environment."""
   switch = str(environ.get("EXO_PREFIX_CACHE", "")).strip().lower()
@@ -253,6 +261,9 @@ async def main(args) -> int:
                                web_chat_urls=[f"http://localhost:{args.chatgpt_api_port}"])
   node = Node(node_id, None, engine, discovery, shard_downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
               max_generate_tokens=args.max_generate_tokens, default_sample_temperature=args.default_temp, topology_viz=topology_viz)
+  plugins = load_installed_plugins(node)  # before batching's, so its hooks are called first, as they were
+  if plugins:
+    print(f"exo: plugins {', '.join(plugins)}", file=sys.stderr, flush=True)
   if batching is not None:
     from exo.orchestration.batching.plugin import register_batching
     register_batching(node, batching)

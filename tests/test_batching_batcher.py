@@ -6,6 +6,9 @@ import time
 import pytest
 
 from exo.orchestration.batching.batcher import Batcher, BatcherStopped
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.unit
 
 
 def echo(delay=0.0, log=None):
@@ -57,8 +60,8 @@ async def test_poke_flushes_when_the_awaited_item_will_not_come():
   coming = {"x"}
   batcher = Batcher(echo(), max_size=8, timeout_s=30, nothing_else_coming=lambda key, waiting: not coming)
   waiting = asyncio.ensure_future(batcher.submit("k", 1))
-  await asyncio.sleep(0.01)
-  assert not waiting.done() and batcher.waiting("k") == 1
+  await eventually(lambda: batcher.waiting("k") == 1, 5)
+  assert not waiting.done()
   coming.clear()
   batcher.poke("k")
   assert await asyncio.wait_for(waiting, 5) == ("k", 1)
@@ -95,27 +98,36 @@ async def test_a_wrong_number_of_results_is_an_error_not_a_hang():
 
 
 async def test_a_caller_that_leaves_is_skipped_and_the_others_run():
-  log = []
-  batcher = Batcher(echo(log=log), max_size=8, timeout_s=0.05)
+  log, everyone_asked = [], []
+  batcher = Batcher(echo(log=log), max_size=8, timeout_s=60, nothing_else_coming=lambda key, waiting: bool(everyone_asked))
   gone = asyncio.ensure_future(batcher.submit("k", "gone"))
   stays = asyncio.ensure_future(batcher.submit("k", "stays"))
-  await asyncio.sleep(0)
+  await eventually(lambda: batcher.waiting("k") == 2, 5)
   gone.cancel()
+  everyone_asked.append(True)
+  batcher.poke("k")
   assert await asyncio.wait_for(stays, 5) == ("k", "stays")
   assert log == [("k", ["stays"])]
 
 
 async def test_stop_fails_pending_items_and_lets_running_flushes_finish():
-  batcher = Batcher(echo(delay=0.1), max_size=2, timeout_s=60)
+  release = asyncio.Event()
+
+  async def run(key, items):
+    await release.wait()  # a flush that really suspends, until the test lets it finish
+    return [(key, item) for item in items]
+  batcher = Batcher(run, max_size=2, timeout_s=60)
   running = [asyncio.ensure_future(batcher.submit("k", i)) for i in range(2)]  # full: flushing, suspended
   pending = asyncio.ensure_future(batcher.submit("k", 2))  # waits for a partner that never comes
-  await asyncio.sleep(0.01)
-  await asyncio.wait_for(batcher.stop(), 5)
+  await eventually(lambda: batcher.flushing == 1 and batcher.waiting("k") == 1, 5)
+  stopping = asyncio.ensure_future(batcher.stop())
+  with pytest.raises(BatcherStopped):
+    await asyncio.wait_for(pending, 5)  # at once, while the flush under way goes on
+  assert not stopping.done()
+  release.set()
+  await asyncio.wait_for(stopping, 5)
   assert [r.result() for r in running] == [("k", 0), ("k", 1)]  # the flush under way was not cancelled
   with pytest.raises(BatcherStopped):
-    await pending
-  with pytest.raises(BatcherStopped):
     await batcher.submit("k", 3)
-  await asyncio.sleep(0)
-  assert not leftover_tasks()
-  assert not batcher._timers and not batcher._pending
+  await eventually(lambda: not leftover_tasks(), 1)
+  assert batcher.idle

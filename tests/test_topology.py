@@ -13,6 +13,8 @@ from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWe
 from exo.topology.topology import PeerConnection, Topology
 from exo.viz.topology_viz import TopologyViz
 
+pytestmark = pytest.mark.unit
+
 GIB = 1024
 
 

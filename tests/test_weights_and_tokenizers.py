@@ -13,6 +13,8 @@ from exo.inference.weights import LlamaConfig, load_shard_weights
 from tests.support.checkpoints import write_hf_dir
 from tests.support.models import smollm2_shard
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def gguf_model(smollm2_path):

@@ -90,8 +90,7 @@ class Node(RingMember):
     self._background: List[asyncio.Task] = []
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
-    self.plugins.register(CorePlugin(), name="exo-core")
-    self.plugins.load_setuptools_entrypoints("exo")
+    self.plugins.register(CorePlugin(), name="exo-core")  # installed plugins: exo.main.load_installed_plugins
 
   # --- lifecycle ---
 
@@ -120,6 +119,11 @@ class Node(RingMember):
     await self.discovery.stop()
     if self.server is not None:
       await self.server.stop()
+
+  def pending(self) -> Dict[str, int]:
+    """Work under way here that no caller awaits (a read-only view): detached tasks (sends to peers, filings),
+    KV caches being freed, finished answers being filed, and local clients watching a request."""
+    return {"tasks": len(self._tasks), "releases": len(self._releases), "filings": len(self._filings), "watchers": len(self._watchers)}
 
   def spawn(self, coro) -> asyncio.Task:
     """A detached task the node keeps track of, so stop() can end it."""

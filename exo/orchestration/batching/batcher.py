@@ -7,7 +7,7 @@ a flush; a flush runs in a task of its own that nothing ever cancels, so a group
 `stop()` fails whatever has not been flushed and waits for the flushes under way to finish."""
 import asyncio
 from collections import Counter
-from typing import Awaitable, Callable, Dict, Generic, Hashable, List, Sequence, Set, Tuple, TypeVar, Union
+from typing import Awaitable, Callable, Dict, Generic, Hashable, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -69,8 +69,19 @@ class Batcher(Generic[K, T, R]):
     if group and self.nothing_else_coming(key, len(group)):
       self._flush(key)
 
-  def waiting(self, key: K) -> int:
-    return len(self._pending.get(key, ()))
+  def waiting(self, key: Optional[K] = None) -> int:
+    """Items waiting for a flush: under `key`, or under every key."""
+    return len(self._pending.get(key, ())) if key is not None else sum(map(len, self._pending.values()))
+
+  @property
+  def flushing(self) -> int:
+    """Groups being run now."""
+    return len(self._flushing)
+
+  @property
+  def idle(self) -> bool:
+    """Nothing waiting for a flush, no timer set, no flush running."""
+    return not any(self._pending.values()) and not self._timers and not self._flushing
 
   def _flush(self, key: K) -> None:
     timer = self._timers.pop(key, None)
