@@ -269,7 +269,7 @@ async def main(args) -> int:
     register_batching(node, batching)
 
   def broadcast_download_progress(shard, event) -> None:
-    # wire.md §7: the ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go.
+    # The ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go.
     if event.status != "not_started":
       status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict()}
       node.spawn(node.broadcast_opaque_status("", json.dumps(status)))

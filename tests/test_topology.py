@@ -1,4 +1,4 @@
-"""Topology, partitioning (the worked examples of node-api.md §10), ring agreement and the TUI's rendering."""
+"""Topology, partitioning (upstream's worked examples), ring agreement and the TUI's rendering."""
 import io
 
 import pytest

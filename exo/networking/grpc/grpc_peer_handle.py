@@ -1,4 +1,4 @@
-"""Client side of the ring: one gRPC channel to one peer (wire.md §5 for options and deadlines)."""
+"""Client side of the ring: one gRPC channel to one peer (docs/architecture.md, "The ring protocol")."""
 import asyncio
 from typing import List, Optional
 
@@ -47,7 +47,7 @@ SEND_RESULT_TIMEOUT_S = 15.0
 REFUSED_RETRY_WAITS_S = (0.01, 0.05, 0.2, None)  # pauses before resending a refused stream; None: give up
 # Calls are gzip-compressed like upstream's, except those carrying tensors and token ids: float activations hardly
 # compress, and compressing them costs more time than it saves (about 6 ms of the sender's event loop for a 64-token
-# prompt's hidden states). Servers accept both (wire.md). The channel has no default compression, because a call
+# prompt's hidden states). Servers accept both. The channel has no default compression, because a call
 # cannot turn a channel's default off (grpc.aio ignores compression=NoCompression then); the others ask for gzip.
 GZIP = grpc.Compression.Gzip
 
