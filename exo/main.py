@@ -261,7 +261,7 @@ async def main(args) -> int:
                                web_chat_urls=[f"http://localhost:{args.chatgpt_api_port}"])
   node = Node(node_id, None, engine, discovery, shard_downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
               max_generate_tokens=args.max_generate_tokens, default_sample_temperature=args.default_temp, topology_viz=topology_viz)
-  plugins = load_installed_plugins(node)  # before batching's, so its hooks are called first, as they were
+  plugins = load_installed_plugins(node)  # before batching, as when Node() loaded them: batching's hooks still run first
   if plugins:
     print(f"exo: plugins {', '.join(plugins)}", file=sys.stderr, flush=True)
   if batching is not None:

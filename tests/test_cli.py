@@ -84,8 +84,9 @@ async def test_a_node_prints_its_api_limits_and_binds_where_told(tmp_path):
   try:
     await node.wait_for_log(r"^exo: API: up to 3 requests at once and 5 waiting, KV budget [\d,]+ MiB, bodies up to 8 MiB, .*"
                       rf"API key off; listening on 127\.0\.0\.1:{port}$", 60)
-    listening = await eventually(  # the line is printed just before the socket opens
-      lambda: [c.laddr.ip for c in psutil.Process(node.proc.pid).net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port], 30, "the API listening")
+    def listening_on():  # the line is printed just before the socket opens
+      return [c.laddr.ip for c in psutil.Process(node.proc.pid).net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+    listening = await eventually(listening_on, 30, "the API listening")
     assert listening == ["127.0.0.1"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
       assert json.load(r)["status"] == "ok"

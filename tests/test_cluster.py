@@ -177,8 +177,9 @@ async def test_a_node_joining_mid_generation_ends_the_request_with_an_error_and_
     assert time.monotonic() - started < 5  # membership is re-read every 2 s
     # No zombie: every node has ended it (a hop that arrives later finds it ended and is dropped), no hop of it is
     # running and no node still sends one on.
-    await eventually(lambda: all(node.requests.ended("mid-join") is Status.FAILED and node.inference_engine.in_hop == 0
-                                 and node.pending()["tasks"] == 0 for node in nodes), 10, "the failed request ended on every node, nothing in flight")
+    quiet = lambda: all(node.requests.ended("mid-join") is Status.FAILED and node.inference_engine.in_hop == 0
+                        and node.pending()["tasks"] == 0 for node in nodes)
+    await eventually(quiet, 10, "the failed request ended on every node, nothing in flight")
     assert all("mid-join" not in node.outstanding_requests for node in nodes)
   finally:
     await asyncio.gather(*[node.stop() for node in nodes])

@@ -26,9 +26,10 @@ ASYNC, SYNC, PROPERTY = "async", "sync", "property"
 
 # (owner, {member: shape}) as upstream declares them.
 SHAPES = [
-  (InferenceEngine, {"encode": ASYNC, "sample": ASYNC, "decode": ASYNC, "infer_tensor": ASYNC, "infer_prompt": ASYNC, "load_checkpoint": ASYNC,
-                     "save_checkpoint": ASYNC, "save_session": ASYNC, "clear_session": ASYNC, "ensure_shard": ASYNC}),
-  (DummyInferenceEngine, {"encode": ASYNC, "sample": ASYNC, "decode": ASYNC, "infer_tensor": ASYNC, "ensure_shard": ASYNC, "load_checkpoint": ASYNC}),
+  (InferenceEngine, {"encode": ASYNC, "sample": ASYNC, "decode": ASYNC, "infer_tensor": ASYNC, "infer_prompt": ASYNC,
+                     "load_checkpoint": ASYNC, "save_checkpoint": ASYNC, "save_session": ASYNC, "clear_session": ASYNC, "ensure_shard": ASYNC}),
+  (DummyInferenceEngine, {"encode": ASYNC, "sample": ASYNC, "decode": ASYNC, "infer_tensor": ASYNC, "ensure_shard": ASYNC,
+                          "load_checkpoint": ASYNC}),
   (Node, {"start": ASYNC, "stop": ASYNC, "process_prompt": ASYNC, "process_tensor": ASYNC, "process_inference_result": ASYNC,
           "forward_prompt": ASYNC, "forward_tensor": ASYNC, "get_partition_index": SYNC, "get_current_shard": SYNC, "update_peers": ASYNC,
           "collect_topology": ASYNC, "on_token": PROPERTY, "on_opaque_status": PROPERTY, "trigger_on_token_callbacks": SYNC,

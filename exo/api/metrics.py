@@ -32,7 +32,8 @@ class EngineCollector:
     family.add_metric([], buckets, sum(size * n for size, n in sizes.items()))
     yield family
     yield from self._stages(schedulers)
-    yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=self.node.inference_engine.kv_cache_bytes())
+    kv_bytes = self.node.inference_engine.kv_cache_bytes()
+    yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_bytes)
 
 
   def _stages(self, schedulers):

@@ -86,8 +86,9 @@ class Ends:
 
 def shard_ends(weights: Dict[str, Weight], shard: Shard) -> Ends:
   embed = weights.get("model.embed_tokens.weight")  # the loader reads it for a tied head's last shard too
-  head = weights.get("lm_head.weight", embed) if shard.is_last_layer() else None
-  return Ends(embed=embed if shard.is_first_layer() else None, norm=weights["model.norm.weight"] if shard.is_last_layer() else None, head=head)
+  if not shard.is_last_layer():
+    return Ends(embed=embed if shard.is_first_layer() else None, norm=None, head=None)
+  return Ends(embed=embed if shard.is_first_layer() else None, norm=weights["model.norm.weight"], head=weights.get("lm_head.weight", embed))
 
 
 # --- a step ---
@@ -105,7 +106,8 @@ class StepRows:
     self.rows = int(self.offsets[-1])
     self.positions = np.concatenate([np.arange(s, s + n) for s, n in zip(self.starts, sizes)])
     self.last_rows = self.offsets[:-1] + np.array(self.lengths) - 1  # each request's last input row: the one it is sampled from
-    self.input_rows = np.concatenate([np.arange(a, a + n) for a, n in zip(self.offsets[:-1].tolist(), self.lengths)])  # rows that are not padding
+    # the rows that hold input, not padding
+    self.input_rows = np.concatenate([np.arange(a, a + n) for a, n in zip(self.offsets[:-1].tolist(), self.lengths)])
 
   def angles(self, inv_freq: np.ndarray, rows: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """RoPE's cos and sin for each row, float32 (rows, 1, head_dim // 2) to broadcast over heads; `rows` past the

@@ -261,4 +261,5 @@ class PrefixReuse:
     if not self.reuses_prefixes:
       return {"enabled": False}
     store = self.prefixes
-    return {"enabled": True, "bytes": store.held_bytes(), "entries": len(store.entries), "hits": store.hits, "reused_positions": store.reused_positions}
+    return {"enabled": True, "bytes": store.held_bytes(), "entries": len(store.entries), "hits": store.hits,
+            "reused_positions": store.reused_positions}

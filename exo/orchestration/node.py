@@ -123,7 +123,8 @@ class Node(RingMember):
   def pending(self) -> Dict[str, int]:
     """Work under way here that no caller awaits (a read-only view): detached tasks (sends to peers, filings),
     KV caches being freed, finished answers being filed, and local clients watching a request."""
-    return {"tasks": len(self._tasks), "releases": len(self._releases), "filings": len(self._filings), "watchers": len(self._watchers)}
+    return {"tasks": len(self._tasks), "releases": len(self._releases), "filings": len(self._filings),
+            "watchers": len(self._watchers)}
 
   def spawn(self, coro) -> asyncio.Task:
     """A detached task the node keeps track of, so stop() can end it."""
@@ -148,8 +149,8 @@ class Node(RingMember):
     """The live view (GET /v1/state): each live request here and the KV memory it holds."""
     engine = self.inference_engine
     return {"node_id": self.id,
-            "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions, "kv_bytes": engine.request_kv_bytes(r.id)}
-                         for r in self.requests],
+            "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions,
+                          "kv_bytes": engine.request_kv_bytes(r.id)} for r in self.requests],
             "kv_bytes": engine.kv_cache_bytes(),
             "prefix_cache": engine.prefix_cache_state()}
 

@@ -151,7 +151,8 @@ async def wait_for_ring(ports: Dict[str, int], timeout: float, processes: Iterab
       p.check_running("the ring formed")
     views.update(await collect_topologies(ports))
     return views if ring_formed(views) else None
-  return await eventually(formed, timeout, lambda: f"ring {sorted(ports)} formed; seen {[(k, v and sorted(v.nodes)) for k, v in views.items()]}", interval=0.25)
+  seen = lambda: f"ring {sorted(ports)} formed; seen {[(k, v and sorted(v.nodes)) for k, v in views.items()]}"
+  return await eventually(formed, timeout, seen, interval=0.25)
 
 
 def node_args(port: int, api_port: int, config, engine: str) -> list:

@@ -30,7 +30,8 @@ class Llama:
     vector = lambda a: mx.array(a).astype(dtype)
     self.layers = []
     for layer in layer_weights(weights, shard):
-      matrices = {"qkv": matrix(layer.qkv, dtype), "o": Matrix(layer.o, dtype), "gate_up": matrix(layer.gate_up, dtype), "down": Matrix(layer.down, dtype)}
+      matrices = {"qkv": matrix(layer.qkv, dtype), "o": Matrix(layer.o, dtype), "gate_up": matrix(layer.gate_up, dtype),
+                  "down": Matrix(layer.down, dtype)}
       norms = {"attn_norm": vector(layer.attn_norm), "mlp_norm": vector(layer.mlp_norm)}
       mx.eval([m.arrays() for m in matrices.values()], list(norms.values()))  # now, before the next layer is fused
       self.layers.append({**matrices, **norms})

@@ -52,7 +52,8 @@ class Llama:
       raise ValueError(f"intermediate size {c.intermediate_size} is not a multiple of {PAIR}")
     # Matrices as (in, out): a product's columns are what the cores share.
     self.layers = [{"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "qkv": np.ascontiguousarray(layer.qkv.T),
-                    "o": np.ascontiguousarray(layer.o.T), "gate_up": interleaved_pairs(layer.gate_up), "down": np.ascontiguousarray(layer.down.T)}
+                    "o": np.ascontiguousarray(layer.o.T), "gate_up": interleaved_pairs(layer.gate_up),
+                    "down": np.ascontiguousarray(layer.down.T)}
                    for layer in layer_weights(weights, shard)]
     ends = shard_ends(weights, shard)
     self.norm = ends.norm
