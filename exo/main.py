@@ -123,6 +123,7 @@ def read_prompts(args) -> List[str]:
 async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[str], timeout: float) -> None:
   """Run prompts concurrently through the node; one prompt streams to stdout, several print answers under each prompt."""
   from exo.inference.sampling import SamplingParams
+  from exo.inference.tokenizers import eos_ids
   from exo.models import build_base_shard
   from exo.orchestration.generation import generate
 
@@ -130,6 +131,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   await node.inference_engine.ensure_shard(node.get_current_shard(base_shard))
   tokenizer = node.inference_engine.tokenizer
   params = SamplingParams(temperature=node.default_sample_temperature)
+  ends = eos_ids(tokenizer)
 
   async def answer(prompt: str, stream: bool) -> List[int]:
     templated = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -138,7 +140,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
     async for delta, _ in generate(node, base_shard, templated, params, timeout=timeout):
       tokens += delta
       if stream:
-        text = tokenizer.decode([t for t in tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+        text = tokenizer.decode([t for t in tokens if t not in ends])
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
           print(text[len(printed):], end="", flush=True)
           printed = text
@@ -151,7 +153,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   else:
     tokens = await asyncio.gather(*[answer(p, stream=False) for p in prompts])
     for prompt, answer_tokens in zip(prompts, tokens):
-      text = tokenizer.decode([t for t in answer_tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+      text = tokenizer.decode([t for t in answer_tokens if t not in ends])
       print(f"\n>>> {prompt}\n{text}")
   elapsed = time.perf_counter() - start
   total = sum(len(t) for t in tokens)
@@ -159,6 +161,14 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   for extra in node.plugins.hook.exo_run_summary(node=node):
     summary += f", {extra}"
   print(summary, file=sys.stderr if len(prompts) == 1 else sys.stdout)
+
+
+def load_installed_plugins(node) -> List[str]:
+  """Register the plugins installed in the `exo` entry-point group with the node; their names. Only the command
+  does this: a Node built in code (a test, an embedding program) runs exactly the plugins it is given."""
+  before = {name for name, _ in node.plugins.list_name_plugin()}
+  node.plugins.load_setuptools_entrypoints("exo")
+  return sorted(name for name, _ in node.plugins.list_name_plugin() if name not in before)
 
 
 def prefix_cache_budget(args, environ) -> int:
@@ -234,14 +244,14 @@ async def main(args) -> int:
     engine = get_inference_engine(engine_name, shard_downloader)
   except ImportError as e:
     fail(f"the {engine_name} engine is not installed ({e.name} missing); install it with: pip install 'exo[{engine_name}]'")
-  if getattr(engine, "copies_prefixes", False):
-    engine.prefixes.set_budget(prefix_budget)
+  engine.set_prefix_budget(prefix_budget)
+  if engine.copies_prefixes:
     state = f"on, keeping up to {prefix_budget / 2**20:,.0f} MiB of ended requests' prompts" if prefix_budget else "off"
     print(f"exo: prefix cache {state}", file=sys.stderr, flush=True)
   node_port = args.node_port or find_available_port(args.node_host)
   from exo.topology.device_capabilities import device_capabilities
   try:
-    discovery = build_discovery(args, node_id, node_port, await device_capabilities(getattr(engine, "device_name", "CPU")))
+    discovery = build_discovery(args, node_id, node_port, await device_capabilities(engine.device_name))
   except (ValueError, FileNotFoundError) as e:
     fail(str(e))
   is_run = args.command == "run" or bool(args.run_model)
@@ -252,6 +262,9 @@ async def main(args) -> int:
                                web_chat_urls=[f"http://localhost:{args.chatgpt_api_port}"])
   node = Node(node_id, None, engine, discovery, shard_downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
               max_generate_tokens=args.max_generate_tokens, default_sample_temperature=args.default_temp, topology_viz=topology_viz)
+  plugins = load_installed_plugins(node)  # before batching, as when Node() loaded them: batching's hooks still run first
+  if plugins:
+    print(f"exo: plugins {', '.join(plugins)}", file=sys.stderr, flush=True)
   if batching is not None:
     from exo.orchestration.batching.plugin import register_batching
     register_batching(node, batching)

@@ -3,13 +3,15 @@ not, each request's own sampling parameters, exact max_tokens, stop strings, see
 import asyncio
 import concurrent.futures
 import json
-import time
 
 import aiohttp
 import openai
 import pytest
 
 from tests.support.api_server import shared_server
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.model
 
 MODEL = "smollm2-135m"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -24,15 +26,6 @@ def server():
 @pytest.fixture(scope="module")
 def greedy_france(client):
   return client.chat.completions.create(model=MODEL, messages=FRANCE)
-
-
-def wait_until(condition, timeout=20.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if condition():
-      return True
-    time.sleep(0.1)
-  return False
 
 
 def test_non_stream_answer_and_usage(server, client, greedy_france):
@@ -134,13 +127,12 @@ async def test_client_disconnect_cancels_generation(server):
         first = await r.content.readuntil(b"\n\n")
         assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
         r.close()  # hang up mid-stream
-    assert wait_until(lambda: not server.node.outstanding_requests, 60), server.node.outstanding_requests
+    await eventually(lambda: not server.node.outstanding_requests, 60, lambda: f"no request left: {server.node.outstanding_requests}")
     async with aiohttp.ClientSession() as session:  # a non-stream request whose client leaves once tokens flow
       waiting = asyncio.create_task(session.post(f"{server.url}/v1/chat/completions", json=body))
-      while len(counts) < 2:
-        await asyncio.sleep(0.05)
+      await eventually(lambda: len(counts) >= 2, 60)  # its tokens flow
       waiting.cancel()
-    assert wait_until(lambda: not server.node.outstanding_requests, 60), server.node.outstanding_requests
+    await eventually(lambda: not server.node.outstanding_requests, 60, lambda: f"no request left: {server.node.outstanding_requests}")
     assert all(n < 30 for n in counts.values()), counts
   finally:
     server.node.on_token.deregister("test-disconnect-counter")

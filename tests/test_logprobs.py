@@ -14,6 +14,8 @@ from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.generation import generate_events
 from tests.support.toy import TOY, ToyEngine, encode, make_node, settle, toy_logits
 
+pytestmark = pytest.mark.unit
+
 
 def expected_logprobs(history, token, temperature):
   scaled = toy_logits(history).astype(np.float64) / (temperature if temperature > 0 else 1.0)

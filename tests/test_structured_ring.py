@@ -19,7 +19,7 @@ from exo.orchestration.batching.plugin import register_batching
 from exo.orchestration.generation import GenerationError, generate
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
-from tests.support.api_server import eventually
+from tests.support.waiting import eventually
 from tests.support.cluster import free_port, wait_for_ring, write_manual_config
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.inference.tokenizers import resolve_tokenizer

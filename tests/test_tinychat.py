@@ -1,57 +1,36 @@
-"""tinychat: served as static files with no third-party fetches, and driven in headless Debian Chromium against a
-real node: a streamed answer from SmolLM2, conversations kept in localStorage, both finish kinds, errors, the
-topology and download views. Screenshots go to tests/artifacts/ (gitignored)."""
+"""tinychat driven in a headless Chromium (Debian's, or the Chrome GitHub's runners ship; tests/support/browser.py)
+against a real node: a streamed answer from SmolLM2, conversations kept in localStorage, both finish kinds, errors,
+the topology and download views. Screenshots go to tests/artifacts/ (gitignored). (Its files as served:
+test_tinychat_files.py.)"""
 import asyncio
 import json
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import aiohttp
 import pytest
 
-from tests.support.api_server import ApiServer, FailingEngine, shared_server
+from exo.api.settings import ApiSettings
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
-from exo.api.settings import ApiSettings
+from tests.support.api_server import ApiServer, FailingEngine, shared_server
+from tests.support.browser import find_browser
 
-TINYCHAT = Path(__file__).resolve().parent.parent / "exo" / "tinychat"
+pytestmark = pytest.mark.browser
+
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 
 
-@pytest.mark.asyncio
-async def test_static_files_are_served_without_cors():
-  server = shared_server("dummy")
-  expected = {"/": "text/html", "/index.js": "text/javascript", "/index.css": "text/css", "/favicon.svg": "image/svg+xml"}
-  async with aiohttp.ClientSession() as session:
-    for path, content_type in expected.items():
-      async with session.get(f"{server.url}{path}", headers={"Origin": "http://elsewhere.test"}) as r:
-        assert r.status == 200 and r.content_type in (content_type, "application/javascript"), (path, r.content_type)
-        assert "Access-Control-Allow-Origin" not in r.headers
-    async with session.get(f"{server.url}/") as r:
-      assert '<script src="/index.js"></script>' in await r.text()
-
-
-def test_no_third_party_fetches_at_run_time():
-  for path in TINYCHAT.rglob("*"):
-    if path.is_file() and path.suffix in (".html", ".js", ".css", ".svg"):
-      urls = set(re.findall(r"https?://[^\s\"')]+", path.read_text())) - {"http://www.w3.org/2000/svg"}
-      assert not urls, f"{path.name} refers to {urls}"
-
-
-# --- in the browser ---
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-  sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (never `playwright install`: we use Debian's chromium)")
-  if not Path(CHROMIUM).exists():
-    pytest.skip("needs Debian's chromium: apt-get install -y chromium")
+  sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (never `playwright install`: we drive the system's browser)")
+  executable = find_browser()
+  if executable is None:
+    pytest.skip("needs Chromium or Google Chrome: apt-get install -y chromium (Debian), or set CHROME_BIN")
   with sync_api.sync_playwright() as p:
-    context = p.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
+    context = p.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("chromium-profile")), executable_path=executable, headless=True,
                                                    args=FLAGS, viewport={"width": 1280, "height": 800})
     yield context
     context.close()

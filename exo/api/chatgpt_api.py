@@ -38,7 +38,7 @@ from exo.download.errors import DownloadError
 from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.sampling import SamplingParams
-from exo.inference.tokenizers import resolve_tokenizer
+from exo.inference.tokenizers import eos_ids, resolve_tokenizer
 from exo.inference.weights import load_config
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
 from exo.orchestration.generation import generate_events
@@ -296,7 +296,7 @@ class ChatGPTAPI:
                limits: ModelLimits, tickets: List, plan: Optional[AnswerPlan] = None) -> List[Choice]:
     """n choices for each (prompt, its token count, its params, echo text); each a request of its own in the ring, with
     its own random stream (seed + index when a seed is given), and its own reading of tool calls when it may make some."""
-    eos = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
+    eos = eos_ids(tokenizer)
     cap = self.node.max_generate_tokens
     layers_here = self.node.get_current_shard(build_base_shard(model, self.inference_engine_classname)).get_layer_count()
     choices: List[Choice] = []

@@ -2,8 +2,9 @@
 
 A Node owns a `pluggy.PluginManager("exo")` (`node.plugins`). Its own behaviour is a plugin too (the core
 implementations, registered `trylast`), so a node with no other plugin behaves exactly like upstream exo.
-Third-party plugins are found through the `exo` entry-point group; exo's batching plugin is registered by the
-CLI when EXO_BATCH_SIZE / --batch-size turn it on.
+The `exo` command registers third-party plugins installed in the `exo` entry-point group (exo.main.
+load_installed_plugins; a Node built in code gets none of them) and exo's batching plugin when EXO_BATCH_SIZE /
+--batch-size turn it on.
 
 Hooks that do asynchronous work return an awaitable (pluggy calls are synchronous); the Node awaits it.
 `firstresult` hooks stop at the first implementation that returns something other than None, so a plugin

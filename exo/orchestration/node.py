@@ -33,6 +33,7 @@ from exo.inference.grammar import CannotConstrain, MaskTimes
 from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
+from exo.inference.tokenizers import eos_ids
 from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
 from exo.orchestration.acceptance import accept
@@ -92,13 +93,12 @@ class Node(RingMember):
     self._background: List[asyncio.Task] = []
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
-    self.plugins.register(CorePlugin(), name="exo-core")
-    self.plugins.load_setuptools_entrypoints("exo")
+    self.plugins.register(CorePlugin(), name="exo-core")  # installed plugins: exo.main.load_installed_plugins
 
   # --- lifecycle ---
 
   async def start(self, wait_for_peers: int = 0) -> None:
-    self.device_capabilities = await device_capabilities(getattr(self.inference_engine, "device_name", "CPU"))
+    self.device_capabilities = await device_capabilities(self.inference_engine.device_name)
     if self.server is not None:
       await self.server.start()
     await self.discovery.start()
@@ -124,6 +124,12 @@ class Node(RingMember):
     if self.server is not None:
       await self.server.stop()
 
+  def pending(self) -> Dict[str, int]:
+    """Work under way here that no caller awaits (a read-only view): detached tasks (sends to peers, filings),
+    KV caches being freed, finished answers being filed, and local clients watching a request."""
+    return {"tasks": len(self._tasks), "releases": len(self._releases), "filings": len(self._filings),
+            "watchers": len(self._watchers)}
+
   def spawn(self, coro) -> asyncio.Task:
     """A detached task the node keeps track of, so stop() can end it."""
     task = asyncio.create_task(coro)
@@ -146,19 +152,11 @@ class Node(RingMember):
   def state(self) -> dict:
     """The live view (GET /v1/state): each live request here and the KV memory it holds."""
     engine = self.inference_engine
-    per_request = getattr(engine, "request_kv_bytes", lambda request_id: 0)
     return {"node_id": self.id,
-            "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions, "kv_bytes": per_request(r.id)}
-                         for r in self.requests],
-            "kv_bytes": getattr(engine, "kv_cache_bytes", lambda: 0)(),
-            "prefix_cache": self._prefix_cache_state()}
-
-  def _prefix_cache_state(self) -> dict:
-    store = getattr(self.inference_engine, "prefixes", None)
-    if store is None or not self.inference_engine.reuses_prefixes:
-      return {"enabled": False}
-    return {"enabled": True, "bytes": self.inference_engine.prefix_cache_bytes(), "entries": len(store.entries),
-            "hits": store.hits, "reused_positions": store.reused_positions}
+            "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions,
+                          "kv_bytes": engine.request_kv_bytes(r.id)} for r in self.requests],
+            "kv_bytes": engine.kv_cache_bytes(),
+            "prefix_cache": engine.prefix_cache_state()}
 
   # --- how requests start and end ---
 
@@ -312,8 +310,7 @@ class Node(RingMember):
     self.inference_engine.extend_prefix(request.id, keys)
 
   def _ring_reuses_prefixes(self, request: Request) -> bool:
-    engine = self.inference_engine
-    return (getattr(engine, "reuses_prefixes", False)
+    return (self.inference_engine.reuses_prefixes
             and all(self.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.id))
 
   async def announce_structured_output(self) -> None:
@@ -323,14 +320,14 @@ class Node(RingMember):
 
   async def announce_prefix_cache(self) -> None:
     """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
-    block = BLOCK if getattr(self.inference_engine, "reuses_prefixes", False) else 0
+    block = BLOCK if self.inference_engine.reuses_prefixes else 0
     await self.broadcast_opaque_status("", statuses.prefix_cache(self.id, block))
 
   async def _start_from_prefix(self, shard: Shard, request: Request, prefix: dict) -> bool:
     """On a node after the first: the request's cache starts afresh with the prefix its first node reused. False
     (and the first node told) if this node does not hold it."""
     reuse, engine = prefix["reuse"], self.inference_engine
-    held = await engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if getattr(engine, "reuses_prefixes", False) else 0
+    held = await engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if engine.reuses_prefixes else 0
     if held != reuse:
       print(f"exo: request {request.id} was sent to reuse {reuse} cached positions that this node does not hold; "
             "its prompt runs again, whole", flush=True)
@@ -454,8 +451,7 @@ class Node(RingMember):
     request.tokens.append(token)
     logprobs, request.sampled_logprobs = request.sampled_logprobs, None
     if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
-      tokenizer = self.inference_engine.tokenizer
-      request.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
+      request.eos_ids = eos_ids(self.inference_engine.tokenizer)
     limit = min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
     context = self._context_length()
     is_finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
@@ -475,7 +471,7 @@ class Node(RingMember):
       self.spawn(self.broadcast_result(request_id, [token], is_finished, to, preface))
 
   def _context_length(self) -> Optional[int]:
-    return getattr(self.inference_engine, "context_length", None)
+    return self.inference_engine.context_length
 
   def forward_or_finish(self, shard: Shard, forward: np.ndarray, request_id: str, inference_state: Optional[dict], is_finished: bool) -> None:
     if is_finished:
@@ -662,9 +658,7 @@ class Node(RingMember):
       if request is not None and request.prompt is not None and (sender_host is None or self._on_path(request, sender_host)):
         self.spawn(self._prefill_again(request))
     elif kind == statuses.PREFIX_EXTEND and (sender_host is None or self.peers_at(sender_host)):
-      extend = getattr(self.inference_engine, "extend_prefix", None)
-      if extend is not None:
-        extend(status["request_id"], status["keys"])
+      self.inference_engine.extend_prefix(status["request_id"], status["keys"])
     self._on_opaque_status.trigger_all(request_id, raw)
 
   def _take_logprobs(self, status: dict, sender_host: Optional[str]) -> None:

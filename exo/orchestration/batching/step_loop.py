@@ -64,6 +64,15 @@ class StepLoop:
         scheduler.drop(request_id)  # its caller has gone
         self._wake.set()
 
+  def waiting(self, request_id: str) -> bool:
+    """Whether the request waits for a step here (its result not yet handed back)."""
+    return request_id in self._waiters
+
+  @property
+  def running(self) -> bool:
+    """Whether the loop's task is running (it starts with the first request and ends at stop)."""
+    return self._task is not None and not self._task.done()
+
   def forget(self, request_id: str) -> None:
     """The request has ended on this node: it leaves every line and will not come back."""
     for scheduler in self.schedulers.values():
