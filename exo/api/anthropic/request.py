@@ -1,20 +1,24 @@
 """An Anthropic Messages request read into a GenerationRequest: the system prompt and the messages (text,
 tool_use and tool_result blocks) as a conversation in the core's form, max_tokens, sampling, stop_sequences, tools
-and tool_choice. Bad input is a 400 naming the field; fields this server does not implement are refused."""
+and tool_choice, output_config.format. Bad input is a 400 naming the field; fields this server does not implement
+are refused."""
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
-from exo.api.request_fields import (MAX_INT32, is_int, parse_flag, parse_stop, refuse_unimplemented, resolve_model, sampling_params)
+from exo.api.request_fields import MAX_INT32, is_int, parse_flag, parse_stop, parse_string, refuse_unimplemented, resolve_model, sampling_params
+from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import MAX_TOOLS, Tool, check_unique, tool_of, tool_use
 
 MAX_STOP_SEQUENCES = 16
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice"}
-IMPLEMENTED = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "output_config", "cache_control"}
+# cache_control (here and on blocks) is a caching hint: this node reuses prompt prefixes by itself. user_profile_id and
+# workspace_id say whom a request is for, which changes nothing in its answer here.
+IMPLEMENTED = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "user_profile_id", "workspace_id"}
 # Fields that ask for nothing this server does not do, with those values (null is always one).
-NEUTRAL_VALUES = {"thinking": [{"type": "disabled"}], "service_tier": ["auto", "standard_only"]}
+NEUTRAL_VALUES = {"thinking": [{"type": "disabled"}], "service_tier": ["auto", "standard_only"], "speed": ["standard"]}
 # Clients name Anthropic's models by habit (Claude Code asks for claude-* models): those mean the default model.
 FALLBACK_PREFIXES = ("claude-",)
 
@@ -152,16 +156,34 @@ def _tool_choice(body: dict) -> Tuple[Optional[str], Optional[str], bool]:
   return kinds[value["type"]], value.get("name"), not disable
 
 
-def _parse(body: dict, default_model: str, engine_classname: str, implemented) -> Tuple[str, List[Dict[str, Any]], Any]:
+def _output_format(body: dict) -> Optional[ResponseFormat]:
+  """output_config.format: {"type": "json_schema", "schema": {...}} (followed as chat's json_schema with strict false)."""
+  config = body.get("output_config")
+  if config is None:
+    return None
+  if not isinstance(config, dict) or set(config) - {"format", "effort"}:
+    raise BadRequest('output_config must be an object such as {"format": {"type": "json_schema", "schema": {...}}}', param="output_config")
+  if config.get("effort") is not None:
+    raise BadRequest("output_config.effort: this model does not reason (leave effort out)", param="output_config.effort", code="unsupported_parameter")
+  spec = config.get("format")
+  if spec is None:
+    return None
+  if not isinstance(spec, dict) or spec.get("type") != "json_schema" or "schema" not in spec:
+    raise BadRequest('output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config.format")
+  return format_of("json_schema", {"schema": spec["schema"]}, "output_config.format", "output_config.format")
+
+
+def _parse(body: dict, default_model: str, engine_classname: str, implemented) -> Dict[str, Any]:
+  """The GenerationRequest's fields that a message and a token count share."""
   refuse_unimplemented(body, implemented, NEUTRAL_VALUES)
   model = resolve_model(body.get("model"), default_model, engine_classname, FALLBACK_PREFIXES)
   messages = parse_conversation(body)
   choice, name, parallel = _tool_choice(body)
-  return model, messages, tool_use(_tools(body), choice, name, parallel)
+  return {"model": model, "messages": messages, "tool_use": tool_use(_tools(body), choice, name, parallel), "response_format": _output_format(body)}
 
 
 def parse_messages_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
-  model, messages, use = _parse(body, default_model, engine_classname, IMPLEMENTED)
+  common = _parse(body, default_model, engine_classname, IMPLEMENTED)
   max_tokens = body.get("max_tokens")
   if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32:
     raise BadRequest(f"max_tokens is required: an integer >= 1 (and at most {MAX_INT32})", param="max_tokens")
@@ -170,11 +192,11 @@ def parse_messages_request(body: Dict[str, Any], default_model: str, engine_clas
     raise BadRequest('metadata must be an object such as {"user_id": ...}', param="metadata")
   params = sampling_params({k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")}, default_temperature, ("max_tokens",),
                            max_temperature=1.0)
-  return GenerationRequest(model, messages=messages, params=params, stop=parse_stop(body, "stop_sequences", MAX_STOP_SEQUENCES), tool_use=use,
-                           stream=parse_flag(body, "stream"))
+  for name in ("user_profile_id", "workspace_id"):
+    parse_string(body, name)
+  return GenerationRequest(**common, params=params, stop=parse_stop(body, "stop_sequences", MAX_STOP_SEQUENCES), stream=parse_flag(body, "stream"))
 
 
 def parse_count_request(body: Dict[str, Any], default_model: str, engine_classname: str) -> GenerationRequest:
   """count_tokens takes the prompt's fields only."""
-  model, messages, use = _parse(body, default_model, engine_classname, COUNT_FIELDS)
-  return GenerationRequest(model, messages=messages, tool_use=use)
+  return GenerationRequest(**_parse(body, default_model, engine_classname, COUNT_FIELDS))
