@@ -191,7 +191,7 @@ def test_ollama_generate_templates_the_prompt_unless_raw_and_loads_on_an_empty_o
     {"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
   raw = parse_generate({"model": "dummy", "prompt": "hi", "raw": True, "stream": False, "options": {"num_predict": 3}}, "dummy", ENGINE)
   assert raw.prompts == ["hi"] and raw.messages is None and raw.params.max_tokens == 3 and not raw.stream
-  assert parse_generate({"model": "dummy"}, "dummy", ENGINE) is None
+  assert parse_generate({"model": "dummy", "system": "s"}, "dummy", ENGINE).prompts == [""]
 
 
 @pytest.mark.parametrize("body,field", [

@@ -39,16 +39,16 @@ class ChatGPTAPI:
     self.on_quit = on_quit
     self.settings = settings or ApiSettings()
     self.access = Access(self.settings.allowed_origins, self.settings.api_key)
-    self.core = ServingCore(node, inference_engine_classname, self.settings, response_timeout, system_prompt)
+    self.core = ServingCore(node, inference_engine_classname, self.settings, response_timeout, self.default_model, system_prompt)
     self.core.on_request = on_chat_completion_request
     self.runner: Optional[web.AppRunner] = None
     self.stopping = False
-    anthropic, ollama = AnthropicRoutes(self.core, self.default_model), OllamaRoutes(self.core, self.default_model)
+    anthropic, ollama = AnthropicRoutes(self.core), OllamaRoutes(self.core)
     # Errors in the shape of the dialect whose paths they are under (OpenAI's elsewhere).
     self.error_shapes = [(prefix, dialect.error_reply) for dialect in (anthropic, ollama) for prefix in dialect.PREFIXES]
     self.app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors, self._guard, self._deadline])
     self.app.on_response_prepare.append(self._add_cors_headers)
-    routes = [OpenAIRoutes(self.core, self.default_model), ResponsesRoutes(self.core, self.default_model), anthropic, ollama,
+    routes = [OpenAIRoutes(self.core), ResponsesRoutes(self.core), anthropic, ollama,
               AdminRoutes(self.core, lambda: self.stopping, on_quit)]
     for paths, method, handler in [route for dialect in routes for route in dialect.routes()]:
       for path in paths:

@@ -47,26 +47,22 @@ class ChunkRenderer:
 
 
 class OpenAIRoutes:
-  def __init__(self, core: ServingCore, default_model: str):
-    self.core, self.default_model = core, default_model
+  def __init__(self, core: ServingCore):
+    self.core = core
 
   def routes(self) -> List[Tuple[Tuple[str, ...], str, Callable]]:
     return [(("/v1/chat/completions", "/chat/completions"), "POST", self.handle_chat_completions),
             (("/v1/completions", "/completions"), "POST", self.handle_completions),
             (("/v1/chat/token/encode", "/chat/token/encode"), "POST", self.handle_token_encode)]
 
-  def _parser(self, parse) -> Callable[[bytes], GenerationRequest]:
-    core = self.core
-    return lambda raw: parse(parse_json_body(raw), self.default_model, core.engine_classname, core.node.default_sample_temperature)
-
   async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
-    generation = await self.core.in_thread(self._parser(parse_chat_request), await request.read())
+    generation = await self.core.read(await request.read(), parse_chat_request)
     return await self._reply(request, generation, lambda request_id: ChatShape(request_id, generation.model), arrived)
 
   async def handle_completions(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
-    generation = await self.core.in_thread(self._parser(parse_completion_request), await request.read())
+    generation = await self.core.read(await request.read(), parse_completion_request)
     return await self._reply(request, generation, lambda request_id: TextShape(request_id, generation.model), arrived)
 
   async def _reply(self, request: web.Request, generation: GenerationRequest, shape_of, arrived: float) -> web.StreamResponse:
@@ -80,7 +76,7 @@ class OpenAIRoutes:
 
   async def handle_token_encode(self, request: web.Request) -> web.Response:
     body = await self.core.in_thread(parse_json_body, await request.read())
-    model = resolve_model(body.get("model"), self.default_model, self.core.engine_classname)
+    model = resolve_model(body.get("model"), self.core.default_model, self.core.engine_classname)
     messages, tools = parse_messages(body.get("messages"), required=False), parse_tools(body)
     tokenizer, _ = await self.core.profiles.get(model)
 

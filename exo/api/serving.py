@@ -11,7 +11,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import replace
-from typing import AsyncIterator, Callable, List, Optional, Tuple
+from typing import AsyncIterator, Callable, List, Optional, Tuple, TypeVar
 
 from exo.api.admission import Admission
 from exo.api.answer import AnswerPlan, plan_answer
@@ -24,6 +24,7 @@ from exo.api.model_limits import ModelLimits
 from exo.api.model_profiles import ModelProfiles
 from exo.api.prompts import build_prompt, prompt_texts
 from exo.api.reply_text import ReplyText
+from exo.api.request_fields import parse_json_body
 from exo.api.settings import ApiSettings
 from exo.helpers import DEBUG
 from exo.inference.sampling import SamplingParams
@@ -32,13 +33,16 @@ from exo.orchestration.generation import generate_events
 
 PROMPT_THREADS = 2  # parsing, templating and tokenising: enough to keep up, few enough to leave the engine its cores
 
+T = TypeVar("T")
 Run = Tuple[str, int, SamplingParams, str]  # a prompt's text, its token count, its params, the text its choices echo
 
 
 class ServingCore:
-  def __init__(self, node, engine_classname: str, settings: ApiSettings, response_timeout: float, system_prompt: Optional[str] = None):
+  def __init__(self, node, engine_classname: str, settings: ApiSettings, response_timeout: float, default_model: str,
+               system_prompt: Optional[str] = None):
     self.node = node
     self.engine_classname = engine_classname
+    self.default_model = default_model  # what a request that names no model (or a fallback name) runs on
     self.response_timeout = response_timeout
     self.system_prompt = system_prompt
     self.admission = Admission(settings.max_running, settings.max_queued, settings.kv_budget_bytes)
@@ -52,6 +56,11 @@ class ServingCore:
 
   async def in_thread(self, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
+
+  async def read(self, raw: bytes, parse: Callable[..., T]) -> T:
+    """A request body as a dialect's `parse(body, default_model, engine_classname, default_temperature)` reads it,
+    on the prompt threads."""
+    return await self.in_thread(lambda: parse(parse_json_body(raw), self.default_model, self.engine_classname, self.node.default_sample_temperature))
 
   # --- errors ---
 

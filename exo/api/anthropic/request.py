@@ -197,6 +197,6 @@ def parse_messages_request(body: Dict[str, Any], default_model: str, engine_clas
   return GenerationRequest(**common, params=params, stop=parse_stop(body, "stop_sequences", MAX_STOP_SEQUENCES), stream=parse_flag(body, "stream"))
 
 
-def parse_count_request(body: Dict[str, Any], default_model: str, engine_classname: str) -> GenerationRequest:
-  """count_tokens takes the prompt's fields only."""
+def parse_count_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
+  """count_tokens takes the prompt's fields only (no sampling: `default_temperature` is unused)."""
   return GenerationRequest(**_parse(body, default_model, engine_classname, COUNT_FIELDS))

@@ -12,15 +12,14 @@ from exo.api.errors import ApiError
 from exo.api.event_stream import EventStream
 from exo.api.events import collect
 from exo.api.replies import NAMED_SSE, json_reply
-from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
 
 
 class AnthropicRoutes:
   PREFIXES = ("/v1/messages",)
 
-  def __init__(self, core: ServingCore, default_model: str):
-    self.core, self.default_model = core, default_model
+  def __init__(self, core: ServingCore):
+    self.core = core
 
   def routes(self) -> List[Tuple[Tuple[str, ...], str, Callable]]:
     return [(("/v1/messages",), "POST", self.handle_messages), (("/v1/messages/count_tokens",), "POST", self.handle_count_tokens)]
@@ -32,8 +31,7 @@ class AnthropicRoutes:
   async def handle_messages(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     core = self.core
-    parse = lambda raw: parse_messages_request(parse_json_body(raw), self.default_model, core.engine_classname, core.node.default_sample_temperature)
-    generation = await core.in_thread(parse, await request.read())
+    generation = await core.read(await request.read(), parse_messages_request)
     events = core.generate(generation, arrived)
     if generation.stream:
       return await EventStream(request, {}, error_body, NAMED_SSE).relay(events, MessageStream(generation.model), core.stream_failed)
@@ -42,7 +40,5 @@ class AnthropicRoutes:
     return json_reply(message(reply.started.request_id, generation.model, reply.answers[0], reply.usage))
 
   async def handle_count_tokens(self, request: web.Request) -> web.Response:
-    core = self.core
-    parse = lambda raw: parse_count_request(parse_json_body(raw), self.default_model, core.engine_classname)
-    generation = await core.in_thread(parse, await request.read())
-    return json_reply({"input_tokens": await core.count_prompt_tokens(generation)})
+    generation = await self.core.read(await request.read(), parse_count_request)
+    return json_reply({"input_tokens": await self.core.count_prompt_tokens(generation)})

@@ -137,13 +137,13 @@ def parse_chat(body: Dict[str, Any], default_model: str, engine_classname: str, 
   return GenerationRequest(model, messages=messages, tool_use=parse_tool_use({"tools": body.get("tools")}), **common)
 
 
-def parse_generate(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> Optional[GenerationRequest]:
-  """None for an empty prompt: Ollama's way to load a model, which here is always loaded."""
+def parse_generate(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
+  """An empty prompt (Ollama's way to load a model) is the raw prompt "", which is not to be run."""
   common = _common(body, default_temperature, GENERATE_FIELDS, GENERATE_NEUTRAL, "prompt")
   model = resolve_ollama_model(body, default_model, engine_classname)
   prompt, system = parse_string(body, "prompt") or "", parse_string(body, "system")
   if not prompt:
-    return None
+    return GenerationRequest(model, prompts=[""], **common)
   if parse_flag(body, "raw"):
     if system or body.get("images"):
       raise BadRequest("a raw prompt is given to the model as it is: put the system prompt and images in it", param="raw")

@@ -23,8 +23,8 @@ OLLAMA_API_VERSION = "0.12.0"
 class OllamaRoutes:
   PREFIXES = ("/api/",)
 
-  def __init__(self, core: ServingCore, default_model: str):
-    self.core, self.default_model = core, default_model
+  def __init__(self, core: ServingCore):
+    self.core = core
 
   def routes(self) -> List[Tuple[Tuple[str, ...], str, Callable]]:
     return [(("/api/chat",), "POST", self.handle_chat), (("/api/generate",), "POST", self.handle_generate),
@@ -35,23 +35,15 @@ class OllamaRoutes:
   def error_reply(error: ApiError) -> web.Response:
     return json_reply(error_body(error), error.status, error.headers)
 
-  async def _parse(self, request: web.Request, parse):
-    core = self.core
-    return await core.in_thread(lambda raw: parse(parse_json_body(raw), self.default_model, core.engine_classname, core.node.default_sample_temperature),
-                                await request.read())
-
   async def handle_chat(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic_ns()
-    return await self._reply(request, await self._parse(request, parse_chat), True, arrived)
+    return await self._reply(request, await self.core.read(await request.read(), parse_chat), True, arrived)
 
   async def handle_generate(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic_ns()
-    body = await self.core.in_thread(parse_json_body, await request.read())
-    core = self.core
-    generation = await core.in_thread(parse_generate, body, self.default_model, core.engine_classname, core.node.default_sample_temperature)
-    if generation is None:  # an empty prompt loads the model, which is always loaded here
-      return json_reply({"model": tagged(resolve_ollama_model(body, self.default_model, core.engine_classname)), "created_at": now(), "response": "",
-                         "done": True, "done_reason": "load"})
+    generation = await self.core.read(await request.read(), parse_generate)
+    if generation.prompts == [""]:  # an empty prompt loads the model, which is always loaded here
+      return json_reply({"model": tagged(generation.model), "created_at": now(), "response": "", "done": True, "done_reason": "load"})
     return await self._reply(request, generation, False, arrived)
 
   async def _reply(self, request: web.Request, generation, chat: bool, arrived_ns: int) -> web.StreamResponse:
@@ -86,7 +78,7 @@ class OllamaRoutes:
   async def handle_show(self, request: web.Request) -> web.Response:
     body = await self.core.in_thread(parse_json_body, await request.read())
     engine = self.core.engine_classname
-    model = resolve_ollama_model(body, self.default_model, engine, "model" if "model" in body else "name")
+    model = resolve_ollama_model(body, self.core.default_model, engine, "model" if "model" in body else "name")
     if model not in local_models(engine):
       raise ApiError(404, f"model '{body.get('model') or body.get('name')}' not found", code="model_not_found")
     tokenizer, _ = await self.core.profiles.get(model)

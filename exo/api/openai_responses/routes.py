@@ -11,13 +11,12 @@ from exo.api.events import collect
 from exo.api.openai_responses.render import ResponseShape, ResponseStream
 from exo.api.openai_responses.request import parse_responses_request
 from exo.api.replies import NAMED_SSE, json_reply
-from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
 
 
 class ResponsesRoutes:
-  def __init__(self, core: ServingCore, default_model: str):
-    self.core, self.default_model = core, default_model
+  def __init__(self, core: ServingCore):
+    self.core = core
 
   def routes(self) -> List[Tuple[Tuple[str, ...], str, Callable]]:
     return [(("/v1/responses",), "POST", self.handle_responses)]
@@ -25,8 +24,7 @@ class ResponsesRoutes:
   async def handle_responses(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     core = self.core
-    parse = lambda raw: parse_responses_request(parse_json_body(raw), self.default_model, core.engine_classname, core.node.default_sample_temperature)
-    parsed = await core.in_thread(parse, await request.read())
+    parsed = await core.read(await request.read(), parse_responses_request)
     generation, shape = parsed.generation, ResponseShape(parsed.generation.model, parsed.echo)
     events = core.generate(generation, arrived)
     if generation.stream:
