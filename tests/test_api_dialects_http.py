@@ -191,6 +191,12 @@ async def test_anthropic_stream_events_in_order(server):
   assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None} and events[-2]["usage"] == {"output_tokens": 10}
 
 
+async def test_responses_are_never_stored(server):
+  async with aiohttp.ClientSession() as session:
+    async with session.get(f"{server.url}/v1/responses/resp_123") as r:
+      assert "stores no responses" in error_of(DIALECTS["responses"], r.status, await r.text(), 404)
+
+
 async def test_responses_stream_events_are_numbered_and_end_completed(server):
   status, _, text = await post(server.url + "/v1/responses", DIALECTS["responses"].body(True))
   events = DIALECTS["responses"].events(text)

@@ -21,6 +21,11 @@ def _token(text: str, logprob: float) -> dict:
   return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
 
 
+def token_logprobs(logprobs: List[TokenLogprob]) -> List[dict]:
+  """Each token's text, logprob and UTF-8 bytes with its alternatives (chat's `logprobs.content`; Ollama's too)."""
+  return [{**_token(lp.token, lp.logprob), "top_logprobs": [_token(t, p) for t, p in lp.top]} for lp in logprobs]
+
+
 def _finish_reason(delta_or_answer) -> Optional[str]:
   return delta_or_answer.finish.reason if delta_or_answer.finish is not None else None
 
@@ -31,17 +36,19 @@ def tool_call_deltas(fragments: List[ToolCallFragment]) -> List[dict]:
           else {"index": f.call, "function": {"arguments": f.arguments}} for f in fragments]
 
 
-class ChatShape:
-  """Chat completions (upstream's shapes: a stream event is object "chat.completion" with both `message` and `delta`)."""
-
+class _Shape:
   def __init__(self, request_id: str, model: str):
     self.request_id, self.model = request_id, model
+
+
+class ChatShape(_Shape):
+  """Chat completions (upstream's shapes: a stream event is object "chat.completion" with both `message` and `delta`)."""
 
   @staticmethod
   def logprobs(logprobs: Optional[List[TokenLogprob]]) -> Optional[dict]:
     if logprobs is None:
       return None
-    return {"content": [{**_token(lp.token, lp.logprob), "top_logprobs": [_token(t, p) for t, p in lp.top]} for lp in logprobs]}
+    return {"content": token_logprobs(logprobs)}
 
   @staticmethod
   def _message(text: Optional[str], tool_calls: Optional[List[dict]]) -> dict:
@@ -72,12 +79,9 @@ class ChatShape:
                                                        "delta": dict(message)}]), **error.body()}
 
 
-class TextShape:
+class TextShape(_Shape):
   """Legacy text completions (OpenAI's /v1/completions): object "text_completion", logprobs as parallel lists with
   each token's character offset in the choice's text."""
-
-  def __init__(self, request_id: str, model: str):
-    self.request_id, self.model = request_id, model
 
   @staticmethod
   def logprobs(logprobs: Optional[List[TokenLogprob]]) -> Optional[dict]:

@@ -5,7 +5,7 @@ field. How calls are written and read for a given model is exo/api/tool_formats.
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from exo.api.errors import BadRequest
 from exo.api.structured import check_schema
@@ -70,35 +70,39 @@ def tool_of(item: dict, where: str, parameters_key: str = "parameters") -> Tool:
   return Tool(name, description or "", parameters, bool(strict))
 
 
-def check_unique(tools: List[Tool], where_name: str) -> None:
-  """`where_name` is the path of a tool's name with `{i}` for its index."""
-  seen = set()
-  for i, tool in enumerate(tools):
-    if tool.name in seen:
-      at = where_name.format(i=i)
-      raise BadRequest(f"{at}: two tools are named {tool.name!r}", param=at)
-    seen.add(tool.name)
-
-
-def parse_tool_definitions(body: dict) -> List[Tool]:
+def parse_tools(body: dict, read: Callable[[dict, str], Tool], example: str, name_path: str) -> List[Tool]:
+  """`tools`, each item (an object) made a Tool by `read(item, where)`; `example` is what an item looks like,
+  `name_path` the path of a tool's name with `{i}` for its index (two tools may not share a name)."""
   value = body.get("tools")
   if value is None:
     return []
   if not isinstance(value, list) or len(value) > MAX_TOOLS:
     raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
-  tools = []
+  tools, seen = [], set()
   for i, item in enumerate(value):
     where = f"tools[{i}]"
     if not isinstance(item, dict):
-      raise BadRequest(f'{where} must be an object {{"type": "function", "function": {{...}}}}', param=where)
-    if item.get("type") != "function":
-      raise BadRequest(f'{where}.type must be "function" (the only kind of tool), got {item.get("type")!r}', param=f"{where}.type")
-    function = item.get("function")
-    if not isinstance(function, dict):
-      raise BadRequest(f'{where}.function must be an object with a "name"', param=f"{where}.function")
-    tools.append(tool_of(function, f"{where}.function"))
-  check_unique(tools, "tools[{i}].function.name")
+      raise BadRequest(f"{where} must be an object {example}", param=where)
+    tools.append(read(item, where))
+    if tools[-1].name in seen:
+      at = name_path.format(i=i)
+      raise BadRequest(f"{at}: two tools are named {tools[-1].name!r}", param=at)
+    seen.add(tools[-1].name)
   return tools
+
+
+def _function_tool(item: dict, where: str) -> Tool:
+  if item.get("type") != "function":
+    raise BadRequest(f'{where}.type must be "function" (the only kind of tool), got {item.get("type")!r}', param=f"{where}.type")
+  function = item.get("function")
+  if not isinstance(function, dict):
+    raise BadRequest(f'{where}.function must be an object with a "name"', param=f"{where}.function")
+  return tool_of(function, f"{where}.function")
+
+
+def parse_tool_definitions(body: dict) -> List[Tool]:
+  """OpenAI chat's tools: {"type": "function", "function": {"name", "description", "parameters", "strict"}}."""
+  return parse_tools(body, _function_tool, '{"type": "function", "function": {...}}', "tools[{i}].function.name")
 
 
 def tool_use(tools: List[Tool], choice: Optional[str], name: Optional[str], parallel: bool, param: str = "tool_choice") -> Optional[ToolUse]:

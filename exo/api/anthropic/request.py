@@ -10,7 +10,7 @@ from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
 from exo.api.request_fields import MAX_INT32, is_int, parse_flag, parse_stop, parse_string, refuse_unimplemented, resolve_model, sampling_params
 from exo.api.structured import ResponseFormat, format_of
-from exo.api.tools import MAX_TOOLS, Tool, check_unique, tool_of, tool_use
+from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
 MAX_STOP_SEQUENCES = 16
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "output_config", "cache_control"}
@@ -119,25 +119,13 @@ def parse_conversation(body: dict) -> List[Dict[str, Any]]:
   return out
 
 
-def _tools(body: dict) -> List[Tool]:
-  value = body.get("tools")
-  if value is None:
-    return []
-  if not isinstance(value, list) or len(value) > MAX_TOOLS:
-    raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
-  tools = []
-  for i, item in enumerate(value):
-    where = f"tools[{i}]"
-    if not isinstance(item, dict):
-      raise BadRequest(f'{where} must be an object {{"name": ..., "description": ..., "input_schema": {{...}}}}', param=where)
-    if item.get("type", "custom") != "custom":
-      raise BadRequest(f'{where}.type {item["type"]!r}: only custom tools (name, description, input_schema) are served here; Anthropic\'s '
-                       "server tools and its built-in client tools are not", param=f"{where}.type", code="unsupported_parameter")
-    if "input_schema" not in item:
-      raise BadRequest(f"{where}.input_schema is required: a JSON Schema of the tool's input object", param=f"{where}.input_schema")
-    tools.append(tool_of(item, where, "input_schema"))
-  check_unique(tools, "tools[{i}].name")
-  return tools
+def _custom_tool(item: dict, where: str) -> Tool:
+  if item.get("type", "custom") != "custom":
+    raise BadRequest(f'{where}.type {item["type"]!r}: only custom tools (name, description, input_schema) are served here; Anthropic\'s '
+                     "server tools and its built-in client tools are not", param=f"{where}.type", code="unsupported_parameter")
+  if "input_schema" not in item:
+    raise BadRequest(f"{where}.input_schema is required: a JSON Schema of the tool's input object", param=f"{where}.input_schema")
+  return tool_of(item, where, "input_schema")
 
 
 def _tool_choice(body: dict) -> Tuple[Optional[str], Optional[str], bool]:
@@ -179,7 +167,7 @@ def _parse(body: dict, default_model: str, engine_classname: str, implemented) -
   model = resolve_model(body.get("model"), default_model, engine_classname, FALLBACK_PREFIXES)
   messages = parse_conversation(body)
   choice, name, parallel = _tool_choice(body)
-  return {"model": model, "messages": messages, "tool_use": tool_use(_tools(body), choice, name, parallel), "response_format": _output_format(body)}
+  return {"model": model, "messages": messages, "tool_use": tool_use(parse_tools(body, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name"), choice, name, parallel), "response_format": _output_format(body)}
 
 
 def parse_messages_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:

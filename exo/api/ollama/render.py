@@ -9,6 +9,7 @@ from typing import List, Optional
 from exo.api.errors import ApiError
 from exo.api.events import Answer, Delta, Started, TokenLogprob, Usage
 from exo.api.ollama.models import tagged
+from exo.api.openai_shapes import token_logprobs
 
 
 def error_body(error: ApiError) -> dict:
@@ -17,16 +18,6 @@ def error_body(error: ApiError) -> dict:
 
 def now() -> str:
   return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def _token(text: str, logprob: float) -> dict:
-  return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
-
-
-def logprobs(items: Optional[List[TokenLogprob]]) -> Optional[List[dict]]:
-  if items is None:
-    return None
-  return [{**_token(lp.token, lp.logprob), "top_logprobs": [_token(t, p) for t, p in lp.top]} for lp in items]
 
 
 def tool_calls(answer: Answer) -> List[dict]:
@@ -56,7 +47,7 @@ class OllamaReply:
     else:
       body["response"] = text
     if lps is not None:
-      body["logprobs"] = logprobs(lps)
+      body["logprobs"] = token_logprobs(lps)
     body["done"] = done
     return body
 

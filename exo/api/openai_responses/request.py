@@ -10,7 +10,7 @@ from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.request_fields import parse_flag, parse_string, refuse_unimplemented, resolve_model, sampling_params
 from exo.api.structured import ResponseFormat, format_of
-from exo.api.tools import MAX_TOOLS, Tool, check_unique, tool_of, tool_use
+from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
 IMPLEMENTED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls",
                "text", "stream", "store", "metadata", "user", "safety_identifier", "prompt_cache_key", "include", "previous_response_id",
@@ -91,27 +91,15 @@ def parse_input(value: Any, instructions: Optional[str]) -> List[Dict[str, Any]]
   return out
 
 
-def _tools(body: dict) -> Tuple[List[Tool], List[dict]]:
-  value = body.get("tools")
-  if value is None:
-    return [], []
-  if not isinstance(value, list) or len(value) > MAX_TOOLS:
-    raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
-  tools = []
-  for i, item in enumerate(value):
-    where = f"tools[{i}]"
-    if not isinstance(item, dict):
-      raise BadRequest(f'{where} must be an object {{"type": "function", "name": ..., "parameters": {{...}}}}', param=where)
-    if item.get("type") != "function":
-      raise BadRequest(f'{where}.type {item.get("type")!r}: only "function" tools are served here; the others (web search, file search, '
-                       "computer use, code interpreter, MCP, ...) run on OpenAI's servers", param=f"{where}.type", code="unsupported_parameter")
-    tools.append(tool_of({**item, "strict": item.get("strict", True)}, where))  # the Responses API's function tools are strict unless told
-  check_unique(tools, "tools[{i}].name")
-  return tools, value
+def _function_tool(item: dict, where: str) -> Tool:
+  if item.get("type") != "function":
+    raise BadRequest(f'{where}.type {item.get("type")!r}: only "function" tools are served here; the others (web search, file search, '
+                     "computer use, code interpreter, MCP, ...) run on OpenAI's servers", param=f"{where}.type", code="unsupported_parameter")
+  return tool_of({**item, "strict": item.get("strict", True)}, where)  # the Responses API's function tools are strict unless told
 
 
 def _tool_use(body: dict):
-  tools, given = _tools(body)
+  tools = parse_tools(body, _function_tool, '{"type": "function", "name": ..., "parameters": {...}}', "tools[{i}].name")
   choice, name = body.get("tool_choice"), None
   why = 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}'
   if isinstance(choice, dict):
@@ -120,7 +108,7 @@ def _tool_use(body: dict):
     choice, name = "function", choice["name"]
   elif choice is not None and choice not in ("none", "auto", "required"):
     raise BadRequest(why, param="tool_choice")
-  return tool_use(tools, choice, name, parse_flag(body, "parallel_tool_calls", default=True)), given
+  return tool_use(tools, choice, name, parse_flag(body, "parallel_tool_calls", default=True))
 
 
 def _text_format(body: dict) -> Tuple[Optional[ResponseFormat], dict]:
@@ -161,11 +149,11 @@ def parse_responses_request(body: Dict[str, Any], default_model: str, engine_cla
   if metadata is not None and not isinstance(metadata, dict):
     raise BadRequest("metadata must be an object of strings", param="metadata")
   params = sampling_params({k: body.get(k) for k in ("temperature", "top_p", "max_output_tokens")}, default_temperature, ("max_output_tokens",))
-  use, tools = _tool_use(body)
+  use = _tool_use(body)
   response_format, text = _text_format(body)
   generation = GenerationRequest(model, messages=messages, params=params, tool_use=use, response_format=response_format,
                                  stream=parse_flag(body, "stream"), fields=FieldNames(prompt="input", max_tokens="max_output_tokens"))
   echo = {"instructions": instructions, "max_output_tokens": params.max_tokens, "metadata": metadata or {},
           "parallel_tool_calls": parse_flag(body, "parallel_tool_calls", default=True), "temperature": params.temperature, "text": text,
-          "tool_choice": body.get("tool_choice") or "auto", "tools": tools, "top_p": params.top_p, "user": body.get("user")}
+          "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [], "top_p": params.top_p, "user": body.get("user")}
   return ResponsesRequest(generation, echo)

@@ -6,10 +6,11 @@ from typing import Callable, List, Tuple
 
 from aiohttp import web
 
+from exo.api.errors import ApiError
 from exo.api.event_stream import EventStream
 from exo.api.events import collect
 from exo.api.openai_responses.render import ResponseShape, ResponseStream
-from exo.api.openai_responses.request import parse_responses_request
+from exo.api.openai_responses.request import STATELESS, parse_responses_request
 from exo.api.replies import NAMED_SSE, json_reply
 from exo.api.serving import ServingCore
 
@@ -19,7 +20,10 @@ class ResponsesRoutes:
     self.core = core
 
   def routes(self) -> List[Tuple[Tuple[str, ...], str, Callable]]:
-    return [(("/v1/responses",), "POST", self.handle_responses)]
+    return [(("/v1/responses",), "POST", self.handle_responses), (("/v1/responses/{response_id}",), "GET", self.handle_stored)]
+
+  async def handle_stored(self, request: web.Request) -> web.Response:
+    raise ApiError(404, f"no response {request.match_info['response_id']!r}: {STATELESS}", param="response_id", code="not_found")
 
   async def handle_responses(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
