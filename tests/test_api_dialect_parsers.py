@@ -93,7 +93,8 @@ def test_anthropic_count_tokens_takes_the_prompt_fields_only():
 def test_anthropic_stream_events_for_text_then_a_tool_call():
   render = MessageStream("dummy")
   events = [Started("r-1", 7, 1), Delta(0, "Hi", None), Delta(0, " there", None),
-            Delta(0, "", None, [ToolCallFragment(0, "call_ab", "f", '{"a": ')]), Delta(0, "", None, [ToolCallFragment(0, None, None, "1}")], Finish("tool_calls")),
+            Delta(0, "", None, [ToolCallFragment(0, "call_ab", "f", '{"a": ')]),
+            Delta(0, "", None, [ToolCallFragment(0, None, None, "1}")], Finish("tool_calls")),
             Usage(7, 5)]
   out = [e for event in events for e in render(event)]
   assert [(e["type"], e.get("index")) for e in out] == [

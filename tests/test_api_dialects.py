@@ -147,8 +147,9 @@ def test_ollama_answer_and_stream(llama):
   parts = list(llama.chat(**ask, stream=True))
   assert "".join(p.message.content for p in parts) == reply.message.content
   assert all(not p.done for p in parts[:-1]) and parts[-1].done and parts[-1].eval_count == reply.eval_count
-  structured = llama.chat(model=MODEL, messages=[{"role": "user", "content": "Name a city and its country."}], stream=False, options={"num_predict": 60},
-                          format={"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city", "country"]})
+  place = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city", "country"]}
+  structured = llama.chat(model=MODEL, messages=[{"role": "user", "content": "Name a city and its country."}], stream=False,
+                          options={"num_predict": 60}, format=place)
   assert set(json.loads(structured.message.content)) == {"city", "country"}
   assert f"{MODEL}:latest" in [m.model for m in llama.list().models] and llama.show(MODEL).modelinfo["llama.context_length"] > 0
 

@@ -156,7 +156,7 @@ async def test_a_timeout_is_a_504_or_ends_the_stream_in_the_dialects_shape(make_
   assert status == 200  # tokens had gone out: the stream ends with the error
   events = dialect.events(text)
   if dialect.error_of is anthropic_error:
-    assert events[0]["type"] == "message_start" and events[-1] == {"type": "error", "error": {"type": "timeout_error", "message": events[-1]["error"]["message"]}}
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "error" and events[-1]["error"]["type"] == "timeout_error"
   elif dialect.error_of is openai_error:
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"] and events[-2]["code"] == "response_timeout"
     assert events[-1]["response"]["status"] == "failed"

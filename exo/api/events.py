@@ -4,7 +4,7 @@ why it finished), then `Usage`. A failure is raised from the stream as an ApiErr
 was refused; after it: the reply is cut short). Each dialect renders these in its own shapes; `collect` gathers
 them for a reply that is not streamed."""
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Tuple, Union
+from typing import AsyncIterator, List, Optional, Tuple, Union
 
 from exo.api.errors import ApiError
 

@@ -11,39 +11,13 @@ from aiohttp import web
 from exo.api.chat_request import parse_chat_request, parse_messages, parse_tools
 from exo.api.completion_request import parse_completion_request
 from exo.api.event_stream import EventStream
-from exo.api.events import Delta, Started, Usage, collect
+from exo.api.events import collect
 from exo.api.generation_request import GenerationRequest
-from exo.api.openai_shapes import ChatShape, TextShape, usage
+from exo.api.openai_shapes import ChatShape, ChunkRenderer, TextShape
 from exo.api.prompts import build_prompt
 from exo.api.replies import json_reply
 from exo.api.request_fields import parse_json_body, resolve_model
 from exo.api.serving import ServingCore
-
-
-class ChunkRenderer:
-  """Events to SSE chunks; with usage asked for, the chunk that ends the last choice waits for it."""
-
-  def __init__(self, shape_of: Callable[[str], object], include_usage: bool):
-    self.shape_of, self.include_usage = shape_of, include_usage
-    self.shape, self.unfinished, self.held = None, 0, None
-
-  def __call__(self, event) -> List[dict]:
-    if isinstance(event, Started):
-      self.shape, self.unfinished = self.shape_of(event.request_id), event.choices
-      return []
-    if isinstance(event, Delta):
-      self.unfinished -= event.finish is not None
-      chunk = self.shape.chunk(event)
-      if self.include_usage and not self.unfinished:
-        self.held = chunk
-        return []
-      return [chunk]
-    if isinstance(event, Usage) and self.held is not None:
-      return [{**self.held, "usage": usage(event)}]
-    return []
-
-  def error_chunk(self, error):
-    return self.shape.error_chunk(error)  # (a stream has started only once there is a shape)
 
 
 class OpenAIRoutes:

@@ -1,10 +1,10 @@
 """OpenAI chat and text completions' JSON shapes, in upstream exo's key order (clients and tests compare them
 verbatim), made from the serving core's events (exo/api/events.py)."""
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from exo.api.errors import ApiError
-from exo.api.events import Answer, Delta, TokenLogprob, ToolCallFragment, Usage
+from exo.api.events import Answer, Delta, Started, TokenLogprob, ToolCallFragment, Usage
 from exo.helpers import VERSION
 
 
@@ -61,7 +61,8 @@ class ChatShape(_Shape):
     choices = []
     for a in answers:
       calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in a.calls] or None
-      choices.append({"index": a.index, "message": self._message(a.content, calls), "logprobs": self.logprobs(a.logprobs), "finish_reason": _finish_reason(a)})
+      choices.append({"index": a.index, "message": self._message(a.content, calls), "logprobs": self.logprobs(a.logprobs),
+                      "finish_reason": _finish_reason(a)})
     body = _envelope(self.request_id, self.model, choices)
     body["usage"] = usage(counts)
     return body
@@ -104,3 +105,29 @@ class TextShape(_Shape):
 
   def error_chunk(self, error: ApiError) -> dict:
     return {**self._body([{"text": "", "index": 0, "logprobs": None, "finish_reason": "error"}]), **error.body()}
+
+
+class ChunkRenderer:
+  """Events to SSE chunks; with usage asked for, the chunk that ends the last choice waits for it."""
+
+  def __init__(self, shape_of: Callable[[str], object], include_usage: bool):
+    self.shape_of, self.include_usage = shape_of, include_usage
+    self.shape, self.unfinished, self.held = None, 0, None
+
+  def __call__(self, event) -> List[dict]:
+    if isinstance(event, Started):
+      self.shape, self.unfinished = self.shape_of(event.request_id), event.choices
+      return []
+    if isinstance(event, Delta):
+      self.unfinished -= event.finish is not None
+      chunk = self.shape.chunk(event)
+      if self.include_usage and not self.unfinished:
+        self.held = chunk
+        return []
+      return [chunk]
+    if isinstance(event, Usage) and self.held is not None:
+      return [{**self.held, "usage": usage(event)}]
+    return []
+
+  def error_chunk(self, error):
+    return self.shape.error_chunk(error)  # (a stream has started only once there is a shape)

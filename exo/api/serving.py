@@ -98,23 +98,26 @@ class ServingCore:
 
   # --- prompts ---
 
-  def _prepare(self, tokenizer, limits: ModelLimits, request: GenerationRequest) -> Tuple[List[Run], AnswerPlan]:
-    """Each prompt (one for a conversation) with its token count and its reply's budget; the answer's plan."""
+  def _prompts(self, tokenizer, request: GenerationRequest) -> Tuple[List[Tuple[str, int]], AnswerPlan]:
+    """Each prompt (one for a conversation) with its token count; the answer's plan."""
     plan = plan_answer(tokenizer, request.messages or [], request.response_format, request.tool_use)
-    if request.messages is not None:
-      prompt = build_prompt(tokenizer, plan.messages, plan.tools, self.system_prompt)
-      texts = [(prompt, len(tokenizer.encode(prompt)))]
-    else:
-      texts = prompt_texts(tokenizer, request.prompts, request.fields.prompt)
+    if request.messages is None:
+      return prompt_texts(tokenizer, request.prompts, request.fields.prompt), plan
+    prompt = build_prompt(tokenizer, plan.messages, plan.tools, self.system_prompt)
+    return [(prompt, len(tokenizer.encode(prompt)))], plan
+
+  def _prepare(self, tokenizer, limits: ModelLimits, request: GenerationRequest) -> Tuple[List[Run], AnswerPlan]:
+    """The prompts, each with its reply's budget (the context must hold both); the answer's plan."""
+    texts, plan = self._prompts(tokenizer, request)
     names = request.fields
     return [(text, count, replace(request.params, max_tokens=limits.reply_budget(count, request.params.max_tokens, names.prompt, names.max_tokens),
                                   grammar=plan.grammar), text if request.echo else "") for text, count in texts], plan
 
   async def count_prompt_tokens(self, request: GenerationRequest) -> int:
     """The tokens the request's prompt takes, as it would be run (tools and the answer's format included)."""
-    tokenizer, limits = await self.profiles.get(request.model)
-    runs, _ = await self.in_thread(self._prepare, tokenizer, limits, replace(request, params=replace(request.params, max_tokens=None)))
-    return sum(count for _, count, _, _ in runs)
+    tokenizer, _ = await self.profiles.get(request.model)
+    texts, _ = await self.in_thread(self._prompts, tokenizer, request)
+    return sum(count for _, count in texts)
 
   # --- generation ---
 

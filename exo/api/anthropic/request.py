@@ -167,7 +167,8 @@ def _parse(body: dict, default_model: str, engine_classname: str, implemented) -
   model = resolve_model(body.get("model"), default_model, engine_classname, FALLBACK_PREFIXES)
   messages = parse_conversation(body)
   choice, name, parallel = _tool_choice(body)
-  return {"model": model, "messages": messages, "tool_use": tool_use(parse_tools(body, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name"), choice, name, parallel), "response_format": _output_format(body)}
+  tools = parse_tools(body, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name")
+  return {"model": model, "messages": messages, "tool_use": tool_use(tools, choice, name, parallel), "response_format": _output_format(body)}
 
 
 def parse_messages_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:

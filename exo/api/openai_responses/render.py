@@ -24,11 +24,13 @@ def _text_part(text: str) -> dict:
 
 
 def message_item(request_id: str, text: str, status: str) -> dict:
-  return {"id": _id("msg_", request_id), "type": "message", "status": status, "role": "assistant", "content": [_text_part(text)] if status != "in_progress" else []}
+  return {"id": _id("msg_", request_id), "type": "message", "status": status, "role": "assistant",
+          "content": [_text_part(text)] if status != "in_progress" else []}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
-  return {"id": "fc_" + call_id.removeprefix("call_"), "type": "function_call", "status": status, "call_id": call_id, "name": name, "arguments": arguments}
+  return {"id": "fc_" + call_id.removeprefix("call_"), "type": "function_call", "status": status, "call_id": call_id, "name": name,
+          "arguments": arguments}
 
 
 class ResponseShape:
