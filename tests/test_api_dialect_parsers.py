@@ -234,3 +234,32 @@ def test_ollama_stream_lines_and_whole_reply():
   generated = OllamaReply("dummy", False, 0)
   assert [line.get("response") for event in events[:2] for line in generated(event)] == ["Hi"]
   assert json.dumps(lines[2])  # plain JSON all through
+
+
+# --- any malformed field is a 4xx, never a server error ---
+
+ODD_VALUES = [None, True, -1, 2.5, "x", "", [], [1], [{}], ["x"], [[]], {}, {"type": 1}, {"a": {"b": []}}]
+PARSERS = {
+  "anthropic": (parse_messages_request, {"model": "dummy", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]},
+                ["model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata",
+                 "output_config", "cache_control", "thinking", "service_tier", "user_profile_id"]),
+  "responses": (parse_responses_request, {"model": "dummy", "input": "x"},
+                ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "text",
+                 "stream", "store", "metadata", "include", "previous_response_id", "reasoning", "truncation", "user"]),
+  "ollama chat": (parse_chat, {"model": "dummy", "messages": [{"role": "user", "content": "x"}]},
+                  ["model", "messages", "tools", "format", "options", "stream", "think", "logprobs", "top_logprobs"]),
+  "ollama generate": (parse_generate, {"model": "dummy", "prompt": "x"},
+                      ["model", "prompt", "system", "raw", "format", "options", "stream", "images", "context", "suffix", "template"]),
+}
+
+
+@pytest.mark.parametrize("dialect", list(PARSERS))
+def test_odd_values_in_any_field_are_client_errors_never_crashes(dialect):
+  parse, good, fields = PARSERS[dialect]
+  for field in fields:
+    for value in ODD_VALUES:
+      for body in ({**good, field: value}, {**good, field: [value]}, {**good, field: {"type": "function", "name": "f", "x": value}}):
+        try:
+          parse(body, "dummy", ENGINE)
+        except ApiError as e:
+          assert 400 <= e.status < 500, (field, value, e.message)

@@ -133,7 +133,7 @@ def _refuse_state(body: dict) -> None:
   if body.get("reasoning") is not None:
     raise BadRequest("reasoning: this model does not reason (leave reasoning out)", param="reasoning", code="unsupported_parameter")
   include = body.get("include")
-  if include is not None and (not isinstance(include, list) or set(include) - INCLUDABLE):
+  if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) and i in INCLUDABLE for i in include)):
     raise BadRequest(f"include may only hold {sorted(INCLUDABLE)} here", param="include", code="unsupported_parameter")
 
 
@@ -145,6 +145,7 @@ def parse_responses_request(body: Dict[str, Any], default_model: str, engine_cla
   messages = parse_input(body.get("input"), instructions)
   for name in ("user", "safety_identifier", "prompt_cache_key"):
     parse_string(body, name)
+  parse_flag(body, "store")  # (accepted either way: nothing is stored)
   metadata = body.get("metadata")
   if metadata is not None and not isinstance(metadata, dict):
     raise BadRequest("metadata must be an object of strings", param="metadata")
