@@ -123,7 +123,9 @@ async def test_a_fresh_download_reports_progress_while_bytes_arrive(hub, checkpo
     assert (await call("POST", f"{url}/download", {"model": MODEL}))[0] == 200
     seen, deadline = [], time.monotonic() + 120
     while not (await model_pool(url)).get(MODEL, {}).get("downloaded"):
-      assert time.monotonic() < deadline, f"not downloaded within 120 s: {seen[-1:]}"
+      download = (await call("GET", f"{url}/v1/downloads"))[1].get(MODEL, {})
+      assert download.get("status") != "failed", download.get("error")  # say why, rather than wait out the deadline
+      assert time.monotonic() < deadline, f"not downloaded within 120 s: {seen[-1:]}, {download}"
       _, progress = await call("GET", f"{url}/v1/download/progress")
       if "solo" in progress:
         seen.append(progress["solo"])

@@ -65,7 +65,7 @@ class OllamaRoutes:
 
   async def handle_ps(self, request: web.Request) -> web.Response:
     """The model this node's engine holds (its shard of it), kept until another is asked for."""
-    shard = getattr(self.core.node.inference_engine, "shard", None)
+    shard = self.core.node.inference_engine.shard
     if shard is None:
       return json_reply({"models": []})
     entry = await asyncio.to_thread(describe, shard.model_id, self.core.engine_classname)
