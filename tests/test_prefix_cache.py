@@ -391,7 +391,7 @@ async def test_a_ring_files_each_answer_on_every_node(tmp_path, downloader, engi
     await eventually(lambda: first.peer_prefix_blocks.get(second.id) == BLOCK, 10)
     engines = [first.inference_engine, second.inference_engine]
     prompt, _, next_prompt = await two_turns(engine, first, 2 * BLOCK + 1)
-    await eventually(lambda: not first._filings, 10)  # the answer's blocks are on their way into both stores
+    await eventually(lambda: not first.prefix_protocol.filings, 10)  # the answer's blocks are on their way into both stores
     with prefixes_off(*engines):
       reference = await answer(first, next_prompt)
     await second.announce_prefix_cache()  # it may have announced its cache off meanwhile

@@ -212,7 +212,7 @@ class ChatGPTAPI:
           profile = (await asyncio.to_thread(resolve_tokenizer, local), ModelLimits.of(await asyncio.to_thread(load_config, local)))
         else:  # its files first (this node's shard of them): loading the engine would wipe the caches of the requests it serves
           base = build_base_shard(model_id, self.inference_engine_classname)
-          path = await self.node.shard_downloader.ensure_shard(self.node.get_current_shard(base), self.inference_engine_classname)
+          path = await self.node.shard_downloader.ensure_shard(self.node.own_shard(base), self.inference_engine_classname)
           profile = (await asyncio.to_thread(resolve_tokenizer, path), ModelLimits.of(await asyncio.to_thread(load_config, path)))
         self._profiles[model_id] = profile
     return self._profiles[model_id]
@@ -225,16 +225,17 @@ class ChatGPTAPI:
   def _parse_chat(self, raw: bytes) -> ChatRequest:
     return parse_chat_request(parse_json_body(raw), self.default_model, self.inference_engine_classname, self.node.default_sample_temperature)
 
-  def _template(self, tokenizer, chat: ChatRequest) -> Tuple[str, int]:
+  def _template(self, tokenizer, chat: ChatRequest) -> Tuple[str, List[int]]:
     prompt = build_prompt(tokenizer, chat.messages, chat.tools, self.system_prompt)
-    return prompt, len(tokenizer.encode(prompt))
+    return prompt, list(tokenizer.encode(prompt))
 
   async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     chat = await self._in_thread(self._parse_chat, await request.read())
     async with self.admission.places(chat.n) as tickets:
       tokenizer, limits = await self.model_profile(chat.model)
-      prompt, prompt_tokens = await self._in_thread(self._template, tokenizer, chat)
+      prompt, prompt_ids = await self._in_thread(self._template, tokenizer, chat)
+      prompt_tokens = len(prompt_ids)
       chat.params = replace(chat.params, max_tokens=limits.reply_budget(prompt_tokens, chat.params.max_tokens))
       request_id = str(uuid.uuid4())
       if self.on_chat_completion_request is not None:
@@ -244,7 +245,7 @@ class ChatGPTAPI:
           self._log_error("on_chat_completion_request failed", e)
       if DEBUG >= 2:
         print(f"[{request_id}] chat completion: model={chat.model} params={chat.params} n={chat.n} stop={chat.stop} stream={chat.stream}")
-      choices = self._choices(request_id, chat.model, [(prompt, prompt_tokens, chat.params, "")], chat.n, chat.stop, tokenizer, limits, tickets)
+      choices = self._choices(request_id, chat.model, [(prompt, prompt_ids, chat.params, "")], chat.n, chat.stop, tokenizer, limits, tickets)
       shape = responses.ChatShape(request_id, chat.model, _token_text(tokenizer))
       return await self._reply(request, shape, chat.model, choices, [prompt_tokens], chat.stream, chat.include_usage, arrived)
 
@@ -254,18 +255,18 @@ class ChatGPTAPI:
     return parse_completion_request(parse_json_body(raw), self.default_model, self.inference_engine_classname, self.node.default_sample_temperature)
 
   @staticmethod
-  def _prompt_texts(tokenizer, prompts: List[Prompt]) -> List[Tuple[str, int]]:
-    """Each prompt's text and token count. Token ids are checked against the vocabulary and sent as their text (the
+  def _prompt_texts(tokenizer, prompts: List[Prompt]) -> List[Tuple[str, List[int]]]:
+    """Each prompt's text and token ids. Token ids are checked against the vocabulary and sent as their text (the
     ring takes text), which the first node tokenises again."""
     texts = []
     for i, prompt in enumerate(prompts):
       if isinstance(prompt, str):
-        texts.append((prompt, len(tokenizer.encode(prompt))))
+        texts.append((prompt, list(tokenizer.encode(prompt))))
         continue
       vocab, name = getattr(tokenizer, "vocab_size", None), "prompt" if len(prompts) == 1 else f"prompt[{i}]"
       if vocab is not None and max(prompt) >= vocab:
         raise BadRequest(f"{name} has token id {max(prompt)}; this model's vocabulary has {vocab:,} tokens", param=name)
-      texts.append((tokenizer.decode(prompt), len(prompt)))
+      texts.append((tokenizer.decode(prompt), list(prompt)))
     return texts
 
   async def handle_completions(self, request: web.Request) -> web.StreamResponse:
@@ -274,31 +275,31 @@ class ChatGPTAPI:
     async with self.admission.places(len(job.prompts) * job.n) as tickets:
       tokenizer, limits = await self.model_profile(job.model)
       prompts = await self._in_thread(self._prompt_texts, tokenizer, job.prompts)
-      runs = [(text, count, replace(job.params, max_tokens=limits.reply_budget(count, job.params.max_tokens, param="prompt")), text if job.echo else "")
-              for text, count in prompts]
+      runs = [(text, ids, replace(job.params, max_tokens=limits.reply_budget(len(ids), job.params.max_tokens, param="prompt")), text if job.echo else "")
+              for text, ids in prompts]
       request_id = str(uuid.uuid4())
       choices = self._choices(request_id, job.model, runs, job.n, job.stop, tokenizer, limits, tickets)
       shape = responses.TextShape(request_id, job.model, _token_text(tokenizer), {c.index: len(c.echo) for c in choices})
-      return await self._reply(request, shape, job.model, choices, [count for _, count in prompts], job.stream, job.include_usage, arrived)
+      return await self._reply(request, shape, job.model, choices, [len(ids) for _, ids in prompts], job.stream, job.include_usage, arrived)
 
   # --- what chat and completions share ---
 
-  def _choices(self, request_id: str, model: str, runs: List[Tuple[str, int, SamplingParams, str]], n: int, stop: List[str], tokenizer,
+  def _choices(self, request_id: str, model: str, runs: List[Tuple[str, List[int], SamplingParams, str]], n: int, stop: List[str], tokenizer,
                limits: ModelLimits, tickets: List) -> List[Choice]:
-    """n choices for each (prompt, its token count, its params, echo text); each a request of its own in the ring, with
+    """n choices for each (prompt, its token ids, its params, echo text); each a request of its own in the ring, with
     its own random stream (seed + index when a seed is given)."""
     eos = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
     cap = self.node.max_generate_tokens
-    layers_here = self.node.get_current_shard(build_base_shard(model, self.inference_engine_classname)).get_layer_count()
+    layers_here = self.node.own_shard(build_base_shard(model, self.inference_engine_classname)).get_layer_count()
     choices: List[Choice] = []
-    for p, (prompt, prompt_tokens, params, echo) in enumerate(runs):
-      kv_bytes = limits.kv_bytes(prompt_tokens + min(params.max_tokens or cap, cap), layers_here)
+    for p, (prompt, prompt_ids, params, echo) in enumerate(runs):
+      kv_bytes = limits.kv_bytes(len(prompt_ids) + min(params.max_tokens or cap, cap), layers_here)
       first = None
       for j in range(n):
         index = p * n + j
         seeded = params if params.seed is None else replace(params, seed=(params.seed + index) % 2**64)
         choice = Choice(index, request_id if index == 0 else f"{request_id}-{index}", prompt, seeded, tickets[index], kv_bytes,
-                        ReplyText(tokenizer.decode, eos, stop), echo, first=first)
+                        ReplyText(tokenizer.decode, eos, stop), echo, first=first, prompt_ids=prompt_ids)
         first = first or choice
         choices.append(choice)
     return choices
@@ -326,7 +327,8 @@ class ChatGPTAPI:
     """One choice's token events, timed for the metrics. Leaving early cancels the generation in the ring."""
     base_shard = build_base_shard(model, self.inference_engine_classname)
     last = None
-    async with aclosing(generate_events(self.node, base_shard, choice.prompt, choice.params, choice.request_id, self.response_timeout)) as events:
+    async with aclosing(generate_events(self.node, base_shard, choice.prompt, choice.params, choice.request_id, self.response_timeout,
+                                              choice.prompt_ids)) as events:
       async for event in events:
         now = time.monotonic()
         (self.metrics.ttft.observe(now - arrived) if last is None else self.metrics.itl.observe(now - last))
@@ -444,7 +446,11 @@ class ChatGPTAPI:
     return responses.json_reply({"status": "success", "message": f"Model {model} deleted successfully"})
 
   async def handle_topology(self, request: web.Request) -> web.Response:
-    return responses.json_reply(self.node.current_topology.to_json())
+    """The topology as upstream shows it, and the placement: the groups of each model (this node's default model and
+    the one its engine holds) with each node's layers."""
+    models = [build_base_shard(self.default_model, self.inference_engine_classname), self.node.inference_engine.shard]
+    bases = list({(s.model_id, s.n_layers): s for s in models if s is not None}.values())
+    return responses.json_reply({**self.node.current_topology.to_json(), "placement": self.node.placement_view(bases)})
 
   async def handle_healthcheck(self, request: web.Request) -> web.Response:
     return responses.json_reply({"status": "ok"})

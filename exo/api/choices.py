@@ -28,6 +28,7 @@ class Choice:
   logprobs: List[Tuple[int, Optional[TokenLogprobs]]] = field(default_factory=list)  # every token so far, when asked for
   first: Optional["Choice"] = None  # the prompt's first choice, whose prefill this one waits for
   prefilled: asyncio.Event = field(default_factory=asyncio.Event)  # set at this choice's first event (or its end)
+  prompt_ids: Optional[List[int]] = None  # the prompt's token ids (the node routes by the blocks they make)
 
   @property
   def text(self) -> str:
