@@ -110,9 +110,19 @@ def test_one_group_is_no_choice():
 
 def test_a_route_from_a_peer_is_checked():
   route = Route((Stage("c", 0, 18), Stage("d", 19, 29)), "v1", "a")
-  assert Route.of(route.to_json(), 30) == route and route.after("d") == route.first and route.group == "c+d"
+  assert Route.of(dict(route.json), 30) == route and route.after("d") == route.first and route.group == "c+d"
   for bad in [{"v": "v1", "origin": "a", "hops": [["c", 0, 18]]}, {"v": "v1", "origin": "a", "hops": [["c", 0, 18], ["d", 20, 29]]},
               {"v": "v1", "origin": "a", "hops": [["c", 0, 18], ["c", 19, 29]]}, {"v": "", "origin": "a", "hops": [["c", 0, 29]]},
               {"v": "v1", "origin": "a", "hops": [["c", "0", 29]]}, ["c", 0, 29]]:
     with pytest.raises(InvalidRoute):
       Route.of(bad, 30)
+
+
+def test_a_short_system_prompt_that_every_prompt_starts_with_does_not_pull_a_burst_onto_one_group():
+  router = Router("a", Clock())
+  system = list(range(3 * BLOCK))  # held by the group that served the first request
+  send(router, "earlier", [A, B], system + [1] * 10)
+  router.tokens("earlier", [2] * 8, True)
+  picks = [send(router, f"r{i}", [A, B], system + [50 + i] * 12) for i in range(4)]
+  assert {c.reason for c in picks} == {LEAST_LOAD} and {c.group.name for c in picks} == {"a", "b"}
+  assert [c.cached for c in picks if c.group == A] == [3 * BLOCK] * 3  # (where it is cached, a prompt costs less: a takes more)

@@ -67,6 +67,8 @@ class Forwarding:
     """The route this node follows for the request: the one it brought (checked), the one it already has, or, for a
     request without one, the ring this node derives from its topology. ValueError if it brought one that differs."""
     data = (state or {}).get("route")
+    if data is not None and request.route is not None and request.route.travels and (data is request.route or data == request.route.json):
+      return request.route  # the route it came with before: nothing more to check
     if data is not None:
       route = Route.of(data, base.n_layers)
       if request.route is not None and request.route != route:
@@ -107,7 +109,7 @@ class Forwarding:
     if route is None or not route.travels:
       return state
     out = {k: v for k, v in (state or {}).items() if k != "params"}
-    out["route"] = route.to_json()
+    out["route"] = route.json
     if prompt or (not request.told_next and to != route.first):
       out["params"] = request.params.to_dict()
     request.told_next = request.told_next or not prompt

@@ -6,6 +6,7 @@ not its own view of the topology: it runs the layers the route gives it and pass
 the last hop's tokens go to the origin. Its sampling parameters ride along the prompt's first pass (`"params"`), so
 the node that samples it has them before its first token. A ring route (`travels` False) is the one every node
 derives from its own topology when no route came with a request, as exo always did; it never goes on the wire."""
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -58,7 +59,9 @@ class Route:
     stage = self.stage_of(node_id)
     return None if stage is None else self.shard(stage, base)
 
-  def to_json(self) -> dict:
+  @functools.cached_property
+  def json(self) -> dict:
+    """As it travels in the inference state (made once: every message of the request carries it; never changed)."""
     return {"v": self.version, "origin": self.origin, "hops": [[h.node_id, h.start, h.end] for h in self.hops]}
 
   @classmethod

@@ -7,7 +7,8 @@ status: each origin's share, at most every REPORT_S, kept for REPORT_FRESH_S).
 
 Prefix affinity. The router remembers, per group, the keys of the token blocks it sent there (prompts, and once a
 request has finished its answer too: the block keys the engines' prefix caches file them under). A prompt whose
-blocks a group holds, for at least PREFIX_MIN_SHARE of them, goes there unless that group's load exceeds the least
+blocks a group holds, for at least PREFIX_MIN_SHARE of them and PREFIX_MIN_TOKENS more than the least loaded group
+holds (a short system prompt every prompt starts with is no reason), goes there unless that group's load exceeds the least
 loaded group's by more than the margin: PREFIX_SLACK plus the tokens its cache spares (a cached prefix is worth the
 tokens it saves). So a conversation's next turn goes back to the group that holds its earlier turns. Otherwise the
 least loaded group, ties going to the group that contains this node (its tokens need no hop), then placement order.
@@ -21,6 +22,7 @@ from exo.inference.prefix_cache import BLOCK, block_keys
 from exo.topology.placement import Group
 
 PREFIX_MIN_SHARE = 0.5  # a group's cached blocks must cover at least this share of a prompt's whole blocks
+PREFIX_MIN_TOKENS = 64  # and spare it at least this many tokens more than the least loaded group (a shared system prompt does not)
 PREFIX_SLACK = 32.0  # load a prefix group may carry beyond the least loaded one's, besides the tokens it saves
 REPORT_S = 0.1  # a group's first node reports its load at most this often (when it changed)
 REPORT_FRESH_S = 3.0  # a report is used for this long
@@ -67,11 +69,12 @@ class Router:
     keys = block_keys(model, prompt_ids) if prompt_ids is not None and len(prompt_ids) >= BLOCK else []
     held = {g.name: self._held(g.name, keys) for g in groups}
     most = max(held.values(), default=0)
-    if keys and most > held[least.name] and most >= PREFIX_MIN_SHARE * len(keys):
+    worth = keys and most * BLOCK >= PREFIX_MIN_TOKENS and most >= PREFIX_MIN_SHARE * len(keys)
+    if worth and (most - held[least.name]) * BLOCK >= PREFIX_MIN_TOKENS:
       best = min((g for g in groups if held[g.name] == most), key=lambda g: (loads[g.name], not local[g.name], order[g.name]))
       if loads[best.name] <= loads[least.name] + PREFIX_SLACK + (most - held[least.name]) * BLOCK:
         return self._chose(Choice(best, PREFIX, most * BLOCK))
-    if keys and held[least.name] == most and most >= PREFIX_MIN_SHARE * len(keys):  # the least loaded holds it too
+    if worth and held[least.name] == most:  # the least loaded holds it too
       return self._chose(Choice(least, PREFIX, most * BLOCK))
     return self._chose(Choice(least, LEAST_LOAD, held[least.name] * BLOCK))
 
