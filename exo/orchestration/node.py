@@ -526,6 +526,7 @@ class Node(RingMember):
       if request.params.logprobs is not None:
         logprobs = [request.peer_logprobs.pop(request.tokens_received + i, None) for i in range(len(result))]
       request.tokens_received += len(result)
+      request.advance(Status.DECODING)
     self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
     if is_finished and request is not None:
       self.end_request(request_id, Status.FINISHED)

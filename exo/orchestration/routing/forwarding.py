@@ -38,6 +38,7 @@ class Forwarding:
     self._outbox: Dict[str, List[list]] = {}  # destination -> token rows waiting for its sender
     self._senders: Dict[str, asyncio.Task] = {}
     self._reported: Dict[str, Tuple[dict, float]] = {}  # group -> (loads last reported, when)
+    self._here: Set[str] = set()  # groups whose first node this is, with requests when last seen
     node.inbox.on_peer(statuses.TOKENS, self._heard_tokens)
     node.inbox.observe(statuses.GROUP_LOAD, self._heard_load)
 
@@ -51,6 +52,7 @@ class Forwarding:
     if not groups:
       return None
     ready = [g for g in groups if placements.ready(g, base)]
+    self._see_loads_here()
     choice = self.router.choose(ready or groups, base.model_id, prompt_ids)
     self.router.sent_to(request.id, choice, base.model_id, prompt_ids, prompt_tokens)
     request.group = choice.group.name
@@ -235,14 +237,13 @@ class Forwarding:
 
   # --- load reports ---
 
-  def report_loads(self) -> None:
-    """On each group's first node: each origin's share of the group's work, when it changed (at most every REPORT_S,
-    and again before the last report goes stale at the others)."""
-    node, now = self.node, time.monotonic()
+  def _loads_here(self) -> Dict[str, Dict[str, List[int]]]:
+    """For each group whose first node this is: each origin's share of its work, [prompt tokens waiting, requests
+    running, requests waiting]."""
     loads: Dict[str, Dict[str, List[int]]] = {}
-    for request in node.requests:
+    for request in self.node.requests:
       route = request.route
-      if route is None or not route.travels or route.first.node_id != node.id:
+      if route is None or not route.travels or route.first.node_id != self.node.id:
         continue
       share = loads.setdefault(route.group, {}).setdefault(request.origin, [0, 0, 0])
       if request.status is Status.DECODING and request.positions >= request.prompt_tokens:
@@ -250,16 +251,30 @@ class Forwarding:
       else:
         share[0] += max(1, request.prompt_tokens - request.positions)
         share[2] += 1
+    return loads
+
+  def _see_loads_here(self) -> Dict[str, Dict[str, List[int]]]:
+    """This node's router sees its own groups' load as it is now, not as last reported."""
+    loads = self._loads_here()
+    for group in self._here | set(loads):
+      self.router.report(group, {origin: tuple(share) for origin, share in loads.get(group, {}).items()})
+    self._here = set(loads)
+    return loads
+
+  def report_loads(self) -> None:
+    """On each group's first node: each origin's share of the group's work, when it changed (at most every REPORT_S,
+    and again before the last report goes stale at the others)."""
+    node, now = self.node, time.monotonic()
+    loads = self._see_loads_here()
     for group in set(self._reported) | set(loads):
       current = loads.get(group, {})
       last, when = self._reported.get(group, ({}, -REPORT_FRESH_S))
       if now - when < REPORT_S or (current == last and now - when < REPORT_FRESH_S / 2):
         continue
       self._reported[group] = (current, now)
+      node.spawn(node.broadcast_opaque_status("", statuses.group_load(node.id, group, current)))
       if not current:
         del self._reported[group]
-      self.router.report(group, {origin: tuple(share) for origin, share in current.items()})
-      node.spawn(node.broadcast_opaque_status("", statuses.group_load(node.id, group, current)))
 
   def _heard_load(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
     if sender_host is not None and status["node_id"] in self.node.peers_at(sender_host):
