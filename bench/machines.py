@@ -209,7 +209,6 @@ def capacity(rows: Dict, ns: List[int], limit: float) -> int:
 
 def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]]) -> None:
   """The tables, medians over pairs: each cluster configuration against the single node of the same pair."""
-  singles = [run["single"] for run in runs]
   for label in [k for k in runs[0] if k != "single"]:
     pairs = [(run[label], run["single"]) for run in runs]
     print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "

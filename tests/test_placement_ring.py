@@ -20,7 +20,7 @@ from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.orchestration import statuses
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
-from exo.orchestration.generation import GenerationError, generate
+from exo.orchestration.generation import generate
 from exo.orchestration.node import Node
 from exo.orchestration.routing.route import Route
 from exo.topology.placement import Stage

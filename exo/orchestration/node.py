@@ -39,6 +39,7 @@ from exo.orchestration.placements import Placements
 from exo.orchestration.prefixes import PrefixProtocol
 from exo.orchestration.requests import Request, RequestEnded, RequestEvent, RequestRegistry, Status
 from exo.orchestration.ring_member import RingMember
+from exo.orchestration.status_handlers import StatusHandlers
 from exo.orchestration.routing.forwarding import Forwarding
 from exo.orchestration.routing.router import REPORT_S
 from exo.topology.device_capabilities import device_capabilities
@@ -46,7 +47,6 @@ from exo.topology.partitioning_strategy import PartitioningStrategy
 from exo.topology.placement import Stage
 
 PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
-PEER_LOGPROBS_AHEAD = 64  # a token's logprobs may arrive at most this many tokens before the token itself
 
 
 class CorePlugin:
@@ -91,7 +91,7 @@ class Node(RingMember):
     self.forwarding = Forwarding(self)
     self.prefix_protocol = PrefixProtocol(self)
     self.membership = Membership(self)
-    self._observe_statuses()
+    self.status_handlers = StatusHandlers(self)
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
     self.plugins.register(CorePlugin(), name="exo-core")
@@ -539,70 +539,6 @@ class Node(RingMember):
   def on_node_status(self, request_id: str, opaque_status: str) -> None:
     """The built-in status observer (who is working, download progress, the peers' engines), for a raw status."""
     self.inbox.from_self(request_id, opaque_status, quiet=True)
-
-  def _observe_statuses(self) -> None:
-    inbox = self.inbox
-    inbox.on_peer(statuses.REQUEST_PARAMS, self._heard_params)
-    inbox.on_peer(statuses.TOKEN_LOGPROBS, self._heard_logprobs)
-    for kind in statuses.REQUEST_ENDS:
-      inbox.on_peer(kind, self._heard_end)
-    inbox.observe(statuses.NODE_STATUS, self._heard_node_status)
-    inbox.observe(statuses.DOWNLOAD_PROGRESS, self._heard_download_progress)
-    inbox.observe(statuses.SUPPORTED_ENGINES, self._heard_engines)
-    if self.topology_viz:
-      for kind in (statuses.NODE_STATUS, statuses.REQUEST_ERROR):
-        inbox.observe(kind, lambda request_id, status, host: self.topology_viz.update_status(status))
-
-  def _heard_params(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    request = self._open(status["request_id"])
-    if request is not None and request.model is None:  # parameters can no longer change once it runs here
-      request.params, request.origin = statuses.sampling_params(status["params"]), status.get("origin")
-
-  def _heard_end(self, request_id: str, status: dict, sender_host: Optional[str]) -> Optional[bool]:
-    kind, request_id_ = status["type"], status["request_id"]
-    request = self.requests.get(request_id_)
-    if request is not None and sender_host is not None and not self.on_path(request, sender_host, origin_only=kind == statuses.CANCEL_REQUEST):
-      print(f"exo: dropped a {kind} for {request_id_} from {sender_host}, which is not its origin or on its path", flush=True)
-      return False
-    if request is None:
-      self.requests.end(request_id_, Status.FAILED)  # not seen here yet: a late hop must not start it
-    elif kind == statuses.CANCEL_REQUEST:
-      self.end_request(request_id_, Status.CANCELLED)
-    else:
-      self.end_request(request_id_, Status.FAILED, status["error"])
-    return None
-
-  def _heard_logprobs(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    """Keep a token's logprobs until the token itself arrives: only for a request of ours that asked for them, from a
-    node on its path, for a token not yet received and at most PEER_LOGPROBS_AHEAD tokens ahead."""
-    request, position = self.requests.get(status["request_id"]), status["position"]
-    if (request is None or request.origin != self.id or request.params.logprobs is None or len(status["top"]) > request.params.logprobs
-        or not request.tokens_received <= position < request.tokens_received + PEER_LOGPROBS_AHEAD
-        or (sender_host is not None and not self.on_path(request, sender_host))):
-      if DEBUG >= 1:
-        print(f"Ignoring token logprobs for {status['request_id']} (position {position}) from {sender_host}")
-      return
-    request.peer_logprobs[position] = statuses.logprobs_of(status)
-
-  def _heard_node_status(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["status"].startswith("start_"):
-      self.topology.active_node_id = status["node_id"]
-      if status["status"] == "start_process_prompt" and status["node_id"] != self.id and self.partitioning_strategy:
-        self.spawn(self._preload(statuses.shard(status["shard"])))
-    elif status["status"].startswith("end_") and status["node_id"] == self.topology.active_node_id:
-      self.topology.active_node_id = None
-
-  def _heard_download_progress(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["node_id"] in {self.id, *self.peer_hosts}:
-      try:
-        self.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
-      except (KeyError, TypeError, ValueError) as e:
-        if DEBUG >= 1:
-          print(f"Ignoring malformed download progress: {e!r}")
-
-  def _heard_engines(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["node_id"] in self.peer_hosts:
-      self.peer_engines[status["node_id"]] = status["engines"]
 
   async def _preload(self, shard: Shard) -> None:
     """Load our own layers of a model (a peer started a prompt for it, or this node has just been placed), unless

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from exo.helpers import DEBUG
-from exo.inference.sampling import SamplingParams, TokenLogprobs
+from exo.inference.sampling import TokenLogprobs
 from exo.inference.shard import Shard
 from exo.orchestration import statuses
 from exo.orchestration.requests import Request, Status
