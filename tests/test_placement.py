@@ -108,3 +108,24 @@ def test_a_stage_takes_no_more_layers_than_its_memory_holds():
   placement = smol(member("a", int(need * 0.6)), member("b", int(need * 0.6)))
   first, last = placement.groups[0].stages
   assert (first.end, last.start) == (15, 16)  # 19 layers and the embedding would not fit the first node
+
+
+def test_the_tui_shows_each_groups_nodes_and_their_layers():
+  from rich.console import Console
+
+  from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
+  from exo.topology.topology import Topology
+  from exo.viz.topology_viz import TopologyViz
+  need = whole_copy_mb()
+  placement = smol(*[member(f"n{i}", int(need * 0.75)) for i in range(4)])
+  topology = Topology()
+  for i in range(4):
+    topology.update_node(f"n{i}", DeviceCapabilities(model="m", chip="c", memory=int(need * 0.75), flops=DeviceFlops(fp32=0, fp16=0, int8=0)))
+  viz = TopologyViz()
+  viz.update_visualization(topology, [], "n1", {}, {"mode": "auto", "active": True, "version": placement.version,
+                                                    "models": {SMOL: {**placement.to_json(), "ready": [True, False]}}})
+  console = Console(record=True, width=140)
+  console.print(viz.render())
+  screen = console.export_text()
+  assert f"Placement: auto (version {placement.version})" in screen and "Groups (each serves a whole copy)" in screen
+  assert screen.count("0–18 of 30") == 2 and screen.count("19–29 of 30") == 2 and "n1 (this node)" in screen and "loading" in screen

@@ -187,3 +187,13 @@ def test_a_node_with_an_api_key_asks_for_it_once(browser):
   finally:
     page.close()
     server.stop()
+
+
+def test_the_topology_view_shows_each_nodes_group_and_layers(open_page, make_server):
+  server = make_server("dummy", placement="auto")
+  page = open_page(server.url)
+  page.wait_for_selector("#node-list .layers")
+  assert "dummy: one group, layers 0–7 of 8" in page.inner_text("#node-list")  # placed, not loaded yet: "loading"
+  ask(page, "hello")
+  page.wait_for_function("!document.querySelector('#node-list').innerText.includes('loading')", timeout=30000)
+  assert "dummy: one group, layers 0–7 of 8" in page.inner_text("#node-list")
