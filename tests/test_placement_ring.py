@@ -149,10 +149,19 @@ async def test_a_pipeline_cuts_layers_by_speed_with_the_head_counted(tmp_path, d
     assert [(s.node_id, s.start, s.end) for s in group.stages] == [("pipe-b", 0, 18), ("pipe-a", 19, 29)]
     await b.inference_engine.ensure_shard(smollm2_shard(0, 18))
     await eventually(lambda: groups_ready(a, 1), 60)
+    packed = []
+    for node in (a, b):
+      unpack = node.forwarding.unpack
+
+      async def recording(base, tensor, state, accepted, unpack=unpack):
+        packed.append(len(state["rows"]))
+        return await unpack(base, tensor, state, accepted)
+      node.forwarding.unpack = recording
     # From the first stage (its tokens ride back on the tensors that feed them) and from the last.
     assert await asyncio.gather(*[answer(b, p) for p in PROMPTS[:3]]) == references[:3]
     assert await asyncio.gather(*[answer(a, p) for p in PROMPTS[3:]]) == references[3:]
     assert a.inference_engine.shard == smollm2_shard(19, 29) and b.inference_engine.shard == smollm2_shard(0, 18)
+    assert packed and max(packed) > 1  # a step's rows went on to the next hop as one message
 
 
 async def test_a_node_refuses_a_route_that_gives_it_layers_it_cannot_load_without_disturbing_its_requests(tmp_path, downloader, references):

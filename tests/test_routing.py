@@ -126,3 +126,18 @@ def test_a_short_system_prompt_that_every_prompt_starts_with_does_not_pull_a_bur
   picks = [send(router, f"r{i}", [A, B], system + [50 + i] * 12) for i in range(4)]
   assert {c.reason for c in picks} == {LEAST_LOAD} and {c.group.name for c in picks} == {"a", "b"}
   assert [c.cached for c in picks if c.group == A] == [3 * BLOCK] * 3  # (where it is cached, a prompt costs less: a takes more)
+
+
+def test_a_steps_rows_for_one_hop_pack_into_one_message_and_unpack_as_they_were():
+  import numpy as np
+
+  from exo.orchestration.routing.packing import pack, unpack
+  rows = [("r1", np.ones((1, 1, 4), np.float32), {"route": {"v": "x"}, "params": {"temperature": 0.0}}),
+          ("r2", np.full((1, 3, 4), 2, np.float32), {"route": {"v": "y"}})]
+  tensor, state = pack(rows)
+  assert tensor.shape == (1, 4, 4) and state["route"] == {"v": "x"}
+  back = unpack(tensor, state)
+  assert [(rid, t.tolist(), s) for rid, t, s in back] == [(rid, t.tolist(), s) for rid, t, s in rows]
+  for bad in [{"rows": []}, {"rows": [["r1", 2, {}]]}, {"rows": [["r1", 0, {}], ["r2", 4, {}]]}, {"rows": [["r1", "4", {}]]}, {"rows": [["", 4, {}]]}]:
+    with pytest.raises(ValueError):
+      unpack(tensor, bad)

@@ -41,6 +41,7 @@ from exo.orchestration.requests import Request, RequestEnded, RequestEvent, Requ
 from exo.orchestration.ring_member import RingMember
 from exo.orchestration.status_handlers import StatusHandlers
 from exo.orchestration.routing.forwarding import Forwarding
+from exo.orchestration.routing.packing import ROWS
 from exo.orchestration.routing.router import REPORT_S
 from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
@@ -304,7 +305,14 @@ class Node(RingMember):
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Run this node's layers for a request's tensor, then what follows. `accepted` as for process_prompt."""
+    """Run this node's layers for a request's tensor, then what follows. `accepted` as for process_prompt. (A message
+    that packs several requests' rows runs each of them so.)"""
+    if inference_state and ROWS in inference_state:
+      try:
+        await self.forwarding.unpack(base_shard, tensor, inference_state, accepted)
+      except ValueError as e:
+        print(f"exo: dropped a malformed packed message: {e}", flush=True)
+      return None
     request = self._open(request_id or str(uuid.uuid4()))
     if request is None:  # a hop still in flight when the request ended: going on would revive it
       return None

@@ -26,6 +26,7 @@ from exo.inference.shard import Shard
 from exo.orchestration import statuses
 from exo.orchestration.requests import Request, Status
 from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
+from exo.orchestration.routing.packing import pack, unpack
 from exo.orchestration.routing.route import Route
 from exo.orchestration.routing.router import REPORT_FRESH_S, REPORT_S, Router
 from exo.topology.placement import Stage
@@ -37,6 +38,8 @@ class Forwarding:
     self.router = Router(node.id)
     self._outbox: Dict[str, List[list]] = {}  # destination -> token rows waiting for its sender
     self._senders: Dict[str, asyncio.Task] = {}
+    self._hops: Dict[tuple, List[tuple]] = {}  # (next hop, its shard, dtype, shape) -> a step's rows waiting for its sender
+    self._hop_senders: Dict[tuple, asyncio.Task] = {}
     self._reported: Dict[str, Tuple[dict, float]] = {}  # group -> (loads last reported, when)
     self._here: Set[str] = set()  # groups whose first node this is, with requests when last seen
     node.inbox.on_peer(statuses.TOKENS, self._heard_tokens)
@@ -138,10 +141,35 @@ class Forwarding:
     if request is None or request.route is None:
       return
     to = request.route.after(node.id)
+    next_shard, out = request.route.shard(to, shard), self._outgoing(request, state, to)
+    if request.route.travels and to.node_id != node.id:  # to go with the other rows of this step that go there
+      key = (to.node_id, next_shard, np.asarray(tensor).dtype.str, np.shape(tensor)[2:])
+      self._hops.setdefault(key, []).append((request_id, tensor, out))
+      if key not in self._hop_senders:  # it runs after the forward_next of every other row of the step
+        self._hop_senders[key] = node.spawn(self._send_hops(key, to, next_shard))
+      return
     try:
-      await self.send_tensor(to, request.route.shard(to, shard), tensor, request_id, self._outgoing(request, state, to))
+      await self.send_tensor(to, next_shard, tensor, request_id, out)
     except Exception as e:
       await node.fail_request(request_id, f"could not forward to node {to.node_id}: {e}")
+
+  async def _send_hops(self, key: tuple, to: Stage, shard: Shard) -> None:
+    """The rows gathered for one next hop, as one message (packing.py); the rows that come later make the next one."""
+    self._hop_senders.pop(key, None)
+    rows = self._hops.pop(key, [])
+    if not rows:
+      return
+    tensor, state = (rows[0][1], rows[0][2]) if len(rows) == 1 else pack(rows)
+    try:
+      await self.send_tensor(to, shard, tensor, rows[0][0], state)
+    except Exception as e:
+      for request_id, _, _ in rows:
+        await self.node.fail_request(request_id, f"could not forward to node {to.node_id}: {e}")
+
+  async def unpack(self, base: Shard, tensor: np.ndarray, state: dict, accepted) -> None:
+    """A packed message: each of its rows as the message it stands for (the first pass that starts accepts it)."""
+    await asyncio.gather(*[self.node.process_tensor(base, t, request_id, row_state, accepted=accepted)
+                           for request_id, t, row_state in unpack(tensor, state)])
 
   async def send_tensor(self, to: Stage, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     node = self.node
