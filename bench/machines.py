@@ -15,8 +15,9 @@ pair), whether greedy outputs were identical, each stage's busy fraction (from t
 - the ceiling: what p nodes that each take N/p of the streams could reach on these cores, T(N) / T(N/p), T(rows)
   being one whole-model decode step on one node's cores, timed in a process pinned to them (the sizes' steps taken
   in turn). Replicas and a perfect p-stage pipeline share it. Beside it, the share of the ceiling reached;
-- capacity: the most streams (of the Ns run) whose inter-token latency p50 stays within the single node's at N=16,
-  for the single node and for the cluster.
+- capacity: the most streams whose inter-token latency p50 stays within the single node's at N=16, for the single
+  node and for the cluster, among the Ns run and the extra bursts of --capacity-ns (near twice 16, where two nodes
+  should land).
 
 With --conversations C, each cluster in `auto` and the single node also hold C conversations of --turns turns at once
 (each turn the whole conversation so far, as a chat client sends it; every conversation takes its turn k together):
@@ -107,7 +108,7 @@ async def run_cluster(args, nodes: int, placement: Optional[str], clients: str, 
   async with Machines(nodes, args, Path(args.log_dir), root, placement) as cluster:
     urls = clients_of(cluster, clients)
     await burst(cluster.urls, make_prompts(2 * nodes, 48, salt=99), 8)  # warm-up at every node: loads, first allocations
-    for n in ns:
+    for n in ns + [n for n in args.capacity_ns if n not in ns]:
       before, start = await cluster.scrape(), time.monotonic()
       results = await burst(urls, make_prompts(n, args.prompt_tokens), args.tokens)
       wall = time.monotonic() - start
@@ -202,9 +203,9 @@ def ceiling(args, ns: List[int]) -> Dict[int, float]:
   return {n: times[n] / times[-(-n // args.nodes)] for n in ns}
 
 
-def capacity(rows: Dict, ns: List[int], limit: float) -> int:
-  """The most streams whose ITL p50 stays within `limit` (0 if none does)."""
-  return max((n for n in ns if n in rows and rows[n]["itl_p50"] <= limit), default=0)
+def capacity(rows: Dict, limit: float) -> int:
+  """The most streams whose ITL p50 stays within `limit`, among the bursts run (0 if none does)."""
+  return max((n for n, row in rows.items() if isinstance(n, int) and row["itl_p50"] <= limit), default=0)
 
 
 def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]]) -> None:
@@ -230,8 +231,8 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]]) 
       cluster_capacity, single_capacity = [], []
       for cluster, single in pairs:
         limit = single[CAPACITY_AT]["itl_p50"]
-        cluster_capacity.append(capacity(cluster, ns, limit))
-        single_capacity.append(capacity(single, ns, limit))
+        cluster_capacity.append(capacity(cluster, limit))
+        single_capacity.append(capacity(single, limit))
       c, s = statistics.median(cluster_capacity), statistics.median(single_capacity)
       print(f"  capacity (ITL p50 within the single node's at N={CAPACITY_AT}): single {s:g} streams, cluster {c:g} streams "
             f"({c / s if s else float('nan'):.2f}x; each pair {', '.join(f'{a}/{b}' for a, b in zip(cluster_capacity, single_capacity))})")
@@ -255,6 +256,7 @@ async def main() -> None:
   p.add_argument("--placements", default="auto,pipeline,replicas", help="EXO_PLACEMENT of the cluster runs, comma-separated")
   p.add_argument("--clients", default="one", help="one: every request to the first node's API; spread: request i to node i mod p; or both")
   p.add_argument("--ns", default="1,16,32,64")
+  p.add_argument("--capacity-ns", default="24,30", help="extra bursts for capacity only (not in the table)")
   p.add_argument("--pairs", type=int, default=3)
   p.add_argument("--tokens", type=int, default=64)
   p.add_argument("--prompt-tokens", type=int, default=64)
@@ -274,9 +276,10 @@ async def main() -> None:
     print(json.dumps(await step_times([int(n) for n in args.step_times.split(",")], args.engine, args.context)))
     return
   ns = [int(n) for n in args.ns.split(",") if n]
+  args.capacity_ns = [int(n) for n in args.capacity_ns.split(",") if n]
   placements = [x for x in args.placements.split(",") if x]
   clients = ["spread", "one"] if args.clients == "both" else [args.clients]
-  args.batch_size = args.batch_size or max(ns + [2, args.conversations])
+  args.batch_size = args.batch_size or max(ns + args.capacity_ns + [2, args.conversations])
   if args.nodes * args.cores_per_node > len(os.sched_getaffinity(0)):
     raise SystemExit(f"{args.nodes} nodes x {args.cores_per_node} cores need more than this machine's {len(os.sched_getaffinity(0))} cores")
   args.log_dir = tempfile.mkdtemp(prefix="exo-machines-")
