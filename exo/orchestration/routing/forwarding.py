@@ -1,10 +1,10 @@
 """How a node passes requests on: the route it gives a new request (at its origin), the route it follows for every
 message (the one the request brought, or its own ring), the next hop's message, and the tokens back to the origin.
 
-Messages. A routed request's prompt goes once to its first hop; its hidden states go hop to hop, each as its own
-SendTensor (every request travels as its own message, so nodes without batching share the route unchanged), with
-the route (and, on the prompt's first pass, the sampling parameters) in the inference state the first time a node
-sends it on. The last hop's tokens go to the origin only: when the origin is the route's first hop, a token rides
+Messages. A routed request's prompt goes once to its first hop; then its hidden states go hop to hop, each message
+with the route in the inference state (and, on the prompt's first pass down the route, the sampling parameters). The
+rows of one engine step that go on to the same next hop travel as one SendTensor (packing.py): one message per hop
+per step. The last hop's tokens go to the origin only: when the origin is the route's first hop, a token rides
 back on the tensor that feeds it (no message of its own); otherwise each engine step's tokens for one origin travel
 together as one `tokens` status, one message per origin per step however many rows it sampled, sent in order (one
 in flight per destination, the next one carrying whatever accumulated meanwhile). A request's last token also goes
@@ -58,7 +58,6 @@ class Forwarding:
     self._see_loads_here()
     choice = self.router.choose(ready or groups, base.model_id, prompt_ids)
     self.router.sent_to(request.id, choice, base.model_id, prompt_ids, prompt_tokens)
-    request.group = choice.group.name
     return self.set_route(request, Route(choice.group.stages, placement.version, self.node.id))
 
   def set_route(self, request: Request, route: Route) -> Route:
