@@ -319,6 +319,7 @@ async def main(args) -> int:
         await asyncio.sleep(5)  # let peers see the final result before this node leaves the ring
       return 0
     from exo.api import ChatGPTAPI
+    node.placements.expected = build_base_shard(args.default_model or DEFAULT_MODEL, engine_classname)  # loaded once placed
     api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout, default_model=args.default_model or DEFAULT_MODEL,
                      system_prompt=args.system_prompt, on_quit=stop_event.set, settings=api_settings)
     if topology_viz is not None:

@@ -46,6 +46,7 @@ class Placements:
     self._placements: Dict[Tuple[str, int, str], Placement] = {}
     self._announced: Optional[str] = None
     self._preloading: Optional[asyncio.Task] = None
+    self.expected: Optional[Shard] = None  # the model to load before any request asks for it (the API's default model)
     node.inbox.observe(statuses.PLACEMENT_MEMBER, self._heard)
 
   def enable(self, mode: str, float_bytes: int, speed: float) -> None:
@@ -153,16 +154,20 @@ class Placements:
   # --- loading this node's layers ---
 
   def settle(self) -> None:
-    """Load this node's layers of the model in use (the one its engine holds, else the one most peers hold) as soon
-    as it is placed, unless that would disturb a request (it tries again at the next round); say so once loaded."""
-    if not self.active:
+    """Load this node's layers of the model in use (the one its engine holds, else the one most peers hold, else the
+    expected one) as soon as it is placed, unless that would disturb a request (it tries again at the next round); say
+    so once loaded. Not before every peer has announced: a placement derived without them could be a whole copy of a
+    model this node cannot hold."""
+    if not self.active or any(p.id() not in self.peer_facts for p in self.node.peers):
       return
     engine = self.node.inference_engine
-    model = engine.shard or self._most_loaded()
+    model = engine.shard or self._most_loaded() or self.expected
     if model is not None and (self._preloading is None or self._preloading.done()):
       own = self.own_shard(model)
       if own is not None and own != engine.shard:
         self._preloading = self.node.spawn(self.node._preload(model))
+        if model is self.expected:
+          self.expected = None  # tried once (a model still to download waits for a request instead)
     if repr(engine.shard) != self._announced:
       self.node.spawn(self.announce())
 
