@@ -15,6 +15,8 @@ install_requires = [
   "prometheus-client>=0.17,<1",
   "rich>=13,<16",
   "uvloop>=0.19,<1; sys_platform!='win32'",
+  "llguidance>=1.0,<2",  # constrained decoding: response_format and tool calls (exo/inference/grammar.py)
+  "jsonschema>=4.18,<5",  # checks the schemas requests send before they are admitted
 ]
 
 extras_require = {
@@ -23,7 +25,9 @@ extras_require = {
   "bench": ["matplotlib>=3.7,<4"],
   # mlx-lm: tests convert checkpoints with its converter and compare with its generate (never a runtime dependency)
   "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-xdist>=3.5,<4", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools==1.85.1", "safetensors>=0.4,<1", "playwright>=1.40,<2",
-           "mlx-lm>=0.28,<1"],
+           "mlx-lm>=0.28,<1",
+           # unmodified clients of structured output and tool calls (tests/test_structured_output.py)
+           "langchain-openai>=1.0,<2", "instructor>=1.10,<2", "pydantic-ai-slim[openai]>=1.0,<3"],
 }
 
 setup(

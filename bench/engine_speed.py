@@ -57,7 +57,7 @@ async def main(args) -> None:
     await engine.finish_request(r)
 
   ms = 1000 * np.array(step_s)
-  device = getattr(engine, "device_name", "?")
+  device = engine.device_name
   print(f"engine={args.engine} device={device} model={args.model} resident={resident_mb:.0f}MB requests={args.requests} load={load_s:.1f}s "
         f"prefill={1000 * prefill_s:.0f}ms ({sum(x.shape[1] for x in ids)} tokens)")
   print(f"decode: {np.median(ms):.1f} ms/token (median of {len(ms)} steps; mean {ms.mean():.1f}, min {ms.min():.1f}) "

@@ -127,6 +127,7 @@ def read_prompts(args) -> List[str]:
 async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[str], timeout: float) -> None:
   """Run prompts concurrently through the node; one prompt streams to stdout, several print answers under each prompt."""
   from exo.inference.sampling import SamplingParams
+  from exo.inference.tokenizers import eos_ids
   from exo.models import build_base_shard
   from exo.orchestration.generation import generate
 
@@ -134,6 +135,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   await node.inference_engine.ensure_shard(node.own_shard(base_shard))
   tokenizer = node.inference_engine.tokenizer
   params = SamplingParams(temperature=node.default_sample_temperature)
+  ends = eos_ids(tokenizer)
 
   async def answer(prompt: str, stream: bool) -> List[int]:
     templated = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -142,7 +144,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
     async for delta, _ in generate(node, base_shard, templated, params, timeout=timeout, prompt_ids=list(tokenizer.encode(templated))):
       tokens += delta
       if stream:
-        text = tokenizer.decode([t for t in tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+        text = tokenizer.decode([t for t in tokens if t not in ends])
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
           print(text[len(printed):], end="", flush=True)
           printed = text
@@ -155,7 +157,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   else:
     tokens = await asyncio.gather(*[answer(p, stream=False) for p in prompts])
     for prompt, answer_tokens in zip(prompts, tokens):
-      text = tokenizer.decode([t for t in answer_tokens if t not in getattr(tokenizer, "eos_token_ids", ())])
+      text = tokenizer.decode([t for t in answer_tokens if t not in ends])
       print(f"\n>>> {prompt}\n{text}")
   elapsed = time.perf_counter() - start
   total = sum(len(t) for t in tokens)
@@ -163,6 +165,14 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   for extra in node.plugins.hook.exo_run_summary(node=node):
     summary += f", {extra}"
   print(summary, file=sys.stderr if len(prompts) == 1 else sys.stdout)
+
+
+def load_installed_plugins(node) -> List[str]:
+  """Register the plugins installed in the `exo` entry-point group with the node; their names. Only the command
+  does this: a Node built in code (a test, an embedding program) runs exactly the plugins it is given."""
+  before = {name for name, _ in node.plugins.list_name_plugin()}
+  node.plugins.load_setuptools_entrypoints("exo")
+  return sorted(name for name, _ in node.plugins.list_name_plugin() if name not in before)
 
 
 def prefix_cache_budget(args, environ) -> int:
@@ -202,6 +212,7 @@ def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
 
 
 async def main(args) -> int:
+  from exo.download.errors import DownloadError
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
   from exo.local_checkpoints import serve as serve_local_checkpoints
@@ -249,19 +260,19 @@ async def main(args) -> int:
   except ValueError as e:
     fail(str(e))
 
-  shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads)
+  node_id = args.node_id or get_or_create_node_id()
+  shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads, node_id)
   try:
     engine = get_inference_engine(engine_name, shard_downloader)
   except ImportError as e:
     fail(f"the {engine_name} engine is not installed ({e.name} missing); install it with: pip install 'exo[{engine_name}]'")
-  if getattr(engine, "copies_prefixes", False):
-    engine.prefixes.set_budget(prefix_budget)
+  engine.set_prefix_budget(prefix_budget)
+  if engine.copies_prefixes:
     state = f"on, keeping up to {prefix_budget / 2**20:,.0f} MiB of ended requests' prompts" if prefix_budget else "off"
     print(f"exo: prefix cache {state}", file=sys.stderr, flush=True)
-  node_id = args.node_id or get_or_create_node_id()
   node_port = args.node_port or find_available_port(args.node_host)
   from exo.topology.device_capabilities import device_capabilities, measure_gflops
-  caps = await device_capabilities(getattr(engine, "device_name", "CPU"))
+  caps = await device_capabilities(engine.device_name)
   if memory_mb is not None:
     caps = caps.model_copy(update={"memory": memory_mb})
   try:
@@ -276,6 +287,9 @@ async def main(args) -> int:
                                web_chat_urls=[f"http://localhost:{args.chatgpt_api_port}"])
   node = Node(node_id, None, engine, discovery, shard_downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy(),
               max_generate_tokens=args.max_generate_tokens, default_sample_temperature=args.default_temp, topology_viz=topology_viz)
+  plugins = load_installed_plugins(node)  # before batching, as when Node() loaded them: batching's hooks still run first
+  if plugins:
+    print(f"exo: plugins {', '.join(plugins)}", file=sys.stderr, flush=True)
   if batching is not None:
     from exo.orchestration.batching.plugin import register_batching
     register_batching(node, batching)
@@ -285,10 +299,10 @@ async def main(args) -> int:
   print(f"exo: placement {placement}, offering {caps.memory:,} MiB, measured {node.placements.speed:g} GFLOP/s", file=sys.stderr, flush=True)
 
   def broadcast_download_progress(shard, event) -> None:
-    # wire.md §7: the ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go.
-    if event.status != "not_started":
-      status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict()}
-      node.spawn(node.broadcast_opaque_status("", json.dumps(status)))
+    # The ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go. The
+    # downloader sends "not_started" only for a download that failed: peers then stop listing it as under way.
+    status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict()}
+    node.spawn(node.broadcast_opaque_status("", json.dumps(status)))
   shard_downloader.on_progress.register("broadcast").on_next(broadcast_download_progress)
   from exo.networking.discovery import NoDiscovery
   if not isinstance(discovery, NoDiscovery):
@@ -314,7 +328,11 @@ async def main(args) -> int:
       if not runner.done():
         runner.cancel()
         return 130
-      runner.result()
+      try:
+        runner.result()
+      except DownloadError as e:
+        print(f"exo: error: {e}", file=sys.stderr)  # one line that says what failed and why; no traceback
+        return 1
       if args.wait_for_peers > 0:
         await asyncio.sleep(5)  # let peers see the final result before this node leaves the ring
       return 0

@@ -12,11 +12,18 @@ from tests.support.api_server import ApiServer, openai_client  # noqa: E402
 
 # The longest files first (a few minutes each here): the suite runs a file per worker (-n 2 --dist loadfile), and a
 # long file handed out last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ["test_batching_acceptance", "test_mlx_checkpoints", "test_engines_tinygrad", "test_cluster",
-                 "test_request_lifecycle", "test_prefix_cache", "test_engine_agreement", "test_engines_mlx"]
+LONGEST_FIRST = ["test_mlx_checkpoints", "test_batching_acceptance", "test_engines_tinygrad", "test_lifecycle_on_smollm2",
+                 "test_numpy_engine", "test_prefix_cache", "test_cluster", "test_engines_mlx", "test_batching_ring", "test_api_choices",
+                 "test_api", "test_mixed_ring", "test_engine_agreement", "test_prefix_ring", "test_wire_server"]
+
+
+TIERS = {"unit", "model", "cluster", "browser"}  # registered in pytest.ini
 
 
 def pytest_collection_modifyitems(items):
+  untiered = sorted({item.path.name for item in items if not TIERS & {mark.name for mark in item.iter_markers()}})
+  if untiered:
+    raise pytest.UsageError(f"every test module declares its tier (pytestmark = pytest.mark.unit, model, cluster or browser): {untiered}")
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file's tests keep their order
 

@@ -9,6 +9,8 @@ import pytest
 
 from exo.api.settings import ApiSettings
 
+pytestmark = pytest.mark.unit
+
 USER = [{"role": "user", "content": "hello"}]
 EVIL = "http://evil.test"
 

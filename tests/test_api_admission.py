@@ -1,15 +1,18 @@
-"""Admission control over real HTTP: caps on running and waiting requests (429 with Retry-After beyond them), the
-KV budget holding requests back, waiting requests that leave the queue with their clients, and /health."""
+"""Admission control over real HTTP: caps on running and waiting requests (429 with Retry-After beyond them), waiting
+requests that leave the queue with their clients, and /health (the KV budget on the real SmolLM2: test_api_limits.py)."""
 import asyncio
 import json
 
 import aiohttp
 import pytest
 
-from tests.support.api_server import SlowEngine, eventually, shared_server
 from exo.api.admission import Admission
 from exo.api.errors import ApiError, BadRequest
 from exo.api.settings import ApiSettings
+from tests.support.api_server import SlowEngine
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.unit
 
 USER = [{"role": "user", "content": "hello"}]
 
@@ -77,42 +80,24 @@ async def _is(session, url, running, waiting) -> bool:
 
 
 @pytest.mark.asyncio
-async def test_the_kv_budget_holds_a_request_back_until_the_running_one_ends():
-  """SmolLM2 keeps 46,080 bytes of KV per position (30 layers x K and V x 3 heads x 64 x float32). With a budget
-  that fits one request's prompt and max_tokens but not two, the second waits, then runs; one that cannot fit even
-  alone is refused."""
-  server = shared_server("numpy")
-  admission = server.api.admission
-  budget = admission.kv_budget
-  admission.kv_budget = 46_080 * 120  # one request: about 40 prompt tokens + 60 generated
-  body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a short story about a dragon."}], "max_tokens": 60,
-          "ignore_eos": True}
-  try:
-    async with aiohttp.ClientSession() as session:
-      both = asyncio.gather(chat(session, server.url, body), chat(session, server.url, body))
-      await eventually(lambda: _is(session, server.url, running=1, waiting=1))
-      assert [json.loads(text)["usage"]["completion_tokens"] for _, _, text in await both] == [60, 60]
-      status, _, text = await chat(session, server.url, {**body, "max_tokens": 200})
-      error = json.loads(text)["error"]
-      assert status == 400 and error["code"] == "kv_budget_exceeded" and error["param"] == "max_tokens", error
-  finally:
-    admission.kv_budget = budget
-
-
-@pytest.mark.asyncio
 async def test_admission_is_first_come_first_served():
   admission = Admission(max_running=1, max_queued=3, kv_budget=100)
   order = []
+
+  release = asyncio.Event()
 
   async def request(name, kv):
     async with admission.place() as ticket:
       await ticket.admit(kv)
       order.append(name)
-      await asyncio.sleep(0)  # hand the loop to the others while "running"
+      await release.wait()  # running until the test lets them all go
 
   first = asyncio.create_task(request("a", 90))
-  await asyncio.sleep(0)
-  await asyncio.gather(first, request("b", 60), request("c", 10))
+  await eventually(lambda: order == ["a"], 5)
+  others = [asyncio.create_task(request("b", 60)), asyncio.create_task(request("c", 10))]
+  await eventually(lambda: admission.waiting == 2, 5)  # both wait for a
+  release.set()
+  await asyncio.gather(first, *others)
   assert order == ["a", "b", "c"]  # c fits beside a's KV but never overtakes b
   with pytest.raises(BadRequest, match="more than this node's whole budget"):
     async with admission.place() as ticket:

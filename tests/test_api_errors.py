@@ -3,20 +3,20 @@ OpenAI's error shape, timeouts, and that bad or failing requests never disturb t
 import asyncio
 import json
 import re
-import subprocess
-import sys
-import time
 
 import aiohttp
 import openai
 import pytest
 
-from tests.support.api_server import FailingEngine, SlowEngine, eventually, shared_server
 from exo.api.reply_text import ReplyText
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
-from exo.orchestration.requests import Status
 from exo.models import model_cards
+from exo.orchestration.requests import Status
+from tests.support.api_server import FailingEngine, SlowEngine, shared_server
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.unit
 
 USER = [{"role": "user", "content": "hello"}]
 ID = r"chatcmpl-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
@@ -166,7 +166,7 @@ BAD_VALUES = [
   ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
   ({"stream_options": {"include_usage": True, "continuous": True}}, "stream_options"),
   ({"tools": {"name": "x"}}, "tools must be a list"),
-  ({"tool_choice": "required"}, "tool_choice is not supported"),
+  ({"tool_choice": "required"}, 'tool_choice "required" needs tools'),
   ({"model": 7}, "model must be a string"),
   ({"user": 7}, "user must be a string"),
   ({"messages": []}, "messages is required"),
@@ -179,8 +179,8 @@ BAD_VALUES = [
   # Parameters this server does not implement are refused, never silently ignored.
   ({"frequency_penalty": 99}, "frequency_penalty is not supported"),
   ({"presence_penalty": "x"}, "presence_penalty is not supported"),
-  ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
-  ({"response_format": "json"}, "response_format is not supported"),
+  ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}, "is not a valid JSON Schema"),
+  ({"response_format": "json"}, "response_format must be an object"),
   ({"logit_bias": {"42": 5}}, "logit_bias is not supported"),
   ({"temprature": 0.5}, "Unrecognized request argument supplied: temprature"),
 ]
@@ -367,34 +367,29 @@ async def test_engine_failure_ends_request_with_error(make_server):
   await client.close()
 
 
-def test_a_non_stream_client_that_goes_away_cancels_its_generation(make_server):
-  """A real client process asks for 1,000 tokens (about 50 s) and is killed once tokens flow: the handler is
-  cancelled with its connection, the ring stops generating within a few tokens, and the place is freed."""
+async def test_a_non_stream_client_that_goes_away_cancels_its_generation(make_server):
+  """A client asks for 1,000 tokens (about 50 s) without streaming and drops its connection once tokens flow, as a
+  client process that dies does: the handler is cancelled with its connection, the ring stops generating within a
+  few tokens, and the place is freed."""
   s = make_server(SlowEngine(delay=0.05))
   tokens = {}
 
   def count(request_id, new_tokens, is_finished):
     tokens[request_id] = tokens.get(request_id, 0) + len(new_tokens)
   s.node.on_token.register("test-counter").on_next(count)
-  body = json.dumps({"messages": USER, "max_tokens": 1000, "ignore_eos": True})
-  script = (f"import urllib.request; urllib.request.urlopen(urllib.request.Request({s.url + '/v1/chat/completions'!r}, {body.encode()!r}, "
-            "{'Content-Type': 'application/json'}), timeout=300)")
-  client = subprocess.Popen([sys.executable, "-c", script])
+  body = json.dumps({"messages": USER, "max_tokens": 1000, "ignore_eos": True}).encode()
+  _, writer = await asyncio.open_connection("127.0.0.1", s.port)
+  writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+  await writer.drain()
   try:
-    deadline = time.monotonic() + 30
-    while not any(n >= 5 for n in tokens.values()):
-      assert time.monotonic() < deadline and client.poll() is None, "no tokens flowed"
-      time.sleep(0.02)
+    await eventually(lambda: any(n >= 5 for n in tokens.values()), 30, "tokens flowing")
   finally:
-    client.kill()
-    client.wait()
+    writer.transport.abort()  # the connection drops at once, unread reply and all
   request_id = next(iter(tokens))
-  deadline = time.monotonic() + 20
-  while s.node.requests.ended(request_id) is not Status.CANCELLED:
-    assert time.monotonic() < deadline, f"still generating after its client left: {tokens}"
-    time.sleep(0.02)
+  await eventually(lambda: s.node.requests.ended(request_id) is Status.CANCELLED, 20, lambda: f"its generation cancelled: {tokens}")
   assert tokens[request_id] < 100, tokens
-  assert s.api.admission.running == 0 and s.api.admission.held == 0
+  await eventually(lambda: s.api.admission.running == 0 and s.api.admission.held == 0, 5)
 
 
 @pytest.mark.asyncio
@@ -423,9 +418,11 @@ async def test_concurrent_requests_are_isolated_from_bad_ones(server):
 # --- reply text: incremental decoding and stop strings (no server) ---
 
 def fake_tokenizer(pieces):
-  """Token i decodes to pieces[i]; pieces may be bytes so multi-byte characters can split across tokens."""
-  def decode(tokens):
-    raw = b"".join(p if isinstance(p, bytes) else p.encode() for p in (pieces[t] for t in tokens))
+  """Token i decodes to pieces[i]; pieces may be bytes so multi-byte characters can split across tokens; "<eos>" is a
+  special token."""
+  def decode(tokens, skip_special_tokens=False):
+    kept = [pieces[t] for t in tokens if not (skip_special_tokens and pieces[t] == "<eos>")]
+    raw = b"".join(p if isinstance(p, bytes) else p.encode() for p in kept)
     return raw.decode("utf-8", errors="replace")
   return decode
 
@@ -452,14 +449,18 @@ def test_stop_string_split_across_tokens_is_cut_and_never_leaks():
 def test_held_text_that_is_not_a_stop_string_is_released():
   reply = ReplyText(fake_tokenizer(["a", "wo", "x", "<eos>"]), {3}, stop=["wor"])
   chunks = run(reply, [0, 1, 2, 3])
-  assert chunks[:3] == [["a"], [""], ["wox"]] and chunks[3] == ["<eos>"]
-  assert reply.text == "awox<eos>" and reply.finish_reason == "stop"
+  assert chunks[:3] == [["a"], [""], ["wox"]] and chunks[3] == [""]  # the end token counts but adds no text
+  assert reply.text == "awox" and reply.finish_reason == "stop" and len(reply.tokens) == 4
 
 
-def test_final_chunk_carries_only_the_last_tokens_text():
+def test_final_chunk_carries_the_held_text_and_never_the_end_tokens():
   reply = ReplyText(fake_tokenizer(["Par", "is", "<eos>"]), {2}, stop=["Paris!"])
   chunks = run(reply, [0, 1, 2])
-  assert chunks == [[""], [""], ["Paris", "<eos>"]] and reply.finish_reason == "stop"
+  assert chunks == [[""], [""], ["Paris"]] and reply.finish_reason == "stop"
+  reply = ReplyText(fake_tokenizer(["Par", "is", "}"]), set(), complete=lambda tokens: tokens == [0, 1, 2])
+  assert run(reply, [0, 1, 2]) == [["Par"], ["is"], ["}"]] and reply.finish_reason == "stop"  # a completed grammar
+  reply = ReplyText(fake_tokenizer(["Par", "is", "}"]), set(), complete=lambda tokens: False)
+  assert run(reply, [0, 1, 2])[-1] == ["}"] and reply.finish_reason == "length"
 
 
 def test_multibyte_character_split_across_tokens_waits_for_its_last_byte():

@@ -1,5 +1,6 @@
-"""Prompts checked against the model's context before anything is allocated, bodies against the size limit, and
-the node's event loop free while a huge prompt is read and rejected (real SmolLM2 on the numpy engine)."""
+"""Limits on the real SmolLM2 (numpy engine): prompts checked against the model's context before anything is
+allocated, bodies against the size limit, the node's event loop free while a huge prompt is read and rejected, the
+KV budget holding a request back until another ends, and the KV memory a running request holds, as /metrics shows it."""
 import asyncio
 import json
 import re
@@ -8,8 +9,11 @@ import time
 import aiohttp
 import pytest
 
-from tests.support.api_server import ApiServer, shared_server
 from exo.api.settings import ApiSettings
+from tests.support.api_server import ApiServer, scrape, shared_server
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.model
 
 MODEL = "smollm2-135m"
 STORY = [{"role": "user", "content": "Tell me a short story about a dragon."}]
@@ -107,3 +111,40 @@ async def test_a_body_over_the_limit_is_413_and_the_node_goes_on():
       assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
   finally:
     s.stop()
+
+
+async def test_the_kv_budget_holds_a_request_back_until_the_running_one_ends(server):
+  """SmolLM2 keeps 46,080 bytes of KV per position (30 layers x K and V x 3 heads x 64 x float32). With a budget
+  that fits one request's prompt and max_tokens but not two, the second waits, then runs; one that cannot fit even
+  alone is refused."""
+  admission = server.api.admission
+  budget = admission.kv_budget
+  admission.kv_budget = 46_080 * 120  # one request: about 40 prompt tokens + 60 generated
+  url, body = f"{server.url}/v1/chat/completions", {"model": MODEL, "messages": STORY, "max_tokens": 60, "ignore_eos": True}
+  try:
+    async with aiohttp.ClientSession() as session:
+      async def one_running_one_waiting() -> bool:
+        async with session.get(f"{server.url}/health") as r:
+          health = await r.json()
+        return (health["requests_running"], health["requests_waiting"]) == (1, 1)
+      both = asyncio.gather(post(session, url, body), post(session, url, body))
+      await eventually(one_running_one_waiting)
+      assert [reply["usage"]["completion_tokens"] for _, reply in await both] == [60, 60]
+      status, reply = await post(session, url, {**body, "max_tokens": 200})
+      assert status == 400 and reply["error"]["code"] == "kv_budget_exceeded" and reply["error"]["param"] == "max_tokens", reply
+  finally:
+    admission.kv_budget = budget
+
+
+async def test_kv_cache_bytes_while_a_request_runs_and_after(server):
+  body = {"model": MODEL, "messages": STORY, "max_tokens": 30, "ignore_eos": True, "stream": True}
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{server.url}/v1/chat/completions", json=body) as r:
+      await r.content.readuntil(b"\n\n")  # generating: its KV cache is held
+      during = await scrape(server.url)
+      async for _ in r.content:
+        pass
+  assert during[("exo_kv_cache_bytes", ())] > 0 and during[("exo_requests_running", ())] == 1
+  async def freed():  # once the request ends
+    return (await scrape(server.url))[("exo_kv_cache_bytes", ())] == 0
+  await eventually(freed, 20)

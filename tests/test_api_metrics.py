@@ -1,26 +1,16 @@
 """/metrics in Prometheus text: it parses with prometheus_client's own parser, and its counters, histograms and
-gauges move as real requests are served (dummy engine, batching on; and the real SmolLM2's KV cache)."""
+gauges move as real requests are served (dummy engine, batching on; the real SmolLM2's KV gauge: test_api_limits.py)."""
 import asyncio
 
 import aiohttp
 import pytest
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from exo.orchestration.batching.config import BatchingConfig
+from tests.support.api_server import ApiServer, SlowEngine, scrape
 
-from tests.support.api_server import ApiServer, SlowEngine, eventually, shared_server
+pytestmark = pytest.mark.unit
 
 USER = [{"role": "user", "content": "hello"}]
-
-
-async def scrape(url) -> dict:
-  """{(sample name, labels as a sorted tuple): value}"""
-  async with aiohttp.ClientSession() as session:
-    async with session.get(f"{url}/metrics") as r:
-      assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-      text = await r.text()
-  return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 async def post(url, body):
@@ -59,20 +49,3 @@ async def test_counters_and_histograms_move_as_requests_are_served():
   assert moved[("exo_stage_busy_seconds_total", (("layers", "0-7"),))] > 0
   assert 0 < after[("exo_stage_busy_fraction", (("layers", "0-7"),))] <= 1
   assert after[("exo_micro_batches", (("layers", "0-7"),))] == 1
-
-
-@pytest.mark.asyncio
-async def test_kv_cache_bytes_while_a_request_runs_and_after():
-  server = shared_server("numpy")
-  body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a short story about a dragon."}], "max_tokens": 30,
-          "ignore_eos": True, "stream": True}
-  async with aiohttp.ClientSession() as session:
-    async with session.post(f"{server.url}/v1/chat/completions", json=body) as r:
-      await r.content.readuntil(b"\n\n")  # generating: its KV cache is held
-      during = await scrape(server.url)
-      async for _ in r.content:
-        pass
-  assert during[("exo_kv_cache_bytes", ())] > 0 and during[("exo_requests_running", ())] == 1
-  async def freed():  # once the request ends
-    return (await scrape(server.url))[("exo_kv_cache_bytes", ())] == 0
-  await eventually(freed, 20)

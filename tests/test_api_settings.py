@@ -1,19 +1,14 @@
-"""The API's limits and access settings: flags over environment, one-line errors, and a real `exo` process that
-prints them at start and binds its API where --chatgpt-api-host says."""
+"""The API's limits and access settings: flags over environment, one-line errors. (A real `exo` process refusing a bad
+one, and printing them at start and binding where --chatgpt-api-host says: test_cli.py.)"""
 import argparse
-import json
-import os
-import subprocess
-import sys
-import time
-import urllib.request
 
 import psutil
 import pytest
 
-from tests.support.cluster import ExoProcess, free_port
 from exo.api.settings import DEFAULT_MAX_QUEUED, DEFAULT_MAX_RUNNING, api_settings_from
 from exo.main import build_parser
+
+pytestmark = pytest.mark.unit
 
 
 def settings(argv=(), **env):
@@ -41,34 +36,6 @@ def test_defaults_flags_and_environment():
 def test_bad_values_name_the_setting(env, message):
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
     settings(**env)
-
-
-def test_a_bad_value_stops_the_node_with_one_line():
-  result = subprocess.run([sys.executable, "-m", "exo.main", "--inference-engine", "dummy", "--disable-tui"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "EXO_MAX_QUEUED_REQUESTS": "-1"})
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines() == ["exo: error: EXO_MAX_QUEUED_REQUESTS must be an integer >= 0, got '-1'"]
-
-
-def test_a_node_prints_its_limits_and_binds_where_told(tmp_path):
-  port = free_port()
-  node = ExoProcess("bind-test", ["--inference-engine", "dummy", "--disable-tui", "--discovery-module", "manual", "--discovery-config-path",
-                                  str(tmp_path / "none.json"), "--chatgpt-api-port", str(port), "--chatgpt-api-host", "127.0.0.1",
-                                  "--max-concurrent-requests", "3"], tmp_path, env={"EXO_MAX_QUEUED_REQUESTS": "5"})
-  (tmp_path / "none.json").write_text(json.dumps({"peers": {}}))
-  node.start()
-  try:
-    node.wait_for_log(r"^exo: API: up to 3 requests at once and 5 waiting, KV budget [\d,]+ MiB, bodies up to 8 MiB, .*"
-                      rf"API key off; listening on 127\.0\.0\.1:{port}$", 60)
-    deadline = time.monotonic() + 30
-    while not (listening := [c.laddr.ip for c in psutil.Process(node.proc.pid).net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]):
-      assert time.monotonic() < deadline, "the API never listened"  # the line is printed just before the socket opens
-      time.sleep(0.05)
-    assert listening == ["127.0.0.1"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-      assert json.load(r)["status"] == "ok"
-  finally:
-    node.stop()
 
 
 def test_the_parser_knows_every_api_flag():

@@ -1,11 +1,11 @@
 """EXO_BATCH_SIZE / EXO_BATCH_TIMEOUT_MS / EXO_PREFILL_CHUNK and their flags: on, off, defaults, refusals."""
-import subprocess
-import sys
 from argparse import Namespace
 
 import pytest
 
 from exo.orchestration.batching.config import DEFAULT_PREFILL_CHUNK, DEFAULT_TIMEOUT_MS, BatchingConfig, batching_config_from
+
+pytestmark = pytest.mark.unit
 
 
 def args(batch_size=None, batch_timeout_ms=None, prefill_chunk=None):
@@ -55,10 +55,3 @@ def test_refused_with_one_line_naming_the_setting(env, flags, names):
   assert "\n" not in message
   for name in names:
     assert name in message
-
-
-def test_cli_refuses_to_start_with_exit_2():
-  env = {"PATH": "", "EXO_BATCH_TIMEOUT_MS": "10"}
-  done = subprocess.run([sys.executable, "-m", "exo.main", "run", "smollm2-135m", "--prompt", "hi"], env=env, capture_output=True, text=True, timeout=60)
-  assert done.returncode == 2
-  assert done.stderr.strip().splitlines()[-1].startswith("exo: error: EXO_BATCH_TIMEOUT_MS is set but EXO_BATCH_SIZE is not")

@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 
 from exo.inference.sampling import SamplingParams
+from exo.main import load_installed_plugins
 from exo.orchestration.batching.config import BatchingConfig, batching_config_from
 from exo.orchestration.batching.plugin import PLUGIN_NAME
 from exo.orchestration.generation import GenerationError
 from tests.support.toy import VOCAB, ToyEngine, ask, leftover_tasks, make_node, reference_greedy, settle
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.unit
 
 
 def workload(n: int, seed: int):
@@ -39,9 +43,9 @@ async def test_concurrent_requests_all_finish_and_match_unbatched(n):
   assert unbatched == expected
   assert batched == expected
   if n >= 33:
-    assert plugin.sampler.stats.mean > 1.5, plugin.sampler.stats  # requests really were sampled together
+    assert plugin.sampling_stats.mean > 1.5, plugin.sampling_stats  # requests really were sampled together
     assert plugin.step_stats().mean > 1.5, plugin.step_stats()  # and ran their forward passes together
-    assert max(plugin.sampler.stats.sizes) <= 8 and max(plugin.step_stats().sizes) <= 8
+    assert max(plugin.sampling_stats.sizes) <= 8 and max(plugin.step_stats().sizes) <= 8
 
 
 async def test_lone_request_pays_no_timeout():
@@ -72,7 +76,7 @@ async def test_mixed_parameters_in_one_batch_each_get_their_own():
 
   config = BatchingConfig(batch_size=16, timeout_ms=50)
   first, plugin = await together(config)
-  assert max(plugin.sampler.stats.sizes) > 1  # they did share sampling calls
+  assert max(plugin.sampling_stats.sizes) > 1  # they did share sampling calls
   again, _ = await together(config, crowd=9)  # other company, other batch composition
   alone = [await ask_alone(p, params, config) for p, params in mixed]
   unbatched = [await ask_alone(p, params, None) for p, params in mixed]
@@ -102,7 +106,7 @@ async def test_a_failing_row_ends_only_its_request():
   for prompt, result in zip(prompts[:-1], results[:-1]):
     assert result == reference_greedy(prompt, 8)
   assert isinstance(results[-1], GenerationError) and "NaN" in str(results[-1])
-  assert max(plugin.sampler.stats.sizes) > 1
+  assert max(plugin.sampling_stats.sizes) > 1
   await settle(node)
 
 
@@ -123,26 +127,21 @@ async def test_stop_with_a_pending_flush_leaves_nothing_behind():
   await node.start()
   asks = [asyncio.ensure_future(ask(node, p, SamplingParams(max_tokens=50), delay)) for p, delay in
           [("slow", 0), ("a", 0), ("b", 0), ("c", 0.1), ("d", 0.1)]]
-  await asyncio.sleep(0.2)
-  assert plugin_waiting(plugin)
+  await eventually(lambda: len(node.outstanding_requests) == 5 and plugin_waiting(plugin), 10)  # all five in, some waiting
   start = time.monotonic()
   await asyncio.wait_for(node.stop(), 10)
   results = await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 10)
   assert all(isinstance(r, Exception) for r in results), results
   assert time.monotonic() - start < 5
-  for _ in range(100):
-    if not leftover_tasks():
-      break
-    await asyncio.sleep(0.01)
-  assert not leftover_tasks()
+  await eventually(lambda: not leftover_tasks(), 1)  # the node's last cleanups run just after stop returns
   assert not node.outstanding_requests
-  assert not any(plugin.sampler._pending.values()) and not plugin.sampler._timers and not plugin.sampler._flushing
-  assert all(not s.ready for s in plugin.schedulers.values()) and (plugin.steps._task is None or plugin.steps._task.done())
+  assert not plugin.sampled
+  assert all(not s.ready for s in plugin.schedulers.values()) and not plugin.steps.running
 
 
 def plugin_waiting(plugin) -> bool:
-  """Anything of the plugin's waiting for company: a sampling batch or the next engine step."""
-  return any(plugin.sampler._pending.values()) or any(s.ready for s in plugin.schedulers.values())
+  """Anything of the plugin's waiting for company: the next engine step."""
+  return any(s.ready for s in plugin.schedulers.values())
 
 
 async def test_without_settings_no_plugin_is_registered_and_the_core_path_runs():
@@ -163,7 +162,7 @@ async def test_without_settings_no_plugin_is_registered_and_the_core_path_runs()
   await settle(node)
 
 
-async def test_plugin_from_the_exo_entry_point_group_is_loaded(tmp_path, monkeypatch):
+async def test_installed_plugins_load_in_the_command_not_in_a_node_built_in_code(tmp_path, monkeypatch):
   (tmp_path / "exo_toy_plugin.py").write_text(textwrap.dedent("""
     from exo.orchestration.hookspecs import hookimpl
 
@@ -177,8 +176,9 @@ async def test_plugin_from_the_exo_entry_point_group_is_loaded(tmp_path, monkeyp
   (dist / "entry_points.txt").write_text("[exo]\ntoy = exo_toy_plugin\n")
   monkeypatch.syspath_prepend(str(tmp_path))
   node, _ = make_node(ToyEngine())
-  assert "toy plugin was here" in node.plugins.hook.exo_run_summary(node=node)
-  assert node.plugins.get_plugin("toy") is not None
+  assert node.plugins.get_plugin("toy") is None and node.plugins.hook.exo_run_summary(node=node) == []
+  assert load_installed_plugins(node) == ["toy"]
+  assert node.plugins.hook.exo_run_summary(node=node) == ["toy plugin was here"]
 
 
 def test_a_rows_sample_does_not_depend_on_the_other_rows_filters():

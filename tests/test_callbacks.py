@@ -1,7 +1,12 @@
 """AsyncCallback: observers see every event; waiters see the latest result that satisfies them."""
 import asyncio
 
+import pytest
+
 from exo.helpers import AsyncCallbackSystem
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.unit
 
 
 async def test_observers_see_every_event_and_a_waiter_the_one_it_waits_for():
@@ -10,10 +15,9 @@ async def test_observers_see_every_event_and_a_waiter_the_one_it_waits_for():
   callback = callbacks.register("c")
   callback.on_next(lambda *args: seen.append(args))
   waiter = asyncio.ensure_future(callback.wait(lambda request_id, n: n >= 3, timeout=5))
-  await asyncio.sleep(0)  # the waiter is waiting
+  await eventually(lambda: callback.waiting == 1, 5)
   for n in range(1, 4):
     callbacks.trigger_all("r", n)
-    await asyncio.sleep(0)
   assert await waiter == ("r", 3)
   callbacks.trigger_all("r", 4)
   assert seen == [("r", 1), ("r", 2), ("r", 3), ("r", 4)]

@@ -1,9 +1,19 @@
-"""`exo run` as a user runs it: a real process, the embedded model, streamed output, clear errors."""
+"""The `exo` command as a user runs it, a real process each time: `exo run` answering from the embedded model and
+streaming, a node binding its API where told, and every bad argument or setting refused with one clear line."""
 import asyncio
+import json
+import os
 import subprocess
 import sys
+import urllib.request
 
+import psutil
 import pytest
+
+from tests.support.cluster import REPO, ExoProcess, free_port
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.cluster
 
 
 def exo(*args, timeout=240):
@@ -55,3 +65,49 @@ def test_a_node_runs_on_uvloop_where_it_is_installed():
     return type(asyncio.get_running_loop()).__module__
 
   assert run_event_loop(loop_module()).startswith("uvloop")
+
+
+def test_a_bad_api_setting_stops_the_node_with_one_line():
+  result = subprocess.run([sys.executable, "-m", "exo.main", "--inference-engine", "dummy", "--disable-tui"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "EXO_MAX_QUEUED_REQUESTS": "-1"})
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == ["exo: error: EXO_MAX_QUEUED_REQUESTS must be an integer >= 0, got '-1'"]
+
+
+async def test_a_node_prints_its_api_limits_and_binds_where_told(tmp_path):
+  port = free_port()
+  node = ExoProcess("bind-test", ["--inference-engine", "dummy", "--disable-tui", "--discovery-module", "manual", "--discovery-config-path",
+                                  str(tmp_path / "none.json"), "--chatgpt-api-port", str(port), "--chatgpt-api-host", "127.0.0.1",
+                                  "--max-concurrent-requests", "3"], tmp_path, env={"EXO_MAX_QUEUED_REQUESTS": "5"})
+  (tmp_path / "none.json").write_text(json.dumps({"peers": {}}))
+  node.start()
+  try:
+    await node.wait_for_log(r"^exo: API: up to 3 requests at once and 5 waiting, KV budget [\d,]+ MiB, bodies up to 8 MiB, .*"
+                      rf"API key off; listening on 127\.0\.0\.1:{port}$", 60)
+    def listening_on():  # the line is printed just before the socket opens
+      return [c.laddr.ip for c in psutil.Process(node.proc.pid).net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+    listening = await eventually(listening_on, 30, "the API listening")
+    assert listening == ["127.0.0.1"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+      assert json.load(r)["status"] == "ok"
+  finally:
+    node.stop()
+
+
+def test_a_bad_batching_setting_stops_exo_run_with_exit_2():
+  env = {"PATH": "", "EXO_BATCH_TIMEOUT_MS": "10"}
+  done = subprocess.run([sys.executable, "-m", "exo.main", "run", "smollm2-135m", "--prompt", "hi"], env=env, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines()[-1].startswith("exo: error: EXO_BATCH_TIMEOUT_MS is set but EXO_BATCH_SIZE is not")
+
+
+def test_exo_run_refuses_a_path_without_a_checkpoint(tmp_path):
+  run = subprocess.run([sys.executable, "-m", "exo.main", "run", str(tmp_path), "--inference-engine", "numpy"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "EXO_HOME": str(tmp_path / "home")})
+  assert run.returncode == 2 and "not a checkpoint (expected a .gguf file or a directory with config.json)" in run.stderr
+
+
+def test_manual_module_without_a_path_fails_at_startup():
+  result = subprocess.run([sys.executable, "-m", "exo.main", "--inference-engine", "dummy", "--discovery-module", "manual", "--disable-tui"],
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode != 0 and "--discovery-config-path" in result.stderr

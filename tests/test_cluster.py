@@ -29,6 +29,9 @@ from exo.orchestration.node import Node
 from exo.orchestration.requests import Status
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from tests.support.cluster import QUESTION, TOKEN_LINE, Cluster, ExoProcess, chat, free_port, node_args, tokens_of, wait_for_ring, write_manual_config
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.cluster
 
 # A request whose next hop dies ends with an error naming that node within this bound: a forward to it fails at once
 # (connection refused), and a request waiting on it ends at the node's next health check of the peers its live
@@ -52,7 +55,7 @@ def dummy_pair(tmp_path_factory):
 
 async def test_two_dummy_nodes_discover_each_other_and_serve_chat_on_each_api(dummy_pair):
   for me, other in (("node1", "node2"), ("node2", "node1")):
-    dummy_pair.nodes[me].wait_for_log(rf"^Peer statuses: \{{'{other}': 'is_connected=True, health_check=True", 15)
+    await dummy_pair.nodes[me].wait_for_log(rf"^Peer statuses: \{{'{other}': 'is_connected=True, health_check=True", 15)
   for node_id in ("node1", "node2"):
     reply = await chat(dummy_pair.url(node_id), "dummy", "Hello")
     assert reply["choices"][0]["message"]["content"] == "dummy" * 10 and reply["choices"][0]["finish_reason"] == "stop"
@@ -134,10 +137,15 @@ class SlowDummyEngine(DummyInferenceEngine):
     super().__init__()
     self.hop_s = hop_s
     self.hops = {}
+    self.in_hop = 0  # hops running now
 
   async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
     self.hops[request_id] = self.hops.get(request_id, 0) + 1
-    await asyncio.sleep(self.hop_s)
+    self.in_hop += 1
+    try:
+      await asyncio.sleep(self.hop_s)  # the hop's work
+    finally:
+      self.in_hop -= 1
     return await super().infer_tensor(request_id, shard, input_data, inference_state)
 
 
@@ -167,11 +175,11 @@ async def test_a_node_joining_mid_generation_ends_the_request_with_an_error_and_
       async for _ in stream:
         pass
     assert time.monotonic() - started < 5  # membership is re-read every 2 s
-    hop_count = lambda: sum(node.inference_engine.hops.get("mid-join", 0) for node in nodes)
-    await asyncio.sleep(1.0)  # a hop already in flight may still land once, then is dropped
-    settled = hop_count()
-    await asyncio.sleep(1.5)
-    assert hop_count() == settled, "the failed request is still going round the ring"
+    # No zombie: every node has ended it (a hop that arrives later finds it ended and is dropped), no hop of it is
+    # running and no node still sends one on.
+    quiet = lambda: all(node.requests.ended("mid-join") is Status.FAILED and node.inference_engine.in_hop == 0
+                        and node.pending()["tasks"] == 0 for node in nodes)
+    await eventually(quiet, 10, "the failed request ended on every node, nothing in flight")
     assert all("mid-join" not in node.outstanding_requests for node in nodes)
   finally:
     await asyncio.gather(*[node.stop() for node in nodes])

@@ -8,6 +8,8 @@ import exo.inference.mlx  # noqa: F401  (first: it binds OpenBLAS, which must pr
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from tests.support import engines as common
 
+pytestmark = pytest.mark.model
+
 TOKENS = 32
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 

@@ -13,6 +13,8 @@ from exo.inference.engines import get_inference_engine  # noqa: E402
 from exo.inference.mlx.engine import MLXDynamicShardInferenceEngine  # noqa: E402
 from tests.support import engines as common  # noqa: E402
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def engine(downloader):

@@ -10,6 +10,8 @@ from exo.inference.tinygrad.engine import TinygradDynamicShardInferenceEngine  #
 from tests.support import engines as common  # noqa: E402
 from tests.support.models import smollm2_shard  # noqa: E402
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def engine(downloader):

@@ -15,6 +15,9 @@ import pytest
 pytest.importorskip("exo.api", reason="the HTTP API (exo.api) is not installed")
 
 from tests.support.cluster import Cluster, chat  # noqa: E402
+from tests.support.waiting import eventually  # noqa: E402
+
+pytestmark = pytest.mark.cluster
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in Spanish.",
            "Write one sentence about the sea and the wind over it at night.", "Who wrote Hamlet?"]
@@ -65,13 +68,12 @@ def state(cluster, node_id: str) -> dict:
 
 async def wait_for_state(cluster, condition, timeout: float, what: str) -> float:
   """Poll both nodes' /v1/state until `condition(state_a, state_b)`; returns when that was first seen."""
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    views = await asyncio.gather(*[asyncio.to_thread(state, cluster, n) for n in ("node-a", "node-b")])
-    if condition(*views):
-      return time.monotonic()
-    await asyncio.sleep(0.05)
-  raise AssertionError(f"not within {timeout} s: {what}; last seen {views}")
+  seen = []
+
+  async def holds():
+    seen[:] = await asyncio.gather(*[asyncio.to_thread(state, cluster, n) for n in ("node-a", "node-b")])
+    return condition(*seen) and time.monotonic()
+  return await eventually(holds, timeout, lambda: f"{what}; last seen {seen}")
 
 
 def idle(a: dict, b: dict) -> bool:

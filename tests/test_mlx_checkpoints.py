@@ -31,6 +31,8 @@ from tests.support.checkpoints import served_checkpoints  # noqa: E402
 from tests.support.cluster import REPO, ExoProcess, free_port, wait_for_ring, write_manual_config  # noqa: E402
 from tests.support.models import SMOLLM2_LAYERS  # noqa: E402
 
+pytestmark = pytest.mark.cluster
+
 PROMPTS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea."]
 MAX_TOKENS = 24
 

@@ -14,6 +14,9 @@ from exo.networking.discovery import NoDiscovery
 from exo.orchestration.generation import GenerationError, generate
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.unit
 
 DUMMY = Shard("dummy", 0, 0, 8)
 
@@ -86,11 +89,7 @@ async def test_leaving_early_cancels_generation():
     async with aclosing(generate(node, DUMMY, "x", request_id="leave", timeout=30)) as stream:
       async for delta, _ in stream:
         break
-    for _ in range(200):  # the ring stops within a few steps
-      if "leave" not in node.outstanding_requests:
-        break
-      await asyncio.sleep(0.01)
-    assert "leave" not in node.outstanding_requests
+    await eventually(lambda: "leave" not in node.outstanding_requests, 2)  # the ring stops within a few steps
   finally:
     await node.stop()
 
@@ -158,8 +157,7 @@ async def test_tokens_go_to_the_node_that_asked_and_the_end_to_every_node(origin
     node.receive_status("r1", json.dumps({**status, "origin": origin} if origin else status))
     await node.process_prompt(DUMMY, "x", request_id="r1")
     await asyncio.wait_for(done.wait(), 10)
-    while node._tasks:  # the detached SendResult tasks
-      await asyncio.gather(*list(node._tasks))
+    await eventually(lambda: node.pending()["tasks"] == 0, 5)  # the detached SendResult tasks
     every_token = [([2], False), ([3], False), ([4], True)]
     assert asker.results == every_token
     assert bystander.results == (every_token[-1:] if origin else every_token)
@@ -191,7 +189,7 @@ async def test_stop_leaves_no_task_behind():
   stream = generate(node, DUMMY, "x", timeout=30)
   await stream.__anext__()
   await node.stop()
-  assert not node._tasks and node.outstanding_requests == {}
+  assert node.pending()["tasks"] == 0 and node.outstanding_requests == {}
   with pytest.raises(GenerationError, match="node stopped"):
     async for _ in stream:
       pass

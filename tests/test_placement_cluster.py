@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from tests.support.cluster import TOKEN_LINE, Cluster, chat
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -25,17 +26,6 @@ async def get(url: str, path: str) -> dict:
   async with aiohttp.ClientSession() as session:
     async with session.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=10)) as response:
       return await response.json()
-
-
-async def until(condition, timeout: float, what: str):
-  """Poll an async condition until it returns something true; that value."""
-  deadline = time.monotonic() + timeout
-  while True:
-    value = await condition()
-    if value:
-      return value
-    assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-    await asyncio.sleep(0.2)
 
 
 async def groups_ready(cluster: Cluster, node_id: str, count: int) -> Optional[List[dict]]:
@@ -87,7 +77,7 @@ async def test_a_group_that_loses_its_node_ends_exactly_its_requests_and_new_one
   await cluster.start()
   a = cluster.url("node-a")
   await chat(a, MODEL, "Hello.", max_tokens=2)  # the model in use: every node loads its copy
-  await until(lambda: groups_ready(cluster, "node-a", 3), 120, "three groups loaded")
+  await eventually(lambda: groups_ready(cluster, "node-a", 3), 120, "three groups loaded")
   records = [{} for _ in range(3)]
   streams = [asyncio.ensure_future(stream(a, p, 80, r)) for p, r in zip(PROMPTS, records)]
   groups_of: Dict[str, str] = {}
@@ -96,7 +86,7 @@ async def test_a_group_that_loses_its_node_ends_exactly_its_requests_and_new_one
     for request in (await get(a, "/v1/state"))["requests"]:
       groups_of[request["id"]] = request["group"]
     return "node-c" in groups_of.values() and all(r.get("chunks", 0) >= 4 for r in records)
-  await until(on_c, 120, "a request streaming on node-c's group")
+  await eventually(on_c, 120, "a request streaming on node-c's group")
   assert sorted(groups_of.values()) == ["node-a", "node-b", "node-c"]  # a burst spreads at once
   cluster.nodes["node-c"].kill()
   killed = time.monotonic()
@@ -105,7 +95,7 @@ async def test_a_group_that_loses_its_node_ends_exactly_its_requests_and_new_one
   assert len(failed) == 1 and "node-c" in failed[0]["error"], done
   assert failed[0]["ended"] - killed < DEAD_NODE_ERROR_BOUND_S
   assert all(r["chunks"] == 80 for r in done if not r["error"])  # the other groups' requests went on to the end
-  await until(lambda: groups_ready(cluster, "node-a", 2), DEAD_NODE_ERROR_BOUND_S, "node-c's group gone from the placement")
+  await eventually(lambda: groups_ready(cluster, "node-a", 2), DEAD_NODE_ERROR_BOUND_S, "node-c's group gone from the placement")
   seen = set()
 
   async def watch():
@@ -126,14 +116,14 @@ async def test_a_node_that_joins_takes_requests_once_its_copy_is_loaded_and_dist
   a, b = cluster.url("node-a"), cluster.url("node-b")
   # The answers each prompt gets alone (asked one at a time at node-b, whose router keeps them on its own copy).
   references = [answer(await chat(b, MODEL, p, max_tokens=8)) for p in PROMPTS]
-  await until(lambda: groups_ready(cluster, "node-a", 2), 120, "two groups loaded")
+  await eventually(lambda: groups_ready(cluster, "node-a", 2), 120, "two groups loaded")
   records = [{} for _ in range(2)]
   running = [asyncio.ensure_future(stream(a, p, 60, r)) for p, r in zip(PROMPTS, records)]
   async def streaming():
     return all(r.get("chunks", 0) >= 2 for r in records)
-  await until(streaming, 60, "two requests streaming")
+  await eventually(streaming, 60, "two requests streaming")
   cluster.nodes["node-c"].start()
-  await until(lambda: groups_ready(cluster, "node-a", 3), 120, "node-c's copy loaded and in node-a's placement")
+  await eventually(lambda: groups_ready(cluster, "node-a", 3), 120, "node-c's copy loaded and in node-a's placement")
   done = await asyncio.gather(*running)
   assert [(r["error"], r["chunks"]) for r in done] == [(None, 60), (None, 60)]  # nothing in flight was disturbed
   served_before = len(TOKEN_LINE.findall(cluster.nodes["node-c"].log()))
@@ -148,7 +138,7 @@ async def test_four_nodes_too_small_for_a_copy_form_two_pipelines_of_two_and_bot
   await cluster.start()
   first, second = cluster.url("quad-1"), cluster.url("quad-2")
   await chat(first, MODEL, "Hello.", max_tokens=2)  # every node loads its stage of the model in use
-  groups = await until(lambda: groups_ready(cluster, "quad-1", 2), 180, "two groups of two loaded")
+  groups = await eventually(lambda: groups_ready(cluster, "quad-1", 2), 180, "two groups of two loaded")
   assert [len(g["stages"]) for g in groups] == [2, 2] and sorted(s["node_id"] for g in groups for s in g["stages"]) == ids
   assert all(g["stages"][0]["start_layer"] == 0 and g["stages"][1]["end_layer"] == 29 for g in groups)
   # Alone, one at a time, at a node whose router keeps them on its own group: the references.

@@ -25,7 +25,7 @@ from exo.orchestration.node import Node
 from exo.orchestration.routing.route import Route
 from exo.topology.placement import Stage
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
-from tests.support.api_server import eventually
+from tests.support.waiting import eventually
 from tests.support.cluster import free_port, write_manual_config
 from tests.support.engines import cached_weights
 from tests.support.models import smollm2_shard

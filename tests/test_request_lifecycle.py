@@ -1,16 +1,12 @@
 """One life per request, at one node: the record only moves forward, an end is final and drops every later message,
-a request for another model waits for the loaded one's requests instead of wiping them, an error mid-prefill ends
-the prefill, peers cannot grow the node's tables or end requests they are not part of, and a token wakes only its
-own request's client."""
+a request for another model waits for the loaded one's requests instead of wiping them, peers cannot grow the node's
+tables or end requests they are not part of, and a token wakes only its own request's client. (The same on the real
+SmolLM2, through the HTTP API: test_lifecycle_on_smollm2.py.)"""
 import asyncio
-import functools
 import json
-import threading
 import time
 
-import urllib.request
 import numpy as np
-import openai
 import pytest
 
 from exo.download.shard_download import NoopShardDownloader
@@ -19,15 +15,15 @@ from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.networking.discovery import NoDiscovery
 from exo.orchestration import requests as registry_module
-from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.generation import generate
 from exo.orchestration.model_gate import LeftTheLine, ModelBusy, ModelGate
 from exo.orchestration.node import Node
 from exo.orchestration.requests import QUEUED_KEPT, QUEUED_KEPT_S, RequestRegistry, Status
 from exo.topology.device_capabilities import DeviceCapabilities
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
-from tests.support.api_server import ApiServer, eventually, openai_client, shared_server
-from tests.support.checkpoints import install_random_model
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.unit
 
 DUMMY = Shard("dummy", 0, 0, 8)
 
@@ -72,8 +68,7 @@ async def test_the_gate_lets_another_model_in_only_when_the_loaded_ones_requests
   await gate.enter("a1", "A")
   switch = asyncio.ensure_future(gate.enter("b1", "B"))
   later_a = asyncio.ensure_future(gate.enter("a2", "A"))  # arrives after b1: waits behind it, so B is not starved
-  await asyncio.sleep(0)
-  assert not switch.done() and not later_a.done()
+  await eventually(lambda: gate.in_line() == ["b1", "a2"], 5)
   gate.leave("a1")
   await switch
   assert gate.serving == "B" and not later_a.done()
@@ -89,7 +84,7 @@ async def test_a_request_that_waits_too_long_for_the_gate_gets_a_clear_error_and
     await gate.enter("b1", "B")
   gate.wait_s = 60
   waiting = asyncio.ensure_future(gate.enter("b2", "B"))
-  await asyncio.sleep(0)
+  await eventually(lambda: gate.in_line() == ["b2"], 5)
   gate.leave("b2")  # it ended (cancelled) while in line
   with pytest.raises(LeftTheLine):
     await waiting
@@ -137,8 +132,10 @@ async def test_a_preload_holds_the_gate_while_it_loads_but_not_while_it_download
   node = Node("solo", None, engine, NoDiscovery(), downloader, partitioning_strategy=RingMemoryWeightedPartitioningStrategy())
   await node.start()
   try:
-    preload = asyncio.ensure_future(node._preload(Shard("llama-3.2-1b", 0, 15, 16)))
-    await downloader.download.started.wait()
+    peer_prompt = {"type": "node_status", "node_id": "a-peer", "status": "start_process_prompt", "request_id": "elsewhere",
+                   "shard": Shard("llama-3.2-1b", 0, 15, 16).to_dict()}
+    node.on_node_status("elsewhere", json.dumps(peer_prompt))  # a peer starts a prompt for llama-3.2-1b: this idle node preloads it
+    await asyncio.wait_for(downloader.download.started.wait(), 5)
     await asyncio.wait_for(node.model_gate.enter("during-download", DUMMY.model_id), 1)  # admitted at once
     node.model_gate.leave("during-download")
     downloader.download.cue.set()
@@ -146,8 +143,7 @@ async def test_a_preload_holds_the_gate_while_it_loads_but_not_while_it_download
     assert not node.model_gate.idle_for(DUMMY.model_id) and node.model_gate.serving == "llama-3.2-1b"  # enter waits
     request = asyncio.ensure_future(node.model_gate.enter("r", DUMMY.model_id))
     engine.load.cue.set()
-    await preload
-    await request
+    await request  # let in once the preload has loaded its model and left the gate
     assert node.model_gate.serving == DUMMY.model_id and node.model_gate.holders == {"r"}
     assert not node.model_gate.hold_if_idle("another-preload", "llama-3.2-1b")  # and none starts while "r" holds it
   finally:
@@ -230,7 +226,7 @@ async def test_a_token_wakes_only_its_own_requests_client():
     answers = await asyncio.gather(*[answer(node, f"r{i}") for i in range(20)])
     assert all(a == [2, 3, 4, 5, 6, 7, 8, 9, 10, 69] for a in answers)
     assert seen and set(seen) == {1}  # only the observer, never a callback per request
-    assert node._watchers == {}
+    assert node.pending()["watchers"] == 0
   finally:
     await node.stop()
 
@@ -308,7 +304,7 @@ async def test_a_prompt_that_cannot_reach_the_first_node_ends_the_request_everyw
   with pytest.raises(ConnectionError):
     await node.process_prompt(DUMMY, "hello", request_id="r")
   assert len(node.requests) == 0 and node.requests.ended("r") is Status.FAILED
-  await asyncio.gather(*list(node._tasks))
+  await eventually(lambda: node.pending()["tasks"] == 0, 5)
   assert any(s["type"] == "request_error" and s["request_id"] == "r" for s in other.statuses)
 
 
@@ -324,121 +320,3 @@ async def test_only_a_requests_origin_may_cancel_it_and_only_its_ring_may_fail_i
   assert node.requests.get("r") is not None
   node.receive_status("r", json.dumps({"type": "cancel_request", "request_id": "r"}), "10.0.0.1")
   assert node.requests.ended("r") is Status.CANCELLED
-
-
-# --- one node, the real SmolLM2, through the HTTP API ---
-
-STORY = "Write a long story about a lighthouse keeper and a storm."
-STORY_TOKENS = 48
-
-
-def stream_text(client: openai.OpenAI, model: str, content: str, max_tokens: int, on_chunk=lambda n: None) -> str:
-  text, chunks = "", 0
-  for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], stream=True, temperature=0,
-                                              max_tokens=max_tokens, extra_body={"ignore_eos": True}):
-    if chunk.choices and chunk.choices[0].delta.content:
-      text += chunk.choices[0].delta.content
-      chunks += 1
-      on_chunk(chunks)
-  return text
-
-
-def state_of(server: ApiServer) -> dict:
-  with urllib.request.urlopen(f"{server.url}/v1/state", timeout=10) as response:
-    return json.loads(response.read())
-
-
-def wait_for(condition, timeout: float, what: str):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    value = condition()
-    if value:
-      return value
-    time.sleep(0.05)
-  raise AssertionError(f"not within {timeout} s: {what}")
-
-
-BATCHING = {"unbatched": None, "batched": BatchingConfig(batch_size=8, timeout_ms=5, prefill_chunk=24)}
-
-
-@pytest.fixture(scope="module", params=list(BATCHING))
-def smol_server(request, tmp_path_factory):
-  """A node with SmolLM2 and, in its EXO_HOME, a random-weight stand-in for llama-3.2-1b (16 layers)."""
-  home = tmp_path_factory.mktemp("exo_home")
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setenv("EXO_HOME", str(home))
-    install_random_model("llama-3.2-1b")
-    server = ApiServer("numpy", batching=BATCHING[request.param]).start()
-    try:
-      yield server
-    finally:
-      server.stop()
-
-
-@functools.lru_cache(maxsize=None)
-def solo_story() -> str:
-  return stream_text(openai_client(shared_server("numpy")), "smollm2-135m", STORY, STORY_TOKENS)
-
-
-def test_a_request_for_another_model_waits_and_changes_nobody_elses_answer(smol_server):
-  solo = solo_story()
-  other, started, first_done = {}, threading.Event(), []
-
-  def ask_other_model():
-    reply = openai_client(smol_server).chat.completions.create(model="llama-3.2-1b", messages=[{"role": "user", "content": "Hi"}],
-                                                         max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    other.update(reply=reply, at=time.monotonic())
-
-  asker = threading.Thread(target=ask_other_model)
-
-  def on_chunk(n):
-    if n == 4:  # a peer starts a prompt for the other model: this node must not preload it now
-      status = {"type": "node_status", "node_id": "a-peer", "status": "start_process_prompt", "request_id": "elsewhere",
-                "shard": {"model_id": "llama-3.2-1b", "start_layer": 0, "end_layer": 15, "n_layers": 16}}
-      smol_server.loop.call_soon_threadsafe(smol_server.node.on_node_status, "elsewhere", json.dumps(status))
-    if n == 8:
-      asker.start()
-      started.set()
-
-  text = stream_text(openai_client(smol_server), "smollm2-135m", STORY, STORY_TOKENS, on_chunk)
-  first_done.append(time.monotonic())
-  assert started.is_set()
-  asker.join(120)
-  assert text == solo
-  assert other["reply"].usage.completion_tokens == 8 and other["at"] > first_done[0]
-  wait_for(lambda: state_of(smol_server)["requests"] == [] and state_of(smol_server)["kv_bytes"] == 0, 10, "no request left")
-  # And back: the first model answers as before once the other's request has ended.
-  assert stream_text(openai_client(smol_server), "smollm2-135m", STORY, STORY_TOKENS) == solo
-
-
-def test_an_error_mid_prefill_ends_the_prefill_and_frees_its_cache(smol_server):
-  """A peer reports the request failed while its ~2,200-token prompt is being computed beside 4 running streams: the
-  prompt stops within a chunk, its client gets the error at once, and nothing of it stays behind."""
-  client = openai_client(smol_server)
-  streams = [threading.Thread(target=stream_text, args=(client, "smollm2-135m", f"Count slowly from {i}.", 60)) for i in range(4)]
-  for thread in streams:
-    thread.start()
-  wait_for(lambda: sum(r["status"] == "decoding" for r in state_of(smol_server)["requests"]) == 4, 60, "4 streams decoding")
-  outcome = {}
-
-  def long_prompt():
-    try:
-      stream_text(client, "smollm2-135m", "Summarise this: " + "the quick brown fox jumps over the lazy dog " * 240, 16)
-      outcome["error"] = None
-    except openai.APIStatusError as e:
-      outcome["error"], outcome["at"] = e.response.text, time.monotonic()
-
-  asker = threading.Thread(target=long_prompt)
-  asker.start()
-  victim = wait_for(lambda: next((r["id"] for r in state_of(smol_server)["requests"] if r["status"] == "prefilling"), None), 60, "the long prompt prefilling")
-  failed_at = time.monotonic()
-  error = json.dumps({"type": "request_error", "request_id": victim, "error": "the next node ran out of memory"})
-  smol_server.loop.call_soon_threadsafe(smol_server.node.receive_status, victim, error)
-  asker.join(60)
-  assert outcome["error"] is not None and "ran out of memory" in outcome["error"]
-  assert outcome["at"] - failed_at < 3, outcome["at"] - failed_at
-  assert victim not in {r["id"] for r in state_of(smol_server)["requests"]}
-  for thread in streams:
-    thread.join(120)
-  wait_for(lambda: state_of(smol_server)["requests"] == [] and state_of(smol_server)["kv_bytes"] == 0, 10, "nothing left")
-  assert smol_server.node.requests.ended(victim) is Status.FAILED

@@ -1,7 +1,10 @@
 """The shared vectorised sampler: each row its own parameters and random stream."""
 import numpy as np
+import pytest
 
 from exo.inference.sampling import SamplingParams, make_generator, sample_last, sample_rows, token_logprobs
+
+pytestmark = pytest.mark.unit
 
 rng = np.random.default_rng(0)
 LOGITS = rng.normal(size=(1, 500)).astype(np.float32) * 3

@@ -1,7 +1,6 @@
 """Continuous batching at one node. The Scheduler is a policy: what each step takes, which group of requests goes
 when (micro-batches round a ring), chunked prefill, all on a fake clock with no engine and no waiting. The step loop
-that drives it: per-request errors, acceptance, ending requests, stop. And on the real SmolLM2, 32 requests of
-different lengths arriving at random times give the same greedy tokens batched as unbatched."""
+that drives it: per-request errors, acceptance, ending requests, stop. (On the real SmolLM2: test_batching_acceptance.py.)"""
 import asyncio
 import math
 import random
@@ -18,9 +17,10 @@ from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_
 from exo.orchestration.batching.scheduler import GATHER_LIMIT, LONE_PROMPT_CHUNK, ROUND_TRIP_SLACK, RUNNING_AFTER, Scheduler
 from exo.orchestration.batching.step_loop import StepLoop
 from exo.orchestration.requests import RequestEnded
-from tests.support.api_server import eventually
-from tests.support.models import smollm2_shard
+from tests.support.waiting import eventually
 from tests.support.toy import ToyEngine, make_node, settle
+
+pytestmark = pytest.mark.unit
 
 FIRST, MIDDLE, LAST = Shard("toy", 0, 1, 6), Shard("toy", 2, 3, 6), Shard("toy", 4, 5, 6)
 HIDDEN = 4
@@ -391,7 +391,7 @@ async def test_stop_lets_the_step_finish_and_fails_the_waiting():
   running = [asyncio.ensure_future(loop.infer(LAST, r, TOKEN, None)) for r in "ab"]
   await asyncio.wait_for(engine.entered.wait(), 5)
   waiting = asyncio.ensure_future(loop.infer(LAST, "c", TOKEN, None))
-  await eventually(lambda: "c" in loop._waiters, 5)  # it is in line
+  await eventually(lambda: loop.waiting("c"), 5)  # it is in line
   stopping = asyncio.ensure_future(loop.stop())
   engine.release.set()
   await asyncio.wait_for(stopping, 5)
@@ -411,41 +411,3 @@ async def test_prompts_are_chunked_through_a_node_and_outputs_still_match():
   assert outs == [reference_greedy(p, 6) for p in prompts]
   assert max(plugin.step_stats().sizes) > 1
   await settle(node)
-
-
-# --- the real model ---
-
-@pytest.fixture(scope="module")
-def smollm2_engine(downloader):
-  from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-  engine = NumpyDynamicShardInferenceEngine(downloader)
-  asyncio.run(engine.ensure_shard(smollm2_shard()))
-  return engine
-
-
-async def test_smollm2_32_requests_at_random_times_match_unbatched(smollm2_engine):
-  from exo.orchestration.generation import generate
-  rng = random.Random(7)
-  words = "sun river stone apple cloud music garden ocean paper window silver forest".split()
-  jobs = [(f"Story {i}: " + " ".join(rng.choice(words) for _ in range(rng.choice([2, 10, 40, 90]))), rng.uniform(0, 1.0)) for i in range(32)]
-  params = SamplingParams(max_tokens=5, ignore_eos=True)
-
-  async def run(config):
-    node, plugin = make_node(smollm2_engine, config)
-    node.max_generate_tokens = 5
-
-    async def one(prompt, delay):
-      await asyncio.sleep(delay)
-      out = []
-      async for tokens, _ in generate(node, smollm2_shard(), prompt, params, timeout=300):
-        out += tokens
-      return out
-    outs = await asyncio.wait_for(asyncio.gather(*[one(p, d) for p, d in jobs]), 280)
-    await settle(node)
-    return outs, plugin
-
-  unbatched, _ = await run(None)
-  batched, plugin = await run(BatchingConfig(batch_size=16, timeout_ms=5, prefill_chunk=32))
-  assert batched == unbatched
-  assert all(len(o) == 5 for o in batched)
-  assert plugin.step_stats().mean > 2, plugin.step_stats()

@@ -1,55 +1,36 @@
-"""tinychat: served as static files with no third-party fetches, and driven in headless Debian Chromium against a
-real node: a streamed answer from SmolLM2, conversations kept in localStorage, both finish kinds, errors, the
-topology and download views. Screenshots go to tests/artifacts/ (gitignored)."""
+"""tinychat driven in a headless Chromium (Debian's, or the Chrome GitHub's runners ship; tests/support/browser.py)
+against a real node: a streamed answer from SmolLM2, conversations kept in localStorage, both finish kinds, errors,
+the topology and download views. Screenshots go to tests/artifacts/ (gitignored). (Its files as served:
+test_tinychat_files.py.)"""
+import asyncio
 import json
 import re
-import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import aiohttp
 import pytest
 
-from tests.support.api_server import ApiServer, FailingEngine, shared_server
+from exo.api.settings import ApiSettings
 from exo.download.download_progress import RepoProgressEvent
 from exo.inference.shard import Shard
-from exo.api.settings import ApiSettings
+from tests.support.api_server import ApiServer, FailingEngine, shared_server
+from tests.support.browser import find_browser
 
-TINYCHAT = Path(__file__).resolve().parent.parent / "exo" / "tinychat"
+pytestmark = pytest.mark.browser
+
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 
 
-@pytest.mark.asyncio
-async def test_static_files_are_served_without_cors():
-  server = shared_server("dummy")
-  expected = {"/": "text/html", "/index.js": "text/javascript", "/index.css": "text/css", "/favicon.svg": "image/svg+xml"}
-  async with aiohttp.ClientSession() as session:
-    for path, content_type in expected.items():
-      async with session.get(f"{server.url}{path}", headers={"Origin": "http://elsewhere.test"}) as r:
-        assert r.status == 200 and r.content_type in (content_type, "application/javascript"), (path, r.content_type)
-        assert "Access-Control-Allow-Origin" not in r.headers
-    async with session.get(f"{server.url}/") as r:
-      assert '<script src="/index.js"></script>' in await r.text()
-
-
-def test_no_third_party_fetches_at_run_time():
-  for path in TINYCHAT.rglob("*"):
-    if path.is_file() and path.suffix in (".html", ".js", ".css", ".svg"):
-      urls = set(re.findall(r"https?://[^\s\"')]+", path.read_text())) - {"http://www.w3.org/2000/svg"}
-      assert not urls, f"{path.name} refers to {urls}"
-
-
-# --- in the browser ---
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-  sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (never `playwright install`: we use Debian's chromium)")
-  if not Path(CHROMIUM).exists():
-    pytest.skip("needs Debian's chromium: apt-get install -y chromium")
+  sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (never `playwright install`: we drive the system's browser)")
+  executable = find_browser()
+  if executable is None:
+    pytest.skip("needs Chromium or Google Chrome: apt-get install -y chromium (Debian), or set CHROME_BIN")
   with sync_api.sync_playwright() as p:
-    context = p.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
+    context = p.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("chromium-profile")), executable_path=executable, headless=True,
                                                    args=FLAGS, viewport={"width": 1280, "height": 800})
     yield context
     context.close()
@@ -115,12 +96,13 @@ def test_streamed_answer_from_smollm2(open_page):
   page.screenshot(path=str(ARTIFACTS / "tinychat.png"))
 
 
-def test_conversations_persist_and_stop_finish_hides_end_marker(open_page):
+def test_conversations_persist_and_the_stop_chunks_text_is_kept(open_page):
   server = shared_server("dummy")
   page = open_page(server.url)
   ask(page, "first question")
-  # Ten tokens, the last is the end-of-turn token: its text is not part of the answer.
-  assert page.inner_text(".message.assistant").strip() == "dummy" * 9
+  # Ten tokens; the server never sends an end-of-turn marker's text (the dummy tokenizer has no special tokens, so
+  # its last token reads "dummy" too), and the text of the "stop" chunk is part of the answer.
+  assert page.inner_text(".message.assistant").strip() == "dummy" * 10
   page.click("#new-chat")
   ask(page, "second question")
   assert [h["title"] for h in histories(page)] == ["second question", "first question"]
@@ -176,7 +158,7 @@ def test_a_node_with_an_api_key_asks_for_it_once(browser):
     page.goto(server.url)  # a fresh port: this origin's localStorage starts empty
     page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
     ask(page, "hello with a key")
-    assert page.inner_text(".message.assistant").strip() == "dummy" * 9
+    assert page.inner_text(".message.assistant").strip() == "dummy" * 10
     assert page.evaluate("localStorage.getItem('apiKey')") == "sekrit"
     page.reload()  # the kept key is sent from now on: no second question
     page.wait_for_function("document.querySelectorAll('#model-select option').length > 0")
@@ -197,3 +179,46 @@ def test_the_topology_view_shows_each_nodes_group_and_layers(open_page, make_ser
   ask(page, "hello")
   page.wait_for_function("!document.querySelector('#node-list').innerText.includes('loading')", timeout=30000)
   assert "dummy: one group, layers 0–7 of 8" in page.inner_text("#node-list")
+
+
+def test_a_download_shows_a_growing_bar_and_a_failure_says_why(open_page, tmp_path):
+  """A real node fetching llama-3.2-1b from a slowed stand-in hub: the bar grows as bytes arrive; then a model whose
+  repository the hub lacks: the downloads view and a chat with it say so."""
+  from tests.support.checkpoints import write_layer_split_llama
+  from tests.support.cluster import Cluster
+  from tests.support.stand_in_hub import StandInHub
+  hub = StandInHub().start()
+  hub.add_repo("unsloth/Llama-3.2-1B-Instruct", write_layer_split_llama(tmp_path / "llama", 16))
+  hub.bytes_per_second = 2e6  # ~9 s for its ~17 MB: several of tinychat's polls (one a second)
+  cluster = Cluster(tmp_path, ["chat-node"], "numpy", {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""})
+  try:
+    with ThreadPoolExecutor(1) as thread:  # playwright's sync API holds this thread's event loop
+      thread.submit(asyncio.run, cluster.start()).result()
+    page = open_page(cluster.url("chat-node"))
+    page.evaluate("""() => {
+      window.widths = [];
+      new MutationObserver(() => {
+        const bar = document.querySelector('#downloads .download:not(.failed) .bar > div');
+        const width = bar && parseFloat(bar.style.width);
+        if (bar && width !== window.widths[window.widths.length - 1]) window.widths.push(width);
+      }).observe(document.getElementById('downloads'), {childList: true, subtree: true, attributes: true});
+    }""")
+    page.select_option("#model-select", "llama-3.2-1b")
+    page.click("#download-model")
+    page.wait_for_function("window.widths.filter((w) => w > 0 && w < 100).length >= 2", timeout=60000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "tinychat-download-under-way.png"))
+    assert "chat-node" in page.inner_text("#downloads") and "model-00003-of-00003.safetensors" in page.inner_text("#downloads .files")
+    page.wait_for_function("document.querySelector('#model-select option[value=\"llama-3.2-1b\"]').textContent.includes('✓')", timeout=90000)
+    growing = [w for w in page.evaluate("window.widths") if 0 < w < 100]
+    assert len(set(growing)) >= 3 and growing == sorted(growing), growing
+    page.select_option("#model-select", "llama-3.2-3b")
+    page.click("#download-model")
+    failure = page.wait_for_selector(".download.failed", timeout=30000).inner_text()
+    assert "Could not download model llama-3.2-3b (repository unsloth/Llama-3.2-3B-Instruct" in failure and "repository not found" in failure, failure
+    page.screenshot(path=str(ARTIFACTS / "tinychat-download-failed.png"))
+    ask(page, "Hello")
+    assert "repository not found" in page.inner_text(".message.error")
+  finally:
+    cluster.stop()
+    hub.stop()

@@ -1,4 +1,6 @@
-"""Topology, partitioning (the worked examples of node-api.md §10), ring agreement and the TUI's rendering."""
+"""Topology, partitioning (upstream's worked examples), ring agreement and the TUI's rendering."""
+import io
+
 import pytest
 from rich.console import Console
 
@@ -10,6 +12,8 @@ from exo.topology.ring import peers_agree
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from exo.topology.topology import PeerConnection, Topology
 from exo.viz.topology_viz import TopologyViz
+
+pytestmark = pytest.mark.unit
 
 GIB = 1024
 
@@ -132,12 +136,17 @@ def test_tui_shows_ring_layers_memory_and_requests():
   assert "http://localhost:8000/v1/chat/completions" in screen
 
 
-def test_tui_starts_and_stops():
+def test_tui_starts_draws_and_stops():
   viz = TopologyViz()
-  viz.console = Console(file=open("/dev/null", "w"), force_terminal=True)
+  viz.console = Console(file=io.StringIO(), force_terminal=True, record=True, width=120)
   viz.start()
-  viz.update_visualization(topology_of({"a": 1}), [Partition("a", 0, 1)], "a")
+  live = viz.live
+  assert live.is_started
+  viz.update_visualization(topology_of({"a": 1 * GIB}), [Partition("a", 0, 1)], "a")
+  live.refresh()  # draw now, not at its next twice-a-second refresh
   viz.stop()
+  assert not live.is_started and viz.live is None
+  assert "a (this node)" in viz.console.export_text()
 
 
 def test_a_nodes_shard_follows_every_change_of_its_topology():

@@ -8,9 +8,12 @@ from safetensors.numpy import save_file
 
 from exo.inference.numpy.llama import Llama
 from exo.inference.tokenizers import resolve_tokenizer
-from exo.inference.weights import LlamaConfig, load_shard_weights, rope_inv_freq
+from exo.inference.llama_layout import rope_inv_freq
+from exo.inference.weights import LlamaConfig, load_shard_weights
 from tests.support.checkpoints import write_hf_dir
 from tests.support.models import smollm2_shard
+
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 from exo.api.errors import BadRequest
+from exo.api.structured import ResponseFormat, parse_response_format
+from exo.api.tools import ToolUse, check_tool_messages, parse_tool_use
 from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from exo.local_checkpoints import model_card
 from exo.models import get_repo, model_cards
@@ -21,10 +23,10 @@ SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 MAX_CHOICES = 16  # n (times the prompts, on /v1/completions): each choice is a request of its own
 IMPLEMENTED = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-               "max_completion_tokens", "stop", "tools", "tool_choice", "n", "ignore_eos", "user", "logprobs", "top_logprobs"}
+               "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n", "ignore_eos", "user",
+               "logprobs", "top_logprobs"}
 # OpenAI parameters this server does not implement, with the values that ask for nothing (null is always one).
-NEUTRAL_VALUES = {"frequency_penalty": [0], "presence_penalty": [0], "repetition_penalty": [1],
-                  "logit_bias": [{}], "response_format": [{"type": "text"}], "parallel_tool_calls": [True]}
+NEUTRAL_VALUES = {"frequency_penalty": [0], "presence_penalty": [0], "repetition_penalty": [1], "logit_bias": [{}]}
 
 
 @dataclass
@@ -34,9 +36,11 @@ class ChatRequest:
   stream: bool = False
   params: SamplingParams = field(default_factory=SamplingParams)
   stop: List[str] = field(default_factory=list)
-  tools: Optional[List[Any]] = None
+  tools: Optional[List[Any]] = None  # as given, for the chat template (none when tool_choice is "none")
   include_usage: bool = False
   n: int = 1
+  response_format: Optional[ResponseFormat] = None
+  tool_use: Optional[ToolUse] = None  # what calls the answer may hold (None: no tool may be called)
 
 
 def parse_json_body(raw: bytes) -> Dict[str, Any]:
@@ -275,23 +279,23 @@ def parse_messages(messages: Any, required: bool = True) -> List[Dict[str, Any]]
 
 
 def parse_tools(body: dict) -> Optional[List[Any]]:
-  """The tools the chat template is given (none when tool_choice is "none")."""
-  tools, choice = body.get("tools"), body.get("tool_choice")
-  if tools is not None and not isinstance(tools, list):
-    raise BadRequest("tools must be a list", param="tools")
-  if choice is not None and choice not in ("auto", "none"):
-    raise BadRequest('tool_choice is not supported by this server beyond "auto" and "none"', param="tool_choice", code="unsupported_parameter")
-  return None if choice == "none" else tools
+  """The tools the chat template is given (none when tool_choice is "none"), each checked (exo/api/tools.py)."""
+  parse_tool_use(body)
+  return None if body.get("tool_choice") == "none" else body.get("tools")
 
 
 def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ChatRequest:
   refuse_unimplemented(body)
   model = resolve_model(body.get("model"), default_model, engine_classname)
   messages = parse_messages(body.get("messages"))
+  check_tool_messages(messages)
   stream = parse_flag(body, "stream")
   parse_user(body)
   params = replace(sampling_params(body, default_temperature), logprobs=_chat_logprobs(body))
-  return ChatRequest(model, messages, stream, params, parse_stop(body), parse_tools(body), parse_stream_options(body), parse_n(body))
+  tool_use = parse_tool_use(body)
+  template_tools = None if body.get("tool_choice") == "none" else body.get("tools")
+  return ChatRequest(model, messages, stream, params, parse_stop(body), template_tools, parse_stream_options(body), parse_n(body),
+                     parse_response_format(body), tool_use)
 
 
 def build_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Any]] = None, system_prompt: Optional[str] = None) -> str:

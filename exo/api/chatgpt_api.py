@@ -23,8 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from exo.api import responses
 from exo.api.access import Access
 from exo.api.admission import Admission
+from exo.api.answer import AnswerPlan, plan_answer
 from exo.api.choices import Choice, run_choices
 from exo.api.completion_request import CompletionRequest, Prompt, parse_completion_request
+from exo.api.downloads import download_api_error, downloads_view, peer_download_api_error
 from exo.api.chat_request import ChatRequest, build_prompt, parse_chat_request, parse_json_body, parse_messages, parse_tools, resolve_model
 from exo.api.errors import ApiError, BadRequest
 from exo.api.event_stream import STREAM_KEY, EventStream
@@ -32,10 +34,11 @@ from exo.api.metrics import ApiMetrics
 from exo.api.model_limits import ModelLimits
 from exo.api.reply_text import ReplyText
 from exo.api.settings import ApiSettings
+from exo.download.errors import DownloadError
 from exo.download.shard_download import local_model_path, repo_dir
 from exo.helpers import DEBUG
 from exo.inference.sampling import SamplingParams
-from exo.inference.tokenizers import resolve_tokenizer
+from exo.inference.tokenizers import eos_ids, resolve_tokenizer
 from exo.inference.weights import load_config
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
 from exo.orchestration.generation import generate_events
@@ -76,6 +79,7 @@ class ChatGPTAPI:
       (("/initial_models",), "GET", self.handle_initial_models),
       (("/modelpool",), "GET", self.handle_model_pool),
       (("/v1/download/progress",), "GET", self.handle_download_progress),
+      (("/v1/downloads",), "GET", self.handle_downloads),
       (("/download",), "POST", self.handle_download),
       (("/models/{model_name}",), "DELETE", self.handle_delete_model),
       (("/v1/topology", "/topology"), "GET", self.handle_topology),
@@ -119,6 +123,8 @@ class ChatGPTAPI:
       return await handler(request)
     except ApiError as e:
       error = e
+    except DownloadError as e:
+      error = download_api_error(e)
     except web.HTTPException as e:
       if e.status < 400:
         raise
@@ -193,13 +199,15 @@ class ChatGPTAPI:
     return await self._in_thread(parse_json_body, await request.read())
 
   def _local_files(self, repo: str):
-    """Where a model's tokenizer and config are on this machine: the embedded model, $EXO_HOME/downloads, or None."""
+    """Where a model's tokenizer and config are on this machine without a download: the embedded model, a local
+    checkpoint, or None."""
     if repo == "dummy":
       return "dummy"
-    return local_model_path(repo) or (repo_dir(repo) if (repo_dir(repo) / "tokenizer.json").exists() else None)
+    return local_model_path(repo)
 
   async def model_profile(self, model_id: str) -> Tuple[object, ModelLimits]:
-    """A model's tokenizer and limits, read from its files: the embedded model, $EXO_HOME/downloads, or downloaded.
+    """A model's tokenizer and limits, read from its files: the embedded model, a local checkpoint, or this node's
+    shard of a download (which ends at once when it is complete on disk, and raises DownloadError when it fails).
     Never by loading the engine, which would wipe the KV caches of the requests it serves."""
     if model_id in self._profiles:
       return self._profiles[model_id]
@@ -225,18 +233,19 @@ class ChatGPTAPI:
   def _parse_chat(self, raw: bytes) -> ChatRequest:
     return parse_chat_request(parse_json_body(raw), self.default_model, self.inference_engine_classname, self.node.default_sample_temperature)
 
-  def _template(self, tokenizer, chat: ChatRequest) -> Tuple[str, List[int]]:
-    prompt = build_prompt(tokenizer, chat.messages, chat.tools, self.system_prompt)
-    return prompt, list(tokenizer.encode(prompt))
+  def _template(self, tokenizer, chat: ChatRequest) -> Tuple[str, List[int], AnswerPlan]:
+    plan = plan_answer(tokenizer, chat.messages, chat.response_format, chat.tool_use, chat.tools)
+    prompt = build_prompt(tokenizer, plan.messages, plan.tools, self.system_prompt)
+    return prompt, list(tokenizer.encode(prompt)), plan
 
   async def handle_chat_completions(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     chat = await self._in_thread(self._parse_chat, await request.read())
     async with self.admission.places(chat.n) as tickets:
       tokenizer, limits = await self.model_profile(chat.model)
-      prompt, prompt_ids = await self._in_thread(self._template, tokenizer, chat)
+      prompt, prompt_ids, plan = await self._in_thread(self._template, tokenizer, chat)
       prompt_tokens = len(prompt_ids)
-      chat.params = replace(chat.params, max_tokens=limits.reply_budget(prompt_tokens, chat.params.max_tokens))
+      chat.params = replace(chat.params, max_tokens=limits.reply_budget(prompt_tokens, chat.params.max_tokens), grammar=plan.grammar)
       request_id = str(uuid.uuid4())
       if self.on_chat_completion_request is not None:
         try:
@@ -245,7 +254,7 @@ class ChatGPTAPI:
           self._log_error("on_chat_completion_request failed", e)
       if DEBUG >= 2:
         print(f"[{request_id}] chat completion: model={chat.model} params={chat.params} n={chat.n} stop={chat.stop} stream={chat.stream}")
-      choices = self._choices(request_id, chat.model, [(prompt, prompt_ids, chat.params, "")], chat.n, chat.stop, tokenizer, limits, tickets)
+      choices = self._choices(request_id, chat.model, [(prompt, prompt_ids, chat.params, "")], chat.n, chat.stop, tokenizer, limits, tickets, plan)
       shape = responses.ChatShape(request_id, chat.model, _token_text(tokenizer))
       return await self._reply(request, shape, chat.model, choices, [prompt_tokens], chat.stream, chat.include_usage, arrived)
 
@@ -285,10 +294,10 @@ class ChatGPTAPI:
   # --- what chat and completions share ---
 
   def _choices(self, request_id: str, model: str, runs: List[Tuple[str, List[int], SamplingParams, str]], n: int, stop: List[str], tokenizer,
-               limits: ModelLimits, tickets: List) -> List[Choice]:
+               limits: ModelLimits, tickets: List, plan: Optional[AnswerPlan] = None) -> List[Choice]:
     """n choices for each (prompt, its token ids, its params, echo text); each a request of its own in the ring, with
-    its own random stream (seed + index when a seed is given)."""
-    eos = getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id}
+    its own random stream (seed + index when a seed is given), and its own reading of tool calls when it may make some."""
+    eos = eos_ids(tokenizer)
     cap = self.node.max_generate_tokens
     layers_here = self.node.own_shard(build_base_shard(model, self.inference_engine_classname)).get_layer_count()
     choices: List[Choice] = []
@@ -298,8 +307,9 @@ class ChatGPTAPI:
       for j in range(n):
         index = p * n + j
         seeded = params if params.seed is None else replace(params, seed=(params.seed + index) % 2**64)
+        complete = plan.completed_by(tokenizer) if plan is not None else None
         choice = Choice(index, request_id if index == 0 else f"{request_id}-{index}", prompt, seeded, tickets[index], kv_bytes,
-                        ReplyText(tokenizer.decode, eos, stop), echo, first=first, prompt_ids=prompt_ids)
+                        ReplyText(tokenizer.decode, eos, stop, complete), echo, first=first, tools=plan and plan.tool_stream(), prompt_ids=prompt_ids)
         first = first or choice
         choices.append(choice)
     return choices
@@ -321,7 +331,7 @@ class ChatGPTAPI:
           pass
     except Exception as e:
       raise self._generation_error(shape.request_id, e) from None
-    return responses.json_reply(shape.reply([(c.index, c.text, c.reply.finish_reason, c.pairs) for c in choices], usage()))
+    return responses.json_reply(shape.reply([(c.index, c.content, c.finish_reason, c.pairs, c.tool_calls) for c in choices], usage()))
 
   async def _generation(self, model: str, choice: Choice, arrived: float):
     """One choice's token events, timed for the metrics. Leaving early cancels the generation in the ring."""
@@ -341,6 +351,9 @@ class ChatGPTAPI:
       return e
     if isinstance(e, TimeoutError):
       return self._timeout_error()
+    peer_download = peer_download_api_error(str(e))  # the ring's download failed, here or on another node
+    if peer_download is not None:
+      return peer_download
     self._log_error(f"[{request_id}] generation failed", e)
     return ApiError(500, f"Error processing prompt (see logs with DEBUG>=2): {e}", code="generation_failed")
 
@@ -353,7 +366,7 @@ class ChatGPTAPI:
         async for chunk in chunks:
           unfinished -= chunk.finish_reason is not None
           usage_ = usage() if usage is not None and not unfinished else None
-          await stream.send(shape.chunk(chunk.index, chunk.text, chunk.finish_reason, chunk.pairs, usage_))
+          await stream.send(shape.chunk(chunk.index, chunk.text, chunk.finish_reason, chunk.pairs, usage_, chunk.tool_calls))
     except ConnectionError:  # the client left mid-stream; leaving the loop has cancelled the generations
       return stream.response
     except Exception as e:
@@ -409,6 +422,9 @@ class ChatGPTAPI:
   async def handle_download_progress(self, request: web.Request) -> web.Response:
     return responses.json_reply({node_id: event.to_dict() for node_id, event in self.node.node_download_progress.items() if event.status == "in_progress"})
 
+  async def handle_downloads(self, request: web.Request) -> web.Response:
+    return responses.json_reply(downloads_view(self.node.shard_downloader))
+
   def _known_model(self, model, param: str) -> str:
     if not isinstance(model, str) or not model:
       raise BadRequest(f"{param} is required: a model id such as {next(iter(model_cards))!r}", param=param)
@@ -437,6 +453,8 @@ class ChatGPTAPI:
     if repo is None:
       raise BadRequest(f"model {model} has no files for {self.inference_engine_classname}", param="model_name", code="model_not_supported")
     path = repo_dir(repo)
+    if getattr(self.node.shard_downloader, "is_downloading", lambda repo: False)(repo):
+      raise ApiError(409, f"Model {model} is downloading; delete its files once the download has ended", param="model_name", code="download_in_progress")
     if not path.exists():
       raise ApiError(404, f"Model {model} files not found", param="model_name", code="model_files_not_found")
     try:

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from exo.api.admission import Ticket
 from exo.api.reply_text import ReplyText
+from exo.api.tool_formats import ToolCallStream
 from exo.inference.sampling import SamplingParams, TokenLogprobs
 from exo.orchestration.requests import RequestEvent
 
@@ -28,11 +29,26 @@ class Choice:
   logprobs: List[Tuple[int, Optional[TokenLogprobs]]] = field(default_factory=list)  # every token so far, when asked for
   first: Optional["Choice"] = None  # the prompt's first choice, whose prefill this one waits for
   prefilled: asyncio.Event = field(default_factory=asyncio.Event)  # set at this choice's first event (or its end)
+  tools: Optional[ToolCallStream] = None  # reads tool calls out of the reply, when the request allows them
   prompt_ids: Optional[List[int]] = None  # the prompt's token ids (the node routes by the blocks they make)
 
   @property
   def text(self) -> str:
     return self.echo + self.reply.text
+
+  @property
+  def content(self) -> Optional[str]:
+    """The reply's plain text: all of it, or, when it may hold tool calls, what is not a call (null if nothing)."""
+    return self.tools.final_content() if self.tools is not None else self.text
+
+  @property
+  def tool_calls(self) -> Optional[List[dict]]:
+    return (self.tools.tool_calls() or None) if self.tools is not None else None
+
+  @property
+  def finish_reason(self) -> Optional[str]:
+    reason = self.reply.finish_reason
+    return "tool_calls" if reason == "stop" and self.tools is not None and self.tools.calls else reason
 
   @property
   def pairs(self) -> Optional[List[Tuple[int, Optional[TokenLogprobs]]]]:
@@ -41,11 +57,13 @@ class Choice:
 
 @dataclass
 class Chunk:
-  """One piece of one choice's reply, with the logprobs of the tokens that came with it (None: not asked for)."""
+  """One piece of one choice's reply, with the logprobs of the tokens that came with it (None: not asked for) and
+  the tool-call deltas it completes."""
   index: int
   text: str
   finish_reason: Optional[str]
   pairs: Optional[List[Tuple[int, Optional[TokenLogprobs]]]]
+  tool_calls: Optional[List[dict]] = None
 
 
 _DONE = object()
@@ -87,8 +105,11 @@ async def _run(choice: Choice, events_of: Callable[[Choice], AsyncIterator[Reque
         texts = choice.reply.feed(event.tokens, event.finished)
         for i, text in enumerate(texts):
           last = choice.reply.finish_reason is not None and i == len(texts) - 1
+          calls = None
+          if choice.tools is not None:
+            text, calls = choice.tools.feed(text, last)
           # The event's logprobs go with its first chunk.
-          queue.put_nowait(Chunk(choice.index, text, choice.reply.finish_reason if last else None, pairs if i == 0 or pairs is None else []))
+          queue.put_nowait(Chunk(choice.index, text, choice.finish_reason if last else None, pairs if i == 0 or pairs is None else [], calls or None))
         if choice.reply.finish_reason is not None:
           break  # leaving early (a stop string) cancels the rest of its generation
     queue.put_nowait(_DONE)

@@ -25,19 +25,23 @@ class EngineCollector:
 
   def collect(self):
     sizes = Tally()
-    plugin = self.node.plugins.get_plugin("exo-batching")
-    for scheduler in list(getattr(plugin, "schedulers", {}).values()):
+    plugin = self.node.plugins.get_plugin("exo-batching")  # None when batching is off
+    schedulers = list(plugin.schedulers.values()) if plugin is not None else []
+    for scheduler in schedulers:
       sizes.update(scheduler.stats.sizes)
     buckets = [(str(b), sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS] + [("+Inf", sum(sizes.values()))]
     family = HistogramMetricFamily("exo_batch_size", "Requests per engine step (batching on)")
     family.add_metric([], buckets, sum(size * n for size, n in sizes.items()))
     yield family
-    yield from self._stages(list(getattr(plugin, "schedulers", {}).values()))
+    yield from self._stages(schedulers)
     yield from self._routing()
-    kv_cache_bytes = getattr(self.node.inference_engine, "kv_cache_bytes", None)
-    if kv_cache_bytes is not None:
-      yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_cache_bytes())
-
+    masks = plugin.mask_times if plugin is not None else None
+    if masks is not None:  # grammar masks computed during steps (structured output), beside the forward passes
+      yield CounterMetricFamily("exo_grammar_mask_seconds", "Seconds spent computing grammar masks for steps' constrained rows", value=masks.seconds)
+      yield CounterMetricFamily("exo_grammar_mask_steps", "Steps whose constrained rows had their masks computed", value=masks.batches)
+      yield CounterMetricFamily("exo_grammar_mask_rows", "Constrained rows whose masks were computed", value=masks.rows)
+    kv_bytes = self.node.inference_engine.kv_cache_bytes()
+    yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_bytes)
 
   def _routing(self):
     """Where this node sent its requests: by reason, and each group's requests as this node knows them."""

@@ -69,15 +69,21 @@ class StopMatcher:
 class ReplyText:
   """One request's reply: feed it each token event, get the chunk texts to send.
 
-  Normally one chunk per event. When the reply ends, the last chunk carries the last token's own text (as upstream
-  exo does: the end-of-turn marker for a natural stop) with `finish_reason` set; text held back before it goes in a
-  chunk of its own, so clients that drop the content of a "stop" chunk (tinychat) lose nothing. A stop string ends
-  the reply with an empty "stop" chunk after the text before it."""
+  Normally one chunk per event. The reply is the model's text only: an end token (EOS, end of turn) that ends it
+  adds no text, but counts as a token (usage, logprobs). When the reply ends, the last chunk carries the last
+  token's text, if any, with `finish_reason` set; text held back before it goes in a chunk of its own. A stop string
+  ends the reply with an empty "stop" chunk after the text before it.
 
-  def __init__(self, decode: Callable[[Sequence[int]], str], eos_token_ids: Iterable[int], stop: Sequence[str] = ()):
+  finish_reason: "stop" for an end token, a stop string, or a grammar the answer has completed (`complete(tokens)`,
+  for requests whose answer follows one); "length" otherwise (the token budget or the context ran out)."""
+
+  def __init__(self, decode: Callable[..., str], eos_token_ids: Iterable[int], stop: Sequence[str] = (),
+               complete: Optional[Callable[[Sequence[int]], bool]] = None):
+    self.decode = decode
     self.decoder = IncrementalDecoder(decode)
     self.matcher = StopMatcher(stop)
     self.eos_token_ids = set(eos_token_ids)
+    self.complete = complete
     self.tokens: List[int] = []
     self.text = ""
     self.finish_reason: Optional[str] = None
@@ -91,12 +97,14 @@ class ReplyText:
     head = self.matcher.push(self.decoder.push(tokens[:-1]))
     if self.matcher.matched:
       return self._end(head)
-    last_text = self.decoder.push(tokens[-1:]) + self.decoder.flush()
+    ends_turn = bool(tokens) and tokens[-1] in self.eos_token_ids
+    # An end token's text is a special token's (none), unless the tokenizer has no special tokens at all (the dummy's).
+    last_text = (self.decoder.flush() + self.decode(tokens[-1:], skip_special_tokens=True)) if ends_turn else (self.decoder.push(tokens[-1:]) + self.decoder.flush())
     whole = head + self.matcher.push(last_text)
     if self.matcher.matched:
       return self._end(whole)
     whole += self.matcher.flush()
-    self.finish_reason = "stop" if self.tokens and self.tokens[-1] in self.eos_token_ids else "length"
+    self.finish_reason = "stop" if ends_turn or (self.complete is not None and self.complete(self.tokens)) else "length"
     if last_text and len(whole) > len(last_text) and whole.endswith(last_text):
       return self._emit([whole[:-len(last_text)], last_text])
     return self._emit([whole])

@@ -30,6 +30,8 @@ def _envelope(request_id: str, model: str, choices: List[dict]) -> dict:
 
 # A choice's logprobs as the API node has them: (token id, its TokenLogprobs or None where no node sent them).
 TokenPairs = Optional[List[Tuple[int, Optional[TokenLogprobs]]]]
+# A finished choice: (index, text, finish_reason, logprobs, tool calls or None).
+ReplyChoice = Tuple[int, Optional[str], Optional[str], TokenPairs, Optional[List[dict]]]
 
 
 class ChatShape:
@@ -47,15 +49,25 @@ class ChatShape:
       return None
     return {"content": [{**self._token(token, lp.logprob), "top_logprobs": [self._token(t, p) for t, p in lp.top]} for token, lp in pairs if lp is not None]}
 
-  def reply(self, choices: List[Tuple[int, str, str, TokenPairs]], usage_: dict) -> dict:
-    body = _envelope(self.request_id, self.model, [{"index": index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(pairs),
-                                                   "finish_reason": finish_reason} for index, text, finish_reason, pairs in choices])
+  @staticmethod
+  def _message(text: Optional[str], tool_calls: Optional[List[dict]]) -> dict:
+    """OpenAI's assistant message: with tool calls, content is null unless the reply also has text."""
+    if not tool_calls:
+      return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+
+  def reply(self, choices: List[ReplyChoice], usage_: dict) -> dict:
+    body = _envelope(self.request_id, self.model, [{"index": index, "message": self._message(text, tool_calls), "logprobs": self.logprobs(pairs),
+                                                   "finish_reason": finish_reason} for index, text, finish_reason, pairs, tool_calls in choices])
     body["usage"] = usage_
     return body
 
-  def chunk(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs = None, usage_: Optional[dict] = None) -> dict:
-    body = _envelope(self.request_id, self.model, [{"index": index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(pairs),
-                                                   "finish_reason": finish_reason, "delta": {"role": "assistant", "content": text}}])
+  def chunk(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs = None, usage_: Optional[dict] = None,
+            tool_calls: Optional[List[dict]] = None) -> dict:
+    """A stream event; tool-call deltas carry each call's index, its id, type and name once, then arguments in fragments."""
+    message = self._message(text, tool_calls)
+    body = _envelope(self.request_id, self.model, [{"index": index, "message": message, "logprobs": self.logprobs(pairs),
+                                                   "finish_reason": finish_reason, "delta": dict(message)}])
     if usage_ is not None:
       body["usage"] = usage_
     return body
@@ -96,12 +108,13 @@ class TextShape:
   def _choice(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs) -> dict:
     return {"text": text, "index": index, "logprobs": self.logprobs(index, pairs), "finish_reason": finish_reason}
 
-  def reply(self, choices: List[Tuple[int, str, str, TokenPairs]], usage_: dict) -> dict:
-    body = self._body([self._choice(*choice) for choice in choices])
+  def reply(self, choices: List[ReplyChoice], usage_: dict) -> dict:
+    body = self._body([self._choice(*choice[:4]) for choice in choices])
     body["usage"] = usage_
     return body
 
-  def chunk(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs = None, usage_: Optional[dict] = None) -> dict:
+  def chunk(self, index: int, text: str, finish_reason: Optional[str], pairs: TokenPairs = None, usage_: Optional[dict] = None,
+            tool_calls: Optional[List[dict]] = None) -> dict:
     body = self._body([self._choice(index, text, finish_reason, pairs)])
     if usage_ is not None:
       body["usage"] = usage_

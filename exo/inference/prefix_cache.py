@@ -11,7 +11,10 @@ The store holds references to KV caches, never copies: a prefix is read from the
 ever appends past its prompt. A cache still used by a live request costs the store nothing and is never evicted;
 caches only the store holds count against its budget and go least recently used first. A new request may take over
 a cache no live request uses (no copy at all): the entry then keeps only the blocks the two share, since the new
-request writes past them."""
+request writes past them.
+
+PrefixReuse, at the end, is the engine's side: the prefix methods of the engine contract for an engine that keeps one
+KV cache per request."""
 import hashlib
 import threading
 from collections import OrderedDict
@@ -188,3 +191,75 @@ def checked_keys(keys, what: str) -> List[str]:
   if not isinstance(keys, list) or len(keys) > MAX_KEYS or not all(isinstance(k, str) and len(k) == KEY_CHARS for k in keys):
     raise ValueError(f"{what} must be a list of at most {MAX_KEYS} block keys")
   return keys
+
+
+class PrefixReuse:
+  """The engine contract's prefix methods (exo/inference/inference_engine.py), mixed into an engine that keeps
+  `caches` (request id -> KV cache: `length`, `nbytes`, `copy_prefix(source, positions)`), makes new caches with
+  `model.new_cache()`, and runs its model work in order on one thread (`executor`, `_run(fn, *args)`). Every call
+  runs on that thread, in order with the steps. The engine creates `self.prefixes` (new_prefix_store)."""
+
+  copies_prefixes = True
+  prefixes: PrefixStore
+
+  def new_prefix_store(self) -> PrefixStore:
+    return PrefixStore(DEFAULT_BUDGET_BYTES, lambda: {id(c) for c in list(self.caches.values())}, lambda c: c.nbytes)
+
+  @property
+  def reuses_prefixes(self) -> bool:
+    return self.prefixes.enabled
+
+  def set_prefix_budget(self, budget_bytes: int) -> None:
+    self.prefixes.set_budget(budget_bytes)
+
+  async def start_from_prefix(self, request_id: str, shard, keys: List[str], limit: int) -> int:
+    """Begin the request's KV cache afresh (any it holds is dropped) with the longest cached prefix of `keys`, its
+    prompt's block keys, of at most `limit` positions. Returns the positions it starts with (0: none held). A
+    request's first message at a node may be this call, not a step: the shard is loaded first, as for a step."""
+    await self.ensure_shard(shard)
+    return await self._run(self._start_from_prefix, request_id, shard, keys, limit)
+
+  def _start_from_prefix(self, request_id: str, shard, keys: List[str], limit: int) -> int:
+    if self.shard != shard:
+      raise RuntimeError(f"the engine now holds {self.shard}, not {shard}")
+    self.caches.pop(request_id, None)
+    entry, positions = self.prefixes.longest(keys, limit) if self.reuses_prefixes else (None, 0)
+    if entry is None:
+      return 0
+    if id(entry.cache) in self.prefixes.live():
+      cache = self.caches[request_id] = self.model.new_cache()
+      cache.copy_prefix(entry.cache, positions)
+    else:  # only the store holds it: this request takes it over and writes past the prefix, no copy
+      cache = self.caches[request_id] = entry.cache
+      self.prefixes.take_over(entry, positions, request_id)
+      cache.length = positions
+    self.prefixes.hits += 1
+    self.prefixes.reused_positions += positions
+    return positions
+
+  def remember_prefix(self, request_id: str, keys: List[str]) -> None:
+    """File the request's cache under the keys of its prompt's blocks, once its prompt has run here. Queued on the
+    engine's thread without waiting: every later step and prefix lookup comes after it."""
+    if self.reuses_prefixes:
+      self.executor.submit(self._remember_prefix, request_id, keys)
+
+  def _remember_prefix(self, request_id: str, keys: List[str]) -> None:
+    cache = self.caches.get(request_id)
+    if cache is not None:
+      self.prefixes.add(cache, keys[:cache.length // BLOCK], request_id)
+
+  def extend_prefix(self, request_id: str, keys: List[str]) -> None:
+    """The request has finished: its entry is filed under `keys`, its prompt's blocks and then its answer's, as far
+    as its cache holds them. Queued like remember_prefix."""
+    if self.reuses_prefixes:
+      self.executor.submit(self.prefixes.extend, request_id, keys, lambda cache: cache.length)
+
+  def prefix_cache_bytes(self) -> int:
+    return self.prefixes.held_bytes()
+
+  def prefix_cache_state(self) -> dict:
+    if not self.reuses_prefixes:
+      return {"enabled": False}
+    store = self.prefixes
+    return {"enabled": True, "bytes": store.held_bytes(), "entries": len(store.entries), "hits": store.hits,
+            "reused_positions": store.reused_positions}

@@ -16,6 +16,7 @@ class SamplingParams:
   max_tokens: Optional[int] = None  # None = the node's max_generate_tokens
   ignore_eos: bool = False  # generate exactly max_tokens (benchmarks), as vLLM's extension of the same name
   logprobs: Optional[int] = None  # None = none; k = each token's log-probability and its k most likely alternatives
+  grammar: Optional[str] = None  # Lark text (llguidance's dialect) the answer must follow; see exo/inference/grammar.py
 
   def to_dict(self) -> dict:
     return asdict(self)
@@ -99,6 +100,7 @@ def _sample_candidates(rows, temps, top_k, top_p, min_p, full_mass, n, generator
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+IMPOSSIBLE_LOGPROB = -9999.0
 
 
 @dataclass(frozen=True)
@@ -124,12 +126,38 @@ def token_logprobs(logits: np.ndarray, params: Sequence[SamplingParams], tokens:
   k = min(max(params[i].logprobs for i in wanted), scaled.shape[-1])
   best = np.sort(np.argpartition(-scaled, k - 1, axis=-1)[:, :k], axis=-1) if k else np.zeros((len(wanted), 0), dtype=np.int64)
   best = np.take_along_axis(best, np.argsort(-np.take_along_axis(scaled, best, axis=-1), axis=-1, kind="stable"), axis=-1)
-  best_logprobs = np.minimum(np.take_along_axis(scaled, best, axis=-1) - log_total, 0.0)
-  chosen = np.minimum(scaled[np.arange(len(wanted)), [int(tokens[i]) for i in wanted]] - log_total[:, 0], 0.0)
+  # A token a grammar rules out has -inf: reported as OpenAI reports impossible tokens, -9999 (JSON has no infinity).
+  best_logprobs = np.clip(np.take_along_axis(scaled, best, axis=-1) - log_total, IMPOSSIBLE_LOGPROB, 0.0)
+  chosen = np.clip(scaled[np.arange(len(wanted)), [int(tokens[i]) for i in wanted]] - log_total[:, 0], IMPOSSIBLE_LOGPROB, 0.0)
   for row, i in enumerate(wanted):
     n = params[i].logprobs
     out[i] = TokenLogprobs(float(chosen[row]), [(int(t), float(lp)) for t, lp in zip(best[row, :n], best_logprobs[row, :n])])
   return out
+
+
+def draw_then_check(params: SamplingParams) -> bool:
+  """Whether a constrained row may first draw from its unmasked distribution and keep the token when the grammar
+  allows it. Without top-k, top-p or min-p, keeping an allowed draw and otherwise drawing again from the masked
+  logits gives exactly the masked distribution (greedy: the masked argmax); with them the cut would differ, so such
+  rows, and rows that report logprobs, draw from the masked logits at once."""
+  return params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0 and params.logprobs is None
+
+
+def allowed(masks: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+  """For each bitmask row (int32 words, bit i of word w = token 32 w + i) whether its token is allowed."""
+  tokens = np.asarray(tokens, dtype=np.int64)
+  inside = tokens < masks.shape[1] * 32
+  words = masks[np.arange(len(tokens)), np.minimum(tokens >> 5, masks.shape[1] - 1)].astype(np.int64)
+  return inside & (((words >> (tokens & 31)) & 1) == 1)
+
+
+def masked(rows: np.ndarray, masks: np.ndarray) -> np.ndarray:
+  """Logit rows with every token the bitmask rows do not allow set to -inf (tokens past the mask too)."""
+  rows = np.asarray(rows, dtype=np.float32)
+  bits = np.unpackbits(np.ascontiguousarray(masks).view(np.uint8), axis=1, bitorder="little").astype(bool)
+  width = rows.shape[1]
+  bits = bits[:, :width] if bits.shape[1] >= width else np.pad(bits, ((0, 0), (0, width - bits.shape[1])))
+  return np.where(bits, rows, np.float32(-np.inf))
 
 
 def sample_last(x: np.ndarray, temp: float = 0.0, top_p: float = 1.0, generator: Optional[np.random.Generator] = None) -> np.ndarray:

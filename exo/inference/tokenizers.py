@@ -3,7 +3,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Union
 
 import numpy as np
 from jinja2.ext import loopcontrols
@@ -23,8 +23,13 @@ class DummyTokenizer:
   def encode(self, text):
     return np.array([1])
 
-  def decode(self, tokens):
-    return "dummy" * len(tokens)
+  def decode(self, tokens, skip_special_tokens: bool = False):
+    return "dummy" * len(tokens)  # it has no special tokens: every token, its EOS too, reads "dummy" (upstream's CI parity)
+
+
+def eos_ids(tokenizer) -> Set[int]:
+  """The ids that end an answer: ours name them all (eos_token_ids); an upstream-style tokenizer has one eos_token_id."""
+  return set(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
 
 
 def _raise(message: str):

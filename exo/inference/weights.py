@@ -33,24 +33,6 @@ class LlamaConfig:
   dtype: str = "float32"  # the checkpoint's own float precision ("bfloat16", "float16"), for devices that compute in it
 
 
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-  """Inverse RoPE frequencies (head_dim // 2,), with Llama-3 frequency scaling when the model asks for it."""
-  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim))
-  scaling = config.rope_scaling or {}
-  if scaling.get("rope_type", scaling.get("type")) == "llama3":
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_context = scaling.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * np.pi / inv_freq
-    smooth = (old_context / wavelen - low) / (high - low)
-    scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-    medium = (wavelen <= old_context / low) & (wavelen >= old_context / high)
-    inv_freq = np.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-  elif "freq_factors" in scaling:  # GGUF stores Llama-3 scaling as per-frequency divisors
-    inv_freq = inv_freq / np.asarray(scaling["freq_factors"], dtype=np.float64)
-  return inv_freq.astype(np.float32)
-
-
 def _layer_index(name: str) -> Optional[int]:
   match = re.match(r"(?:model\.layers|blk)\.(\d+)\.", name)
   return int(match.group(1)) if match else None

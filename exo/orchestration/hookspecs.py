@@ -2,8 +2,9 @@
 
 A Node owns a `pluggy.PluginManager("exo")` (`node.plugins`). Its own behaviour is a plugin too (the core
 implementations, registered `trylast`), so a node with no other plugin behaves exactly like upstream exo.
-Third-party plugins are found through the `exo` entry-point group; exo's batching plugin is registered by the
-CLI when EXO_BATCH_SIZE / --batch-size turn it on.
+The `exo` command registers third-party plugins installed in the `exo` entry-point group (exo.main.
+load_installed_plugins; a Node built in code gets none of them) and exo's batching plugin when EXO_BATCH_SIZE /
+--batch-size turn it on.
 
 Hooks that do asynchronous work return an awaitable (pluggy calls are synchronous); the Node awaits it.
 `firstresult` hooks stop at the first implementation that returns something other than None, so a plugin
@@ -45,8 +46,9 @@ def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference
 def exo_process_inference_result(node, shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[None]]:
   """What follows a forward pass (Node.process_inference_result): on the last layer sample the request's next
   token (with its own parameters), record it, fire callbacks, broadcast it and forward it round the ring.
-  Return an awaitable doing all of it. The core samples one request at a time (`node.sample_tokens`); a
-  batching plugin samples many requests in one call and then hands each token to `node.handle_token`."""
+  Return an awaitable doing all of it. The core samples one request at a time (`node.sample_tokens`); the
+  batching plugin has already sampled the rows of each step together, inside the step (their grammars' masks
+  computed beside its forward pass), and hands each request's token to `node.handle_token`."""
 
 
 @hookspec

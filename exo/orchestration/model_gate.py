@@ -9,7 +9,7 @@ behind it, whatever their model, so a busy model cannot starve the other. A requ
 model is let in meanwhile (the load would replace that request's model under it)."""
 import asyncio
 from collections import deque
-from typing import Deque, Optional, Set, Tuple
+from typing import Deque, List, Optional, Set, Tuple
 
 DEFAULT_WAIT_S = 300.0
 
@@ -38,6 +38,10 @@ class ModelGate:
 
   def holds(self, request_id: str) -> bool:
     return request_id in self.holders
+
+  def in_line(self) -> List[str]:
+    """The requests waiting for their turn, first first."""
+    return [request_id for _, request_id, admitted in self._line if not admitted.done()]
 
   def idle_for(self, model: str) -> bool:
     """Nothing would be disturbed by loading `model` now."""

@@ -19,7 +19,7 @@ import json
 import time
 import traceback
 import uuid
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 import pluggy
@@ -27,8 +27,11 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
-from exo.inference.sampling import SamplingParams, last_rows, make_generator, token_logprobs
+from exo.inference import constrained, grammar
+from exo.inference.grammar import CannotConstrain, MaskTimes
+from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
+from exo.inference.tokenizers import eos_ids
 from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
 from exo.orchestration.acceptance import accept
@@ -81,6 +84,7 @@ class Node(RingMember):
     self.default_sample_temperature = default_sample_temperature
     self.node_download_progress: Dict[str, RepoProgressEvent] = {}
     self.memory_offered_mb: Optional[int] = None  # what this node offers the cluster instead of the machine's memory
+    self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()
     self.model_gate = ModelGate()
     self._watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
@@ -95,13 +99,12 @@ class Node(RingMember):
     self.status_handlers = StatusHandlers(self)
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
-    self.plugins.register(CorePlugin(), name="exo-core")
-    self.plugins.load_setuptools_entrypoints("exo")
+    self.plugins.register(CorePlugin(), name="exo-core")  # installed plugins: exo.main.load_installed_plugins
 
   # --- lifecycle ---
 
   async def start(self, wait_for_peers: int = 0) -> None:
-    self.device_capabilities = await device_capabilities(getattr(self.inference_engine, "device_name", "CPU"))
+    self.device_capabilities = await device_capabilities(self.inference_engine.device_name)
     if self.memory_offered_mb is not None:
       self.device_capabilities = self.device_capabilities.model_copy(update={"memory": self.memory_offered_mb})
     if self.server is not None:
@@ -112,6 +115,7 @@ class Node(RingMember):
     if DEBUG >= 2:
       print(f"Collected topology: {self.topology}")
     await self.prefix_protocol.announce()
+    await self.announce_structured_output()
     await self.placements.announce()
     self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self.membership.watch_peers())]
     if self.placements.mode is not None:
@@ -130,6 +134,12 @@ class Node(RingMember):
     await self.discovery.stop()
     if self.server is not None:
       await self.server.stop()
+
+  def pending(self) -> Dict[str, int]:
+    """Work under way here that no caller awaits (a read-only view): detached tasks (sends to peers, filings),
+    KV caches being freed, finished answers being filed, and local clients watching a request."""
+    return {"tasks": len(self._tasks), "releases": len(self._releases), "filings": len(self.prefix_protocol.filings),
+            "watchers": len(self._watchers)}
 
   def spawn(self, coro) -> asyncio.Task:
     """A detached task the node keeps track of, so stop() can end it."""
@@ -159,19 +169,11 @@ class Node(RingMember):
   def state(self) -> dict:
     """The live view (GET /v1/state): each live request here, its group, and the KV memory it holds."""
     engine = self.inference_engine
-    per_request = getattr(engine, "request_kv_bytes", lambda request_id: 0)
     return {"node_id": self.id,
-            "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions, "kv_bytes": per_request(r.id),
-                          "group": r.group} for r in self.requests],
-            "kv_bytes": getattr(engine, "kv_cache_bytes", lambda: 0)(),
-            "prefix_cache": self._prefix_cache_state()}
-
-  def _prefix_cache_state(self) -> dict:
-    store = getattr(self.inference_engine, "prefixes", None)
-    if store is None or not self.inference_engine.reuses_prefixes:
-      return {"enabled": False}
-    return {"enabled": True, "bytes": self.inference_engine.prefix_cache_bytes(), "entries": len(store.entries),
-            "hits": store.hits, "reused_positions": store.reused_positions}
+            "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions,
+                          "kv_bytes": engine.request_kv_bytes(r.id), "group": r.group} for r in self.requests],
+            "kv_bytes": engine.kv_cache_bytes(),
+            "prefix_cache": engine.prefix_cache_state()}
 
   # --- how requests start and end ---
 
@@ -196,7 +198,13 @@ class Node(RingMember):
     if request is None:
       raise ValueError(f"request {request_id} has already ended")
     request.params = params
-    if base_shard is not None and self.forwarding.route_new(request, base_shard, prompt_ids, prompt_tokens or len(prompt_ids or ())):
+    route = self.forwarding.route_new(request, base_shard, prompt_ids, prompt_tokens or len(prompt_ids or ())) if base_shard is not None else None
+    sampler = route.hops[-1].node_id if route is not None else self.ring_ids()[-1]
+    if params.grammar and sampler != self.id and sampler not in self.peer_grammar_engines:
+      # Its grammar would be ignored there (an upstream node, or one before structured output): no unconstrained answer.
+      raise CannotConstrain(f"node {sampler}, which samples this model's tokens, has not said that it can constrain output; "
+                            "it may run an exo without structured output, so the request is not run")
+    if route is not None:
       return
     await self.broadcast_opaque_status(request_id, statuses.request_params(request_id, params, self.id))
 
@@ -392,20 +400,17 @@ class Node(RingMember):
       self.forward_or_finish(shard, result, request_id, inference_state, is_finished=False)
       return
     token = (await self.sample_tokens(shard, [result], [request_id]))[0]
+    if isinstance(token, Exception):
+      raise token
     self.handle_token(shard, token, request_id, inference_state)
 
-  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str]) -> List[int]:
-    """Sample each request's next token from its logits, each with its own parameters and random stream."""
+  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
+                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
+    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
+    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
+    node cannot follow gets an error in place of its token."""
     requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    for request in requests:
-      if request.generator is None:
-        request.generator = make_generator(request.params.seed)
-    params = [r.params for r in requests]
-    tokens = [int(t) for t in np.asarray(await self.inference_engine.sample_batch(results, params, [r.generator for r in requests])).reshape(-1)]
-    if any(p.logprobs is not None for p in params):  # from the same logits, for every row that asked, in one pass
-      for request, logprobs in zip(requests, token_logprobs(last_rows(results), params, tokens)):
-        request.sampled_logprobs = logprobs
-    return tokens
+    return await constrained.sample_requests(self.inference_engine, requests, results, f"node {self.id}", masks, mask_times)
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
     """After sampling on the last layer: record, check EOS / length / context, fire callbacks, send, forward."""
@@ -415,12 +420,11 @@ class Node(RingMember):
     request.tokens.append(token)
     logprobs, request.sampled_logprobs = request.sampled_logprobs, None
     if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
-      tokenizer = self.inference_engine.tokenizer
-      request.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
+      request.eos_ids = eos_ids(self.inference_engine.tokenizer)
     limit = min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
     context = self._context_length()
     is_finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
-                   or (context is not None and request.positions >= context))
+                   or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
     if DEBUG >= 2:
       print(f"[{request_id}] token {token} ({len(request.tokens)}/{limit}) finished={is_finished}")
     # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
@@ -430,7 +434,7 @@ class Node(RingMember):
     self.forwarding.send_token(request, token, is_finished, logprobs)
 
   def _context_length(self) -> Optional[int]:
-    return getattr(self.inference_engine, "context_length", None)
+    return self.inference_engine.context_length
 
   def forward_or_finish(self, shard: Shard, forward: np.ndarray, request_id: str, inference_state: Optional[dict], is_finished: bool) -> None:
     if is_finished:
@@ -483,6 +487,11 @@ class Node(RingMember):
 
   async def announce_prefix_cache(self) -> None:
     await self.prefix_protocol.announce()
+
+  async def announce_structured_output(self) -> None:
+    """Tell the ring that this node follows requests' grammars when it samples them (upstream nodes never say)."""
+    if grammar.available():
+      await self.broadcast_opaque_status("", statuses.structured_output(self.id, grammar.ENGINE))
 
   async def collect_topology(self, visited: Set[str], max_depth: int = 4):
     topology = await super().collect_topology(visited, max_depth)

@@ -35,12 +35,12 @@ class PrefixProtocol:
     return self.node.inference_engine
 
   def reused_on_route(self, request: Request) -> bool:
-    return (getattr(self.engine, "reuses_prefixes", False)
+    return (self.engine.reuses_prefixes
             and all(self.node.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.node.id))
 
   async def announce(self) -> None:
     """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
-    block = BLOCK if getattr(self.engine, "reuses_prefixes", False) else 0
+    block = BLOCK if self.engine.reuses_prefixes else 0
     await self.node.broadcast_opaque_status("", statuses.prefix_cache(self.node.id, block))
 
   # --- on the first node ---
@@ -112,7 +112,7 @@ class PrefixProtocol:
       return True
     prefix = checked_prefix(prefix)
     reuse = prefix["reuse"]
-    held = await self.engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if getattr(self.engine, "reuses_prefixes", False) else 0
+    held = await self.engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
     if held != reuse:
       print(f"exo: request {request.id} was sent to reuse {reuse} cached positions that this node does not hold; "
             "its prompt runs again, whole", flush=True)
@@ -131,9 +131,8 @@ class PrefixProtocol:
     return {k: v for k, v in state.items() if k != "prefix"} if shard.is_last_layer() else state
 
   def _heard_extend(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    extend = getattr(self.engine, "extend_prefix", None)
-    if extend is not None and (sender_host is None or self.node.peers_at(sender_host)):
-      extend(status["request_id"], status["keys"])
+    if sender_host is None or self.node.peers_at(sender_host):
+      self.engine.extend_prefix(status["request_id"], status["keys"])
 
   def _heard_cache(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
     if status["node_id"] in self.node.peer_hosts:

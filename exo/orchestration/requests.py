@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class Request:
   tokens: List[int] = field(default_factory=list)  # tokens sampled for it here (on the node with the last layers)
   generator: Optional[np.random.Generator] = None  # its random stream, on the node that samples it
   eos_ids: Optional[Set[int]] = None  # its model's end tokens, on the node that samples it
+  constraint: Optional[Any] = None  # its grammar's matcher (exo/inference/grammar.py), on the node that samples it
   sampled_logprobs: Optional[TokenLogprobs] = None  # the logprobs of the token just sampled, until handle_token sends it
   tokens_received: int = 0  # tokens a peer has sent here, its origin
   peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it

@@ -1,6 +1,6 @@
 """What the node does with each kind of status it hears about requests and about its peers (the inbox parses each one
 once and hands it here by kind): a request's sampling parameters, its end (cancelled by its origin, or failed on its
-path), a token's logprobs sent ahead of it; who is working, download progress, the peers' engines. The other kinds
+path), a token's logprobs sent ahead of it; who is working, download progress, the peers' engines and grammar engines. The other kinds
 belong to the parts that act on them (placements, routing, prefixes, the batching plugin)."""
 from typing import Optional
 
@@ -23,8 +23,9 @@ class StatusHandlers:
     inbox.observe(statuses.NODE_STATUS, self._heard_node_status)
     inbox.observe(statuses.DOWNLOAD_PROGRESS, self._heard_download_progress)
     inbox.observe(statuses.SUPPORTED_ENGINES, self._heard_engines)
+    inbox.observe(statuses.STRUCTURED_OUTPUT, self._heard_grammar_engine)
     if node.topology_viz:
-      for kind in (statuses.NODE_STATUS, statuses.REQUEST_ERROR):
+      for kind in (statuses.NODE_STATUS, statuses.REQUEST_ERROR, statuses.DOWNLOAD_PROGRESS):
         inbox.observe(kind, lambda request_id, status, host: node.topology_viz.update_status(status))
 
   def _heard_params(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
@@ -77,3 +78,7 @@ class StatusHandlers:
   def _heard_engines(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
     if status["node_id"] in self.node.peer_hosts:
       self.node.peer_engines[status["node_id"]] = status["engines"]
+
+  def _heard_grammar_engine(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if status["node_id"] in self.node.peer_hosts:
+      self.node.peer_grammar_engines[status["node_id"]] = status["engine"]

@@ -4,6 +4,7 @@ import json
 import math
 from typing import Any, List, Optional, Tuple
 
+from exo.inference.grammar import MAX_GRAMMAR_CHARS
 from exo.inference.prefix_cache import checked_keys
 from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
@@ -25,6 +26,7 @@ PREFIX_EXTEND = "prefix_extend"  # a request finished: the block keys of all its
 PLACEMENT_MEMBER = "placement_member"  # a node follows routes: the facts placement is derived from, and the layers it has loaded
 GROUP_LOAD = "group_load"  # a group's first node: how much of its work (prompt tokens waiting, requests running and waiting) each origin sent
 TOKENS = "tokens"  # the tokens one step sampled for the requests of one origin (and the last token of the others on their routes)
+STRUCTURED_OUTPUT = "structured_output"  # a node announces that it samples requests' grammars (params.grammar), and with what
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
@@ -88,6 +90,10 @@ def tokens(node_id: str, rows: List[list]) -> str:
   return json.dumps({"type": TOKENS, "node_id": node_id, "rows": rows})
 
 
+def structured_output(node_id: str, engine: str) -> str:
+  return json.dumps({"type": STRUCTURED_OUTPUT, "node_id": node_id, "engine": engine})
+
+
 def parse(raw: str) -> Tuple[Optional[str], dict]:
   """(type, the status as a dict), checked for the types this node acts on; InvalidStatus if it cannot be used.
   (`shard` and `sampling_params` turn a checked status's parts into objects.)"""
@@ -124,6 +130,8 @@ def sampling_params(data: Any) -> SamplingParams:
     raise InvalidStatus("params.ignore_eos must be true or false")
   if params.logprobs is not None and (not _is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
     raise InvalidStatus(f"params.logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
+  if params.grammar is not None and (not isinstance(params.grammar, str) or not params.grammar or len(params.grammar) > MAX_GRAMMAR_CHARS):
+    raise InvalidStatus(f"params.grammar must be null or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
   return params
 
 
@@ -220,6 +228,11 @@ def _check_prefix_miss(status: dict) -> None:
   _string(status, "node_id")
 
 
+def _check_structured_output(status: dict) -> None:
+  _string(status, "node_id")
+  _string(status, "engine", limit=64)
+
+
 def _check_prefix_extend(status: dict) -> None:
   _string(status, "request_id")
   try:
@@ -271,4 +284,5 @@ _CHECKS = {
   TOKEN_LOGPROBS: _check_token_logprobs,
   PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss, PREFIX_EXTEND: _check_prefix_extend,
   PLACEMENT_MEMBER: _check_placement_member, GROUP_LOAD: _check_group_load, TOKENS: _check_tokens,
+  STRUCTURED_OUTPUT: _check_structured_output,
 }

@@ -9,6 +9,8 @@ const state = {
   models: {}, // id -> {name, downloaded, download_percentage, total_size, total_downloaded, loading}
   selectedModel: localStorage.getItem("selectedModel"),
   abort: null, // AbortController of the answer being streamed
+  downloading: new Set(), // "<node id> <model id>" of the downloads under way at the last poll
+  failed: new Set(), // models whose latest download on this node failed
 };
 
 // --- small helpers ---
@@ -209,10 +211,9 @@ function showError(text) {
 
 // --- streaming a reply ---
 
-// Reads exo's SSE stream (`data: {json}\n\n` events) and calls onDelta with each piece of text.
-// A "stop" finish carries the end-of-turn marker as its content, which is not part of the answer; a "length"
-// finish carries a real last token; an event with an `error` (finish "error") ends the answer with that error.
-// A `[DONE]` line (other servers send one) also ends the stream.
+// Reads exo's SSE stream (`data: {json}\n\n` events) and calls onDelta with each piece of text. The last event
+// carries the answer's last text, if any (never an end-of-turn marker), with the finish reason; an event with an
+// `error` (finish "error") ends the answer with that error. A `[DONE]` line (other servers send one) also ends it.
 async function readStream(response, onDelta) {
   let finishReason = null;
   for await (const data of sseData(response)) {
@@ -222,8 +223,8 @@ async function readStream(response, onDelta) {
     const choice = payload.choices && payload.choices[0];
     if (!choice) continue;
     const content = (choice.delta && choice.delta.content) || "";
-    if (choice.finish_reason === "stop") return "stop";
     if (content) onDelta(content);
+    if (choice.finish_reason === "stop") return "stop";
     if (choice.finish_reason) finishReason = choice.finish_reason;
   }
   return finishReason;
@@ -315,7 +316,7 @@ function renderModelPicker() {
   const ids = Object.keys(state.models);
   select.replaceChildren(...ids.map((id) => {
     const m = state.models[id];
-    const suffix = m.downloaded === true ? " ✓" : typeof m.download_percentage === "number" ? ` (${m.download_percentage.toFixed(0)}%)` : "";
+    const suffix = m.downloaded === true ? " ✓" : m.total_downloaded > 0 ? ` (${m.download_percentage.toFixed(0)}%)` : "";
     return el("option", { value: id }, `${m.name || id}${suffix}`);
   }));
   if (!ids.includes(state.selectedModel)) state.selectedModel = ids.includes("smollm2-135m") ? "smollm2-135m" : ids[0] || null;
@@ -330,6 +331,9 @@ function renderModelStatus() {
   $("delete-model").hidden = !m || !(m.total_downloaded > 0);
   if (!m || m.downloaded === null || m.downloaded === undefined) status.textContent = "";
   else if (m.downloaded) status.textContent = `on disk · ${formatBytes(m.total_size)}`;
+  else if (state.failed.has(state.selectedModel)) status.textContent = "download failed (see Downloads)";
+  else if ([...state.downloading].some((key) => key.endsWith(` ${state.selectedModel}`))) status.textContent = "downloading (see Downloads)";
+  else if (!m.total_size) status.textContent = "not downloaded";
   else status.textContent = `${(m.download_percentage || 0).toFixed(1)}% of ${formatBytes(m.total_size)} on disk`;
 }
 
@@ -372,17 +376,19 @@ function renderModelPool() {
   const list = $("model-pool");
   list.replaceChildren();
   for (const [id, m] of Object.entries(state.models)) {
-    if (typeof m.download_percentage !== "number") continue;
+    if (!m.downloaded && !(m.total_downloaded > 0)) continue; // nothing of it on disk
     list.append(el("li", {}, `${m.name || id}: ${m.downloaded ? "on disk" : `${m.download_percentage.toFixed(1)}%`} · ${formatBytes(m.total_size)}`,
       el("div", { class: "bar" }, el("div", { style: `width: ${Math.min(100, m.download_percentage)}%` }))));
   }
 }
 
-async function downloadModel() {
-  const model = state.selectedModel;
+async function downloadModel(model = state.selectedModel) {
   const response = await api("/download", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ model }) });
   if (!response.ok) showError(`Download failed: ${await errorText(response)}`);
-  else $("model-status").textContent = "download started";
+  else {
+    $("model-status").textContent = "download started";
+    pollDownloads();
+  }
 }
 
 async function deleteModel() {
@@ -393,27 +399,43 @@ async function deleteModel() {
   pollModelPool();
 }
 
+// The ring's downloads under way (every node's, from /v1/download/progress), each with its files arriving now, and
+// this node's downloads that failed (from /v1/downloads), each with what went wrong and a button to try again.
 async function pollDownloads() {
   try {
-    const response = await api("/v1/download/progress");
-    if (!response.ok) return;
-    const progress = await response.json();
+    const [progressResponse, downloadsResponse] = await Promise.all([api("/v1/download/progress"), api("/v1/downloads")]);
+    if (!progressResponse.ok) return;
+    const running = Object.entries(await progressResponse.json());
+    const failed = downloadsResponse.ok ? Object.entries(await downloadsResponse.json()).filter(([, d]) => d.status === "failed") : [];
     const box = $("downloads");
-    const entries = Object.entries(progress);
-    if (entries.length === 0) {
-      box.replaceChildren(el("p", { class: "muted" }, "No downloads in progress."));
-      return;
-    }
-    box.replaceChildren(...entries.map(([nodeId, p]) => {
-      const percent = p.total_bytes ? (100 * p.downloaded_bytes) / p.total_bytes : 0;
-      return el("div", { class: "download" },
-        el("div", {}, `${p.repo_id || (p.shard && p.shard.model_id) || "model"} on ${nodeId}`),
-        el("div", { class: "bar" }, el("div", { style: `width: ${percent.toFixed(1)}%` })),
-        el("div", { class: "muted" }, `${p.status === "in_progress" ? "downloading" : p.status} · ${formatBytes(p.downloaded_bytes)} / ${formatBytes(p.total_bytes)} · ${formatBytes(p.overall_speed)}/s · ETA ${formatDuration(p.overall_eta)}`));
-    }));
+    if (running.length === 0 && failed.length === 0) box.replaceChildren(el("p", { class: "muted" }, "No downloads in progress."));
+    else box.replaceChildren(...running.map(([nodeId, p]) => downloadNode(nodeId, p)), ...failed.map(([model, d]) => failedDownloadNode(model, d)));
+    const now = new Set(running.map(([nodeId, p]) => `${nodeId} ${p.shard && p.shard.model_id}`));
+    if ([...state.downloading].some((key) => !now.has(key))) pollModelPool(); // one ended: what is on disk has changed
+    state.downloading = now;
+    state.failed = new Set(failed.map(([model]) => model));
+    renderModelStatus();
   } catch {
     // the node may be restarting; the next poll tries again
   }
+}
+
+function downloadNode(nodeId, p) {
+  const percent = p.total_bytes ? (100 * p.downloaded_bytes) / p.total_bytes : 0;
+  const arriving = Object.values(p.file_progress || {}).filter((f) => f.status === "in_progress");
+  return el("div", { class: "download" },
+    el("div", {}, `${p.repo_id || (p.shard && p.shard.model_id) || "model"} on ${nodeId}`),
+    el("div", { class: "bar" }, el("div", { style: `width: ${percent.toFixed(1)}%` })),
+    el("div", { class: "muted" }, `${formatBytes(p.downloaded_bytes)} / ${formatBytes(p.total_bytes)} · ${formatBytes(p.overall_speed)}/s · ETA ${formatDuration(p.overall_eta)} · ${p.completed_files} of ${p.total_files} files`),
+    el("ul", { class: "files" }, ...arriving.map((f) => el("li", { class: "muted" },
+      `${f.file_path} · ${f.total ? ((100 * f.downloaded) / f.total).toFixed(0) : 0}% · ${formatBytes(f.speed)}/s`))));
+}
+
+function failedDownloadNode(model, d) {
+  return el("div", { class: "download failed", role: "alert" },
+    el("div", {}, `${(state.models[model] && state.models[model].name) || model}: download failed`),
+    el("div", { class: "reason" }, d.error ? d.error.message : "unknown error"),
+    el("button", { type: "button", onclick: () => downloadModel(model) }, "Try again"));
 }
 
 // --- topology ---
@@ -505,7 +527,7 @@ function init() {
   $("stop").addEventListener("click", () => state.abort && state.abort.abort());
   $("new-chat").addEventListener("click", newConversation);
   $("model-select").addEventListener("change", (e) => selectModel(e.target.value));
-  $("download-model").addEventListener("click", downloadModel);
+  $("download-model").addEventListener("click", () => downloadModel());
   $("delete-model").addEventListener("click", deleteModel);
   $("toggle-cluster").addEventListener("click", (e) => {
     const hidden = document.body.classList.toggle("cluster-hidden");

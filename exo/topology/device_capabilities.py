@@ -1,4 +1,5 @@
 """What a node offers the ring: memory (MiB) decides its share of layers; FLOPS are informational."""
+import asyncio
 import platform
 import subprocess
 from typing import Any
@@ -71,7 +72,7 @@ def _nvidia_gpu():
     return None
 
 
-def linux_device_capabilities(device_name: str = "CPU") -> DeviceCapabilities:
+async def linux_device_capabilities(device_name: str = "CPU") -> DeviceCapabilities:
   gpu = _nvidia_gpu()
   if gpu is not None:
     name = gpu[0].rsplit(" ", 1)[0] if gpu[0].split()[-1].endswith("GB") else gpu[0]
@@ -81,9 +82,10 @@ def linux_device_capabilities(device_name: str = "CPU") -> DeviceCapabilities:
                             memory=psutil.virtual_memory().total // 2**20, flops=_zero_flops())
 
 
-def mac_device_capabilities() -> DeviceCapabilities:
+async def mac_device_capabilities() -> DeviceCapabilities:
+  """From `system_profiler SPHardwareDataType` (run off the event loop: it takes about a second)."""
   try:
-    out = subprocess.check_output(["system_profiler", "SPHardwareDataType"], text=True)
+    out = (await asyncio.to_thread(subprocess.check_output, ["system_profiler", "SPHardwareDataType"])).decode()
     info = dict(line.strip().split(": ", 1) for line in out.splitlines() if ": " in line)
     chip, model = info.get("Chip", "Unknown Chip"), info.get("Model Name", "Unknown Model")
     memory = int(info.get("Memory", "0 GB").split()[0]) * 1024
@@ -95,9 +97,9 @@ def mac_device_capabilities() -> DeviceCapabilities:
 async def device_capabilities(device_name: str = "CPU") -> DeviceCapabilities:
   """Capabilities of this machine; `device_name` is what the engine runs on (e.g. CPU, CLANG, CUDA)."""
   if platform.system() == "Darwin":
-    return mac_device_capabilities()
+    return await mac_device_capabilities()
   if platform.system() == "Linux":
-    return linux_device_capabilities(device_name)
+    return await linux_device_capabilities(device_name)
   return DeviceCapabilities(model="Unknown Device", chip="Unknown Chip", memory=psutil.virtual_memory().total // 2**20, flops=_zero_flops())
 
 

@@ -1,5 +1,6 @@
-"""Terminal view of a node (rich Live): the ring in partition order with each node's layers and memory, where to
-chat, and the latest requests. The Node pushes updates; rich redraws a few times a second from its own thread."""
+"""Terminal view of a node (rich Live): the ring in partition order with each node's layers, memory and download,
+where to chat, the downloads under way file by file, and the latest requests. The Node pushes updates; rich redraws
+a few times a second from its own thread."""
 import re
 import threading
 import time
@@ -12,11 +13,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from exo.helpers import VERSION
+from exo.download.download_progress import RepoProgressEvent
+from exo.helpers import VERSION, pretty_print_bytes
 from exo.topology.partitioning_strategy import Partition, map_partitions_to_shards
 from exo.topology.topology import Topology
 
 MAX_REQUESTS_SHOWN = 6
+MAX_FILES_SHOWN = 4  # of a download under way, the files arriving now
 CHAT_MARKUP = re.compile(r"<\|[^|>]*\|>|\bassistant\s*$")
 
 
@@ -85,13 +88,21 @@ class TopologyViz:
           view.elapsed_s = status["elapsed_time_ns"] / 1e9
       elif kind == "request_error" and request_id in self.requests:
         self.requests[request_id].error = str(status.get("error", "failed"))
+      elif kind == "download_progress" and status.get("node_id") in (self.node_id, *self.topology.nodes):
+        try:  # at once, not only at the next topology round; from this ring's nodes only
+          self.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
+        except (KeyError, TypeError, ValueError):
+          pass
 
   # --- drawing ---
 
   def render(self):
     with self._lock:
       tables = [self._groups_table()] if self.placement.get("active") and self.placement.get("models") else [self._ring_table()]
-      return Panel(Group(self._header(), *tables, self._requests_table()), title=f"exo {VERSION}", border_style="cyan")
+      parts = [self._header(), *tables]
+      if any(getattr(p, "status", None) == "in_progress" for p in self.node_download_progress.values()):
+        parts.append(self._downloads_table())
+      return Panel(Group(*parts, self._requests_table()), title=f"exo {VERSION}", border_style="cyan")
 
   def _header(self) -> Text:
     text = Text()
@@ -135,11 +146,21 @@ class TopologyViz:
         name += " ●"
       memory = f"{caps.memory / 1024:.1f} GiB" if caps else "?"
       device = f"{caps.chip}" if caps else "?"
-      progress = self.node_download_progress.get(partition.node_id)
-      download = ""
-      if progress is not None and getattr(progress, "total_bytes", 0):
-        download = f"{progress.downloaded_bytes / progress.total_bytes:.0%}"
+      download = download_summary(self.node_download_progress.get(partition.node_id))
       table.add_row(str(i), name, layers, memory, device, download, style="bold" if partition.node_id == self.node_id else None)
+    return table
+
+  def _downloads_table(self) -> Table:
+    table = Table(title="Downloads", expand=True)
+    for column in ("node", "file", "progress"):
+      table.add_column(column, overflow="ellipsis", no_wrap=True)
+    for node_id, progress in self.node_download_progress.items():
+      if getattr(progress, "status", None) != "in_progress":
+        continue
+      table.add_row(node_id, progress.repo_id, download_summary(progress))
+      arriving = [f for f in progress.file_progress.values() if f.status == "in_progress"]
+      for file in sorted(arriving, key=lambda f: -f.total)[:MAX_FILES_SHOWN]:
+        table.add_row("", f"  {file.file_path}", transfer(file.downloaded, file.total, file.speed, file.eta))
     return table
 
   def _requests_table(self) -> Table:
@@ -156,3 +177,24 @@ class TopologyViz:
       prompt = " ".join(CHAT_MARKUP.sub(" ", view.prompt).split())[-80:]  # the question, not the template around it
       table.add_row(view.request_id[:8], prompt, state)
     return table
+
+
+def transfer(downloaded: int, total: int, speed: float, eta: float) -> str:
+  """"42% · 12.00 MB / 30.00 MB · 5.10 MB/s · 4 s left"."""
+  text = f"{downloaded / total:.0%} · {pretty_print_bytes(downloaded)} / {pretty_print_bytes(total)}" if total else pretty_print_bytes(downloaded)
+  if speed > 0:
+    text += f" · {pretty_print_bytes(int(speed))}/s"
+  if eta > 0:
+    text += f" · {eta:.0f} s left"
+  return text
+
+
+def download_summary(progress) -> str:
+  """A node's latest download in a few words: under way (with speed and time left), done, or stopped part way."""
+  if progress is None or not getattr(progress, "total_bytes", 0):
+    return ""
+  if progress.status == "complete":
+    return "done"
+  if progress.status == "in_progress":
+    return transfer(progress.downloaded_bytes, progress.total_bytes, progress.overall_speed, progress.overall_eta)
+  return f"stopped at {progress.downloaded_bytes / progress.total_bytes:.0%}"

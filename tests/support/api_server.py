@@ -2,14 +2,14 @@
 event loop in a background thread, so tests can use any client: the sync `openai` package, aiohttp, a browser."""
 import asyncio
 import atexit
-import inspect
 import socket
 import threading
-import time
 from typing import Dict, Optional, Union
 
+import aiohttp
 import numpy as np
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from exo.api import ChatGPTAPI
 from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
@@ -117,17 +117,18 @@ def openai_client(server: "ApiServer", timeout: float = 180) -> openai.OpenAI:
   return openai.OpenAI(base_url=f"{server.url}/v1", api_key="exo", timeout=timeout, max_retries=0)
 
 
+async def scrape(url: str) -> dict:
+  """The node's /metrics, parsed by prometheus_client: {(sample name, labels as a sorted tuple): value}."""
+  async with aiohttp.ClientSession() as session:
+    async with session.get(f"{url}/metrics") as r:
+      assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+      text = await r.text()
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def shared_server(engine: str) -> ApiServer:
   """One server per engine for the whole pytest run: loading SmolLM2 takes ~15 s on two cores, so do it once."""
   if engine not in _shared:
     _shared[engine] = ApiServer(engine).start()
     atexit.register(_shared[engine].stop)
   return _shared[engine]
-
-
-async def eventually(condition, timeout: float = 30.0) -> None:
-  """Poll `condition` (a function, or a coroutine function) until it holds; fail past `timeout`."""
-  deadline = time.monotonic() + timeout
-  while not (await result if inspect.isawaitable(result := condition()) else result):
-    assert time.monotonic() < deadline, "condition not met in time"
-    await asyncio.sleep(0.05)

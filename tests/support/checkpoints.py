@@ -4,6 +4,7 @@ hub, so tests make what users download."""
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -16,8 +17,9 @@ from exo.models import get_repo, model_cards
 SMOLLM2_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: bool = True) -> Path:
-  """A Hugging Face style model directory holding the same model (split: over two files with an index)."""
+def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: bool = True, file_of: Optional[Callable[[str], str]] = None) -> Path:
+  """A Hugging Face style model directory holding the same model (split: over two files with an index; file_of: in
+  the file it names for each tensor, with an index)."""
   path.mkdir(exist_ok=True)
   (path / "config.json").write_text(json.dumps({
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
@@ -25,24 +27,25 @@ def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: boo
     "num_key_value_heads": config.n_kv_heads, "vocab_size": config.vocab_size, "rms_norm_eps": config.rms_norm_eps,
     "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings,
     "max_position_embeddings": config.max_position_embeddings, "torch_dtype": "float32"}))
-  if split:
-    names = sorted(weights)
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for file, part in halves.items():
-      save_file({n: weights[n] for n in part}, str(path / file))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
-  else:
+  if split and file_of is None:
+    halves = {n: f"model-0000{i % 2 + 1}-of-00002.safetensors" for i, n in enumerate(sorted(weights))}
+    file_of = halves.__getitem__
+  if file_of is None:
     save_file(weights, str(path / "model.safetensors"))
+  else:
+    weight_map = {n: file_of(n) for n in weights}
+    for file in sorted(set(weight_map.values())):
+      save_file({n: w for n, w in weights.items() if weight_map[n] == file}, str(path / file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
   tokenizer.backend.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
   return path
 
 
-def install_random_model(model_id: str, engine_classname: str = "NumpyDynamicShardInferenceEngine", hidden: int = 64) -> Path:
-  """A Llama with random weights, the card's layer count and SmolLM2's tokenizer, written into $EXO_HOME/downloads
-  under the card's repo name, where the node finds it as downloaded."""
+def random_llama(n_layers: int, hidden: int = 64):
+  """A Llama with random weights, `n_layers` layers and SmolLM2's tokenizer: (config, weights, tokenizer)."""
   tokenizer = tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO))
-  config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, n_layers=model_cards[model_id]["layers"], n_heads=4, n_kv_heads=2,
+  config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, n_layers=n_layers, n_heads=4, n_kv_heads=2,
                        vocab_size=tokenizer.backend.get_vocab_size(), head_dim=hidden // 4, tie_word_embeddings=True, max_position_embeddings=2048)
   rng = np.random.default_rng(0)
 
@@ -56,9 +59,30 @@ def install_random_model(model_id: str, engine_classname: str = "NumpyDynamicSha
                     p + "self_attn.q_proj.weight": weight(q, hidden), p + "self_attn.k_proj.weight": weight(kv, hidden),
                     p + "self_attn.v_proj.weight": weight(kv, hidden), p + "self_attn.o_proj.weight": weight(hidden, q),
                     p + "mlp.gate_proj.weight": weight(ffn, hidden), p + "mlp.up_proj.weight": weight(ffn, hidden), p + "mlp.down_proj.weight": weight(hidden, ffn)})
+  return config, weights, tokenizer
+
+
+def install_random_model(model_id: str, engine_classname: str = "NumpyDynamicShardInferenceEngine", hidden: int = 64) -> Path:
+  """A random-weight Llama with the card's layer count, written into $EXO_HOME/downloads under the card's repo name,
+  where the node finds it as downloaded."""
+  config, weights, tokenizer = random_llama(model_cards[model_id]["layers"], hidden)
   path = repo_dir(get_repo(model_id, engine_classname))
   path.mkdir(parents=True, exist_ok=True)
   return write_hf_dir(path, config, weights, tokenizer, split=False)
+
+
+def write_layer_split_llama(path: Path, n_layers: int, halves: int = 2) -> Path:
+  """A random-weight Llama as a hub repository holds a large one: its layers in `halves` weight files by layer range,
+  embeddings and final norm in a file of their own, and an index naming the file of every tensor. A ring node that
+  holds some of the layers needs only their files and the last one."""
+  config, weights, tokenizer = random_llama(n_layers)
+  per_file = -(-n_layers // halves)
+  files = [f"model-{i + 1:05d}-of-{halves + 1:05d}.safetensors" for i in range(halves + 1)]
+
+  def file_of(name: str) -> str:
+    layer = next((int(p) for p in name.split(".") if p.isdigit()), None)
+    return files[-1] if layer is None else files[layer // per_file]
+  return write_hf_dir(path, config, weights, tokenizer, file_of=file_of)
 
 
 def mixed_precision(path: str, module) -> object:

@@ -1,5 +1,5 @@
 """Helpers for tests that start real `exo` processes on loopback: free ports, manual-discovery configs, per-node
-EXO_HOME, and readiness by polling (logs, gRPC health and topology), never by fixed sleeps."""
+EXO_HOME, and readiness by polling (logs, gRPC health and topology) with `eventually`, never by fixed sleeps."""
 import asyncio
 import json
 import os
@@ -8,11 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 import aiohttp
+
+from tests.support.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout, two folders up from tests/support
 QUESTION = "What is the capital of France?"
@@ -74,16 +75,17 @@ class ExoProcess:
   def running(self) -> bool:
     return self.proc is not None and self.proc.poll() is None
 
-  def wait_for_log(self, pattern: str, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+  def check_running(self, before: str) -> None:
+    if not self.running():
+      raise AssertionError(f"{self.node_id} exited ({self.proc.returncode}) before {before}:\n{self.current_log()[-3000:]}")
+
+  async def wait_for_log(self, pattern: str, timeout: float) -> re.Match:
+    def logged():
       match = re.search(pattern, self.current_log(), re.M)
-      if match:
-        return match
-      if not self.running():
-        raise AssertionError(f"{self.node_id} exited ({self.proc.returncode}) before {pattern!r}:\n{self.current_log()[-3000:]}")
-      time.sleep(0.1)
-    raise AssertionError(f"{self.node_id}: no {pattern!r} within {timeout} s:\n{self.current_log()[-3000:]}")
+      if match is None:
+        self.check_running(f"logging {pattern!r}")
+      return match
+    return await eventually(logged, timeout, lambda: f"{self.node_id} logging {pattern!r}:\n{self.current_log()[-3000:]}", interval=0.1)
 
   def wait(self, timeout: float) -> int:
     try:
@@ -144,17 +146,15 @@ def ring_formed(views: Dict[str, object]) -> bool:
 
 
 async def wait_for_ring(ports: Dict[str, int], timeout: float, processes: Iterable[ExoProcess] = ()) -> Dict[str, object]:
-  deadline = time.monotonic() + timeout
-  views = {}
-  while time.monotonic() < deadline:
-    views = await collect_topologies(ports)
-    if ring_formed(views):
-      return views
+  views: Dict[str, object] = {}
+
+  async def formed():
     for p in processes:
-      if not p.running():
-        raise AssertionError(f"{p.node_id} exited:\n{p.current_log()[-3000:]}")
-    await asyncio.sleep(0.25)
-  raise AssertionError(f"ring {sorted(ports)} not formed within {timeout} s: {[(k, v and sorted(v.nodes)) for k, v in views.items()]}")
+      p.check_running("the ring formed")
+    views.update(await collect_topologies(ports))
+    return views if ring_formed(views) else None
+  seen = lambda: f"ring {sorted(ports)} formed; seen {[(k, v and sorted(v.nodes)) for k, v in views.items()]}"
+  return await eventually(formed, timeout, seen, interval=0.25)
 
 
 def node_args(port: int, api_port: int, config, engine: str) -> list:
@@ -176,19 +176,15 @@ class Cluster:
     return f"http://127.0.0.1:{self.api_ports[node_id]}"
 
   async def wait_api(self, node_id: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
-      while time.monotonic() < deadline:
+      async def healthy() -> bool:
         try:
           async with session.get(f"{self.url(node_id)}/healthcheck", timeout=aiohttp.ClientTimeout(total=2)) as response:
-            if response.status == 200:
-              return
+            return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
-          pass
-        if not self.nodes[node_id].running():
-          raise AssertionError(f"{node_id} exited:\n{self.nodes[node_id].current_log()[-3000:]}")
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"{node_id}'s API not up within {timeout} s")
+          self.nodes[node_id].check_running("its API answered")
+          return False
+      await eventually(healthy, timeout, f"{node_id}'s API up", interval=0.2)
 
   async def start(self, ids=None, ring_timeout: float = 60) -> None:
     ids = list(ids or self.nodes)

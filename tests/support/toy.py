@@ -18,6 +18,7 @@ from exo.orchestration.batching.plugin import register_batching
 from exo.orchestration.generation import generate
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
+from tests.support.waiting import eventually
 
 TOY = Shard("toy", 0, 0, 4)  # base shard; a ring of one holds layers 0-3
 VOCAB = 64
@@ -128,9 +129,5 @@ def leftover_tasks():
 
 async def settle(node):
   await node.stop()
-  for _ in range(50):  # the node's own last cleanups (freeing caches) run just after stop returns
-    if not leftover_tasks():
-      break
-    await asyncio.sleep(0.01)
-  assert not leftover_tasks()
+  await eventually(lambda: not leftover_tasks(), 1)  # the node's own last cleanups (freeing caches) run just after stop returns
   assert not node.outstanding_requests

@@ -11,7 +11,6 @@ def _mlx_device() -> str:
 class MLXDynamicShardInferenceEngine(LlamaShardEngine):
   """Llama in MLX (Metal on Apple silicon, CPU elsewhere), quantized checkpoints kept quantized, on one worker thread."""
   keeps_quantized = True
-  copies_prefixes = True
 
   def __init__(self, shard_downloader):
     super().__init__(shard_downloader, ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine"))

@@ -34,7 +34,6 @@ def single_threaded_blas() -> None:
 
 class NumpyDynamicShardInferenceEngine(LlamaShardEngine):
   """Llama in float32 numpy, on one worker thread with single-threaded BLAS (llama.py spreads big steps itself)."""
-  copies_prefixes = True
 
   def __init__(self, shard_downloader):
     super().__init__(shard_downloader, ThreadPoolExecutor(max_workers=1, thread_name_prefix="numpy-engine"))

@@ -1,34 +1,25 @@
 """Llama in numpy, float32: one step runs many requests at once.
 
 All rows of all requests go through each weight product together, the product's columns shared among the cores
-(kernels.py). Attention reads the KV pool (cache.py): decode rows of requests in consecutive slots are one batched
-product over a strided view of those slots, each row masked to its own length; a prompt chunk attends on its own
-with a causal mask, its keys in blocks. Softmax is taken unshifted where that is exact (see exact_enough). The cores
-share attention by requests, cut so that each has about as much of it to compute.
+(kernels.py); attention reads each request's slot of the KV pool (cache.py, attention.py).
 
 Every step of a layer that follows a product runs inside that product's column slices, on whichever core computed
 them: RoPE and the cache write after q/k/v, the residual add after the output and down projections, SiLU-and-gate
 after gate/up (whose columns are interleaved in 32-column pairs so that each slice holds both halves). Only the
 two RMS norms of a layer, over whole rows, run between the slices."""
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import numpy as np
 
-from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
-from exo.inference.numpy.kernels import CORES, PARALLEL_ROWS, split_columns, split_over_cores
+from exo.inference.llama_layout import in_caller_order, layer_weights, rope_inv_freq, shard_ends, step_input
+from exo.inference.numpy.attention import Step
+from exo.inference.numpy.cache import KVCache, KVPool
+from exo.inference.numpy.kernels import split_columns, split_over_cores
 from exo.inference.shard import Shard
-from exo.inference.weights import LlamaConfig, rope_inv_freq
+from exo.inference.weights import LlamaConfig
 
 PAIR = 32  # gate/up columns interleaved in pairs of PAIR gate columns then PAIR up columns
-SCORE_TILE_BYTES = 1 << 20  # a prompt chunk's attention scores at a time (about a core's L2 cache)
-PROMPT_TILE_ROWS = 64  # a prompt chunk's rows at a time: a block of keys serves 3 x this many query rows, and a fresh
-# prompt's causal triangle wastes little (64: 10-25% faster than 128 or 256 at 24-512 rows)
-MIN_KEY_BLOCK = 128  # keys at a time, at least (fewer make the product with the values too thin to run well)
-PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest; past this much padding a new run starts
-PROMPT_POSITION_COST = 0.3  # a prompt row's attention per position it sees, as a share of a decode row's (its rows
-# share each key read, in products: 30 against 110 ns a position on one core of this VM)
-MIN_TOTAL = 1e-18  # a row's sum of exp(score) below this may have lost terms to underflow: it is computed again, shifted
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -46,228 +37,33 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def exact_enough(total: np.ndarray, out: np.ndarray) -> bool:
-  """Whether attention computed with exp(score), not exp(score - row max), is as exact as the shifted form.
-
-  Softmax is the same whatever is subtracted from a row's scores, and float32's exp and sums are as exact at any
-  magnitude, so the shift only guards against overflow (a score above 88) and against a row whose every weight
-  underflows. Scores stay far from both here (SmolLM2: -22 to 29), and leaving the shift out saves two passes over
-  the scores and lets a prompt's keys be taken in blocks. A row that overflowed shows as inf or nan; a row whose
-  total is below MIN_TOTAL had its largest score below about -50, where terms 37 orders smaller may have been lost.
-  Either way the caller computes it again, shifted."""
-  return bool(np.isfinite(total).all() and total.min() >= MIN_TOTAL and np.isfinite(out).all())
-
-
-class DecodeRun:
-  """Requests in consecutive slots of one slab, one new row each (rows first..first + n of the step): their
-  attention is one batched product over a view of those slots, each row masked to its own length."""
-
-  def __init__(self, slab: np.ndarray, slot: int, first: int, ends: np.ndarray):
-    self.slab, self.slot, self.first, self.ends = slab, slot, first, ends  # ends: positions each row sees
-    self.width = int(ends.max())
-    hidden = np.arange(self.width)[None, :] >= ends[:, None]
-    self.mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, :]  # over (query head, row, KV head, position)
-
-  @property
-  def cost(self) -> int:  # cached positions read
-    return len(self.ends) * self.width
-
-  def split(self, n: int) -> Tuple["DecodeRun", "DecodeRun"]:
-    return (DecodeRun(self.slab, self.slot, self.first, self.ends[:n]),
-            DecodeRun(self.slab, self.slot + n, self.first + n, self.ends[n:]))
-
-  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, shifted: bool = False) -> None:
-    n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
-    rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
-    keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
-    # Each query head a column of its own: numpy hands a product whose last dimension is 1 to sgemv. A KV head's 3
-    # query heads as one 3-row sgemm cost more to set up than to compute: for 64 requests of 131 positions, a layer's
-    # attention took 3.8 ms on one core that way, 2.5 ms as matrix-vector products.
-    queries = q[rows].reshape(n, n_kv, n_heads // n_kv, hd).transpose(2, 0, 1, 3)[..., None]  # (group, n, kv heads, head dim, 1)
-    scores = np.matmul(keys, queries)[..., 0]  # (group, n, kv heads, width)
-    scores += self.mask
-    if shifted:
-      scores -= scores.max(axis=-1, keepdims=True)
-    with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
-      np.exp(scores, out=scores)
-      total = scores.sum(axis=-1, keepdims=True)
-      out = np.matmul(values.swapaxes(-1, -2), scores[..., None])[..., 0]  # (group, n, kv heads, head dim)
-    if not shifted and not exact_enough(total, out):
-      return self.attend(li, q, attn, n_kv, shifted=True)
-    out /= total
-    attn[rows] = out.transpose(1, 2, 0, 3).reshape(n, n_heads * hd)
-
-
-class PromptChunk:
-  """n rows of one request's prompt (rows first..first + n of the step), from position `start`: causal attention
-  over its own slot."""
-
-  def __init__(self, slab: np.ndarray, slot: int, first: int, start: int, n: int):
-    self.slab, self.slot, self.first, self.start, self.n = slab, slot, first, start, n
-    # Only among its own rows does a key come after a query: every cached position before `start` is seen by all.
-    self.mask = np.where(np.arange(n)[None, :] > np.arange(n)[:, None], -np.inf, 0.0).astype(np.float32)
-
-  @property
-  def cost(self) -> float:  # as a decode row's cached positions
-    return PROMPT_POSITION_COST * self.seen(self.n)
-
-  def seen(self, rows: int) -> int:
-    """Positions its first `rows` rows attend to (causal: the later rows see more)."""
-    return rows * self.start + rows * (rows + 1) // 2
-
-  def rows_costing(self, cost: float) -> int:
-    """How many of its first rows cost about `cost`: where to cut it between two cores."""
-    b = self.start + 0.5
-    return round(math.sqrt(b * b + 2 * cost / PROMPT_POSITION_COST) - b)
-
-  def split(self, n: int) -> Tuple["PromptChunk", "PromptChunk"]:
-    """Its first n rows and the rest: a long cached prefix (a prefix cache hit) makes one chunk's attention a core's worth."""
-    return (PromptChunk(self.slab, self.slot, self.first, self.start, n),
-            PromptChunk(self.slab, self.slot, self.first + n, self.start + n, self.n - n))
-
-  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
-    for a in range(0, self.n, PROMPT_TILE_ROWS):
-      b = min(a + PROMPT_TILE_ROWS, self.n)
-      if not self._attend(li, q, attn, n_kv, a, b):
-        self._attend(li, q, attn, n_kv, a, b, shift=self._row_max(li, q, n_kv, a, b))
-
-  def _blocks(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int):
-    """(keys from, to, masked scores) for rows a..b, their keys taken in blocks whose scores fit the core's cache:
-    rows a..b see positions up to start + b - 1, and only positions from `start` on are hidden from some of them."""
-    n, width, (_, n_heads, hd) = b - a, self.start + b, q.shape
-    keys = self.slab[self.slot, li, 0]  # (kv heads, positions, head dim)
-    queries = q[self.first + a:self.first + b].reshape(n, n_kv, n_heads // n_kv, hd).transpose(1, 2, 0, 3).reshape(n_kv, -1, hd)
-    block = max(MIN_KEY_BLOCK, SCORE_TILE_BYTES // (4 * n_heads * n))
-    for k0 in range(0, width, block):
-      k1 = min(k0 + block, width)
-      scores = np.matmul(queries, keys[:, k0:k1].swapaxes(-1, -2))  # (kv heads, group * n, k1 - k0)
-      lo = max(k0, self.start)
-      if lo < k1:
-        scores.reshape(n_kv, -1, n, k1 - k0)[..., lo - k0:] += self.mask[a:b, lo - self.start:k1 - self.start]
-      yield k0, k1, scores
-
-  def _row_max(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int) -> np.ndarray:
-    return np.max([scores.max(axis=-1, keepdims=True) for _, _, scores in self._blocks(li, q, n_kv, a, b)], axis=0)
-
-  def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int, shift=None) -> bool:
-    """Rows a..b's attention into attn; False, writing nothing, if unshifted exp was not exact enough (exact_enough)."""
-    n, (_, n_heads, hd) = b - a, q.shape
-    values = self.slab[self.slot, li, 1]
-    out, total = np.zeros((n_kv, n_heads // n_kv * n, hd), dtype=np.float32), np.zeros((n_kv, n_heads // n_kv * n, 1), dtype=np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
-      for k0, k1, scores in self._blocks(li, q, n_kv, a, b):
-        if shift is not None:
-          scores -= shift
-        np.exp(scores, out=scores)
-        total += scores.sum(axis=-1, keepdims=True)
-        out += np.matmul(scores, values[:, k0:k1])
-    if shift is None and not exact_enough(total, out):
-      return False
-    out /= total
-    attn[self.first + a:self.first + b] = out.reshape(n_kv, -1, n, hd).transpose(2, 0, 1, 3).reshape(n, n_heads * hd)
-    return True
-
-
-class Step:
-  """What every layer of one step shares: where each row's keys go, and who attends with whom. The requests come
-  in slot order."""
-
-  def __init__(self, pool: KVPool, caches: Sequence[KVCache], lengths: Sequence[int]):
-    starts = [cache.length for cache in caches]
-    self.rows = sum(lengths)
-    self.positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    # Cache writes, one per slab: (slab, row range, slot index per row, position per row).
-    self.writes: List[Tuple[np.ndarray, slice, np.ndarray, np.ndarray]] = []
-    slot_of_row = np.repeat([cache.slot for cache in caches], lengths)
-    for slab in np.unique(slot_of_row // SLAB_SLOTS):
-      rows = np.flatnonzero(slot_of_row // SLAB_SLOTS == slab)
-      self.writes.append((pool.slabs[slab], slice(rows[0], rows[-1] + 1), slot_of_row[rows] % SLAB_SLOTS, self.positions[rows]))
-
-    jobs: List = []
-    run: List[int] = []  # requests of the decode run being gathered
-    offsets = np.cumsum([0] + list(lengths))
-
-    def close_run():
-      if run:
-        slab, index = pool.where(caches[run[0]].slot)
-        jobs.append(DecodeRun(slab, index, int(offsets[run[0]]), np.array([starts[r] + 1 for r in run])))
-        run.clear()
-
-    for r, (cache, n) in enumerate(zip(caches, lengths)):
-      if n > 1:
-        close_run()
-        jobs.append(PromptChunk(*pool.where(cache.slot), int(offsets[r]), starts[r], n))
-        continue
-      if run:
-        widths = [starts[i] + 1 for i in run] + [starts[r] + 1]
-        if cache.slot != caches[run[-1]].slot + 1 or cache.slot % SLAB_SLOTS == 0 or len(widths) * max(widths) > PADDING_LIMIT * sum(widths):
-          close_run()
-      run.append(r)
-    close_run()
-    self.job_groups = share(jobs, CORES) if self.rows >= PARALLEL_ROWS and CORES > 1 else [jobs]
-
-
-def share(jobs: List, parts: int) -> List[List]:
-  """The jobs in `parts` consecutive groups of about equal cost; a decode run or prompt chunk is cut where a group
-  fills up."""
-  total = sum(job.cost for job in jobs)
-  groups: List[List] = [[] for _ in range(parts)]
-  g, filled = 0, 0.0
-  for job in jobs:
-    while job is not None:
-      room = total * (g + 1) / parts - filled
-      if isinstance(job, DecodeRun) and g < parts - 1 and job.cost > room and len(job.ends) > 1:
-        head, job = job.split(min(len(job.ends) - 1, max(1, round(room / job.width))))
-      elif isinstance(job, PromptChunk) and g < parts - 1 and job.cost > room and job.n > 1:
-        head, job = job.split(min(job.n - 1, max(1, job.rows_costing(room))))
-      else:
-        head, job = job, None
-      groups[g].append(head)
-      filled += head.cost
-      if g < parts - 1 and (job is not None or filled >= total * (g + 1) / parts):
-        g += 1
-  return [group for group in groups if group]
+def interleaved_pairs(gate_up: np.ndarray) -> np.ndarray:
+  """Fused (2 * inter, hidden) gate/up rows as (hidden, 2 * inter) columns: PAIR gate columns, then the PAIR up
+  columns of the same units, and so on."""
+  hidden = gate_up.shape[1]
+  return gate_up.reshape(2, -1, PAIR, hidden).transpose(3, 1, 0, 2).reshape(hidden, -1)
 
 
 class Llama:
   def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
     self.config, self.shard = config, shard
     c = config
-    q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     if c.intermediate_size % PAIR:
       raise ValueError(f"intermediate size {c.intermediate_size} is not a multiple of {PAIR}")
-    self.layers = []
-    for i in range(shard.start_layer, shard.end_layer + 1):
-      w = lambda name: weights[f"model.layers.{i}.{name}"]
-      # Every weight once, as (in, out), written straight into its final place.
-      qkv = np.empty((c.hidden_size, q_size + 2 * kv_size), dtype=np.float32)
-      qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:] = w("self_attn.q_proj.weight").T, w("self_attn.k_proj.weight").T, w("self_attn.v_proj.weight").T
-      gate_up = np.empty((c.hidden_size, 2 * c.intermediate_size), dtype=np.float32)
-      pairs = gate_up.reshape(c.hidden_size, -1, 2, PAIR)
-      pairs[:, :, 0], pairs[:, :, 1] = w("mlp.gate_proj.weight").T.reshape(c.hidden_size, -1, PAIR), w("mlp.up_proj.weight").T.reshape(c.hidden_size, -1, PAIR)
-      self.layers.append({
-        "attn_norm": w("input_layernorm.weight"), "mlp_norm": w("post_attention_layernorm.weight"), "qkv": qkv,
-        "o": np.ascontiguousarray(w("self_attn.o_proj.weight").T), "gate_up": gate_up,
-        "down": np.ascontiguousarray(w("mlp.down_proj.weight").T)})
-    embed = weights.get("model.embed_tokens.weight")
-    self.head = None  # (hidden, vocab)
-    if shard.is_last_layer():
-      self.norm = weights["model.norm.weight"]
-      self.head = np.ascontiguousarray(weights.get("lm_head.weight", embed).T)
-    # The first shard looks tokens up; with tied embeddings on a whole-model shard, in the head's columns (one copy).
-    self.embed = None
-    if shard.is_first_layer():
-      self.embed = embed if self.head is None or "lm_head.weight" in weights else None
+    # Matrices as (in, out): a product's columns are what the cores share.
+    self.layers = [{"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "qkv": np.ascontiguousarray(layer.qkv.T),
+                    "o": np.ascontiguousarray(layer.o.T), "gate_up": interleaved_pairs(layer.gate_up),
+                    "down": np.ascontiguousarray(layer.down.T)}
+                   for layer in layer_weights(weights, shard)]
+    ends = shard_ends(weights, shard)
+    self.norm = ends.norm
+    self.head = None if ends.head is None else np.ascontiguousarray(ends.head.T)  # (hidden, vocab)
+    self.embed = None if ends.shared else ends.embed  # shared: tokens are looked up in the head's columns
     self.inv_freq = rope_inv_freq(config)
     self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings)
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)
-
-  def copy_prefix(self, source: KVCache, cache: KVCache, positions: int) -> None:
-    """Start `cache` with the first `positions` positions of `source`: a copy of a few MB, far cheaper than computing them."""
-    cache.data[:, :, :, :positions] = source.data[:, :, :, :positions]
-    cache.length = positions
 
   def _embed(self, ids: np.ndarray) -> np.ndarray:
     return self.embed[ids] if self.embed is not None else self.head[:, ids].T.copy()
@@ -283,37 +79,31 @@ class Llama:
     order = sorted(range(len(inputs)), key=lambda r: caches[r].slot)
     inputs, caches = [inputs[r] for r in order], [caches[r] for r in order]
     lengths = [len(x) for x in inputs]
+    h = step_input(inputs, self.shard.is_first_layer(), c.hidden_size)
     if self.shard.is_first_layer():
-      h = self._embed(np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in inputs]))
-    else:
-      h = np.concatenate([np.asarray(x, dtype=np.float32).reshape(-1, c.hidden_size) for x in inputs])
+      h = self._embed(h)
     step = Step(self.pool, caches, lengths)
     h = self._layers(h, step)
     for cache, n in zip(caches, lengths):
       cache.length += n
 
-    offsets = np.cumsum([0] + lengths)
     if self.head is None:
-      outputs = [h[offsets[i]:offsets[i + 1]] for i in range(len(inputs))]
+      outputs = step.layout.split(h)
     else:
-      last = rms_norm(h[offsets[1:] - 1], self.norm, c.rms_norm_eps)  # only each request's last position is sampled
+      last = rms_norm(h[step.layout.last_rows], self.norm, c.rms_norm_eps)  # only each request's last position is sampled
       logits = np.empty((len(inputs), c.vocab_size), dtype=np.float32)
 
       def head(a: int, b: int) -> None:
         np.matmul(last, self.head[:, a:b], out=logits[:, a:b])
       split_columns(head, c.vocab_size, 256, step.rows)
       outputs = [logits[i:i + 1] for i in range(len(inputs))]
-    unsorted: List[np.ndarray] = [None] * len(inputs)
-    for i, r in enumerate(order):
-      unsorted[r] = outputs[i]
-    return unsorted
+    return in_caller_order(order, outputs)
 
   def _layers(self, h: np.ndarray, step: Step) -> np.ndarray:
     c = self.config
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     rows = step.rows
-    angles = step.positions[:, None].astype(np.float32) * self.inv_freq[None, :]
-    cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    cos, sin = step.layout.angles(self.inv_freq)
     scale = np.float32(1.0 / math.sqrt(hd))
     q = np.empty((rows, n_heads, hd), dtype=np.float32)  # scaled, turned queries
     attn = np.empty((rows, n_heads * hd), dtype=np.float32)

@@ -22,7 +22,6 @@ def _tinygrad_device() -> str:
 
 class TinygradDynamicShardInferenceEngine(LlamaShardEngine):
   """Llama in float32 tinygrad (CPU/CLANG, CUDA, METAL, ... whatever Device.DEFAULT is), on tinygrad's one thread."""
-  copies_prefixes = True
 
   def __init__(self, shard_downloader):
     super().__init__(shard_downloader, tinygrad_thread())

@@ -20,10 +20,11 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, Variable
 
+from exo.inference.llama_layout import StepRows, in_caller_order, layer_weights, rope_inv_freq, shard_ends, step_input
 from exo.inference.shard import Shard
-from exo.inference.weights import LlamaConfig, rope_inv_freq
+from exo.inference.tinygrad.cache import KVCache, bucket
+from exo.inference.weights import LlamaConfig
 
-MIN_CAPACITY = 64
 MAX_JITS = 32  # shape signatures kept; each holds its own intermediate buffers
 CPU_DEVICES = ("CPU", "CLANG", "LLVM", "PYTHON")
 
@@ -33,34 +34,6 @@ def float_dtype() -> type:
   if choice not in ("float16", "float32"):
     raise ValueError(f"EXO_TINYGRAD_DTYPE={choice!r}: use float16 or float32")
   return np.dtype(choice).type
-
-
-def bucket(n: int, least: int = 1) -> int:
-  """n rounded up to a power of two (past 64: to a multiple of 64), at least `least`: padded shapes keep the number
-  of distinct kernels and jits small, without doubling the work of long prompts."""
-  n = max(n, least)
-  return 1 << max(n - 1, 0).bit_length() if n <= 64 else -(-n // 64) * 64
-
-
-class KVCache:
-  """One request's keys and values: per layer one (2, n_kv_heads, capacity, head_dim) tensor, capacity doubling as
-  the request grows. Positions past `length` may hold padding garbage; the attention mask never lets a query see them."""
-
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype=np.float32, capacity: int = MIN_CAPACITY):
-    self.kv = [Tensor(np.zeros((2, n_kv_heads, capacity, head_dim), dtype=dtype)).realize() for _ in range(n_layers)]
-    self.capacity, self.length = capacity, 0
-
-  def reserve(self, length: int) -> None:
-    if length <= self.capacity:
-      return
-    grown = max(bucket(length), 2 * self.capacity)
-    self.kv = [t.pad(((0, 0), (0, 0), (0, grown - self.capacity), (0, 0))).contiguous() for t in self.kv]
-    Tensor.realize(*self.kv)
-    self.capacity = grown
-
-  @property
-  def nbytes(self) -> int:
-    return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.kv)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -82,31 +55,20 @@ class Llama:
     # number of inputs. Matrices are kept (out, in), so every output reduces over contiguous memory: x @ W.T.
     self.layers: List[Tensor] = []
     self.weight_shapes: List[Tuple[int, ...]] = []
-    for i in range(shard.start_layer, shard.end_layer + 1):
-      w = lambda name: weights[f"model.layers.{i}.{name}"]
-      parts = (np.concatenate([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
-               w("self_attn.o_proj.weight"), np.concatenate([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
-               w("mlp.down_proj.weight"), w("input_layernorm.weight"), w("post_attention_layernorm.weight"))
+    for layer in layer_weights(weights, shard):
+      parts = (layer.qkv, layer.o, layer.gate_up, layer.down, layer.attn_norm, layer.mlp_norm)
       self.weight_shapes = [a.shape for a in parts]
       self.layers.append(Tensor(np.concatenate([a.reshape(-1) for a in parts]).astype(dtype)).realize())
+    ends = shard_ends(weights, shard)
     # Token lookup is a gather: done on the host, so only the (rows, hidden) result travels to the device.
-    self.embed = weights["model.embed_tokens.weight"].astype(dtype, copy=False) if shard.is_first_layer() else None
-    if shard.is_last_layer():
-      self.norm = Tensor(weights["model.norm.weight"].astype(dtype, copy=False)).realize()
-      self.head = Tensor(weights.get("lm_head.weight", weights.get("model.embed_tokens.weight")).astype(dtype, copy=False)).realize()
+    self.embed = None if ends.embed is None else ends.embed.astype(dtype, copy=False)
+    self.norm = None if ends.norm is None else Tensor(ends.norm.astype(dtype, copy=False)).realize()
+    self.head = None if ends.head is None else Tensor(ends.head.astype(dtype, copy=False)).realize()
     self.inv_freq = rope_inv_freq(config)
     self.jits: "OrderedDict[tuple, List[TinyJit]]" = OrderedDict()
 
   def new_cache(self) -> KVCache:
     return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim, self.dtype)
-
-  def copy_prefix(self, source: KVCache, cache: KVCache, positions: int) -> None:
-    """Start `cache` with the first `positions` positions of `source`."""
-    cache.reserve(positions)
-    pad = ((0, 0), (0, 0), (0, cache.capacity - positions), (0, 0))
-    cache.kv = [t[:, :, :positions].pad(pad).contiguous() for t in source.kv]
-    Tensor.realize(*cache.kv)
-    cache.length = positions
 
   def _jit(self, key: tuple, fn, copies: int) -> List[TinyJit]:
     if key not in self.jits:
@@ -169,24 +131,20 @@ class Llama:
       cache.reserve(cache.length + n)
     # Requests in signature order, so the same mix of shapes reuses one jit whatever order they came in.
     order = sorted(range(len(inputs)), key=lambda r: (padded[r], caches[r].capacity))
-    rows = bucket(sum(padded))  # the matmuls' shapes: few distinct ones, so few kernels to generate
-    sig = (rows,) + tuple((padded[r], caches[r].capacity) for r in order)
+    inputs, caches, sizes = [inputs[r] for r in order], [caches[r] for r in order], [padded[r] for r in order]
+    step = StepRows([lengths[r] for r in order], [cache.length for cache in caches], sizes)
+    rows = bucket(step.rows)  # the matmuls' shapes: few distinct ones, so few kernels to generate
+    sig = (rows,) + tuple((p, cache.capacity) for p, cache in zip(sizes, caches))
 
     h = np.zeros((rows, c.hidden_size), dtype=self.dtype)  # padding rows stay zero
-    positions, masks, starts, offsets, offset = [], [], [], {}, 0
-    for slot, r in enumerate(order):
-      n, p, s, capacity = lengths[r], padded[r], caches[r].length, caches[r].capacity
-      x = np.asarray(inputs[r])
-      h[offset:offset + n] = self.embed[x.reshape(-1).astype(np.int64)] if self.embed is not None else x.reshape(n, c.hidden_size)
-      positions.append(np.arange(s, s + p))
+    given = step_input(inputs, self.shard.is_first_layer(), c.hidden_size)
+    h[step.input_rows] = self.embed[given] if self.embed is not None else given
+    masks, starts = [], []
+    for slot, (cache, s, p) in enumerate(zip(caches, step.starts, sizes)):
       # causal: query i (at position s+i) sees keys up to s+i; later slots hold old padding or nothing yet
-      masks.append(np.where(np.arange(capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(self.dtype).reshape(-1))
-      starts.append(Variable(f"start{slot}", 0, capacity - p).bind(s))
-      offsets[r] = offset
-      offset += p
-    positions.append(np.zeros(rows - offset, dtype=np.int64))
-    angles = np.concatenate(positions)[:, None].astype(np.float32) * self.inv_freq[None, :]
-    rope_cs = Tensor(np.stack([np.cos(angles), np.sin(angles)])[:, :, None, :].astype(self.dtype))
+      masks.append(np.where(np.arange(cache.capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(self.dtype).reshape(-1))
+      starts.append(Variable(f"start{slot}", 0, cache.capacity - p).bind(s))
+    rope_cs = Tensor(np.stack(step.angles(self.inv_freq, rows)).astype(self.dtype))
     masks = Tensor(np.concatenate(masks))
 
     # Two jits per signature, alternating by layer: a jit's output buffer is rewritten on its next replay, so it
@@ -194,16 +152,15 @@ class Llama:
     jits = self._jit(("layer", sig), lambda *a: self._layer(sig, *a), 2)
     x = Tensor(h)
     for li, layer in enumerate(self.layers):
-      x = jits[li % 2](x, rope_cs, masks, layer, *[caches[r].kv[li] for r in order], *starts)
-    for cache, n in zip(caches, lengths):
+      x = jits[li % 2](x, rope_cs, masks, layer, *[cache.kv[li] for cache in caches], *starts)
+    for cache, n in zip(caches, step.lengths):
       cache.length += n
 
     if not self.shard.is_last_layer():
       out = x.numpy().astype(np.float32, copy=False)  # hidden states travel as float32
-      return [out[offsets[r]:offsets[r] + lengths[r]].copy() for r in range(len(inputs))]
-    select = np.zeros((len(order), x.shape[0]), dtype=self.dtype)  # one-hot rows: each request's last real position
-    for slot, r in enumerate(order):
-      select[slot, offsets[r] + lengths[r] - 1] = 1.0
+      return in_caller_order(order, [own.copy() for own in step.split(out)])
+    select = np.zeros((len(caches), x.shape[0]), dtype=self.dtype)  # one-hot rows: each request's last real position
+    select[np.arange(len(caches)), step.last_rows] = 1.0
     head = self._jit(("head",) + select.shape, self._head, 1)[0]
     logits = head(Tensor(select), x, self.norm, self.head).numpy().astype(np.float32, copy=False)
-    return [logits[order.index(r)][None].copy() for r in range(len(inputs))]
+    return in_caller_order(order, [logits[i][None].copy() for i in range(len(caches))])

@@ -1,4 +1,4 @@
-"""Conversions between exo's Python objects and node_service messages (wire.md §2-4).
+"""Conversions between exo's Python objects and node_service messages (docs/architecture.md, "The ring protocol").
 
 Decoders validate what they read and raise ValueError on malformed input, so the server can answer
 INVALID_ARGUMENT instead of crashing a handler or corrupting a request."""
@@ -72,7 +72,7 @@ def encode_inference_state(state: Optional[dict]) -> pb.InferenceState:
 
 
 def decode_inference_state(message: Optional[pb.InferenceState]) -> dict:
-  """Absent and empty both mean {} (wire.md §4)."""
+  """Absent and empty both mean {}."""
   if message is None:
     return {}
   state = {key: decode_tensor(t) for key, t in message.tensor_data.items()}

@@ -1,4 +1,4 @@
-"""Client side of the ring: one gRPC channel to one peer (wire.md §5 for options and deadlines)."""
+"""Client side of the ring: one gRPC channel to one peer (docs/architecture.md, "The ring protocol")."""
 import asyncio
 from typing import List, Optional
 
@@ -47,7 +47,7 @@ SEND_RESULT_TIMEOUT_S = 15.0
 REFUSED_RETRY_WAITS_S = (0.01, 0.05, 0.2, None)  # pauses before resending a refused stream; None: give up
 # Calls are gzip-compressed like upstream's, except those carrying tensors and token ids: float activations hardly
 # compress, and compressing them costs more time than it saves (about 6 ms of the sender's event loop for a 64-token
-# prompt's hidden states). Servers accept both (wire.md). The channel has no default compression, because a call
+# prompt's hidden states). Servers accept both. The channel has no default compression, because a call
 # cannot turn a channel's default off (grpc.aio ignores compression=NoCompression then); the others ask for gzip.
 GZIP = grpc.Compression.Gzip
 TRAVELLING_STATE = ("prefix", "route", "params", "rows")  # the inference state's keys that go on the wire (JSON)
@@ -132,7 +132,7 @@ class GRPCPeerHandle(PeerHandle):
   # --- ring traffic ---
 
   @staticmethod
-  def _wire_state(inference_state: Optional[dict]) -> pb.InferenceState:
+  def wire_state(inference_state: Optional[dict]) -> pb.InferenceState:
     # Upstream peers cannot take non-empty state, so only what this project's nodes exchange travels (in
     # other_data_json): the prompt prefix a request reuses, its route, its sampling parameters and the rows of a packed
     # message (exo/orchestration/routing/packing.py), which a node puts in the state only for peers that announced they
@@ -141,7 +141,7 @@ class GRPCPeerHandle(PeerHandle):
     return encode_inference_state(travelling) if travelling else pb.InferenceState()
 
   @staticmethod
-  async def _unless_refused(call, request, **options):
+  async def unless_refused(call, request, **options):
     """The call, sent again if the peer refused its HTTP/2 stream (RST_STREAM REFUSED_STREAM, code 7): a refused
     stream was never processed, so resending cannot run a request twice. A node serving many requests at once can
     exceed a connection's stream limit (upstream's 100) for a moment."""
@@ -155,14 +155,14 @@ class GRPCPeerHandle(PeerHandle):
 
   async def send_prompt(self, shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     await self._ensure_connected()
-    request = pb.PromptRequest(shard=encode_shard(shard), prompt=prompt, request_id=request_id, inference_state=self._wire_state(inference_state))
-    await self._unless_refused(self.stub.SendPrompt, request, compression=GZIP)  # no deadline: the peer's first prefill may include a model download
+    request = pb.PromptRequest(shard=encode_shard(shard), prompt=prompt, request_id=request_id, inference_state=self.wire_state(inference_state))
+    await self.unless_refused(self.stub.SendPrompt, request, compression=GZIP)  # no deadline: the peer's first prefill may include a model download
     return None
 
   async def send_tensor(self, shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
     await self._ensure_connected()
-    request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self._wire_state(inference_state))
-    await self._unless_refused(self.stub.SendTensor, request)
+    request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self.wire_state(inference_state))
+    await self.unless_refused(self.stub.SendTensor, request)
     return None
 
   async def send_result(self, request_id: str, result: List[int], is_finished: bool) -> None:
@@ -172,12 +172,12 @@ class GRPCPeerHandle(PeerHandle):
       request.tensor.CopyFrom(encode_tensor(result))
     else:
       request.result.extend(int(t) for t in result)
-    await self._unless_refused(self.stub.SendResult, request, timeout=SEND_RESULT_TIMEOUT_S)
+    await self.unless_refused(self.stub.SendResult, request, timeout=SEND_RESULT_TIMEOUT_S)
 
   async def send_opaque_status(self, request_id: str, status: str) -> None:
     await self._ensure_connected()
     request = pb.SendOpaqueStatusRequest(request_id=request_id, status=status)
-    await self._unless_refused(self.stub.SendOpaqueStatus, request, timeout=OPAQUE_STATUS_TIMEOUT_S, compression=GZIP)
+    await self.unless_refused(self.stub.SendOpaqueStatus, request, timeout=OPAQUE_STATUS_TIMEOUT_S, compression=GZIP)
 
   async def collect_topology(self, visited: set, max_depth: int) -> Topology:
     await self._ensure_connected()

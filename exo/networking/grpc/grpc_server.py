@@ -1,4 +1,4 @@
-"""Server side of the ring: NodeService handlers that hand work to the Node (wire.md §6)."""
+"""Server side of the ring: NodeService handlers that hand work to the Node (docs/architecture.md, "The ring protocol")."""
 import asyncio
 from typing import Optional, Set
 
@@ -89,7 +89,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     return host
 
   async def _accept(self, work, what: str) -> None:
-    """Work on in the background (allowed by wire.md §6), so each hop is free for the next message and the ring
+    """Work on in the background (as upstream's servers do), so each hop is free for the next message and the ring
     pipelines; reply once the node accepts the message (its forward pass has started, see acceptance), the work
     has ended, or REPLY_WAIT_S has passed. `work(accepted)` makes the node's coroutine. Failures end the request
     through the Node (fail_request), not through this reply."""

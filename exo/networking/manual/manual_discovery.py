@@ -1,4 +1,5 @@
-"""Peers from a JSON file listing every node (wire.md §9): for fixed clusters, and for tests on one host.
+"""Peers from a JSON file listing every node: for fixed clusters, and for tests on one host (the ring protocol:
+docs/architecture.md).
 
 The file is re-read when its mtime increases, so nodes can be added or moved without restarts; a broken edit
 keeps the last good peer set. Every listed peer is health-checked each round; a healthy one becomes a peer, and a

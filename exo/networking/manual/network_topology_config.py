@@ -1,4 +1,4 @@
-"""The manual discovery config file: every node of the cluster, where to reach it and what it offers (wire.md §9)."""
+"""The manual discovery config file: every node of the cluster, where to reach it and what it offers."""
 from typing import Dict
 
 from pydantic import BaseModel, ValidationError

@@ -1,4 +1,4 @@
-"""Peers from a Tailscale tailnet (wire.md §9): each node publishes its exo id, port and capabilities as custom
+"""Peers from a Tailscale tailnet: each node publishes its exo id, port and capabilities as custom
 device attributes, and reads everyone else's from the device list; peers are admitted after a health check."""
 import asyncio
 import re

@@ -1,4 +1,4 @@
-"""Local IPv4 addresses and how much a peer reached through each interface is preferred (wire.md §8)."""
+"""Local IPv4 addresses and how much a peer reached through each interface is preferred."""
 import json
 import platform
 import socket

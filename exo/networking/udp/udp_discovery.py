@@ -1,4 +1,4 @@
-"""Peer discovery by UDP broadcast on the local network (wire.md §8), the default module.
+"""Peer discovery by UDP broadcast on the local network, the default module (docs/architecture.md, "The ring protocol").
 
 Each node announces itself every `broadcast_interval` seconds on every local IPv4 address and admits a sender
 as a peer only after a passing gRPC health check; a cleanup loop drops peers that go quiet or unhealthy."""

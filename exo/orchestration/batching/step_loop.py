@@ -3,10 +3,14 @@ at a time, whatever the shard), hands the results back to the Scheduler and to t
 
 Callers wait in `infer`. A request that ends leaves at once (`forget`), its waiter failing with RequestEnded; rows
 whose request ended while their step was queued are dropped just before the engine call. A message's acceptance
-(the gRPC server replies to it then) is given when its first step starts."""
+(the gRPC server replies to it then) is given when its first step starts.
+
+`sampling_for(scheduler, step)`, asked just before the engine call, may return what samples the step's rows: it is
+awaited with the rows the step finished (each with its result) before their waiters hear of them, so the shard
+with the last layers samples a step's rows together, inside the step."""
 import asyncio
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -18,12 +22,16 @@ from exo.orchestration.requests import RequestEnded
 
 IDLE_LOOK_S = 1.0  # with no work due, the loop looks again at least this often
 
+Done = List[Tuple[Row, object]]  # rows a step finished, each with its (output, state) or its exception
+
 
 class StepLoop:
   def __init__(self, engine, new_scheduler: Callable[[Shard], Scheduler], is_live: Callable[[str], bool] = lambda request_id: True,
-               on_step: Callable[[Scheduler, Step, List[Tuple[Row, object]]], None] = lambda scheduler, step, done: None,
-               clock: Callable[[], float] = time.monotonic):
+               on_step: Callable[[Scheduler, Step, Done], None] = lambda scheduler, step, done: None,
+               clock: Callable[[], float] = time.monotonic,
+               sampling_for: Callable[[Scheduler, Step], Optional[Callable[[Done], Awaitable[None]]]] = lambda scheduler, step: None):
     self.engine, self.new_scheduler, self.is_live, self.on_step, self.clock = engine, new_scheduler, is_live, on_step, clock
+    self.sampling_for = sampling_for
     self.schedulers: Dict[Shard, Scheduler] = {}
     self._waiters: Dict[str, Tuple[asyncio.Future, Optional[asyncio.Future]]] = {}  # request id -> (result, acceptance)
     self._wake = asyncio.Event()
@@ -55,6 +63,15 @@ class StepLoop:
         del self._waiters[request_id]
         scheduler.drop(request_id)  # its caller has gone
         self._wake.set()
+
+  def waiting(self, request_id: str) -> bool:
+    """Whether the request waits for a step here (its result not yet handed back)."""
+    return request_id in self._waiters
+
+  @property
+  def running(self) -> bool:
+    """Whether the loop's task is running (it starts with the first request and ends at stop)."""
+    return self._task is not None and not self._task.done()
 
   def forget(self, request_id: str) -> None:
     """The request has ended on this node: it leaves every line and will not come back."""
@@ -104,6 +121,7 @@ class StepLoop:
     for row, _ in step.rows:
       accept(self._waiters[row.request_id][1])  # its reply goes out when this task yields: once the engine has the step
     items = step.items()
+    sample = self.sampling_for(scheduler, step)
     try:
       results = list(await self.engine.infer_batch(scheduler.shard, items))
       if len(results) != len(items):
@@ -116,6 +134,11 @@ class StepLoop:
     except Exception as e:  # the whole step failed: each of its requests learns why
       results = [e] * len(items)
     done = scheduler.update(step, results, self.clock())
+    if sample is not None:
+      try:
+        await sample(done)
+      except Exception as e:  # a bug in sampling: the step's rows end with it rather than wait forever
+        done = [(row, result if isinstance(result, BaseException) else e) for row, result in done]
     for row, result in done:
       future, _ = self._waiters.pop(row.request_id, (None, None))
       if future is None or future.done():

@@ -1,0 +1,58 @@
+"""What answer a chat request asks for, once its model's tokenizer is known: the conversation as the chat template
+gets it, the grammar the answer must follow (compiled here, before the request is admitted, so a schema the grammar
+engine cannot do is a 400), and the tool format its calls are read back in."""
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from exo.api.errors import BadRequest
+from exo.api.structured import ResponseFormat
+from exo.api.tool_formats import ToolCallStream, ToolFormat, format_for
+from exo.api.tools import ToolUse
+from exo.inference import grammar
+
+
+@dataclass
+class AnswerPlan:
+  messages: List[Dict[str, Any]]
+  tools: Optional[List[dict]]  # for the chat template
+  grammar: Optional[str]  # Lark text (see exo/inference/grammar.py), None when the answer is free
+  tool_format: Optional[ToolFormat]  # None when no tool may be called
+
+  def tool_stream(self) -> Optional[ToolCallStream]:
+    return ToolCallStream(self.tool_format) if self.tool_format is not None else None
+
+  def completed_by(self, tokenizer) -> Optional[Callable[[Sequence[int]], bool]]:
+    """Whether an answer's tokens complete its grammar (it then ends without an end token, and that is a "stop")."""
+    if self.grammar is None:
+      return None
+    source = self.grammar
+
+    def complete(tokens: Sequence[int]) -> bool:
+      matcher = grammar.compile_matcher(tokenizer, source)  # cached: a copy of the matcher compiled at admission
+      return matcher.consume_tokens([int(t) for t in tokens]) and matcher.is_stopped()
+    return complete
+
+
+def plan_answer(tokenizer, messages: List[Dict[str, Any]], response_format: Optional[ResponseFormat], tool_use: Optional[ToolUse],
+                template_tools: Optional[List[Any]]) -> AnswerPlan:
+  """Run on the prompt threads: compiling a grammar takes milliseconds (a first one per model, ~0.5 s more for the
+  vocabulary). `template_tools` are the request's tools as given, for a request whose tool_choice is none."""
+  if tool_use is None:
+    source = f"start: {response_format.fragment()}" if response_format is not None else None
+    return AnswerPlan(messages, template_tools, _compiled(tokenizer, source, "response_format"), None)
+  tool_format = format_for(tokenizer, structured_reply=response_format is not None)
+  messages, tools = tool_format.conversation(messages, tool_use)
+  source = tool_format.grammar(tool_use, response_format)
+  return AnswerPlan(messages, tools, _compiled(tokenizer, source, "tools"), tool_format)
+
+
+def _compiled(tokenizer, source: Optional[str], field: str) -> Optional[str]:
+  if source is None:
+    return None
+  try:
+    grammar.compile_matcher(tokenizer, source)
+  except grammar.CannotConstrain as e:
+    raise BadRequest(f"{field}: this model's output cannot be constrained here ({e})", param=field, code="unsupported_parameter") from None
+  except grammar.GrammarError as e:
+    raise BadRequest(f"{field} cannot be enforced on this model: {e}", param=field, code="unsupported_schema") from None
+  return source

@@ -1,0 +1,135 @@
+"""The tool fields of a chat request, checked: `tools` (functions with JSON Schema parameters), `tool_choice` (none,
+auto, required, or one named function), `parallel_tool_calls`, and the conversation's earlier calls (assistant
+messages with `tool_calls`, `tool` messages answering them by `tool_call_id`). Each problem is a 400 naming its
+field. How calls are written and read for a given model is exo/api/tool_formats.py's business."""
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from exo.api.errors import BadRequest
+from exo.api.structured import check_schema
+
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MAX_TOOLS = 128
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class Tool:
+  name: str
+  description: str
+  parameters: dict  # JSON Schema of the arguments object
+  strict: bool
+
+  def describe(self) -> dict:
+    return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+@dataclass
+class ToolUse:
+  """What a request allows: `choice` "auto" (a call or a plain reply), "required" (at least one call) or "function"
+  (a call of `name`); `parallel` lets one reply hold several calls."""
+  tools: List[Tool]
+  choice: str
+  name: Optional[str] = None
+  parallel: bool = True
+  callable: List[Tool] = field(init=False)
+
+  def __post_init__(self) -> None:
+    self.callable = [t for t in self.tools if self.name is None or t.name == self.name]
+
+  @property
+  def forced(self) -> bool:
+    return self.choice != "auto"
+
+  @property
+  def several(self) -> bool:
+    """Whether one reply may hold several calls: parallel_tool_calls, unless one function is named (one call of it)."""
+    return self.parallel and self.choice != "function"
+
+
+def parse_tool_definitions(body: dict) -> List[Tool]:
+  value = body.get("tools")
+  if value is None:
+    return []
+  if not isinstance(value, list) or len(value) > MAX_TOOLS:
+    raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
+  tools, seen = [], set()
+  for i, item in enumerate(value):
+    where = f"tools[{i}]"
+    if not isinstance(item, dict):
+      raise BadRequest(f'{where} must be an object {{"type": "function", "function": {{...}}}}', param=where)
+    if item.get("type") != "function":
+      raise BadRequest(f'{where}.type must be "function" (the only kind of tool), got {item.get("type")!r}', param=f"{where}.type")
+    function = item.get("function")
+    if not isinstance(function, dict):
+      raise BadRequest(f'{where}.function must be an object with a "name"', param=f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+      raise BadRequest(f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes", param=f"{where}.function.name")
+    if name in seen:
+      raise BadRequest(f"{where}.function.name: two tools are named {name!r}", param=f"{where}.function.name")
+    seen.add(name)
+    description = function.get("description", "")
+    if not isinstance(description, str):
+      raise BadRequest(f"{where}.function.description must be a string", param=f"{where}.function.description")
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+      raise BadRequest(f"{where}.function.strict must be true or false", param=f"{where}.function.strict")
+    parameters = function.get("parameters")
+    parameters = NO_PARAMETERS if parameters is None else parameters
+    check_schema(parameters, f"{where}.function.parameters", bool(strict))
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+      raise BadRequest(f'{where}.function.parameters must be a JSON Schema of an object ("type": "object")', param=f"{where}.function.parameters")
+    tools.append(Tool(name, description, parameters, bool(strict)))
+  return tools
+
+
+def parse_tool_use(body: dict) -> Optional[ToolUse]:
+  """What the request allows, or None when no tool may be called (no tools, or tool_choice "none")."""
+  tools = parse_tool_definitions(body)
+  choice, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
+  if parallel is not None and not isinstance(parallel, bool):
+    raise BadRequest("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+  name = None
+  if isinstance(choice, dict):
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+      raise BadRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', param="tool_choice")
+    name, choice = function["name"], "function"
+    if name not in {t.name for t in tools}:
+      raise BadRequest(f"tool_choice names the function {name!r}, which is not among the tools", param="tool_choice")
+  elif choice is not None and choice not in ("none", "auto", "required"):
+    raise BadRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', param="tool_choice")
+  if choice == "required" and not tools:
+    raise BadRequest('tool_choice "required" needs tools', param="tool_choice")
+  if not tools or choice == "none":
+    return None
+  return ToolUse(tools, choice or "auto", name, True if parallel is None else parallel)
+
+
+def check_tool_messages(messages: List[Dict[str, Any]]) -> None:
+  """Assistant `tool_calls` and `tool` messages as OpenAI defines them; 400 naming the message otherwise."""
+  for i, message in enumerate(messages):
+    where = f"messages[{i}]"
+    calls = message.get("tool_calls")
+    if calls is not None:
+      if message["role"] != "assistant" or not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list, on an assistant message", param=f"{where}.tool_calls")
+      for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", ""), str)):
+          raise BadRequest(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "<JSON text>"}}}}', param=at)
+    if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+      raise BadRequest(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+
+
+def arguments_object(arguments: str) -> Any:
+  """A call's arguments as chat templates expect them (an object), or the text as it is when it is not JSON."""
+  try:
+    return json.loads(arguments) if arguments else {}
+  except ValueError:
+    return arguments

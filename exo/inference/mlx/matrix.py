@@ -1,0 +1,74 @@
+"""Weight matrices as the MLX model runs them: float, or MLX-quantized and kept so.
+
+Quantized checkpoints stay quantized in memory and run through mx.quantized_matmul, as mlx-lm runs them. On a GPU
+the model computes in the checkpoint's own precision (bf16/fp16); on the CPU in float32, where MLX's kernels are
+fastest. MLX's CPU quantized matmul has no BLAS behind it and its cost grows with every row (about 3x a float32
+matmul for one row, 30-40x at 16): for steps of more than QMM_MAX_ROWS rows (prefill, big batches) the CPU
+dequantises each matrix just for that product and uses BLAS, which keeps memory at the quantized size. (SmolLM2 4-bit,
+one step: quantized matmul 0.6x the time of dequantise+BLAS at 4 rows, 1.4x at 8.)"""
+from typing import List
+
+import mlx.core as mx
+
+from exo.inference.quantized import QuantizedWeight
+from exo.inference.weights import LlamaConfig
+
+QMM_MAX_ROWS = 6
+ON_GPU = mx.default_device().type == mx.DeviceType.gpu
+
+
+def compute_dtype(config: LlamaConfig) -> mx.Dtype:
+  if not ON_GPU:
+    return mx.float32
+  return {"bfloat16": mx.bfloat16, "float16": mx.float16}.get(config.dtype, mx.float32)
+
+
+class Matrix:
+  """An (out, in) weight for x @ W.T and row lookups: float, or MLX-quantized (packed codes, scales, biases)."""
+
+  def __init__(self, w, dtype: mx.Dtype):
+    self.dtype = dtype
+    if isinstance(w, QuantizedWeight):
+      self.weight = mx.array(w.packed)
+      # affine scales and biases take the compute dtype; the mx modes' scales are uint8 exponents, kept as stored
+      self.scales = mx.array(w.scales).astype(dtype) if w.mode == "affine" else mx.array(w.scales)
+      self.biases = None if w.biases is None else mx.array(w.biases).astype(dtype)
+      self.format = {"group_size": w.group_size, "bits": w.bits, **({"mode": w.mode} if w.mode != "affine" else {})}
+    else:
+      self.weight, self.scales, self.biases = mx.array(w).astype(dtype), None, None
+
+  def arrays(self) -> List[mx.array]:
+    return [a for a in (self.weight, self.scales, self.biases) if a is not None]
+
+  def _dense(self, weight, scales, biases) -> mx.array:
+    return mx.dequantize(weight, scales, biases, **self.format).astype(self.dtype)
+
+  def __call__(self, x: mx.array) -> mx.array:
+    if self.scales is None:
+      return x @ self.weight.T  # (out, in) kept as stored: a transposed BLAS call, no copy
+    if not ON_GPU and x.shape[0] > QMM_MAX_ROWS:
+      return x @ self._dense(self.weight, self.scales, self.biases).T
+    return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True, **self.format)
+
+  def rows(self, ids: mx.array) -> mx.array:
+    if self.scales is None:
+      return self.weight[ids]
+    return self._dense(self.weight[ids], self.scales[ids], None if self.biases is None else self.biases[ids])
+
+
+class Stacked:
+  """Matrices quantized differently (mlx-lm's per-layer overrides), side by side: their outputs concatenated."""
+
+  def __init__(self, matrices: List[Matrix]):
+    self.matrices = matrices
+
+  def arrays(self) -> List[mx.array]:
+    return [a for m in self.matrices for a in m.arrays()]
+
+  def __call__(self, x: mx.array) -> mx.array:
+    return mx.concatenate([m(x) for m in self.matrices], axis=-1)
+
+
+def matrix(w, dtype: mx.Dtype):
+  """A layout weight as the model runs it; a tuple (parts that could not be fused) runs side by side."""
+  return Stacked([Matrix(p, dtype) for p in w]) if isinstance(w, tuple) else Matrix(w, dtype)
