@@ -105,7 +105,8 @@ class Cluster:
   async def _wait_ready(self, limit: float = 180.0) -> None:
     """Until every node sees all of them with the same capabilities: the layer split is computed from those, and
     a node whose view of a peer is still the discovery file's would ask it for other layers (which it refuses); and,
-    where the nodes place models, until each has heard every other's facts (all derive the same placement)."""
+    where the nodes place models, until each has heard every other's facts (all derive the same placement) and every
+    group of the default model holds its layers (before that, a router sends everything to the groups that do)."""
     deadline = time.monotonic() + limit
     async with aiohttp.ClientSession() as session:
       while True:
@@ -117,8 +118,10 @@ class Cluster:
             async with session.get(f"http://127.0.0.1:{port}/v1/topology") as r:
               view = await r.json() if r.status == 200 else None
               placed = (view or {}).get("placement", {})
-              members = len(placed.get("members", {})) if placed.get("mode", "off") != "off" else self.nodes
-              views.append(view["nodes"] if view is not None and members == self.nodes else None)
+              placing = placed.get("mode", "off") != "off"
+              members = len(placed.get("members", {})) if placing else self.nodes
+              loaded = not placing or all(placed.get("models", {}).get(MODEL, {}).get("ready", [False]))
+              views.append(view["nodes"] if view is not None and members == self.nodes and loaded else None)
           except aiohttp.ClientError:
             views.append(None)
         if all(view is not None and len(view) == self.nodes and view == views[0] for view in views):

@@ -10,7 +10,8 @@ drift in the machine's speed favours none, all with batching on; every N is a bu
 the real HTTP API. Clients: `one` sends every request to the first node's API (it then carries every stream's HTTP
 and every remote token), `spread` sends request i to node i mod p (as a load balancer in front of the nodes would).
 It prints, per placement and N, cluster ÷ single (the median over pairs of each cluster run ÷ the single run of its
-pair), whether greedy outputs were identical, each stage's busy fraction (from the nodes' /metrics), and:
+pair), whether greedy outputs were identical to one unbatched node's (run once, before the pairs, pinned the same
+way), each stage's busy fraction (from the nodes' /metrics), and:
 
 - the ceiling: what p nodes that each take N/p of the streams could reach on these cores, T(N) / T(N/p), T(rows)
   being one whole-model decode step on one node's cores, timed in a process pinned to them (the sizes' steps taken
@@ -21,8 +22,9 @@ pair), whether greedy outputs were identical, each stage's busy fraction (from t
 
 With --conversations C, each cluster in `auto` and the single node also hold C conversations of --turns turns at once
 (each turn the whole conversation so far, as a chat client sends it; every conversation takes its turn k together):
-reported are the later turns that the router sent to the group holding their prefix (its /metrics, reason "prefix")
-and turn 8 / turn 1 time to first token, cluster beside single."""
+reported are the later turns that the router sent to the group holding their prefix (its /metrics, reason "prefix"),
+the prompt positions the engines' prefix caches spared the later turns (/v1/state), cluster ÷ single (1.00: every
+turn found its prefix where it landed), and turn 8 / turn 1 time to first token, cluster beside single."""
 import argparse
 import asyncio
 import json
@@ -48,8 +50,8 @@ CAPACITY_AT = 16  # the single node's ITL p50 at this many streams is the latenc
 class Machines(Cluster):
   """Nodes pinned to cores of their own; with a delay, each node reached through a relay of its own."""
 
-  def __init__(self, nodes: int, args, log_dir: Path, root: Path = ROOT, placement: Optional[str] = None):
-    super().__init__(nodes, args.engine, True, args, log_dir, root, placement)
+  def __init__(self, nodes: int, args, log_dir: Path, root: Path = ROOT, placement: Optional[str] = None, batching: bool = True):
+    super().__init__(nodes, args.engine, batching, args, log_dir, root, placement)
     self.relays: List[subprocess.Popen] = []
 
   def cores(self, i: int) -> set:
@@ -97,6 +99,15 @@ class Machines(Cluster):
             figures[f"routed {sample.labels['reason']}"] = figures.get(f"routed {sample.labels['reason']}", 0.0) + sample.value
     return figures
 
+  async def reused_positions(self) -> int:
+    """Prompt positions the nodes' prefix caches have spared so far (each node's /v1/state), summed."""
+    total = 0
+    async with aiohttp.ClientSession() as session:
+      for port in self.api_ports:
+        async with session.get(f"http://127.0.0.1:{port}/v1/state") as r:
+          total += (await r.json())["prefix_cache"].get("reused_positions", 0)
+    return total
+
 
 def clients_of(cluster: Cluster, clients: str):
   return cluster.url if clients == "one" else cluster.urls
@@ -142,25 +153,38 @@ async def conversations(cluster: Machines, args, clients: str) -> dict:
   """C conversations at once, turn by turn: each turn sends the whole conversation so far."""
   urls = [cluster.url] if clients == "one" else cluster.urls
   histories = [[] for _ in range(args.conversations)]
-  ttft, answers, routed = [[] for _ in range(args.turns)], [], {"prefix": 0.0, "total": 0.0}
+  ttft, answers, routed, reused = [[] for _ in range(args.turns)], [], {"prefix": 0.0, "total": 0.0}, 0
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
     for turn in range(args.turns):
-      before = await cluster.scrape()
+      before, reused_before = await cluster.scrape(), await cluster.reused_positions()
       for c, history in enumerate(histories):
         history.append({"role": "user", "content": f"Conversation {c}, turn {turn + 1}: what do these words bring to mind? {words(60, c * 31 + turn)}"})
       replies = await asyncio.gather(*[stream_one(session, urls[c % len(urls)], "", args.answer_tokens, {"messages": history})
                                        for c, history in enumerate(histories)])
-      after = await cluster.scrape()
+      after, reused_after = await cluster.scrape(), await cluster.reused_positions()
       for history, reply in zip(histories, replies):
         history.append({"role": "assistant", "content": reply["text"]})
         ttft[turn].append(reply["times"][0] - reply["sent"])
       answers.append([r["text"] for r in replies])
       if turn:
+        reused += reused_after - reused_before
         routed["prefix"] += after.get("routed prefix", 0.0) - before.get("routed prefix", 0.0)
         routed["total"] += sum(after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.startswith("routed "))
   by_turn = [statistics.median(t) for t in ttft]
-  return {"ttft_by_turn": by_turn, "last_over_first": by_turn[-1] / by_turn[0], "answers": answers,
+  return {"ttft_by_turn": by_turn, "last_over_first": by_turn[-1] / by_turn[0], "answers": answers, "reused_positions": reused,
           "prefix_share": routed["prefix"] / routed["total"] if routed["total"] else None}
+
+
+async def unbatched_reference(args, ns: List[int]) -> Dict:
+  """The greedy outputs of one node with batching off, pinned to the first node's cores: the burst prompts' texts (prompt
+  i is the same text whatever N) and, with --conversations, the conversations' answers. Every run must equal them."""
+  async with Machines(1, args, Path(args.log_dir), batching=False) as node:
+    results = await burst(node.url, make_prompts(max(ns + args.capacity_ns), args.prompt_tokens), args.tokens)
+    reference = {"texts": [r["text"] for r in results]}
+    if args.conversations:
+      reference["answers"] = (await conversations(node, args, "one"))["answers"]
+  print(f"  one unbatched node: {len(results)} prompts" + (f", {args.conversations} conversations" if args.conversations else "") + " answered", flush=True)
+  return reference
 
 
 async def step_times(sizes: List[int], engine: str, context: int, steps: int = 16) -> Dict[int, float]:
@@ -208,18 +232,24 @@ def capacity(rows: Dict, limit: float) -> int:
   return max((n for n, row in rows.items() if isinstance(n, int) and row["itl_p50"] <= limit), default=0)
 
 
-def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]]) -> None:
+def same_as(reference: Dict, rows: Dict, ns: List[int]) -> bool:
+  """Whether a run's greedy outputs (every burst, and the conversations if it held them) equal one unbatched node's."""
+  bursts = all(rows[n]["texts"] == reference["texts"][:n] for n in ns + [n for n in rows if isinstance(n, int) and n not in ns])
+  return bursts and ("conversations" not in rows or rows["conversations"]["answers"] == reference.get("answers"))
+
+
+def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], reference: Dict) -> None:
   """The tables, medians over pairs: each cluster configuration against the single node of the same pair."""
   for label in [k for k in runs[0] if k != "single"]:
     pairs = [(run[label], run["single"]) for run in runs]
     print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "
           f"core(s); medians over {len(pairs)} pair(s)")
     print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} "
-          f"{'ITL p50 c/s (ms)':>17} {'same':>5}  stage busy (cluster)")
+          f"{'ITL p50 c/s (ms)':>17} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's)")
     for n in ns:
       ratios = [cluster[n]["tok_s"] / single[n]["tok_s"] for cluster, single in pairs]
       ratio = statistics.median(ratios)
-      same = all(cluster[n]["texts"] == single[n]["texts"] for cluster, single in pairs)
+      same = all(cluster[n]["texts"] == reference["texts"][:n] for cluster, _ in pairs)
       cap = statistics.median(c[n] for c in caps) if caps and n in caps[0] else None
       share = f"{100 * ratio / cap:10.0f}%" if cap else f"{'-':>11}"
       itl = f"{1e3 * statistics.median(c[n]['itl_p50'] for c, _ in pairs):.0f}/{1e3 * statistics.median(s[n]['itl_p50'] for _, s in pairs):.0f}"
@@ -239,10 +269,13 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]]) 
     conv = [(cluster.get("conversations"), single.get("conversations")) for cluster, single in pairs]
     if all(a and b for a, b in conv):
       shares = [a["prefix_share"] for a, _ in conv if a["prefix_share"] is not None]
+      reuse = [a["reused_positions"] / b["reused_positions"] if b["reused_positions"] else float("nan") for a, b in conv]
       print(f"  {args.conversations} conversations x {args.turns} turns: later turns routed to the group holding their prefix "
-            f"{100 * statistics.median(shares):.0f}% (each pair {', '.join(f'{100 * x:.0f}%' for x in shares)}); turn {args.turns} / turn 1 TTFT "
+            f"{100 * statistics.median(shares):.0f}% (each pair {', '.join(f'{100 * x:.0f}%' for x in shares)}); their positions spared by "
+            f"prefix caches, cluster ÷ single {statistics.median(reuse):.2f}; turn {args.turns} / turn 1 TTFT "
             f"cluster {statistics.median(a['last_over_first'] for a, _ in conv):.2f}x, single {statistics.median(b['last_over_first'] for _, b in conv):.2f}x; "
-            f"answers as on one node: {'yes' if all(a['answers'] == b['answers'] for a, b in conv) else 'NO'}")
+            f"answers as one unbatched node's: {'yes' if all(a['answers'] == reference.get('answers') for a, _ in conv) else 'NO'}")
+  print(f"\n  single node (batched): greedy outputs as one unbatched node's: {'yes' if all(same_as(reference, run['single'], ns) for run in runs) else 'NO'}")
   if caps:
     print(f"\n  ceiling: {args.nodes} nodes each taking N/{args.nodes} of the streams on these cores, T(N) / T(N/{args.nodes}), median over pairs")
 
@@ -289,6 +322,8 @@ async def main() -> None:
         f"clients {clients}, N={ns}, {args.pairs} pair(s), {args.prompt_tokens} prompt + {args.tokens} generated tokens; logs in {args.log_dir}", flush=True)
   runs, caps = [], []
   with open(path, "w") as out:
+    reference = await unbatched_reference(args, ns)
+    out.write(json.dumps({"unbatched": reference}) + "\n")
     for pair in range(args.pairs):
       if args.ceiling:  # once per pair, so that its median spans the same drift as the clusters'
         caps.append(ceiling(args, ns))
@@ -299,7 +334,7 @@ async def main() -> None:
       if pair % 2:
         order.reverse()
       runs.append({label: await run_cluster(args, nodes, placement, cl, ns, pair, out, root) for label, nodes, placement, cl, root in order})
-  report(args, ns, runs, caps)
+  report(args, ns, runs, caps, reference)
   print(f"\nraw figures: {path}")
 
 
