@@ -24,10 +24,12 @@ extras_require = {
   "mlx": ["mlx[cpu]>=0.26.5,<1; platform_system=='Linux'", "mlx>=0.26.5,<1; platform_system=='Darwin'"],
   "bench": ["matplotlib>=3.7,<4"],
   # mlx-lm: tests convert checkpoints with its converter and compare with its generate (never a runtime dependency)
-  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-xdist>=3.5,<4", "pytest-asyncio>=0.24,<2", "openai>=1.40,<4", "grpcio-tools==1.85.1", "safetensors>=0.4,<1", "playwright>=1.40,<2",
+  "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3", "pytest-xdist>=3.5,<4", "pytest-asyncio>=0.24,<2", "openai>=1.66,<4", "grpcio-tools==1.85.1", "safetensors>=0.4,<1", "playwright>=1.40,<2",
            "mlx-lm>=0.28,<1",
            # unmodified clients of structured output and tool calls (tests/test_structured_output.py)
-           "langchain-openai>=1.0,<2", "instructor>=1.10,<2", "pydantic-ai-slim[openai]>=1.0,<3"],
+           "langchain-openai>=1.0,<2", "instructor>=1.10,<2", "pydantic-ai-slim[openai]>=1.0,<3",
+           # unmodified clients of the other dialects (tests/test_api_dialects.py); openai's Responses API came in 1.66
+           "anthropic>=0.40,<3", "ollama>=0.5,<1"],
 }
 
 setup(

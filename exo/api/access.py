@@ -7,7 +7,8 @@ at localhost, the machine's host name or any of its addresses) nor allowed by EX
 without an Origin come from programs (curl, SDKs), not from pages. A POST must be sent as application/json: a page
 can send that cross-site only after a CORS preflight, so a "simple" text/plain or form post never reaches a handler
 (415). CORS headers go to allowed origins only, and never allow credentials. With an API key set, everything but
-the tinychat files and the health checks needs `Authorization: Bearer <key>` (401 otherwise)."""
+the tinychat files and the health checks needs `Authorization: Bearer <key>` or, as Anthropic's clients send it,
+`x-api-key: <key>` (401 otherwise)."""
 import fnmatch
 import hmac
 import socket
@@ -60,11 +61,9 @@ class Access:
 
   def check(self, request: web.Request, public: bool) -> None:
     """Raises ApiError when the request may not go on: no key (401), a foreign page (403), not JSON (415)."""
-    if self.api_key and not public and request.method != "OPTIONS":
-      scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-      if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-        raise ApiError(401, "this node needs an API key: send it as 'Authorization: Bearer <key>' (the node's --api-key / EXO_API_KEY)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if self.api_key and not public and request.method != "OPTIONS" and not self._has_key(request):
+      raise ApiError(401, "this node needs an API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>' (the node's --api-key / "
+                          "EXO_API_KEY)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     if request.method not in CHANGING_METHODS:
       return
     origin = request.headers.get("Origin")
@@ -74,6 +73,12 @@ class Access:
     if request.method == "POST" and request.content_type != "application/json":
       raise ApiError(415, f"the body must be JSON sent as Content-Type: application/json, not {request.content_type}", param="Content-Type",
                      code="unsupported_media_type")
+
+  def _has_key(self, request: web.Request) -> bool:
+    scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+    given = [bearer.strip()] if scheme.lower() == "bearer" else []
+    given += [request.headers["x-api-key"].strip()] if "x-api-key" in request.headers else []
+    return any(hmac.compare_digest(key.encode(), self.api_key.encode()) for key in given)
 
   def add_cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
     origin = request.headers.get("Origin")

@@ -52,12 +52,13 @@ class Admission:
     self.queue: Deque[Ticket] = deque()  # waiting for admit(), oldest first
     self.typical_run_s = 1.0  # moving average of how long a request runs, for Retry-After
 
-  def kv_budget_check(self, kv_bytes: int) -> None:
-    """BadRequest if a request could need more KV memory than the whole budget: it would wait forever."""
+  def kv_budget_check(self, kv_bytes: int, param: str = "max_tokens") -> None:
+    """BadRequest if a request could need more KV memory than the whole budget: it would wait forever. `param` is
+    the request's name for its reply's token budget."""
     if kv_bytes > self.kv_budget:
       raise BadRequest(f"this request could need {kv_bytes / 2**20:,.0f} MiB of KV cache, more than this node's whole budget of "
-                       f"{self.kv_budget / 2**20:,.0f} MiB (EXO_KV_BUDGET_MB); ask for fewer max_tokens or a shorter prompt",
-                       param="max_tokens", code="kv_budget_exceeded")
+                       f"{self.kv_budget / 2**20:,.0f} MiB (EXO_KV_BUDGET_MB); ask for fewer {param} or a shorter prompt",
+                       param=param, code="kv_budget_exceeded")
 
   @property
   def waiting(self) -> int:

@@ -33,13 +33,12 @@ class AnswerPlan:
     return complete
 
 
-def plan_answer(tokenizer, messages: List[Dict[str, Any]], response_format: Optional[ResponseFormat], tool_use: Optional[ToolUse],
-                template_tools: Optional[List[Any]]) -> AnswerPlan:
+def plan_answer(tokenizer, messages: List[Dict[str, Any]], response_format: Optional[ResponseFormat], tool_use: Optional[ToolUse]) -> AnswerPlan:
   """Run on the prompt threads: compiling a grammar takes milliseconds (a first one per model, ~0.5 s more for the
-  vocabulary). `template_tools` are the request's tools as given, for a request whose tool_choice is none."""
+  vocabulary). A request that may call no tool shows the chat template none (tool_choice none means no call)."""
   if tool_use is None:
     source = f"start: {response_format.fragment()}" if response_format is not None else None
-    return AnswerPlan(messages, template_tools, _compiled(tokenizer, source, "response_format"), None)
+    return AnswerPlan(messages, None, _compiled(tokenizer, source, "response_format"), None)
   tool_format = format_for(tokenizer, structured_reply=response_format is not None)
   messages, tools = tool_format.conversation(messages, tool_use)
   source = tool_format.grammar(tool_use, response_format)

@@ -1,31 +1,17 @@
-"""Reading a legacy text-completion request (POST /v1/completions): a raw prompt, no chat template. Validated the way
-chat requests are (exo/api/chat_request.py): bad input is a 400 naming the field, unimplemented parameters are refused."""
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Union
+"""OpenAI legacy text completions (POST /v1/completions) read into a GenerationRequest: raw prompts, no chat template.
+Validated the way chat requests are: bad input is a 400 naming the field, unimplemented parameters are refused."""
+from dataclasses import replace
+from typing import Any, Dict, List, Optional
 
-from exo.api.chat_request import (MAX_CHOICES, MAX_INT32, parse_flag, parse_logprobs_count, parse_n, parse_stop, parse_stream_options, parse_user,
-                                  refuse_unimplemented, resolve_model, sampling_params)
 from exo.api.errors import BadRequest
-from exo.inference.sampling import SamplingParams
+from exo.api.generation_request import FieldNames, GenerationRequest, Prompt
+from exo.api.request_fields import (MAX_CHOICES, MAX_INT32, parse_flag, parse_logprobs_count, parse_n, parse_stop, parse_stream_options, parse_user,
+                                    refuse_unimplemented, resolve_model, sampling_params)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route (vLLM's too): a completion is a continuation, not an answer
 IMPLEMENTED = {"model", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "n",
                "logprobs", "echo", "ignore_eos", "user"}
 NEUTRAL_VALUES = {"best_of": [1], "suffix": [""], "frequency_penalty": [0], "presence_penalty": [0], "logit_bias": [{}]}
-
-Prompt = Union[str, List[int]]  # text, or token ids
-
-
-@dataclass
-class CompletionRequest:
-  model: str
-  prompts: List[Prompt]
-  stream: bool = False
-  params: SamplingParams = field(default_factory=SamplingParams)
-  stop: List[str] = field(default_factory=list)
-  include_usage: bool = False
-  n: int = 1
-  echo: bool = False
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -47,7 +33,7 @@ def parse_prompts(value: Any) -> List[Prompt]:
   return prompts
 
 
-def parse_completion_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> CompletionRequest:
+def parse_completion_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
   refuse_unimplemented(body, IMPLEMENTED, NEUTRAL_VALUES)
   model = resolve_model(body.get("model"), default_model, engine_classname)
   prompts = parse_prompts(body.get("prompt"))
@@ -63,4 +49,5 @@ def parse_completion_request(body: Dict[str, Any], default_model: str, engine_cl
   parse_user(body)
   params = sampling_params(body, default_temperature)
   params = replace(params, max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS, logprobs=logprobs)
-  return CompletionRequest(model, prompts, parse_flag(body, "stream"), params, parse_stop(body), parse_stream_options(body), n, echo)
+  return GenerationRequest(model, prompts=prompts, params=params, stop=parse_stop(body), n=n, echo=echo, stream=parse_flag(body, "stream"),
+                           stream_usage=parse_stream_options(body), fields=FieldNames(prompt="prompt"))

@@ -21,10 +21,10 @@ class ModelLimits:
   def kv_bytes(self, positions: int, layers: int) -> int:
     return positions * layers * self.kv_bytes_per_position_per_layer
 
-  def reply_budget(self, prompt_tokens: int, max_tokens: Optional[int], param: str = "messages") -> Optional[int]:
+  def reply_budget(self, prompt_tokens: int, max_tokens: Optional[int], param: str = "messages", max_tokens_param: str = "max_tokens") -> Optional[int]:
     """The most tokens the reply may take: max_tokens if the context holds it beside the prompt, else what the
     context leaves when max_tokens is not given. Raises BadRequest (vLLM's rule) when the prompt, or the prompt
-    plus max_tokens, does not fit."""
+    plus max_tokens, does not fit; `param` and `max_tokens_param` are the request's names of the two."""
     context = self.context_length
     if context is None:
       return max_tokens
@@ -34,6 +34,6 @@ class ModelLimits:
     if max_tokens is None:
       return context - prompt_tokens
     if prompt_tokens + max_tokens > context:
-      raise BadRequest(f"the prompt is {prompt_tokens:,} tokens and max_tokens asks for {max_tokens:,} more; this model's context is "
-                       f"{context:,} (ask for at most {context - prompt_tokens:,})", param="max_tokens", code="context_length_exceeded")
+      raise BadRequest(f"the prompt is {prompt_tokens:,} tokens and {max_tokens_param} asks for {max_tokens:,} more; this model's context is "
+                       f"{context:,} (ask for at most {context - prompt_tokens:,})", param=max_tokens_param, code="context_length_exceeded")
     return max_tokens

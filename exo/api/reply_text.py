@@ -44,6 +44,7 @@ class StopMatcher:
     self.stop = [s for s in stop if s]
     self.pending = ""
     self.matched = False
+    self.matched_string: Optional[str] = None  # the stop string that matched (the earliest in the text)
 
   def push(self, text: str) -> str:
     if self.matched:
@@ -52,10 +53,11 @@ class StopMatcher:
     if not self.stop:
       out, self.pending = self.pending, ""
       return out
-    hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+    hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stop) if i >= 0]
     if hits:
+      at, self.matched_string = min(hits)
       self.matched = True
-      out, self.pending = self.pending[:min(hits)], ""
+      out, self.pending = self.pending[:at], ""
       return out
     keep = max((k for s in self.stop for k in range(1, min(len(s), len(self.pending) + 1)) if self.pending.endswith(s[:k])), default=0)
     out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]

@@ -28,27 +28,30 @@ def parse_response_format(body: dict) -> Optional[ResponseFormat]:
   value = body.get("response_format")
   if value is None:
     return None
-  where = "response_format"
   if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-    raise BadRequest('response_format must be an object such as {"type": "json_object"}', param=where)
-  kind = value["type"]
+    raise BadRequest('response_format must be an object such as {"type": "json_object"}', param="response_format")
+  spec = value.get("json_schema")
+  if value["type"] == "json_schema" and not isinstance(spec, dict):
+    raise BadRequest('response_format.json_schema must be an object: {"name": ..., "schema": {...}, "strict": true}', param="response_format.json_schema")
+  return format_of(value["type"], spec, "response_format", "response_format.json_schema")
+
+
+def format_of(kind: str, spec: Optional[dict], where: str, spec_where: str) -> Optional[ResponseFormat]:
+  """The format of type `kind` at `where`; a json_schema's `name`, `schema` and `strict` are in `spec`, at `spec_where`."""
   if kind == "text":
     return None
   if kind == "json_object":
     return ResponseFormat(kind, {"type": "object"}, False)
   if kind != "json_schema":
-    raise BadRequest(f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}', param=f"{where}.type")
-  spec = value.get("json_schema")
-  if not isinstance(spec, dict):
-    raise BadRequest('response_format.json_schema must be an object: {"name": ..., "schema": {...}, "strict": true}', param=f"{where}.json_schema")
+    raise BadRequest(f'{where}.type must be "text", "json_object" or "json_schema", got {kind!r}', param=f"{where}.type")
   name = spec.get("name")
   if name is not None and (not isinstance(name, str) or not name or len(name) > 64):
-    raise BadRequest("response_format.json_schema.name must be a string of 1 to 64 characters", param=f"{where}.json_schema.name")
+    raise BadRequest(f"{spec_where}.name must be a string of 1 to 64 characters", param=f"{spec_where}.name")
   strict = spec.get("strict")
   if strict is not None and not isinstance(strict, bool):
-    raise BadRequest("response_format.json_schema.strict must be true or false", param=f"{where}.json_schema.strict")
+    raise BadRequest(f"{spec_where}.strict must be true or false", param=f"{spec_where}.strict")
   schema = spec.get("schema", {})
-  check_schema(schema, f"{where}.json_schema.schema", bool(strict))
+  check_schema(schema, f"{spec_where}.schema", bool(strict))
   return ResponseFormat(kind, schema, bool(strict))
 
 

@@ -45,6 +45,10 @@ class ShardDownloader(ABC):
   async def get_shard_download_status(self, inference_engine_name: str) -> AsyncIterator[Tuple[Path, RepoProgressEvent]]:
     ...
 
+  def is_downloading(self, repo_id: str) -> bool:
+    """Whether a download of the repository is under way here (its files must not be deleted meanwhile)."""
+    return False
+
 
 class NoopShardDownloader(ShardDownloader):
   def __init__(self):

@@ -12,7 +12,7 @@ and the best m is the one whose larger bound is smallest. A fast stage next to a
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Deque, Optional, Sequence, Tuple
 
 MOST_GROUPS_PER_STAGE = 2  # m at most this many times the ring's stages
 STEPS_FITTED = 64  # recent decode steps the fit of a stage's step time is taken over

@@ -19,7 +19,7 @@ request never waits: with nothing else going on this shard, a step starts at onc
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 

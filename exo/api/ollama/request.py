@@ -1,0 +1,152 @@
+"""Ollama's /api/chat and /api/generate bodies read into GenerationRequests: the messages (tool calls with their
+arguments as objects, tool results) or the prompt (templated as a user turn, or `raw`), `options` (temperature,
+top_p, top_k, min_p, seed, num_predict, stop), `format` ("json" or a JSON Schema), tools on chat. Ollama streams
+unless told not to. Bad input is a 400 naming the field; a model this node does not have is a 404, as Ollama's."""
+import json
+from dataclasses import replace
+from typing import Any, Dict, List, Optional
+
+from exo.api.chat_request import IMAGE_PLACEHOLDER
+from exo.api.errors import ApiError, BadRequest
+from exo.api.generation_request import FieldNames, GenerationRequest
+from exo.api.request_fields import (MAX_INT32, is_int, parse_flag, parse_logprobs_count, parse_stop, parse_string, refuse_unimplemented,
+                                    resolve_model, sampling_params)
+from exo.api.structured import ResponseFormat, format_of
+from exo.api.tools import parse_tool_use
+
+MAX_STOP_STRINGS = 16
+CHAT_FIELDS = {"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think", "logprobs", "top_logprobs"}
+GENERATE_FIELDS = {"model", "prompt", "system", "raw", "format", "options", "stream", "keep_alive", "think", "images", "logprobs", "top_logprobs"}
+GENERATE_NEUTRAL = {"suffix": [""], "template": [""], "context": [[]]}
+SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop"}
+# How a node runs (its context, threads, memory): the node's own settings, so these options are accepted and have no effect.
+RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "num_keep", "repeat_last_n",
+                   "penalize_newline", "mirostat_tau", "mirostat_eta"}
+NEUTRAL_OPTIONS = {"repeat_penalty": [1], "presence_penalty": [0], "frequency_penalty": [0], "typical_p": [1], "tfs_z": [1], "mirostat": [0]}
+ROLES = {"system", "user", "assistant", "tool"}
+LATEST = ":latest"
+
+
+def resolve_ollama_model(body: dict, default_model: str, engine_classname: str, field: str = "model") -> str:
+  """Ollama's model names with their tag: `name` and `name:latest` are the registry's `name`."""
+  name = body.get(field)
+  if not isinstance(name, str) or not name:
+    raise BadRequest(f"{field} is required", param=field)
+  try:
+    return resolve_model(name.removesuffix(LATEST), default_model, engine_classname, fallback_prefixes=())
+  except BadRequest as e:
+    if e.code == "model_not_found":
+      raise ApiError(404, f"model '{name}' not found", param=field, code="model_not_found") from None
+    raise
+
+
+def _options(body: dict, default_temperature: float):
+  options = body.get("options") or {}
+  if not isinstance(options, dict):
+    raise BadRequest("options must be an object such as {\"temperature\": 0}", param="options")
+  refuse_unimplemented(options, SAMPLING_OPTIONS | RUNTIME_OPTIONS, NEUTRAL_OPTIONS, prefix="options.")
+  predict = options.get("num_predict")
+  if predict is not None and (not is_int(predict) or not (predict in (-1, -2) or 1 <= predict <= MAX_INT32)):
+    raise BadRequest("options.num_predict must be an integer >= 1, or -1 (until the context is full)", param="options.num_predict")
+  fields = {k: options.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")}
+  params = sampling_params({**fields, "num_predict": predict if predict and predict > 0 else None}, default_temperature, ("num_predict",),
+                           prefix="options.")
+  return params, parse_stop(options, "stop", MAX_STOP_STRINGS, prefix="options.")
+
+
+def _format(body: dict) -> Optional[ResponseFormat]:
+  value = body.get("format")
+  if value in (None, ""):
+    return None
+  if value == "json":
+    return format_of("json_object", None, "format", "format")
+  if isinstance(value, dict):
+    return format_of("json_schema", {"schema": value}, "format", "format")
+  raise BadRequest('format must be "json" or a JSON Schema object', param="format")
+
+
+def _logprobs(body: dict) -> Optional[int]:
+  top = parse_logprobs_count(body, "top_logprobs")
+  return (top or 0) if parse_flag(body, "logprobs") else None
+
+
+def _refuse_thinking(body: dict) -> None:
+  if body.get("think") not in (None, False):
+    raise BadRequest("think: this model does not think (leave think out, or false)", param="think", code="unsupported_parameter")
+
+
+def _common(body: dict, default_temperature: float, fields: set, neutral: dict, prompt_field: str) -> Dict[str, Any]:
+  """The GenerationRequest's fields that chat and generate share."""
+  refuse_unimplemented(body, fields, neutral)
+  _refuse_thinking(body)
+  params, stop = _options(body, default_temperature)
+  return {"params": replace(params, logprobs=_logprobs(body)), "stop": stop, "response_format": _format(body),
+          "stream": parse_flag(body, "stream", default=True), "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict")}
+
+
+def _images(message: dict, where: str) -> str:
+  images = message.get("images")
+  if images is None:
+    return ""
+  if not isinstance(images, list):
+    raise BadRequest(f"{where}.images must be a list of base64 images", param=f"{where}.images")
+  return "".join("\n" + IMAGE_PLACEHOLDER for _ in images)
+
+
+def parse_messages(value: Any) -> List[Dict[str, Any]]:
+  """Ollama's messages as the core's conversation: tool calls get ids, and each tool result answers the earliest
+  unanswered call of its `tool_name` (or, without one, the earliest unanswered call)."""
+  if not isinstance(value, list):
+    raise BadRequest('messages must be a list of {"role": ..., "content": ...} objects', param="messages")
+  out, pending = [], []
+  for i, message in enumerate(value):
+    where = f"messages[{i}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+      raise BadRequest(f'{where} must be an object with "role" one of {", ".join(sorted(ROLES))}', param=where)
+    content = parse_string(message, "content", f"{where}.") or ""
+    converted = {"role": message["role"], "content": content + _images(message, where)}
+    calls = message.get("tool_calls")
+    if calls is not None:
+      if message["role"] != "assistant" or not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list, on an assistant message", param=f"{where}.tool_calls")
+      converted["tool_calls"] = []
+      for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", {}), dict):
+          raise BadRequest(f'{where}.tool_calls[{j}] must be {{"function": {{"name": ..., "arguments": {{...}}}}}}', param=f"{where}.tool_calls[{j}]")
+        call_id = f"call_{i}_{j}"
+        converted["tool_calls"].append({"id": call_id, "type": "function", "function": {"name": function["name"],
+                                                                                         "arguments": json.dumps(function.get("arguments", {}))}})
+        pending.append((call_id, function["name"]))
+    if message["role"] == "tool":
+      name = parse_string(message, "tool_name", f"{where}.")
+      answered = next((p for p in pending if name is None or p[1] == name), None)
+      if answered is not None:
+        pending.remove(answered)
+        converted["tool_call_id"] = answered[0]
+    out.append(converted)
+  return out
+
+
+def parse_chat(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
+  common = _common(body, default_temperature, CHAT_FIELDS, {}, "messages")
+  model = resolve_ollama_model(body, default_model, engine_classname)
+  messages = parse_messages(body.get("messages") or [])
+  if not messages:
+    raise BadRequest("messages is required: a non-empty list", param="messages")  # (Ollama loads the model; this node's is always loaded)
+  return GenerationRequest(model, messages=messages, tool_use=parse_tool_use({"tools": body.get("tools")}), **common)
+
+
+def parse_generate(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
+  """An empty prompt (Ollama's way to load a model) is the raw prompt "", which is not to be run."""
+  common = _common(body, default_temperature, GENERATE_FIELDS, GENERATE_NEUTRAL, "prompt")
+  model = resolve_ollama_model(body, default_model, engine_classname)
+  prompt, system = parse_string(body, "prompt") or "", parse_string(body, "system")
+  if not prompt:
+    return GenerationRequest(model, prompts=[""], **common)
+  if parse_flag(body, "raw"):
+    if system or body.get("images"):
+      raise BadRequest("a raw prompt is given to the model as it is: put the system prompt and images in it", param="raw")
+    return GenerationRequest(model, prompts=[prompt], **common)
+  messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt + _images(body, "body")}]
+  return GenerationRequest(model, messages=messages, **common)

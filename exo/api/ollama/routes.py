@@ -1,0 +1,88 @@
+"""Ollama's routes: POST /api/chat and /api/generate (NDJSON streams by default), GET /api/tags, /api/ps and
+/api/version, POST /api/show; errors under /api/ as Ollama's {"error": "..."}."""
+import asyncio
+import time
+from contextlib import aclosing
+from typing import Callable, List, Tuple
+
+from aiohttp import web
+
+from exo.api.errors import ApiError
+from exo.api.event_stream import EventStream
+from exo.api.ollama.models import config_of, describe, local_models, model_info, tagged
+from exo.api.ollama.render import OllamaReply, error_body, now
+from exo.api.ollama.request import parse_chat, parse_generate, resolve_ollama_model
+from exo.api.replies import NDJSON, json_reply
+from exo.api.request_fields import parse_json_body
+from exo.api.serving import ServingCore
+
+# The version of Ollama's API these routes follow (clients check it before using newer fields), not exo's own.
+OLLAMA_API_VERSION = "0.12.0"
+
+
+class OllamaRoutes:
+  PREFIXES = ("/api/",)
+
+  def __init__(self, core: ServingCore):
+    self.core = core
+
+  def routes(self) -> List[Tuple[Tuple[str, ...], str, Callable]]:
+    return [(("/api/chat",), "POST", self.handle_chat), (("/api/generate",), "POST", self.handle_generate),
+            (("/api/tags",), "GET", self.handle_tags), (("/api/ps",), "GET", self.handle_ps), (("/api/version",), "GET", self.handle_version),
+            (("/api/show",), "POST", self.handle_show)]
+
+  @staticmethod
+  def error_reply(error: ApiError) -> web.Response:
+    return json_reply(error_body(error), error.status, error.headers)
+
+  async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic_ns()
+    return await self._reply(request, await self.core.read(await request.read(), parse_chat), True, arrived)
+
+  async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic_ns()
+    generation = await self.core.read(await request.read(), parse_generate)
+    if generation.prompts == [""]:  # an empty prompt loads the model, which is always loaded here
+      return json_reply({"model": tagged(generation.model), "created_at": now(), "response": "", "done": True, "done_reason": "load"})
+    return await self._reply(request, generation, False, arrived)
+
+  async def _reply(self, request: web.Request, generation, chat: bool, arrived_ns: int) -> web.StreamResponse:
+    reply = OllamaReply(generation.model, chat, arrived_ns)
+    events = self.core.generate(generation, arrived_ns / 1e9)
+    if generation.stream:
+      return await EventStream(request, {}, error_body, NDJSON).relay(events, reply, self.core.stream_failed)
+    usage = None
+    async with aclosing(events):
+      async for event in events:
+        reply.note(event)
+        usage = event
+    return json_reply(reply.whole(usage))
+
+  async def handle_tags(self, request: web.Request) -> web.Response:
+    engine = self.core.engine_classname
+    models = await asyncio.to_thread(lambda: [describe(m, engine) for m in local_models(engine)])
+    return json_reply({"models": models})
+
+  async def handle_ps(self, request: web.Request) -> web.Response:
+    """The model this node's engine holds (its shard of it), kept until another is asked for."""
+    shard = getattr(self.core.node.inference_engine, "shard", None)
+    if shard is None:
+      return json_reply({"models": []})
+    entry = await asyncio.to_thread(describe, shard.model_id, self.core.engine_classname)
+    _, limits = await self.core.profiles.get(shard.model_id)
+    return json_reply({"models": [{**entry, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0, "context_length": limits.context_length}]})
+
+  async def handle_version(self, request: web.Request) -> web.Response:
+    return json_reply({"version": OLLAMA_API_VERSION})
+
+  async def handle_show(self, request: web.Request) -> web.Response:
+    body = await self.core.in_thread(parse_json_body, await request.read())
+    engine = self.core.engine_classname
+    model = resolve_ollama_model(body, self.core.default_model, engine, "model" if "model" in body else "name")
+    if model not in local_models(engine):
+      raise ApiError(404, f"model '{body.get('model') or body.get('name')}' not found", code="model_not_found")
+    tokenizer, _ = await self.core.profiles.get(model)
+    entry, config = await asyncio.to_thread(lambda: (describe(model, engine), config_of(model, engine)))
+    return json_reply({"modelfile": f"FROM {model}\n", "parameters": "", "template": getattr(tokenizer, "chat_template", None) or "",
+                       "details": entry["details"], "model_info": model_info(config), "capabilities": ["completion", "tools"],
+                       "modified_at": entry["modified_at"]})

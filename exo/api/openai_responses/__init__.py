@@ -1,0 +1,1 @@
+"""OpenAI's Responses API (POST /v1/responses), stateless: see docs/api-dialects.md."""
