@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import aiohttp
 import numpy as np
@@ -232,6 +232,19 @@ def capacity(rows: Dict, limit: float) -> int:
   return max((n for n, row in rows.items() if isinstance(n, int) and row["itl_p50"] <= limit), default=0)
 
 
+def stage_busy(pairs: List[Tuple[Dict, Dict]], n: int) -> Dict[str, Tuple[List[str], List[float]]]:
+  """Each cluster node's layers (a pair's cut may differ from another's: speeds are measured at each start) and its busy
+  fraction in each pair."""
+  nodes: Dict[str, Tuple[List[str], List[float]]] = {}
+  for cluster, _ in pairs:
+    for stage, fraction in cluster[n]["busy"].items():
+      node, layers = stage.split(":", 1)
+      seen, fractions = nodes.setdefault(node, ([], []))
+      seen.extend([layers] if layers not in seen else [])
+      fractions.append(fraction)
+  return dict(sorted(nodes.items()))
+
+
 def same_as(reference: Dict, rows: Dict, ns: List[int]) -> bool:
   """Whether a run's greedy outputs (every burst, and the conversations if it held them) equal one unbatched node's."""
   bursts = all(rows[n]["texts"] == reference["texts"][:n] for n in ns + [n for n in rows if isinstance(n, int) and n not in ns])
@@ -253,8 +266,7 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], 
       cap = statistics.median(c[n] for c in caps) if caps and n in caps[0] else None
       share = f"{100 * ratio / cap:10.0f}%" if cap else f"{'-':>11}"
       itl = f"{1e3 * statistics.median(c[n]['itl_p50'] for c, _ in pairs):.0f}/{1e3 * statistics.median(s[n]['itl_p50'] for _, s in pairs):.0f}"
-      stages = sorted({stage for cluster, _ in pairs for stage in cluster[n]["busy"]})
-      busy = ", ".join(f"{stage}: {100 * statistics.median(c[n]['busy'].get(stage, 0) for c, _ in pairs):.0f}%" for stage in stages)
+      busy = ", ".join(f"{node}:{'/'.join(layers)}: {100 * statistics.median(fractions):.0f}%" for node, (layers, fractions) in stage_busy(pairs, n).items())
       print(f"{n:>4} {statistics.median(c[n]['tok_s'] for c, _ in pairs):>14.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
             f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {itl:>17} {'yes' if same else 'NO':>5}  {busy}")
     if CAPACITY_AT in ns:
