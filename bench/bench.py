@@ -69,8 +69,9 @@ def make_prompts(n: int, prompt_tokens: int, salt: int = 0) -> List[str]:
 class Cluster:
   """1 or more `exo` processes on loopback with manual discovery; batching set through the environment."""
 
-  def __init__(self, nodes: int, engine: str, batching: bool, args, log_dir: Path, root: Path = ROOT):
+  def __init__(self, nodes: int, engine: str, batching: bool, args, log_dir: Path, root: Path = ROOT, placement: Optional[str] = None):
     self.nodes, self.engine, self.batching, self.args, self.log_dir, self.root = nodes, engine, batching, args, log_dir, root
+    self.placement = placement  # EXO_PLACEMENT for its nodes (None: the nodes' default)
     self.procs: List[subprocess.Popen] = []
     self.api_ports: List[int] = []
 
@@ -81,7 +82,9 @@ class Cluster:
       "model": "bench", "chip": "cpu", "memory": 1000, "flops": {"fp32": 0, "fp16": 0, "int8": 0}}} for i, p in enumerate(grpc_ports)}}
     config_path = self.log_dir / f"peers-{self.nodes}.json"
     config_path.write_text(json.dumps(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXO_BATCH", "EXO_PREFILL"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXO_BATCH", "EXO_PREFILL", "EXO_PLACEMENT"))}
+    if self.placement:
+      env.update(EXO_PLACEMENT=self.placement)
     if self.batching:
       env.update(EXO_BATCH_SIZE=str(self.args.batch_size), EXO_BATCH_TIMEOUT_MS=str(self.args.batch_timeout_ms))
       if self.args.prefill_chunk is not None:
@@ -101,7 +104,9 @@ class Cluster:
 
   async def _wait_ready(self, limit: float = 180.0) -> None:
     """Until every node sees all of them with the same capabilities: the layer split is computed from those, and
-    a node whose view of a peer is still the discovery file's would ask it for other layers (which it refuses)."""
+    a node whose view of a peer is still the discovery file's would ask it for other layers (which it refuses); and,
+    where the nodes place models, until each has heard every other's facts (all derive the same placement) and every
+    group of the default model holds its layers (before that, a router sends everything to the groups that do)."""
     deadline = time.monotonic() + limit
     async with aiohttp.ClientSession() as session:
       while True:
@@ -111,7 +116,12 @@ class Cluster:
         for port in self.api_ports:
           try:
             async with session.get(f"http://127.0.0.1:{port}/v1/topology") as r:
-              views.append((await r.json())["nodes"] if r.status == 200 else None)
+              view = await r.json() if r.status == 200 else None
+              placed = (view or {}).get("placement", {})
+              placing = placed.get("mode", "off") != "off"
+              members = len(placed.get("members", {})) if placing else self.nodes
+              loaded = not placing or all(placed.get("models", {}).get(MODEL, {}).get("ready", [False]))
+              views.append(view["nodes"] if view is not None and members == self.nodes and loaded else None)
           except aiohttp.ClientError:
             views.append(None)
         if all(view is not None and len(view) == self.nodes and view == views[0] for view in views):
@@ -131,6 +141,11 @@ class Cluster:
   @property
   def url(self) -> str:
     return f"http://127.0.0.1:{self.api_ports[0]}/v1/chat/completions"
+
+  @property
+  def urls(self) -> List[str]:
+    """Every node's chat endpoint (clients spread over the nodes, as behind a load balancer)."""
+    return [f"http://127.0.0.1:{port}/v1/chat/completions" for port in self.api_ports]
 
   async def __aexit__(self, *exc) -> None:
     for p in self.procs:
@@ -186,9 +201,11 @@ def summarise(results: List[dict]) -> dict:
           "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "tpot_p50": pct(tpot, 50)}
 
 
-async def burst(url: str, prompts: List[str], max_tokens: int, extra: Optional[List[dict]] = None) -> List[dict]:
+async def burst(url, prompts: List[str], max_tokens: int, extra: Optional[List[dict]] = None) -> List[dict]:
+  """Every prompt at once, streaming; `url` one endpoint, or a list that the prompts take in turn."""
+  urls = [url] if isinstance(url, str) else url
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-    return await asyncio.gather(*[stream_one(session, url, p, max_tokens, (extra or [None] * len(prompts))[i]) for i, p in enumerate(prompts)])
+    return await asyncio.gather(*[stream_one(session, urls[i % len(urls)], p, max_tokens, (extra or [None] * len(prompts))[i]) for i, p in enumerate(prompts)])
 
 
 async def interference(url: str, streams: int, long_prompt_tokens: int, max_tokens: int) -> dict:

@@ -1,21 +1,30 @@
-"""A ring of machines against one machine, on one host: each node pinned to its own cores, the single-node baseline
+"""A cluster of machines against one machine, on one host: each node pinned to its own cores, the single-node baseline
 pinned the same way, and the nodes' gRPC links through a loopback relay that delays every byte (bench/relay.py).
 
-  python bench/machines.py                                  # 2 nodes x 1 core, 1 ms each way, N = 1, 16, 32, 3 pairs
-  python bench/machines.py --nodes 2 --cores-per-node 1 --hop-delay-ms 1 --ns 1,16,32 --pairs 3 --tokens 64
+  python bench/machines.py                                  # 2 nodes x 1 core, 1 ms each way, every placement, 3 pairs
+  python bench/machines.py --placements auto --ns 1,16,32,64 --clients spread --conversations 8
 
-Each pair runs the ring and the single node one after the other (taking turns going first, so that a drift in the
-machine's speed favours neither), both with batching on; every N is a burst of N streaming requests through the
-real HTTP API. It prints, per N, ring ÷ single (the median over pairs of each ring run ÷ the single run next to
-it), whether greedy outputs were identical, and each stage's busy fraction during the ring's bursts (read from
-the nodes' /metrics).
+Each pair runs the single node and the cluster once in each placement (EXO_PLACEMENT: auto, the default, places a
+replica of SmolLM2 on each node; pipeline, one ring over every node; replicas), taking turns going first so that a
+drift in the machine's speed favours none, all with batching on; every N is a burst of N streaming requests through
+the real HTTP API. Clients: `one` sends every request to the first node's API (it then carries every stream's HTTP
+and every remote token), `spread` sends request i to node i mod p (as a load balancer in front of the nodes would).
+It prints, per placement and N, cluster ÷ single (the median over pairs of each cluster run ÷ the single run of its
+pair), whether greedy outputs were identical to one unbatched node's (run once, before the pairs, pinned the same
+way), each stage's busy fraction (from the nodes' /metrics), and:
 
-Beside it, the ceiling: what a perfect ring of p stages could reach on these cores (stages of equal cost, free
-links, no overhead). It keeps p groups of N/p rows in flight, so each stage runs 1/p of the model p times per cycle
-of N tokens: ring ÷ single = T(N) / T(N/p), T(rows) being one whole-model decode step on one node's cores, timed
-in a process pinned to them (the sizes' steps taken in turn). Where fewer rows cost nearly as much as more
-(weights read from memory, per-step overhead), pipelining cannot pay: T(16) / T(8) is the most a 2-stage ring can
-gain at N=16."""
+- the ceiling: what p nodes that each take N/p of the streams could reach on these cores, T(N) / T(N/p), T(rows)
+  being one whole-model decode step on one node's cores, timed in a process pinned to them (the sizes' steps taken
+  in turn). Replicas and a perfect p-stage pipeline share it. Beside it, the share of the ceiling reached;
+- capacity: the most streams whose inter-token latency p50 stays within the single node's at N=16, for the single
+  node and for the cluster, among the Ns run and the extra bursts of --capacity-ns (near twice 16, where two nodes
+  should land).
+
+With --conversations C, each cluster in `auto` and the single node also hold C conversations of --turns turns at once
+(each turn the whole conversation so far, as a chat client sends it; every conversation takes its turn k together):
+reported are the later turns that the router sent to the group holding their prefix (its /metrics, reason "prefix"),
+the prompt positions the engines' prefix caches spared the later turns (/v1/state), cluster ÷ single (1.00: every
+turn found its prefix where it landed), and turn 8 / turn 1 time to first token, cluster beside single."""
 import argparse
 import asyncio
 import json
@@ -26,21 +35,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import MODEL, ROOT, Cluster, burst, free_port, make_prompts, summarise  # noqa: E402
+from bench import MODEL, ROOT, WORDS, Cluster, burst, free_port, make_prompts, stream_one, summarise  # noqa: E402
+
+CAPACITY_AT = 16  # the single node's ITL p50 at this many streams is the latency capacity keeps within
 
 
 class Machines(Cluster):
   """Nodes pinned to cores of their own; with a delay, each node reached through a relay of its own."""
 
-  def __init__(self, nodes: int, args, log_dir: Path, root: Path = ROOT):
-    super().__init__(nodes, args.engine, True, args, log_dir, root)
+  def __init__(self, nodes: int, args, log_dir: Path, root: Path = ROOT, placement: Optional[str] = None, batching: bool = True):
+    super().__init__(nodes, args.engine, batching, args, log_dir, root, placement)
     self.relays: List[subprocess.Popen] = []
 
   def cores(self, i: int) -> set:
@@ -69,43 +80,111 @@ class Machines(Cluster):
       relay.wait(timeout=10)
 
   async def scrape(self) -> Dict[str, float]:
-    """From every node's /metrics: each stage's busy seconds (by its layers) and its steps and rows so far."""
+    """From every node's /metrics: each stage's busy seconds (by its layers), its steps and rows so far, and the
+    requests it routed, by reason."""
     from prometheus_client.parser import text_string_to_metric_families
     figures = {}
     async with aiohttp.ClientSession() as session:
-      for port in self.api_ports:
+      for i, port in enumerate(self.api_ports):
         async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
           text = await r.text()
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
         layers = [s.labels["layers"] for s in samples if s.name == "exo_stage_busy_seconds_total"]
         for sample in samples:
           if sample.name == "exo_stage_busy_seconds_total":
-            figures[f"busy {sample.labels['layers']}"] = sample.value
+            figures[f"busy {i}:{sample.labels['layers']}"] = sample.value
           elif sample.name in ("exo_batch_size_count", "exo_batch_size_sum") and layers:
-            figures[f"{'steps' if sample.name.endswith('count') else 'rows'} {layers[0]}"] = sample.value
+            figures[f"{'steps' if sample.name.endswith('count') else 'rows'} {i}:{layers[0]}"] = sample.value
+          elif sample.name == "exo_routed_requests_total":
+            figures[f"routed {sample.labels['reason']}"] = figures.get(f"routed {sample.labels['reason']}", 0.0) + sample.value
     return figures
 
+  async def reused_positions(self) -> int:
+    """Prompt positions the nodes' prefix caches have spared so far (each node's /v1/state), summed."""
+    total = 0
+    async with aiohttp.ClientSession() as session:
+      for port in self.api_ports:
+        async with session.get(f"http://127.0.0.1:{port}/v1/state") as r:
+          total += (await r.json())["prefix_cache"].get("reused_positions", 0)
+    return total
 
-async def run_cluster(args, nodes: int, ns: List[int], pair: int, out, root: Path = ROOT) -> Dict[int, dict]:
-  rows = {}
-  async with Machines(nodes, args, Path(args.log_dir), root) as cluster:
-    await burst(cluster.url, make_prompts(2, 48, salt=99), 8)  # warm-up: load, first allocations
-    for n in ns:
+
+def clients_of(cluster: Cluster, clients: str):
+  return cluster.url if clients == "one" else cluster.urls
+
+
+async def run_cluster(args, nodes: int, placement: Optional[str], clients: str, ns: List[int], pair: int, out, root: Path = ROOT) -> Dict:
+  rows: Dict = {}
+  label = "single" if nodes == 1 else f"{placement or 'baseline'}/{clients}"
+  async with Machines(nodes, args, Path(args.log_dir), root, placement) as cluster:
+    urls = clients_of(cluster, clients)
+    await burst(cluster.urls, make_prompts(2 * nodes, 48, salt=99), 8)  # warm-up at every node: loads, first allocations
+    for n in ns + [n for n in args.capacity_ns if n not in ns]:
       before, start = await cluster.scrape(), time.monotonic()
-      results = await burst(cluster.url, make_prompts(n, args.prompt_tokens), args.tokens)
+      results = await burst(urls, make_prompts(n, args.prompt_tokens), args.tokens)
       wall = time.monotonic() - start
       after = await cluster.scrape()
       moved = {key: value - before.get(key, 0.0) for key, value in after.items()}
       stages = [key[5:] for key in after if key.startswith("busy ")]
-      row = {"nodes": nodes, "n": n, "pair": pair, "code": "this" if root == ROOT else str(root), "texts": [r["text"] for r in results], **summarise(results),
-             "busy": {layers: moved[f"busy {layers}"] / wall for layers in stages},
-             "rows_per_step": {layers: moved.get(f"rows {layers}", 0) / max(1, moved.get(f"steps {layers}", 0)) for layers in stages}}
+      row = {"label": label, "nodes": nodes, "n": n, "pair": pair, "code": "this" if root == ROOT else str(root), "texts": [r["text"] for r in results],
+             **summarise(results), "busy": {stage: moved[f"busy {stage}"] / wall for stage in stages},
+             "rows_per_step": {stage: moved.get(f"rows {stage}", 0) / max(1, moved.get(f"steps {stage}", 0)) for stage in stages}}
       rows[n] = row
       out.write(json.dumps({k: v for k, v in row.items() if k != "texts"}) + "\n")
       out.flush()
-      busy = ", ".join(f"layers {layers} {100 * b:.0f}% ({row['rows_per_step'][layers]:.1f} rows/step)" for layers, b in sorted(row["busy"].items()))
-      print(f"  pair {pair} {nodes} node(s){'' if root == ROOT else ' BASELINE'} N={n:<3} {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:.2f}s  busy: {busy}", flush=True)
+      busy = ", ".join(f"{stage} {100 * b:.0f}% ({row['rows_per_step'][stage]:.1f} rows/step)" for stage, b in sorted(row["busy"].items()))
+      print(f"  pair {pair} {label:<16} N={n:<3} {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1e3 * row['itl_p50']:.0f} ms  "
+            f"busy: {busy}", flush=True)
+    if args.conversations and placement in (None, "auto"):
+      rows["conversations"] = await conversations(cluster, args, clients)
+      out.write(json.dumps({"label": label, "pair": pair, "conversations": rows["conversations"]}) + "\n")
+      c = rows["conversations"]
+      print(f"  pair {pair} {label:<16} {args.conversations} conversations x {args.turns} turns: TTFT by turn "
+            f"{' '.join(f'{t:.2f}' for t in c['ttft_by_turn'])} s, turn {args.turns} / 1 = {c['last_over_first']:.2f}x"
+            + (f", later turns routed to their prefix's group {100 * c['prefix_share']:.0f}%" if c["prefix_share"] is not None else ""), flush=True)
   return rows
+
+
+def words(count: int, salt: int) -> str:
+  return " ".join(WORDS[(salt * 7 + i * 3) % len(WORDS)] for i in range(count))
+
+
+async def conversations(cluster: Machines, args, clients: str) -> dict:
+  """C conversations at once, turn by turn: each turn sends the whole conversation so far."""
+  urls = [cluster.url] if clients == "one" else cluster.urls
+  histories = [[] for _ in range(args.conversations)]
+  ttft, answers, routed, reused = [[] for _ in range(args.turns)], [], {"prefix": 0.0, "total": 0.0}, 0
+  async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    for turn in range(args.turns):
+      before, reused_before = await cluster.scrape(), await cluster.reused_positions()
+      for c, history in enumerate(histories):
+        history.append({"role": "user", "content": f"Conversation {c}, turn {turn + 1}: what do these words bring to mind? {words(60, c * 31 + turn)}"})
+      replies = await asyncio.gather(*[stream_one(session, urls[c % len(urls)], "", args.answer_tokens, {"messages": history})
+                                       for c, history in enumerate(histories)])
+      after, reused_after = await cluster.scrape(), await cluster.reused_positions()
+      for history, reply in zip(histories, replies):
+        history.append({"role": "assistant", "content": reply["text"]})
+        ttft[turn].append(reply["times"][0] - reply["sent"])
+      answers.append([r["text"] for r in replies])
+      if turn:
+        reused += reused_after - reused_before
+        routed["prefix"] += after.get("routed prefix", 0.0) - before.get("routed prefix", 0.0)
+        routed["total"] += sum(after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.startswith("routed "))
+  by_turn = [statistics.median(t) for t in ttft]
+  return {"ttft_by_turn": by_turn, "last_over_first": by_turn[-1] / by_turn[0], "answers": answers, "reused_positions": reused,
+          "prefix_share": routed["prefix"] / routed["total"] if routed["total"] else None}
+
+
+async def unbatched_reference(args, ns: List[int]) -> Dict:
+  """The greedy outputs of one node with batching off, pinned to the first node's cores: the burst prompts' texts (prompt
+  i is the same text whatever N) and, with --conversations, the conversations' answers. Every run must equal them."""
+  async with Machines(1, args, Path(args.log_dir), batching=False) as node:
+    results = await burst(node.url, make_prompts(max(ns + args.capacity_ns), args.prompt_tokens), args.tokens)
+    reference = {"texts": [r["text"] for r in results]}
+    if args.conversations:
+      reference["answers"] = (await conversations(node, args, "one"))["answers"]
+  print(f"  one unbatched node: {len(results)} prompts" + (f", {args.conversations} conversations" if args.conversations else "") + " answered", flush=True)
+  return reference
 
 
 async def step_times(sizes: List[int], engine: str, context: int, steps: int = 16) -> Dict[int, float]:
@@ -148,22 +227,93 @@ def ceiling(args, ns: List[int]) -> Dict[int, float]:
   return {n: times[n] / times[-(-n // args.nodes)] for n in ns}
 
 
+def capacity(rows: Dict, limit: float) -> int:
+  """The most streams whose ITL p50 stays within `limit`, among the bursts run (0 if none does)."""
+  return max((n for n, row in rows.items() if isinstance(n, int) and row["itl_p50"] <= limit), default=0)
+
+
+def stage_busy(pairs: List[Tuple[Dict, Dict]], n: int) -> Dict[str, Tuple[List[str], List[float]]]:
+  """Each cluster node's layers (a pair's cut may differ from another's: speeds are measured at each start) and its busy
+  fraction in each pair."""
+  nodes: Dict[str, Tuple[List[str], List[float]]] = {}
+  for cluster, _ in pairs:
+    for stage, fraction in cluster[n]["busy"].items():
+      node, layers = stage.split(":", 1)
+      seen, fractions = nodes.setdefault(node, ([], []))
+      seen.extend([layers] if layers not in seen else [])
+      fractions.append(fraction)
+  return dict(sorted(nodes.items()))
+
+
+def same_as(reference: Dict, rows: Dict, ns: List[int]) -> bool:
+  """Whether a run's greedy outputs (every burst, and the conversations if it held them) equal one unbatched node's."""
+  bursts = all(rows[n]["texts"] == reference["texts"][:n] for n in ns + [n for n in rows if isinstance(n, int) and n not in ns])
+  return bursts and ("conversations" not in rows or rows["conversations"]["answers"] == reference.get("answers"))
+
+
+def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], reference: Dict) -> None:
+  """The tables, medians over pairs: each cluster configuration against the single node of the same pair."""
+  for label in [k for k in runs[0] if k != "single"]:
+    pairs = [(run[label], run["single"]) for run in runs]
+    print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "
+          f"core(s); medians over {len(pairs)} pair(s)")
+    print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} "
+          f"{'ITL p50 c/s (ms)':>17} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's)")
+    for n in ns:
+      ratios = [cluster[n]["tok_s"] / single[n]["tok_s"] for cluster, single in pairs]
+      ratio = statistics.median(ratios)
+      same = all(cluster[n]["texts"] == reference["texts"][:n] for cluster, _ in pairs)
+      cap = statistics.median(c[n] for c in caps) if caps and n in caps[0] else None
+      share = f"{100 * ratio / cap:10.0f}%" if cap else f"{'-':>11}"
+      itl = f"{1e3 * statistics.median(c[n]['itl_p50'] for c, _ in pairs):.0f}/{1e3 * statistics.median(s[n]['itl_p50'] for _, s in pairs):.0f}"
+      busy = ", ".join(f"{node}:{'/'.join(layers)}: {100 * statistics.median(fractions):.0f}%" for node, (layers, fractions) in stage_busy(pairs, n).items())
+      print(f"{n:>4} {statistics.median(c[n]['tok_s'] for c, _ in pairs):>14.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
+            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {itl:>17} {'yes' if same else 'NO':>5}  {busy}")
+    if CAPACITY_AT in ns:
+      cluster_capacity, single_capacity = [], []
+      for cluster, single in pairs:
+        limit = single[CAPACITY_AT]["itl_p50"]
+        cluster_capacity.append(capacity(cluster, limit))
+        single_capacity.append(capacity(single, limit))
+      c, s = statistics.median(cluster_capacity), statistics.median(single_capacity)
+      print(f"  capacity (ITL p50 within the single node's at N={CAPACITY_AT}): single {s:g} streams, cluster {c:g} streams "
+            f"({c / s if s else float('nan'):.2f}x; each pair {', '.join(f'{a}/{b}' for a, b in zip(cluster_capacity, single_capacity))})")
+    conv = [(cluster.get("conversations"), single.get("conversations")) for cluster, single in pairs]
+    if all(a and b for a, b in conv):
+      shares = [a["prefix_share"] for a, _ in conv if a["prefix_share"] is not None]
+      reuse = [a["reused_positions"] / b["reused_positions"] if b["reused_positions"] else float("nan") for a, b in conv]
+      print(f"  {args.conversations} conversations x {args.turns} turns: later turns routed to the group holding their prefix "
+            f"{100 * statistics.median(shares):.0f}% (each pair {', '.join(f'{100 * x:.0f}%' for x in shares)}); their positions spared by "
+            f"prefix caches, cluster ÷ single {statistics.median(reuse):.2f}; turn {args.turns} / turn 1 TTFT "
+            f"cluster {statistics.median(a['last_over_first'] for a, _ in conv):.2f}x, single {statistics.median(b['last_over_first'] for _, b in conv):.2f}x; "
+            f"answers as one unbatched node's: {'yes' if all(a['answers'] == reference.get('answers') for a, _ in conv) else 'NO'}")
+  print(f"\n  single node (batched): greedy outputs as one unbatched node's: {'yes' if all(same_as(reference, run['single'], ns) for run in runs) else 'NO'}")
+  if caps:
+    print(f"\n  ceiling: {args.nodes} nodes each taking N/{args.nodes} of the streams on these cores, T(N) / T(N/{args.nodes}), median over pairs")
+
+
 async def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--engine", default="numpy")
   p.add_argument("--nodes", type=int, default=2)
   p.add_argument("--cores-per-node", type=int, default=1)
   p.add_argument("--hop-delay-ms", type=float, default=1.0, help="one-way delay the relay adds on every link (0: no relay)")
-  p.add_argument("--ns", default="1,16,32")
+  p.add_argument("--placements", default="auto,pipeline,replicas", help="EXO_PLACEMENT of the cluster runs, comma-separated")
+  p.add_argument("--clients", default="one", help="one: every request to the first node's API; spread: request i to node i mod p; or both")
+  p.add_argument("--ns", default="1,16,32,64")
+  p.add_argument("--capacity-ns", default="24,30", help="extra bursts for capacity only (not in the table)")
   p.add_argument("--pairs", type=int, default=3)
   p.add_argument("--tokens", type=int, default=64)
   p.add_argument("--prompt-tokens", type=int, default=64)
+  p.add_argument("--conversations", type=int, default=0, help="conversations held at once (auto placement and the single node)")
+  p.add_argument("--turns", type=int, default=8)
+  p.add_argument("--answer-tokens", type=int, default=16, help="tokens of each conversation turn's answer")
   p.add_argument("--batch-size", type=int, default=None, help="EXO_BATCH_SIZE (default: the largest N)")
   p.add_argument("--batch-timeout-ms", type=float, default=5.0)
   p.add_argument("--prefill-chunk", type=int, default=None)
   p.add_argument("--baseline", default=None, help="another checkout of exo whose ring runs in each pair too (its ring ÷ the same single node)")
   p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-  p.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip timing the perfect ring's ceiling")
+  p.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip timing the ceiling")
   p.add_argument("--step-times", default=None, help=argparse.SUPPRESS)  # the ceiling's child: the rows per step to time
   p.add_argument("--context", type=int, default=96, help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -171,47 +321,32 @@ async def main() -> None:
     print(json.dumps(await step_times([int(n) for n in args.step_times.split(",")], args.engine, args.context)))
     return
   ns = [int(n) for n in args.ns.split(",") if n]
-  args.batch_size = args.batch_size or max(ns + [2])
+  args.capacity_ns = [int(n) for n in args.capacity_ns.split(",") if n]
+  placements = [x for x in args.placements.split(",") if x]
+  clients = ["spread", "one"] if args.clients == "both" else [args.clients]
+  args.batch_size = args.batch_size or max(ns + args.capacity_ns + [2, args.conversations])
   if args.nodes * args.cores_per_node > len(os.sched_getaffinity(0)):
     raise SystemExit(f"{args.nodes} nodes x {args.cores_per_node} cores need more than this machine's {len(os.sched_getaffinity(0))} cores")
   args.log_dir = tempfile.mkdtemp(prefix="exo-machines-")
   Path(args.out).mkdir(parents=True, exist_ok=True)
   path = Path(args.out) / f"machines-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-  print(f"exo machines bench: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, N={ns}, "
-        f"{args.pairs} pair(s), {args.prompt_tokens} prompt + {args.tokens} generated tokens; logs in {args.log_dir}", flush=True)
-  pairs, baseline, caps = [], [], []
+  print(f"exo machines bench: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, placements {placements}, "
+        f"clients {clients}, N={ns}, {args.pairs} pair(s), {args.prompt_tokens} prompt + {args.tokens} generated tokens; logs in {args.log_dir}", flush=True)
+  runs, caps = [], []
   with open(path, "w") as out:
+    reference = await unbatched_reference(args, ns)
+    out.write(json.dumps({"unbatched": reference}) + "\n")
     for pair in range(args.pairs):
-      if args.ceiling:  # once per pair, so that its median spans the same drift as the rings'
+      if args.ceiling:  # once per pair, so that its median spans the same drift as the clusters'
         caps.append(ceiling(args, ns))
         out.write(json.dumps({"pair": pair, "ceiling": caps[-1]}) + "\n")
-      order = [(args.nodes, ROOT), (1, ROOT)] + ([(args.nodes, Path(args.baseline))] if args.baseline else [])
+      order = [("single", 1, None, "one", ROOT)] + [(f"{pl}/{cl}", args.nodes, pl, cl, ROOT) for pl in placements for cl in clients]
+      if args.baseline:
+        order.append(("baseline", args.nodes, None, "one", Path(args.baseline)))
       if pair % 2:
         order.reverse()
-      runs = {(nodes, root): await run_cluster(args, nodes, ns, pair, out, root) for nodes, root in order}
-      pairs.append((runs[(args.nodes, ROOT)], runs[(1, ROOT)]))
-      if args.baseline:
-        baseline.append(runs[(args.nodes, Path(args.baseline))])
-  print(f"\n{args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} core(s); "
-        f"medians over {args.pairs} pair(s)")
-  print(f"{'N':>4} {'ring tok/s':>11} {'single tok/s':>13} {'ring/single':>12} {'each pair':>24} {'ceiling':>8} {'same':>5}  stage busy (ring)")
-  for n in ns:
-    ratios = [ring[n]["tok_s"] / single[n]["tok_s"] for ring, single in pairs]
-    same = all(ring[n]["texts"] == single[n]["texts"] for ring, single in pairs)
-    cap = f"{statistics.median(c[n] for c in caps):7.2f}x" if caps and n in caps[0] else f"{'-':>8}"
-    layers = sorted({layers for ring, _ in pairs for layers in ring[n]["busy"]}, key=lambda l: int(l.split("-")[0]))
-    busy = ", ".join(f"{l}: {100 * statistics.median(ring[n]['busy'].get(l, 0) for ring, _ in pairs):.0f}%" for l in layers)
-    print(f"{n:>4} {statistics.median(r[n]['tok_s'] for r, _ in pairs):>11.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
-          f"{statistics.median(ratios):>11.2f}x {' '.join(f'{x:.2f}' for x in ratios):>24} {cap} {'yes' if same else 'NO':>5}  {busy}")
-  if caps:
-    print(f"  ceiling: a perfect {args.nodes}-stage ring on these cores, T(N) / T(N/{args.nodes}), median over pairs")
-  if baseline:
-    print(f"\nthe baseline's ring ({args.baseline}) ÷ the same single node")
-    for n in ns:
-      ratios = [ring[n]["tok_s"] / single[n]["tok_s"] for ring, (_, single) in zip(baseline, pairs)]
-      busy = ", ".join(f"{l}: {100 * statistics.median(r[n]['busy'].get(l, 0) for r in baseline):.0f}%" for l in sorted(baseline[0][n]["busy"]))
-      print(f"{n:>4} {statistics.median(r[n]['tok_s'] for r in baseline):>11.1f} {statistics.median(ratios):>11.2f}x "
-            f"{' '.join(f'{x:.2f}' for x in ratios):>24}  {busy}")
+      runs.append({label: await run_cluster(args, nodes, placement, cl, ns, pair, out, root) for label, nodes, placement, cl, root in order})
+  report(args, ns, runs, caps, reference)
   print(f"\nraw figures: {path}")
 
 

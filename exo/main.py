@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 from exo.helpers import VERSION, find_available_port, get_or_create_node_id
 from exo.inference.inference_engine import inference_engine_classes
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE)")
   p.add_argument("--batch-timeout-ms", type=float, default=None, help="longest a request waits for others to join its batch (overrides EXO_BATCH_TIMEOUT_MS)")
   p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens one batched step takes while other streams are running, 0 = whole prompts (overrides EXO_PREFILL_CHUNK; default 24)")
+  p.add_argument("--placement", type=str, default=None, choices=["auto", "pipeline", "replicas"],
+                 help="how a model's layers are spread over the nodes: auto (default: a whole copy on each group of the fewest nodes that "
+                      "hold one), pipeline (one ring over every node), replicas (a whole copy on every node); overrides EXO_PLACEMENT")
+  p.add_argument("--memory-mb", type=int, default=None, help="memory (MiB) this node offers the cluster, instead of the machine's (overrides EXO_MEMORY_MB)")
   p.add_argument("--node-id", type=str, default=None)
   p.add_argument("--node-host", type=str, default="0.0.0.0")
   p.add_argument("--node-port", type=int, default=None)
@@ -128,7 +132,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
   from exo.orchestration.generation import generate
 
   base_shard = build_base_shard(model_id, engine_classname)
-  await node.inference_engine.ensure_shard(node.get_current_shard(base_shard))
+  await node.inference_engine.ensure_shard(node.own_shard(base_shard))
   tokenizer = node.inference_engine.tokenizer
   params = SamplingParams(temperature=node.default_sample_temperature)
   ends = eos_ids(tokenizer)
@@ -137,7 +141,7 @@ async def run_prompts(node, engine_classname: str, model_id: str, prompts: List[
     templated = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     tokens: List[int] = []
     printed = ""
-    async for delta, _ in generate(node, base_shard, templated, params, timeout=timeout):
+    async for delta, _ in generate(node, base_shard, templated, params, timeout=timeout, prompt_ids=list(tokenizer.encode(templated))):
       tokens += delta
       if stream:
         text = tokenizer.decode([t for t in tokens if t not in ends])
@@ -190,6 +194,23 @@ def prefix_cache_budget(args, environ) -> int:
   return int(mb * 2**20)
 
 
+def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
+  """(placement mode, memory offered in MiB or None for the machine's), from the flags, else the environment."""
+  mode = args.placement or str(environ.get("EXO_PLACEMENT", "")).strip().lower() or "auto"
+  if mode not in ("auto", "pipeline", "replicas"):
+    raise ValueError(f"EXO_PLACEMENT must be auto, pipeline or replicas, got {environ['EXO_PLACEMENT']!r}")
+  raw, name = (args.memory_mb, "--memory-mb") if args.memory_mb is not None else (environ.get("EXO_MEMORY_MB"), "EXO_MEMORY_MB")
+  if raw is None or not str(raw).strip():
+    return mode, None
+  try:
+    memory = int(str(raw).strip())
+  except ValueError:
+    memory = -1
+  if not 1 <= memory <= 1 << 40:
+    raise ValueError(f"{name} must be a whole number of MiB from 1 to {1 << 40}, got {raw!r}")
+  return mode, memory
+
+
 async def main(args) -> int:
   from exo.download.errors import DownloadError
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
@@ -235,6 +256,7 @@ async def main(args) -> int:
 
   try:
     prefix_budget = prefix_cache_budget(args, os.environ)
+    placement, memory_mb = placement_settings(args, os.environ)
   except ValueError as e:
     fail(str(e))
 
@@ -249,9 +271,12 @@ async def main(args) -> int:
     state = f"on, keeping up to {prefix_budget / 2**20:,.0f} MiB of ended requests' prompts" if prefix_budget else "off"
     print(f"exo: prefix cache {state}", file=sys.stderr, flush=True)
   node_port = args.node_port or find_available_port(args.node_host)
-  from exo.topology.device_capabilities import device_capabilities
+  from exo.topology.device_capabilities import device_capabilities, measure_gflops
+  caps = await device_capabilities(engine.device_name)
+  if memory_mb is not None:
+    caps = caps.model_copy(update={"memory": memory_mb})
   try:
-    discovery = build_discovery(args, node_id, node_port, await device_capabilities(engine.device_name))
+    discovery = build_discovery(args, node_id, node_port, caps)
   except (ValueError, FileNotFoundError) as e:
     fail(str(e))
   is_run = args.command == "run" or bool(args.run_model)
@@ -268,6 +293,10 @@ async def main(args) -> int:
   if batching is not None:
     from exo.orchestration.batching.plugin import register_batching
     register_batching(node, batching)
+  from exo.topology.model_size import engine_float_bytes
+  node.memory_offered_mb = memory_mb
+  node.placements.enable(placement, engine_float_bytes(engine_name), await asyncio.to_thread(measure_gflops))
+  print(f"exo: placement {placement}, offering {caps.memory:,} MiB, measured {node.placements.speed:g} GFLOP/s", file=sys.stderr, flush=True)
 
   def broadcast_download_progress(shard, event) -> None:
     # The ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go. The
@@ -308,6 +337,7 @@ async def main(args) -> int:
         await asyncio.sleep(5)  # let peers see the final result before this node leaves the ring
       return 0
     from exo.api import ChatGPTAPI
+    node.placements.expected = build_base_shard(args.default_model or DEFAULT_MODEL, engine_classname)  # loaded once placed
     api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout, default_model=args.default_model or DEFAULT_MODEL,
                      system_prompt=args.system_prompt, on_quit=stop_event.set, settings=api_settings)
     if topology_viz is not None:

@@ -301,7 +301,8 @@ async def test_topology_healthcheck_and_image_routes(server):
   for path in ("/v1/topology", "/topology"):
     status, _, text = await get(f"{server.url}{path}")
     body = json.loads(text)
-    assert status == 200 and list(body) == ["nodes", "peer_graph", "active_node_id"] and "api-test-node" in body["nodes"]
+    # Upstream's keys as upstream orders them; this fork adds the placement after them (docs/placement.md).
+    assert status == 200 and list(body) == ["nodes", "peer_graph", "active_node_id", "placement"] and "api-test-node" in body["nodes"]
     assert list(body["nodes"]["api-test-node"]) == ["model", "chip", "memory", "flops"]
   assert (await get(f"{server.url}/healthcheck"))[2] == '{"status": "ok"}'
   error = error_of(*await post(f"{server.url}/v1/image/generations", {"model": "stable-diffusion-2-1-base", "prompt": "a cat"}))

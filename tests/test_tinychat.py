@@ -171,6 +171,16 @@ def test_a_node_with_an_api_key_asks_for_it_once(browser):
     server.stop()
 
 
+def test_the_topology_view_shows_each_nodes_group_and_layers(open_page, make_server):
+  server = make_server("dummy", placement="auto")
+  page = open_page(server.url)
+  page.wait_for_selector("#node-list .layers")
+  assert "dummy: one group, layers 0–7 of 8" in page.inner_text("#node-list")  # placed, not loaded yet: "loading"
+  ask(page, "hello")
+  page.wait_for_function("!document.querySelector('#node-list').innerText.includes('loading')", timeout=30000)
+  assert "dummy: one group, layers 0–7 of 8" in page.inner_text("#node-list")
+
+
 def test_a_download_shows_a_growing_bar_and_a_failure_says_why(open_page, tmp_path):
   """A real node fetching llama-3.2-1b from a slowed stand-in hub: the bar grows as bytes arrive; then a model whose
   repository the hub lacks: the downloads view and a chat with it say so."""

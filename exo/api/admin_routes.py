@@ -15,7 +15,7 @@ from exo.api.replies import json_reply
 from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
 from exo.download.shard_download import repo_dir
-from exo.models import build_full_shard, get_pretty_name, get_repo, model_cards
+from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
 
 
 class AdminRoutes:
@@ -120,7 +120,11 @@ class AdminRoutes:
     return json_reply({"status": "success", "message": f"Model {model} deleted successfully"})
 
   async def handle_topology(self, request: web.Request) -> web.Response:
-    return json_reply(self.node.current_topology.to_json())
+    """The topology as upstream shows it, and the placement: the groups of each model (this node's default model and
+    the one its engine holds) with each node's layers."""
+    models = [build_base_shard(self.core.default_model, self.engine_classname), self.node.inference_engine.shard]
+    bases = list({(s.model_id, s.n_layers): s for s in models if s is not None}.values())
+    return json_reply({**self.node.current_topology.to_json(), "placement": self.node.placement_view(bases)})
 
   async def handle_healthcheck(self, request: web.Request) -> web.Response:
     return json_reply({"status": "ok"})

@@ -30,6 +30,7 @@ class Choice:
   first: Optional["Choice"] = None  # the prompt's first choice, whose prefill this one waits for
   prefilled: asyncio.Event = field(default_factory=asyncio.Event)  # set at this choice's first event (or its end)
   tools: Optional[ToolCallStream] = None  # reads tool calls out of the reply, when the request allows them
+  prompt_ids: Optional[List[int]] = None  # the prompt's token ids (the node routes by the blocks they make)
   offset: int = field(init=False)  # where the next token's own text starts, for logprobs
 
   def __post_init__(self) -> None:

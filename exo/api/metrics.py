@@ -7,6 +7,8 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from exo.orchestration.routing.router import REASONS
+
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 BATCH_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096, the largest batch size
@@ -32,6 +34,7 @@ class EngineCollector:
     family.add_metric([], buckets, sum(size * n for size, n in sizes.items()))
     yield family
     yield from self._stages(schedulers)
+    yield from self._routing()
     masks = plugin.mask_times if plugin is not None else None
     if masks is not None:  # grammar masks computed during steps (structured output), beside the forward passes
       yield CounterMetricFamily("exo_grammar_mask_seconds", "Seconds spent computing grammar masks for steps' constrained rows", value=masks.seconds)
@@ -40,6 +43,17 @@ class EngineCollector:
     kv_bytes = self.node.inference_engine.kv_cache_bytes()
     yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_bytes)
 
+  def _routing(self):
+    """Where this node sent its requests: by reason, and each group's requests as this node knows them."""
+    router = self.node.forwarding.router
+    routed = CounterMetricFamily("exo_routed_requests", "Requests this node routed to a group, by why it chose that group", labels=["reason"])
+    for reason in REASONS:
+      routed.add_metric([reason], router.routed[reason])
+    requests = GaugeMetricFamily("exo_group_requests", "Requests of each placement group, running or waiting for their first token", labels=["group", "state"])
+    for group, counts in router.groups().items():
+      for state, count in counts.items():
+        requests.add_metric([group, state], count)
+    yield from (routed, requests)
 
   def _stages(self, schedulers):
     """The pipeline's bubble as this node sees it: how busy each of its stages is, and on the node with the first

@@ -42,7 +42,7 @@ class ModelProfiles:
         else:
           if local is None:  # this node's shard of its files, downloaded
             base = build_base_shard(model_id, self.engine_classname)
-            local = await self.node.shard_downloader.ensure_shard(self.node.get_current_shard(base), self.engine_classname)
+            local = await self.node.shard_downloader.ensure_shard(self.node.own_shard(base), self.engine_classname)
           profile = (await asyncio.to_thread(resolve_tokenizer, local), ModelLimits.of(await asyncio.to_thread(load_config, local)))
         self._profiles[model_id] = profile
     return self._profiles[model_id]

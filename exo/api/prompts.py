@@ -17,15 +17,15 @@ def build_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List
     raise BadRequest(f"messages could not be formatted with the model's chat template: {e}", param="messages") from None
 
 
-def prompt_texts(tokenizer, prompts: List[Prompt], param: str = "prompt") -> List[Tuple[str, int]]:
-  """Each raw prompt's text and token count."""
+def prompt_texts(tokenizer, prompts: List[Prompt], param: str = "prompt") -> List[Tuple[str, List[int]]]:
+  """Each raw prompt's text and token ids."""
   texts = []
   for i, prompt in enumerate(prompts):
     if isinstance(prompt, str):
-      texts.append((prompt, len(tokenizer.encode(prompt))))
+      texts.append((prompt, list(tokenizer.encode(prompt))))
       continue
     vocab, name = getattr(tokenizer, "vocab_size", None), param if len(prompts) == 1 else f"{param}[{i}]"
     if vocab is not None and max(prompt) >= vocab:
       raise BadRequest(f"{name} has token id {max(prompt)}; this model's vocabulary has {vocab:,} tokens", param=name)
-    texts.append((tokenizer.decode(prompt), len(prompt)))
+    texts.append((tokenizer.decode(prompt), list(prompt)))
   return texts

@@ -36,7 +36,7 @@ from exo.orchestration.generation import generate_events
 PROMPT_THREADS = 2  # parsing, templating and tokenising: enough to keep up, few enough to leave the engine its cores
 
 T = TypeVar("T")
-Run = Tuple[str, int, SamplingParams, str]  # a prompt's text, its token count, its params, the text its choices echo
+Run = Tuple[str, List[int], SamplingParams, str]  # a prompt's text, its token ids, its params, the text its choices echo
 
 
 class ServingCore:
@@ -103,26 +103,26 @@ class ServingCore:
 
   # --- prompts ---
 
-  def _prompts(self, tokenizer, request: GenerationRequest) -> Tuple[List[Tuple[str, int]], AnswerPlan]:
-    """Each prompt (one for a conversation) with its token count; the answer's plan."""
+  def _prompts(self, tokenizer, request: GenerationRequest) -> Tuple[List[Tuple[str, List[int]]], AnswerPlan]:
+    """Each prompt (one for a conversation) with its token ids; the answer's plan."""
     plan = plan_answer(tokenizer, request.messages or [], request.response_format, request.tool_use)
     if request.messages is None:
       return prompt_texts(tokenizer, request.prompts, request.fields.prompt), plan
     prompt = build_prompt(tokenizer, plan.messages, plan.tools, self.system_prompt)
-    return [(prompt, len(tokenizer.encode(prompt)))], plan
+    return [(prompt, list(tokenizer.encode(prompt)))], plan
 
   def _prepare(self, tokenizer, limits: ModelLimits, request: GenerationRequest) -> Tuple[List[Run], AnswerPlan]:
     """The prompts, each with its reply's budget (the context must hold both); the answer's plan."""
     texts, plan = self._prompts(tokenizer, request)
     names = request.fields
-    return [(text, count, replace(request.params, max_tokens=limits.reply_budget(count, request.params.max_tokens, names.prompt, names.max_tokens),
-                                  grammar=plan.grammar), text if request.echo else "") for text, count in texts], plan
+    return [(text, ids, replace(request.params, max_tokens=limits.reply_budget(len(ids), request.params.max_tokens, names.prompt, names.max_tokens),
+                                grammar=plan.grammar), text if request.echo else "") for text, ids in texts], plan
 
   async def count_prompt_tokens(self, request: GenerationRequest) -> int:
     """The tokens the request's prompt takes, as it would be run (tools and the answer's format included)."""
     tokenizer, _ = await self.profiles.get(request.model)
     texts, _ = await self.in_thread(self._prompts, tokenizer, request)
-    return sum(count for _, count in texts)
+    return sum(len(ids) for _, ids in texts)
 
   # --- generation ---
 
@@ -140,7 +140,7 @@ class ServingCore:
         choices = self._choices(request_id, request, runs, tokenizer, limits, tickets, plan)
         for choice in choices:
           self.admission.kv_budget_check(choice.kv_bytes, request.fields.max_tokens)
-        prompt_tokens = sum(count for _, count, _, _ in runs)
+        prompt_tokens = sum(len(ids) for _, ids, _, _ in runs)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         yield Started(request_id, prompt_tokens, len(choices))
         async with aclosing(run_choices(choices, lambda choice: self._generation(request.model, choice, arrived))) as deltas:
@@ -165,17 +165,18 @@ class ServingCore:
     seed is given), and its own reading of tool calls when it may make some."""
     eos = eos_ids(tokenizer)
     cap = self.node.max_generate_tokens
-    layers_here = self.node.get_current_shard(build_base_shard(request.model, self.engine_classname)).get_layer_count()
+    layers_here = self.node.own_shard(build_base_shard(request.model, self.engine_classname)).get_layer_count()
     complete = plan.completed_by(tokenizer)
     choices: List[Choice] = []
-    for p, (prompt, prompt_tokens, params, echo) in enumerate(runs):
-      kv_bytes = limits.kv_bytes(prompt_tokens + min(params.max_tokens or cap, cap), layers_here)
+    for p, (prompt, prompt_ids, params, echo) in enumerate(runs):
+      kv_bytes = limits.kv_bytes(len(prompt_ids) + min(params.max_tokens or cap, cap), layers_here)
       first = None
       for j in range(request.n):
         index = p * request.n + j
         seeded = params if params.seed is None else replace(params, seed=(params.seed + index) % 2**64)
         choice = Choice(index, request_id if index == 0 else f"{request_id}-{index}", prompt, seeded, tickets[index], kv_bytes,
-                        ReplyText(tokenizer.decode, eos, request.stop, complete), echo, first=first, tools=plan.tool_stream())
+                        ReplyText(tokenizer.decode, eos, request.stop, complete), echo, first=first, tools=plan.tool_stream(),
+                        prompt_ids=prompt_ids)
         first = first or choice
         choices.append(choice)
     return choices
@@ -184,7 +185,8 @@ class ServingCore:
     """One choice's token events, timed for the metrics. Leaving early cancels the generation in the ring."""
     base_shard = build_base_shard(model, self.engine_classname)
     last = None
-    async with aclosing(generate_events(self.node, base_shard, choice.prompt, choice.params, choice.request_id, self.response_timeout)) as events:
+    async with aclosing(generate_events(self.node, base_shard, choice.prompt, choice.params, choice.request_id, self.response_timeout,
+                                        choice.prompt_ids)) as events:
       async for event in events:
         now = time.monotonic()
         (self.metrics.ttft.observe(now - arrived) if last is None else self.metrics.itl.observe(now - last))

@@ -15,16 +15,17 @@ class GenerationError(Exception):
 
 
 async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingParams = SamplingParams(),
-                   request_id: Optional[str] = None, timeout: float = 900.0) -> AsyncIterator[Tuple[List[int], bool]]:
+                   request_id: Optional[str] = None, timeout: float = 900.0, prompt_ids: Optional[List[int]] = None) -> AsyncIterator[Tuple[List[int], bool]]:
   """Yield (tokens, is_finished) for one request until it finishes (see `generate_events`)."""
-  async with aclosing(generate_events(node, base_shard, prompt, params, request_id, timeout)) as events:
+  async with aclosing(generate_events(node, base_shard, prompt, params, request_id, timeout, prompt_ids)) as events:
     async for event in events:
       yield event.tokens, event.finished
 
 
 async def generate_events(node: Node, base_shard: Shard, prompt: str, params: SamplingParams = SamplingParams(),
-                          request_id: Optional[str] = None, timeout: float = 900.0) -> AsyncIterator[RequestEvent]:
+                          request_id: Optional[str] = None, timeout: float = 900.0, prompt_ids: Optional[List[int]] = None) -> AsyncIterator[RequestEvent]:
   """Yield one request's token events (tokens, is_finished, and logprobs when it asked for them) until it finishes.
+  `prompt_ids`, the prompt's token ids where the caller has them, let the request go where its prefix is cached.
 
   Raises GenerationError if a node reports the request failed, asyncio.TimeoutError if the prompt or any token
   takes longer than `timeout`. Leaving early (break, client gone, exception) cancels generation in the ring."""
@@ -36,7 +37,7 @@ async def generate_events(node: Node, base_shard: Shard, prompt: str, params: Sa
     if not task.cancelled() and task.exception() is not None:
       events.put_nowait(RequestEvent([], True, str(task.exception()) or repr(task.exception())))
   try:
-    await node.start_request(request_id, params)
+    await node.start_request(request_id, params, base_shard, prompt_ids)
     # The prompt runs beside the wait for events: an end that arrives mid-prefill reaches the client at once.
     prefill = asyncio.ensure_future(node.process_prompt(base_shard, prompt, request_id=request_id))
     prefill.add_done_callback(prefill_done)

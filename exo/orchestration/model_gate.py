@@ -14,6 +14,13 @@ from typing import Deque, List, Optional, Set, Tuple
 DEFAULT_WAIT_S = 300.0
 
 
+def gate_key(shard) -> str:
+  """What the gate admits requests by: the model, and the layers when they are not all of it (a node that is to hold
+  other layers of the same model must wait for the requests on the ones it holds, as for another model)."""
+  whole = shard.start_layer == 0 and shard.end_layer == shard.n_layers - 1
+  return shard.model_id if whole else f"{shard.model_id} (layers {shard.start_layer}-{shard.end_layer})"
+
+
 class ModelBusy(RuntimeError):
   """The node served another model for longer than the request could wait."""
 

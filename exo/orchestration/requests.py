@@ -58,7 +58,10 @@ class Request:
   status: Status = Status.QUEUED
   model: Optional[str] = None  # the model it runs on here, once it has work here
   admitted: Optional[object] = None  # the asyncio task of its turn at the model gate here, once it has asked
-  ring: Tuple[str, ...] = ()  # ids of the ring's nodes when it started here: the nodes it needs
+  ring: Tuple[str, ...] = ()  # ids of the nodes of its route: the nodes it needs
+  route: Optional[object] = None  # the Route it follows here (routing/route.py), once it has work here or was routed here
+  group: Optional[str] = None  # the placement group its route is (travelling routes only)
+  told_next: bool = False  # this node has sent it on along its route once (its parameters went with it)
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
   prompt_tokens: int = 0  # its prompt's length, where known (on the node with the first layers)
   tokens: List[int] = field(default_factory=list)  # tokens sampled for it here (on the node with the last layers)

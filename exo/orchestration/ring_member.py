@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.shard import Shard
+from exo.orchestration.inbox import Inbox
 from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities
 from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, map_partitions_to_shards
 from exo.topology.topology import Topology
@@ -38,6 +39,7 @@ class RingMember:
     self.peer_engines: Dict[str, List[str]] = {}  # peer id -> the engines it says it runs
     self.peer_prefix_blocks: Dict[str, int] = {}  # peer id -> the block size it reuses prompt prefixes in, if it does
     self._on_opaque_status = AsyncCallbackSystem[str, Tuple[str, str]]()
+    self.inbox = Inbox()
     self._partitions: Tuple[Optional[tuple], List[Partition]] = (None, [])  # (what they were computed from, partitions)
     self._shards: Dict[Tuple[str, int], List[Shard]] = {}  # (model id, layers) -> each partition's shard, for _partitions
 
@@ -200,7 +202,9 @@ class RingMember:
           print(f"Error sending result to {peer.id()}: {e!r}")
     await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() == to])
 
-  async def broadcast_opaque_status(self, request_id: str, status: str) -> None:
+  async def broadcast_opaque_status(self, request_id: str, status: str, to: Optional[Set[str]] = None) -> None:
+    """SendOpaqueStatus to every peer (or only to the peers in `to`), after this node's own observers: the inbox's
+    (statuses parsed once), then `on_opaque_status`'s."""
     async def send(peer):
       try:
         await asyncio.wait_for(peer.send_opaque_status(request_id, status), PEER_CALL_TIMEOUT_S)
@@ -208,5 +212,6 @@ class RingMember:
         if DEBUG >= 1:
           print(f"Error sending opaque status to {peer.id()}: {e!r}")
     # Local observers first: a dead peer (up to a 10 s connect wait) must not delay, e.g., a request_error for our own client.
+    self.inbox.from_self(request_id, status)
     self._on_opaque_status.trigger_all(request_id, status)
-    await asyncio.gather(*[send(p) for p in self.peers])
+    await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() in to])

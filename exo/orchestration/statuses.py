@@ -23,11 +23,16 @@ TOKEN_LOGPROBS = "token_logprobs"  # a sampled token's logprobs, sent to its ori
 PREFIX_CACHE = "prefix_cache"  # a node announces whether it reuses prompt prefixes: in blocks of `block` tokens, or 0 (not)
 PREFIX_MISS = "prefix_miss"  # a node lacks the prefix a request was sent to reuse: its first node runs the prompt whole
 PREFIX_EXTEND = "prefix_extend"  # a request finished: the block keys of all its cache holds (prompt and answer), to file
+PLACEMENT_MEMBER = "placement_member"  # a node follows routes: the facts placement is derived from, and the layers it has loaded
+GROUP_LOAD = "group_load"  # a group's first node: how much of its work (prompt tokens waiting, requests running and waiting) each origin sent
+TOKENS = "tokens"  # the tokens one step sampled for the requests of one origin (and the last token of the others on their routes)
 STRUCTURED_OUTPUT = "structured_output"  # a node announces that it samples requests' grammars (params.grammar), and with what
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
 MAX_ENGINES = 16
+MAX_ROWS = 4096  # rows of one tokens status
+MAX_ORIGINS = 1024  # origins of one group_load status
 
 
 class InvalidStatus(ValueError):
@@ -70,6 +75,19 @@ def prefix_miss(request_id: str, node_id: str) -> str:
 
 def prefix_extend(request_id: str, keys: List[str]) -> str:
   return json.dumps({"type": PREFIX_EXTEND, "request_id": request_id, "keys": keys})
+
+
+def placement_member(node_id: str, facts: dict, loaded: Optional[Shard]) -> str:
+  return json.dumps({"type": PLACEMENT_MEMBER, "node_id": node_id, **facts, "loaded": loaded.to_dict() if loaded else None})
+
+
+def group_load(node_id: str, group: str, loads: dict) -> str:
+  return json.dumps({"type": GROUP_LOAD, "node_id": node_id, "group": group, "loads": loads})
+
+
+def tokens(node_id: str, rows: List[list]) -> str:
+  """rows: [request id, [token ids], finished, logprobs as [logprob, [[token, logprob], ...]] or None]"""
+  return json.dumps({"type": TOKENS, "node_id": node_id, "rows": rows})
 
 
 def structured_output(node_id: str, engine: str) -> str:
@@ -223,11 +241,48 @@ def _check_prefix_extend(status: dict) -> None:
     raise InvalidStatus(str(e)) from None
 
 
+def _check_placement_member(status: dict) -> None:
+  _string(status, "node_id")
+  _string(status, "engine")
+  if status.get("placement") not in ("auto", "pipeline", "replicas"):
+    raise InvalidStatus("placement must be auto, pipeline or replicas")
+  for key, high in (("float_bytes", 16), ("memory_mb", 1 << 40), ("speed", 1e9)):
+    if not _is_number(status.get(key)) or not 0 <= status[key] <= high:
+      raise InvalidStatus(f"{key} must be a number in [0, {high:g}]")
+  if status.get("loaded") is not None:
+    shard(status["loaded"])
+
+
+def _check_group_load(status: dict) -> None:
+  _string(status, "node_id")
+  _string(status, "group", limit=64 * MAX_ID_CHARS)
+  loads = status.get("loads")
+  if (not isinstance(loads, dict) or len(loads) > MAX_ORIGINS
+      or not all(isinstance(o, str) and isinstance(v, list) and len(v) == 3 and all(_is_int(x) and x >= 0 for x in v) for o, v in loads.items())):
+    raise InvalidStatus(f"loads must map at most {MAX_ORIGINS} origins to [prompt tokens waiting, requests running, requests waiting]")
+
+
+def _check_tokens(status: dict) -> None:
+  _string(status, "node_id")
+  rows = status.get("rows")
+  if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ROWS:
+    raise InvalidStatus(f"rows must list 1 to {MAX_ROWS} rows")
+  for row in rows:
+    if (not isinstance(row, list) or len(row) != 4 or not isinstance(row[0], str) or not row[0] or len(row[0]) > MAX_ID_CHARS
+        or not isinstance(row[1], list) or not 1 <= len(row[1]) <= 64 or not all(_is_int(t) and t >= 0 for t in row[1])
+        or not isinstance(row[2], bool)):
+      raise InvalidStatus("each row must be [request id, [token ids], finished, logprobs or null]")
+    if row[3] is not None:
+      _check_token_logprobs({"request_id": row[0], "position": 0, "logprob": row[3][0] if isinstance(row[3], list) and row[3] else None,
+                             "top": row[3][1] if isinstance(row[3], list) and len(row[3]) == 2 else None})
+
+
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
   STAGE_TIMING: _check_stage_timing,
   TOKEN_LOGPROBS: _check_token_logprobs,
   PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss, PREFIX_EXTEND: _check_prefix_extend,
+  PLACEMENT_MEMBER: _check_placement_member, GROUP_LOAD: _check_group_load, TOKENS: _check_tokens,
   STRUCTURED_OUTPUT: _check_structured_output,
 }

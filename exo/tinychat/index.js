@@ -475,13 +475,32 @@ function renderTopology(topology) {
     drawing.append(group);
   }
   if (!ids.length) drawing.append(svg("text", { x: cx, y: cy }, "no nodes yet"));
+  const layers = placedLayers(topology.placement);
   $("node-list").replaceChildren(...ids.map((id) => {
     const caps = topology.nodes[id];
     return el("li", {},
       el("div", { class: "id" }, `${id}${id === topology.active_node_id ? " · working" : ""}`),
       el("div", { class: "muted" }, `${caps.model} · ${caps.chip}`),
-      el("div", { class: "muted" }, `${formatBytes(caps.memory * 1024 * 1024)} memory · ${Number(caps.flops && caps.flops.fp32 || 0).toFixed(2)} TFLOPS fp32`));
+      el("div", { class: "muted" }, `${formatBytes(caps.memory * 1024 * 1024)} memory · ${Number(caps.flops && caps.flops.fp32 || 0).toFixed(2)} TFLOPS fp32`),
+      ...(layers[id] || []).map((line) => el("div", { class: "muted layers" }, line)));
   }));
+}
+
+// Each node's lines under its entry: for every model placed, its group and its layers ("group 1 of 2: layers 0–18 of 30").
+function placedLayers(placement) {
+  const lines = {};
+  if (!placement || !placement.active) return lines;
+  for (const [model, view] of Object.entries(placement.models || {})) {
+    view.groups.forEach((group, i) => {
+      for (const stage of group.stages) {
+        const where = view.groups.length > 1 ? `group ${i + 1} of ${view.groups.length}` : "one group";
+        const state = view.ready[i] ? "" : " · loading";
+        (lines[stage.node_id] = lines[stage.node_id] || []).push(
+          `${model}: ${where}, layers ${stage.start_layer}–${stage.end_layer} of ${view.n_layers}${state}`);
+      }
+    });
+  }
+  return lines;
 }
 
 // --- wiring ---

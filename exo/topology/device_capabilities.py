@@ -101,3 +101,22 @@ async def device_capabilities(device_name: str = "CPU") -> DeviceCapabilities:
   if platform.system() == "Linux":
     return await linux_device_capabilities(device_name)
   return DeviceCapabilities(model="Unknown Device", chip="Unknown Chip", memory=psutil.virtual_memory().total // 2**20, flops=_zero_flops())
+
+
+def measure_gflops(seconds: float = 0.05) -> float:
+  """This process's float32 matrix-product speed on the cores it may use (GFLOP/s, three significant digits): the
+  best of repeated products of a decode step's shape for about `seconds`, so that a moment of contention counts
+  little. Placement cuts a pipeline's layers by it."""
+  import time
+
+  import numpy as np
+  rows, width = 32, 768
+  a, b = np.ones((rows, width), np.float32), np.ones((width, width), np.float32)
+  a @ b
+  best, runs, start = float("inf"), 0, time.perf_counter()
+  while runs < 3 or time.perf_counter() - start < seconds:
+    begin = time.perf_counter()
+    a @ b
+    best, runs = min(best, time.perf_counter() - begin), runs + 1
+  gflops = 2 * rows * width * width / best / 1e9
+  return float(f"{gflops:.3g}")

@@ -43,6 +43,7 @@ class TopologyViz:
     self.node_download_progress: Dict[str, object] = {}
     self.requests: "OrderedDict[str, RequestView]" = OrderedDict()
     self.model: Optional[tuple] = None  # (model_id, n_layers) of the latest request, to show layer ranges
+    self.placement: dict = {}  # the node's placement view: each model's groups and their layers, where routes are on
     self._lock = threading.Lock()  # rich renders from its refresh thread
     self.console = Console()
     self.live: Optional[Live] = None
@@ -59,9 +60,10 @@ class TopologyViz:
   # --- updates from the Node ---
 
   def update_visualization(self, topology: Topology, partitions: List[Partition], node_id: Optional[str] = None,
-                           node_download_progress: Optional[Dict[str, object]] = None) -> None:
+                           node_download_progress: Optional[Dict[str, object]] = None, placement: Optional[dict] = None) -> None:
     with self._lock:
       self.topology, self.partitions = topology, list(partitions)
+      self.placement = dict(placement or {})
       self.node_id = node_id if node_id is not None else self.node_id
       self.node_download_progress = dict(node_download_progress or {})
 
@@ -96,7 +98,8 @@ class TopologyViz:
 
   def render(self):
     with self._lock:
-      parts = [self._header(), self._ring_table()]
+      tables = [self._groups_table()] if self.placement.get("active") and self.placement.get("models") else [self._ring_table()]
+      parts = [self._header(), *tables]
       if any(getattr(p, "status", None) == "in_progress" for p in self.node_download_progress.values()):
         parts.append(self._downloads_table())
       return Panel(Group(*parts, self._requests_table()), title=f"exo {VERSION}", border_style="cyan")
@@ -108,9 +111,26 @@ class TopologyViz:
     for url in self.chatgpt_api_endpoints:
       text.append("ChatGPT API: ", style="bold").append(f"{url}\n")
     order = [p.node_id for p in self.partitions]
-    if order:
+    if self.placement.get("active"):
+      text.append("Placement: ", style="bold").append(f"{self.placement['mode']} (version {self.placement['version']})")
+    elif order:
       text.append("Ring: ", style="bold").append(" → ".join(order + [order[0]]))
     return text
+
+  def _groups_table(self) -> Table:
+    """Each model's groups: every group serves a whole copy; its nodes hold the layers shown, first layers first."""
+    table = Table(title="Groups (each serves a whole copy)", expand=True)
+    for column in ("model", "group", "node", "layers", "memory", "ready"):
+      table.add_column(column)
+    for model, view in self.placement["models"].items():
+      for i, group in enumerate(view["groups"]):
+        for stage in group["stages"]:
+          caps = self.topology.nodes.get(stage["node_id"])
+          name = stage["node_id"] + (" (this node)" if stage["node_id"] == self.node_id else "")
+          table.add_row(model, str(i), name, f"{stage['start_layer']}–{stage['end_layer']} of {view['n_layers']}",
+                        f"{caps.memory / 1024:.1f} GiB" if caps else "?", "yes" if view["ready"][i] else "loading",
+                        style="bold" if stage["node_id"] == self.node_id else None)
+    return table
 
   def _ring_table(self) -> Table:
     table = Table(title="Nodes, in ring order", expand=True)

@@ -30,8 +30,10 @@ def free_port() -> int:
 
 
 class ApiServer:
-  def __init__(self, engine: Union[str, InferenceEngine] = "dummy", max_generate_tokens: int = 10000, batching: Optional[BatchingConfig] = None, **api_kwargs):
+  def __init__(self, engine: Union[str, InferenceEngine] = "dummy", max_generate_tokens: int = 10000, batching: Optional[BatchingConfig] = None,
+               placement: Optional[str] = None, **api_kwargs):
     self.engine_spec = engine
+    self.placement = placement  # EXO_PLACEMENT of its node, as `exo` enables it (None: off, as a plain Node)
     self.max_generate_tokens = max_generate_tokens
     self.batching = batching
     self.api_kwargs = api_kwargs
@@ -65,6 +67,8 @@ class ApiServer:
                      max_generate_tokens=self.max_generate_tokens)
     if self.batching is not None:
       register_batching(self.node, self.batching)
+    if self.placement is not None:
+      self.node.placements.enable(self.placement, 4, 1.0)
     await self.node.start()
     kwargs = {"default_model": "dummy" if classname == "DummyInferenceEngine" else "smollm2-135m", **self.api_kwargs}
     self.api = ChatGPTAPI(self.node, classname, on_quit=self.quit_requested.set, **kwargs)

@@ -37,7 +37,9 @@ def write_manual_config(path: Path, grpc_ports: Dict[str, int], memory: int = 81
 
 
 class ExoProcess:
-  """One `exo` process: its arguments, its own EXO_HOME, and its combined output in a log file."""
+  """One `exo` process: its arguments, its own EXO_HOME, and its combined output in a log file. The tests written for
+  one ring over every node (layers split between processes) run it with EXO_PLACEMENT=pipeline unless they ask for
+  another placement in `env` (the CLI's default, auto, makes a replica of a model on every node that holds one)."""
 
   def __init__(self, node_id: str, args: List[str], workdir: Path, env: Optional[Dict[str, str]] = None, prefix: Iterable[str] = ()):
     self.node_id = node_id
@@ -53,7 +55,7 @@ class ExoProcess:
 
   def start(self) -> "ExoProcess":
     self.starts += 1
-    env = {**os.environ, "EXO_HOME": str(self.home), "PYTHONUNBUFFERED": "1", **self.extra_env}
+    env = {"EXO_PLACEMENT": "pipeline", **os.environ, "EXO_HOME": str(self.home), "PYTHONUNBUFFERED": "1", **self.extra_env}
     log = open(self.log_path, "a")
     log.write(f"\n===== start {self.starts} =====\n")
     log.flush()

@@ -50,6 +50,7 @@ REFUSED_RETRY_WAITS_S = (0.01, 0.05, 0.2, None)  # pauses before resending a ref
 # prompt's hidden states). Servers accept both. The channel has no default compression, because a call
 # cannot turn a channel's default off (grpc.aio ignores compression=NoCompression then); the others ask for gzip.
 GZIP = grpc.Compression.Gzip
+TRAVELLING_STATE = ("prefix", "route", "params", "rows")  # the inference state's keys that go on the wire (JSON)
 
 
 class GRPCPeerHandle(PeerHandle):
@@ -132,11 +133,12 @@ class GRPCPeerHandle(PeerHandle):
 
   @staticmethod
   def wire_state(inference_state: Optional[dict]) -> pb.InferenceState:
-    # Upstream peers cannot take non-empty state, so only the prompt prefix a request reuses travels (in
-    # other_data_json), and the node puts it in the state only when every node of the ring has announced that it
-    # reuses prefixes. Anything else stays here: the empty (present) state upstream senders send.
-    prefix = (inference_state or {}).get("prefix")
-    return pb.InferenceState() if prefix is None else encode_inference_state({"prefix": prefix})
+    # Upstream peers cannot take non-empty state, so only what this project's nodes exchange travels (in
+    # other_data_json): the prompt prefix a request reuses, its route, its sampling parameters and the rows of a packed
+    # message (exo/orchestration/routing/packing.py), which a node puts in the state only for peers that announced they
+    # take them. Anything else stays here: the empty (present) state upstream senders send.
+    travelling = {key: inference_state[key] for key in TRAVELLING_STATE if key in (inference_state or {})}
+    return encode_inference_state(travelling) if travelling else pb.InferenceState()
 
   @staticmethod
   async def unless_refused(call, request, **options):

@@ -57,9 +57,9 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
 
   # --- helpers ---
 
-  def _shard(self, message: pb.Shard) -> Shard:
+  def _shard(self, message: pb.Shard, state: Optional[dict] = None) -> Shard:
     """The request's shard, checked against the model registry (or the local checkpoints this node serves), this
-    node's engine and this node's ring."""
+    node's engine and this node's ring (a request that carries its route is checked against the route by the node)."""
     shard = decode_shard(message)
     card = model_card(shard.model_id)
     if card is None:
@@ -69,6 +69,8 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     engine_classes = [cls.__name__ for cls in type(self.node.inference_engine).__mro__]  # subclasses run what their base runs
     if all(build_base_shard(shard.model_id, name) is None for name in engine_classes):
       raise ValueError(f"model {shard.model_id!r} cannot run on this node's {engine_classes[0]}")
+    if state is not None and "route" in state:
+      return shard
     # The sender computed our layer range from its view of the ring; if ours differs (views still converging after
     # a membership change), running would produce garbage: refuse, so the sender ends the request with an error.
     own = self.node.get_current_shard(shard)
@@ -117,8 +119,8 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
 
   async def SendPrompt(self, request, context):
     try:
-      shard = self._shard(request.shard)
       state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
+      shard = self._shard(request.shard, state)
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     await self._from_member(context)
@@ -133,11 +135,11 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
 
   async def SendTensor(self, request, context):
     try:
-      shard = self._shard(request.shard)
+      state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
+      shard = self._shard(request.shard, state)
       if is_empty_tensor(request.tensor):
         raise ValueError("SendTensor without a tensor")
       tensor = decode_tensor(request.tensor)
-      state = decode_inference_state(request.inference_state if request.HasField("inference_state") else None)
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     await self._from_member(context)

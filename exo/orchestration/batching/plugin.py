@@ -47,7 +47,7 @@ class BatchingPlugin:
     self.mask_times = MaskTimes()  # grammar masks computed during steps
     self.stage_costs: Dict[Tuple[str, str], Tuple[StepCost, float]] = {}  # (node id, model) -> its stage's step cost, when heard
     self._reported: Dict[Shard, float] = {}  # when each of our stages last told the others its step cost
-    node.on_opaque_status.register(PLUGIN_NAME).on_next(self._heard_status)
+    node.inbox.observe(statuses.STAGE_TIMING, self._heard_stage_timing)
 
   # --- hooks ---
 
@@ -84,16 +84,12 @@ class BatchingPlugin:
 
   def _new_scheduler(self, shard: Shard) -> Scheduler:
     scheduler = Scheduler(shard, self.config.batch_size, self.config.timeout_ms / 1000, self.config.prefill_chunk)
-    scheduler.stages = self._stages()
+    scheduler.stages = len(self.node.ring_ids(shard))
     return scheduler
-
-  def _stages(self) -> int:
-    node = self.node
-    return len(node.partitions()) if node.partitioning_strategy else 1
 
   def _step_done(self, scheduler: Scheduler, step: Step, done: Done) -> None:
     """After each step: the ring's size is kept current, the stage's timing told to the others."""
-    scheduler.stages = self._stages()
+    scheduler.stages = len(self.node.ring_ids(scheduler.shard))
     self._report(scheduler)
     if scheduler.shard.is_first_layer():
       scheduler.other_stages = self._other_stages(scheduler)
@@ -109,20 +105,14 @@ class BatchingPlugin:
     status = statuses.stage_timing(self.node.id, scheduler.shard, cost.fixed_s, cost.per_row_s, scheduler.times.busy_fraction(now))
     self.node.spawn(self.node.broadcast_opaque_status("", status))
 
-  def _heard_status(self, request_id: str, raw: str) -> None:
-    if statuses.STAGE_TIMING not in raw:  # every status of the ring comes here; only one kind is ours to parse again
-      return
-    try:
-      kind, status = statuses.parse(raw)
-    except statuses.InvalidStatus:
-      return
-    if kind == statuses.STAGE_TIMING and status["node_id"] != self.node.id:
+  def _heard_stage_timing(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if status["node_id"] != self.node.id:
       self.stage_costs[(status["node_id"], status["shard"]["model_id"])] = (StepCost(status["fixed_s"], status["per_row_s"]), time.monotonic())
 
   def _other_stages(self, scheduler: Scheduler) -> List[StepCost]:
     """The other stages' step costs, heard within STAGE_TIMING_FRESH_S; [] unless every one of them is known."""
     now, model = time.monotonic(), scheduler.shard.model_id
-    heard = [self.stage_costs.get((node_id, model)) for node_id in self.node.ring_ids() if node_id != self.node.id]
+    heard = [self.stage_costs.get((node_id, model)) for node_id in self.node.ring_ids(scheduler.shard) if node_id != self.node.id]
     if not heard or any(h is None or now - h[1] > STAGE_TIMING_FRESH_S for h in heard):
       return []
     return [cost for cost, _ in heard]

@@ -1,0 +1,57 @@
+"""The node's inbox of opaque statuses: each one parsed and checked once (statuses.parse), then handed to the
+handlers of its kind.
+
+Two tables. Peer handlers act on what other nodes say about requests (a request's parameters, its end, a prefix
+miss, its tokens); a status from this node itself never reaches them, because the node acted before it spoke. Observers
+see every status of their kind, this node's own included (who is working, download progress, what each member
+announced). A peer handler that returns False drops the status: no other handler and no `on_opaque_status` observer
+sees it (a request's end from a node that is not on its path, say)."""
+from typing import Callable, Dict, List, Optional, Tuple
+
+from exo.orchestration import statuses
+
+# (request id, the checked status, the sender's address or None for this node) -> False to drop it
+Handler = Callable[[str, dict, Optional[str]], Optional[bool]]
+
+
+class Inbox:
+  def __init__(self) -> None:
+    self._peer: Dict[str, List[Handler]] = {}
+    self._observers: Dict[str, List[Handler]] = {}
+
+  def on_peer(self, kind: str, handler: Handler) -> None:
+    self._peer.setdefault(kind, []).append(handler)
+
+  def observe(self, kind: str, handler: Handler) -> None:
+    self._observers.setdefault(kind, []).append(handler)
+
+  def from_peer(self, request_id: str, raw: str, sender_host: Optional[str]) -> bool:
+    """A status a peer sent. False if it was invalid or dropped."""
+    parsed = self._parse(raw, sender_host)
+    if parsed is None:
+      return False
+    kind, status = parsed
+    for handler in self._peer.get(kind, ()):
+      if handler(request_id, status, sender_host) is False:
+        return False
+    self._notify(kind, request_id, status, sender_host)
+    return True
+
+  def from_self(self, request_id: str, raw: str, quiet: bool = False) -> None:
+    """A status this node sent (or one handed to the built-in observer): observers only."""
+    parsed = self._parse(raw, None, quiet)
+    if parsed is not None:
+      self._notify(parsed[0], request_id, parsed[1], None)
+
+  def _notify(self, kind: str, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    for handler in self._observers.get(kind, ()):
+      handler(request_id, status, sender_host)
+
+  @staticmethod
+  def _parse(raw: str, sender_host: Optional[str], quiet: bool = False) -> Optional[Tuple[Optional[str], dict]]:
+    try:
+      return statuses.parse(raw)
+    except statuses.InvalidStatus as e:
+      if not quiet:
+        print(f"exo: dropped an invalid status from {sender_host or 'a peer'}: {e}", flush=True)
+      return None

@@ -1,0 +1,195 @@
+"""This node's part in placement: the facts the members that follow routes announced, each model's placement derived
+from them (exo/topology/placement.py), which groups have their layers loaded, and loading this node's own layers as
+soon as it is placed.
+
+Determinism: every node derives the placement itself from the same announced facts, rather than one node deciding
+for the others. Each member announces its facts (a `placement_member` status: engine, float width, memory offered,
+measured speed, placement mode) and the layers its engine holds, every topology round and whenever they change; the
+placement is a pure function of the facts and the model's shape, and its version is a hash of the facts. Nothing
+has to be elected or agreed, no node is special, and a node that leaves takes nothing with it. Two nodes that have not
+heard the same facts yet (for a second or two after a node joins) may derive different placements; that is safe
+because a request carries its route, planned by its origin: every node on it runs the layers the route names, and one
+that cannot (it neither holds them nor is placed to) refuses the request with an error, never guesses.
+
+Mixed rings. Routes are used only among members that announced. A peer that has not announced within
+ANNOUNCE_GRACE_S of joining (an upstream exo node) turns routing off: the ring is then one pipeline over every node,
+each deriving its layers from its own topology view, as exo always did (the node keeps announcing; upstream nodes
+ignore the status)."""
+import asyncio
+import time
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+from exo.helpers import DEBUG
+from exo.inference.shard import Shard
+from exo.orchestration import statuses
+from exo.orchestration.model_gate import gate_key
+from exo.topology.model_size import shape_of
+from exo.topology.placement import MODES, Group, MemberFacts, Placement, facts_version, place
+
+ANNOUNCE_GRACE_S = 10.0  # a peer that has not announced this long after it joined is taken for an upstream node
+SUSPECT_S = 30.0  # a peer that failed a health check takes no new requests for this long, unless it answers again
+PLACEMENTS_KEPT = 64
+
+
+class Placements:
+  def __init__(self, node):
+    self.node = node
+    self.mode: Optional[str] = None  # None: this node does not follow routes (a plain Node, as upstream's)
+    self.grace_s = ANNOUNCE_GRACE_S
+    self.float_bytes = 4
+    self.speed = 0.0
+    self.peer_facts: Dict[str, MemberFacts] = {}
+    self.peer_loaded: Dict[str, Optional[Shard]] = {}
+    self.joined_at: Dict[str, float] = {}
+    self.suspects: Dict[str, float] = {}
+    self._placements: Dict[Tuple[str, int, str], Placement] = {}
+    self._announced: Optional[str] = None
+    self._preloading: Optional[asyncio.Task] = None
+    self.expected: Optional[Shard] = None  # the model to load before any request asks for it (the API's default model)
+    node.inbox.observe(statuses.PLACEMENT_MEMBER, self._heard)
+
+  def enable(self, mode: str, float_bytes: int, speed: float) -> None:
+    if mode not in MODES:
+      raise ValueError(f"placement must be one of {', '.join(MODES)}, got {mode!r}")
+    self.mode, self.float_bytes, self.speed = mode, float_bytes, speed
+
+  # --- the members and their facts ---
+
+  def own_facts(self) -> MemberFacts:
+    node = self.node
+    return MemberFacts(node.id, node.inference_engine.__class__.__name__, self.float_bytes, node.device_capabilities.memory, self.speed, self.mode)
+
+  def members(self) -> List[MemberFacts]:
+    """This node and the peers that announced, are connected and have not failed a health check lately."""
+    now = time.monotonic()
+    peers = [p.id() for p in self.node.peers]
+    return [self.own_facts()] + [self.peer_facts[p] for p in peers if p in self.peer_facts and now - self.suspects.get(p, -SUSPECT_S) >= SUSPECT_S]
+
+  def undeclared(self) -> List[str]:
+    """Peers connected for longer than the grace that never announced: upstream nodes."""
+    now = time.monotonic()
+    return [p.id() for p in self.node.peers if p.id() not in self.peer_facts and now - self.joined_at.get(p.id(), now) >= self.grace_s]
+
+  @property
+  def active(self) -> bool:
+    """Whether requests are routed: this node follows routes and every peer does."""
+    return self.mode is not None and not self.undeclared()
+
+  def placement(self, base: Shard) -> Optional[Placement]:
+    if not self.active:
+      return None
+    members = self.members()
+    key = (base.model_id, base.n_layers, facts_version(members))
+    if key not in self._placements:
+      if len(self._placements) >= PLACEMENTS_KEPT:
+        self._placements.clear()
+      self._placements[key] = place(base.model_id, base.n_layers, members, shape_of(base.model_id))
+      if DEBUG >= 1:
+        print(f"Placement of {base.model_id} (version {key[2]}): {[g.name for g in self._placements[key].groups]}")
+    return self._placements[key]
+
+  def own_shard(self, base: Shard) -> Optional[Shard]:
+    placement = self.placement(base)
+    return None if placement is None else placement.shard_of(self.node.id)
+
+  def loaded(self, node_id: str) -> Optional[Shard]:
+    return self.node.inference_engine.shard if node_id == self.node.id else self.peer_loaded.get(node_id)
+
+  def ready(self, group: Group, base: Shard) -> bool:
+    """Every node of the group holds its layers now."""
+    return all(self.loaded(s.node_id) == Shard(base.model_id, s.start, s.end, base.n_layers) for s in group.stages)
+
+  def available(self, group: Group) -> bool:
+    members = {f.node_id for f in self.members()}
+    return all(n in members for n in group.node_ids)
+
+  def can_serve(self, shard: Shard) -> bool:
+    """Whether this node runs these layers for a route: it holds them, it is placed to, or it can load them now
+    without disturbing a request (nodes that have not heard the same facts yet plan other cuts for a moment)."""
+    node = self.node
+    return node.inference_engine.shard == shard or self.own_shard(shard) == shard or node.model_gate.idle_for(gate_key(shard))
+
+  # --- what peers announce ---
+
+  async def announce(self) -> None:
+    if self.mode is None:
+      return
+    loaded = self.node.inference_engine.shard
+    facts = self.own_facts()
+    status = statuses.placement_member(self.node.id, {"engine": facts.engine, "float_bytes": facts.float_bytes, "memory_mb": facts.memory_mb,
+                                                       "speed": facts.speed, "placement": facts.mode}, loaded)
+    self._announced = repr(loaded)
+    await self.node.broadcast_opaque_status("", status)
+
+  def _heard(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    node_id = status["node_id"]
+    if sender_host is None or node_id == self.node.id or node_id not in self.node.peer_hosts or sender_host not in self.node.peer_hosts[node_id]:
+      return  # only a peer speaks for itself
+    self.peer_facts[node_id] = MemberFacts(node_id, status["engine"], int(status["float_bytes"]), int(status["memory_mb"]), float(status["speed"]),
+                                           status["placement"])
+    self.peer_loaded[node_id] = statuses.shard(status["loaded"]) if status["loaded"] else None
+    if status["loaded"] and self.node.inference_engine.shard is None:
+      self.settle()  # a node that joins loads its layers of the model the others serve
+
+  def peers_changed(self, added: List, removed: List) -> None:
+    now = time.monotonic()
+    for peer in added:
+      self.joined_at[peer.id()] = now
+    for peer in removed:
+      for table in (self.joined_at, self.peer_facts, self.peer_loaded, self.suspects):
+        table.pop(peer.id(), None)
+    if added and self.mode is not None:
+      self.node.spawn(self.announce())  # the newcomers hear of this node at once
+
+  def suspect(self, node_id: str) -> None:
+    self.suspects[node_id] = time.monotonic()
+
+  def cleared(self, node_id: str) -> None:
+    self.suspects.pop(node_id, None)
+
+  def is_suspect(self, node_id: str) -> bool:
+    return node_id in self.suspects
+
+  # --- loading this node's layers ---
+
+  def settle(self) -> None:
+    """Load this node's layers of the model in use (the one its engine holds, else the one most peers hold, else the
+    expected one) as soon as it is placed, unless that would disturb a request (it tries again at the next round); say
+    so once loaded. Not before every peer has announced: a placement derived without them could be a whole copy of a
+    model this node cannot hold."""
+    if not self.active or any(p.id() not in self.peer_facts for p in self.node.peers):
+      return
+    engine = self.node.inference_engine
+    model = engine.shard or self._most_loaded() or self.expected
+    if model is not None and (self._preloading is None or self._preloading.done()):
+      own = self.own_shard(model)
+      if own is not None and own != engine.shard:
+        self._preloading = self.node.spawn(self.node._preload(model))
+        if model is self.expected:
+          self.expected = None  # tried once (a model still to download waits for a request instead)
+    if repr(engine.shard) != self._announced:
+      self.node.spawn(self.announce())
+
+  def _most_loaded(self) -> Optional[Shard]:
+    counts = Counter((s.model_id, s.n_layers) for s in self.peer_loaded.values() if s is not None)
+    if not counts:
+      return None
+    (model_id, n_layers), _ = min(counts.items(), key=lambda item: (-item[1], item[0]))
+    return Shard(model_id, 0, 0, n_layers)
+
+  # --- the view (/v1/topology, the TUI) ---
+
+  def to_json(self, bases: List[Shard]) -> dict:
+    if self.mode is None:
+      return {"mode": "off", "active": False}
+    members = self.members()
+    view = {"mode": self.mode, "active": self.active, "version": facts_version(members), "undeclared": self.undeclared(),
+            "members": {f.node_id: {"memory_mb": f.memory_mb, "speed": f.speed, "engine": f.engine, "placement": f.mode,
+                                    "loaded": (self.loaded(f.node_id).to_dict() if self.loaded(f.node_id) else None)} for f in members},
+            "models": {}}
+    for base in bases:
+      placement = self.placement(base)
+      if placement is not None:
+        view["models"][base.model_id] = {**placement.to_json(), "ready": [self.ready(g, base) for g in placement.groups]}
+    return view

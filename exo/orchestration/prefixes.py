@@ -1,0 +1,139 @@
+"""The prompt-prefix protocol between the nodes of a request's route (the engines' stores: exo/inference/prefix_cache.py).
+
+When every node of a request's route reuses prefixes, its first node names the prompt's token blocks, starts the
+request from the longest prefix its engine holds and runs only the rest; the block keys and the positions reused
+travel in the request's inference state (`"prefix"`), so each node starts from the same prefix, and each files the
+request's KV under those keys once its prompt has run there. A node that lacks the prefix says so (a prefix_miss
+status) and the first node runs the prompt again, whole, on every node. When the request finishes, the first node,
+which knows the answer's tokens too, sends every node the keys of all the blocks its cache holds (a prefix_extend
+status), then files them itself: a later request only names blocks that every node has been told of. Nodes announce
+whether they reuse prefixes at all (a prefix_cache status); upstream nodes never do, and a route with one of them
+reuses nothing."""
+import asyncio
+from typing import Optional, Set
+
+import numpy as np
+
+from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
+from exo.inference.shard import Shard
+from exo.orchestration import statuses
+from exo.orchestration.requests import Request, RequestEnded
+
+FILING_TIMEOUT_S = 2.0  # the longest a finished answer's blocks wait for a peer (a new prompt waits for them)
+
+
+class PrefixProtocol:
+  def __init__(self, node):
+    self.node = node
+    self.filings: Set[asyncio.Task] = set()  # finished answers being filed (see _file_answer)
+    node.inbox.on_peer(statuses.PREFIX_MISS, self._heard_miss)
+    node.inbox.on_peer(statuses.PREFIX_EXTEND, self._heard_extend)
+    node.inbox.observe(statuses.PREFIX_CACHE, self._heard_cache)
+
+  @property
+  def engine(self):
+    return self.node.inference_engine
+
+  def reused_on_route(self, request: Request) -> bool:
+    return (self.engine.reuses_prefixes
+            and all(self.node.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.node.id))
+
+  async def announce(self) -> None:
+    """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
+    block = BLOCK if self.engine.reuses_prefixes else 0
+    await self.node.broadcast_opaque_status("", statuses.prefix_cache(self.node.id, block))
+
+  # --- on the first node ---
+
+  async def run_prompt(self, shard: Shard, tokens: np.ndarray, request: Request, state: dict, accepted: Optional[asyncio.Future]) -> None:
+    """A prompt's pass from its first layers: from a cached prefix when every node of its route reuses them."""
+    state = {k: v for k, v in state.items() if k != "prefix"}  # only this node may name one
+    if self.reused_on_route(request):
+      await self._run_from_prefix(shard, tokens, request, state, accepted=accepted)
+    else:
+      await self.node.run_pass(shard, tokens, request, state, accepted)
+
+  async def _run_from_prefix(self, shard: Shard, tokens: np.ndarray, request: Request, state: dict, reuse: bool = True,
+                             accepted: Optional[asyncio.Future] = None) -> None:
+    """The prompt from the longest prefix the engine holds (none if not `reuse`), the rest of the route told which one."""
+    keys = block_keys(shard.model_id, tokens)
+    if self.filings:  # an answer that just finished may be what this prompt starts with: a few ms
+      await asyncio.wait(list(self.filings))
+    reused = await self.engine.start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
+    request.positions = reused
+    request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
+    request.sequence = tokens[0].tolist()
+    await self.node.run_pass(shard, tokens[:, reused:], request, {**state, "prefix": {"keys": keys, "reuse": reused}}, accepted)
+
+  def fed_back(self, request: Request, tensor: np.ndarray) -> None:
+    """A token came back to the first node: its cache holds it too."""
+    if request.sequence is not None:
+      request.sequence += np.asarray(tensor).reshape(-1).tolist()
+
+  def finished(self, request: Request) -> None:
+    if request.sequence is not None:
+      filing = self.node.spawn(self._file_answer(request))
+      self.filings.add(filing)
+      filing.add_done_callback(self.filings.discard)
+
+  async def _file_answer(self, request: Request) -> None:
+    """Once the request has finished: every node files the blocks its cache holds, the answer's included. The others
+    are told first, so that no later request is sent to reuse blocks a peer never heard of."""
+    keys = block_keys(request.model, np.array(request.sequence, dtype=np.int64))
+    if len(keys) * BLOCK <= request.prompt_tokens:  # the answer completed no block past the prompt's
+      return
+    status, peers = statuses.prefix_extend(request.id, keys), [p for p in self.node.peers if p.id() in request.ring]
+    # A peer the status misses answers a later request with prefix_miss, which stays correct.
+    await asyncio.gather(*[asyncio.wait_for(p.send_opaque_status(request.id, status), FILING_TIMEOUT_S) for p in peers], return_exceptions=True)
+    self.engine.extend_prefix(request.id, keys)
+
+  def _heard_miss(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    request = self.node.requests.get(status["request_id"])
+    if request is not None and request.prompt is not None and (sender_host is None or self.node.on_path(request, sender_host)):
+      self.node.spawn(self._prefill_again(request))
+
+  async def _prefill_again(self, request: Request) -> None:
+    """A node lacked the prefix the request reused: its whole prompt runs again, on every node, from position 0."""
+    (shard, tokens), request.prompt = request.prompt, None
+    try:
+      await self._run_from_prefix(shard, tokens, request, {}, reuse=False)
+    except RequestEnded:
+      pass
+    except Exception as e:
+      await self.node.fail_request(request.id, e)
+
+  # --- on the other nodes ---
+
+  async def start_here(self, shard: Shard, request: Request, state: Optional[dict]) -> bool:
+    """A pass that names a prefix, on a node after the first: the request's cache starts afresh with it. False (and
+    the first node told) if this node does not hold it."""
+    prefix = (state or {}).get("prefix")
+    if prefix is None:
+      return True
+    prefix = checked_prefix(prefix)
+    reuse = prefix["reuse"]
+    held = await self.engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
+    if held != reuse:
+      print(f"exo: request {request.id} was sent to reuse {reuse} cached positions that this node does not hold; "
+            "its prompt runs again, whole", flush=True)
+      self.node.spawn(self.node.tell_route(request, statuses.prefix_miss(request.id, self.node.id)))
+      return False
+    request.positions = reuse
+    return True
+
+  def ran(self, shard: Shard, request: Request, state: Optional[dict]) -> Optional[dict]:
+    """After a pass: a prompt that named its prefix is filed under its keys here; past the last layers the tokens
+    that follow travel without it."""
+    prefix = (state or {}).get("prefix")
+    if prefix is None:
+      return state
+    self.engine.remember_prefix(request.id, prefix["keys"])
+    return {k: v for k, v in state.items() if k != "prefix"} if shard.is_last_layer() else state
+
+  def _heard_extend(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if sender_host is None or self.node.peers_at(sender_host):
+      self.engine.extend_prefix(status["request_id"], status["keys"])
+
+  def _heard_cache(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if status["node_id"] in self.node.peer_hosts:
+      self.node.peer_prefix_blocks[status["node_id"]] = status["block"]

@@ -1,0 +1,312 @@
+"""How a node passes requests on: the route it gives a new request (at its origin), the route it follows for every
+message (the one the request brought, or its own ring), the next hop's message, and the tokens back to the origin.
+
+Messages. A routed request's prompt goes once to its first hop; then its hidden states go hop to hop, each message
+with the route in the inference state (and, on the prompt's first pass down the route, the sampling parameters). The
+rows of one engine step that go on to the same next hop travel as one SendTensor (packing.py): one message per hop
+per step. The last hop's tokens go to the origin only: when the origin is the route's first hop, a token rides
+back on the tensor that feeds it (no message of its own); otherwise each engine step's tokens for one origin travel
+together as one `tokens` status, one message per origin per step however many rows it sampled, sent in order (one
+in flight per destination, the next one carrying whatever accumulated meanwhile). A request's last token also goes
+to the other nodes of its route, which end it. Statuses about a request (its end, an error, a prefix miss) go to
+the nodes of its route and its origin. A request without a travelling route behaves as exo always did: SendResult
+to its origin, the last one to every peer.
+
+Load. Each group's first node reports, at most every REPORT_S and only when it changed, how much of its work each
+origin sent (a `group_load` status), so that every origin's router sees the others' requests too."""
+import asyncio
+import time
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from exo.helpers import DEBUG
+from exo.inference.sampling import TokenLogprobs
+from exo.inference.shard import Shard
+from exo.orchestration import statuses
+from exo.orchestration.requests import Request, Status
+from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
+from exo.orchestration.routing.packing import pack, unpack
+from exo.orchestration.routing.route import Route
+from exo.orchestration.routing.router import REPORT_FRESH_S, REPORT_S, Router
+from exo.topology.placement import Stage
+
+
+class Forwarding:
+  def __init__(self, node):
+    self.node = node
+    self.router = Router(node.id)
+    self._outbox: Dict[str, List[list]] = {}  # destination -> token rows waiting for its sender
+    self._senders: Dict[str, asyncio.Task] = {}
+    self._hops: Dict[tuple, List[tuple]] = {}  # (next hop, its shard, dtype, shape) -> a step's rows waiting for its sender
+    self._hop_senders: Dict[tuple, asyncio.Task] = {}
+    self._reported: Dict[str, Tuple[dict, float]] = {}  # group -> (loads last reported, when)
+    self._here: Set[str] = set()  # groups whose first node this is, with requests when last seen
+    node.inbox.on_peer(statuses.TOKENS, self._heard_tokens)
+    node.inbox.observe(statuses.GROUP_LOAD, self._heard_load)
+
+  # --- routes ---
+
+  def route_new(self, request: Request, base: Shard, prompt_ids: Optional[List[int]], prompt_tokens: int) -> Optional[Route]:
+    """At the origin: the group the request goes to, or None where routes are off."""
+    placements = self.node.placements
+    placement = placements.placement(base)
+    groups = [g for g in placement.groups if placements.available(g)] if placement is not None else []
+    if not groups:
+      return None
+    ready = [g for g in groups if placements.ready(g, base)]
+    self._see_loads_here()
+    choice = self.router.choose(ready or groups, base.model_id, prompt_ids)
+    self.router.sent_to(request.id, choice, base.model_id, prompt_ids, prompt_tokens)
+    return self.set_route(request, Route(choice.group.stages, placement.version, self.node.id))
+
+  def set_route(self, request: Request, route: Route) -> Route:
+    request.route, request.ring = route, route.node_ids
+    if route.travels:
+      request.origin = route.origin
+      request.group = route.group
+    return route
+
+  def route_of(self, request: Request, base: Shard, state: Optional[dict]) -> Route:
+    """The route this node follows for the request: the one it brought (checked), the one it already has, or, for a
+    request without one, the ring this node derives from its topology. ValueError if it brought one that differs."""
+    data = (state or {}).get("route")
+    if data is not None and request.route is not None and request.route.travels and (data is request.route or data == request.route.json):
+      return request.route  # the route it came with before: nothing more to check
+    if data is not None:
+      route = Route.of(data, base.n_layers)
+      if request.route is not None and request.route != route:
+        raise ValueError(f"request {request.id} came with another route than the one it had here")
+      if request.route is None:
+        self._check_servable(route, base)
+        self.set_route(request, route)
+        if "params" in state and request.model is None:
+          request.params = statuses.sampling_params(state["params"])
+      return request.route
+    if request.route is None:
+      self.set_route(request, self.ring_route(base))
+    return request.route
+
+  def _check_servable(self, route: Route, base: Shard) -> None:
+    """A route may only give this node layers it can serve (Placements.can_serve): anything else it refuses, clearly."""
+    own = route.shard_of(self.node.id, base)
+    placements = self.node.placements
+    if own is not None and not placements.can_serve(own):
+      raise LookupError(f"node {self.node.id} cannot serve layers {own.start_layer}-{own.end_layer} of {own.model_id} for this route "
+                        f"(placement {route.version}): it holds {_layers(self.node.inference_engine.shard)} for requests in flight and "
+                        f"is placed to hold {_layers(placements.own_shard(own))}")
+
+  def ring_route(self, base: Shard) -> Route:
+    """The ring every node derives from its own view (exo's memory-weighted partition)."""
+    node = self.node
+    if not node.partitioning_strategy:
+      return Route((Stage(node.id, 0, base.n_layers - 1),))
+    return Route(tuple(Stage(p.node_id, s.start_layer, s.end_layer) for p, s in zip(node.partitions(), (node.get_current_shard(base, i)
+                                                                                                   for i in range(len(node.partitions()))))))
+
+  # --- the next hop ---
+
+  def _outgoing(self, request: Request, state: Optional[dict], to: Stage, prompt: bool = False) -> Optional[dict]:
+    """The inference state a hop's message carries: the route, and the sampling parameters while the prompt's first
+    pass goes down the route."""
+    route = request.route
+    if route is None or not route.travels:
+      return state
+    out = {k: v for k, v in (state or {}).items() if k != "params"}
+    out["route"] = route.json
+    if prompt or (not request.told_next and to != route.first):
+      out["params"] = request.params.to_dict()
+    request.told_next = request.told_next or not prompt
+    return out
+
+  async def forward_prompt(self, request: Request, base: Shard, prompt: str, state: Optional[dict]) -> None:
+    """To the first hop of the request's route (this node is not it)."""
+    first = request.route.first
+    await self.send_prompt(first, request.route.shard(first, base), prompt, request.id, self._outgoing(request, state, first, prompt=True))
+
+  async def send_prompt(self, to: Stage, shard: Shard, prompt: str, request_id: str, state: Optional[dict]) -> None:
+    node = self.node
+    if DEBUG >= 2:
+      print(f"forward prompt to {to.node_id} ({shard}) for {request_id}")
+    if to.node_id == node.id:
+      await node.process_prompt(shard, prompt, request_id, state)
+    else:
+      await self._peer(to.node_id).send_prompt(shard, prompt, request_id=request_id, inference_state=state)
+
+  async def forward_next(self, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
+    """A pass here is done: the next hop of the request's route takes it."""
+    node = self.node
+    request = node.requests.get(request_id)
+    if request is None or request.route is None:
+      return
+    to = request.route.after(node.id)
+    next_shard, out = request.route.shard(to, shard), self._outgoing(request, state, to)
+    if request.route.travels and to.node_id != node.id:  # to go with the other rows of this step that go there
+      key = (to.node_id, next_shard, np.asarray(tensor).dtype.str, np.shape(tensor)[2:])
+      self._hops.setdefault(key, []).append((request_id, tensor, out))
+      if key not in self._hop_senders:  # it runs after the forward_next of every other row of the step
+        self._hop_senders[key] = node.spawn(self._send_hops(key, to, next_shard))
+      return
+    try:
+      await self.send_tensor(to, next_shard, tensor, request_id, out)
+    except Exception as e:
+      await node.fail_request(request_id, f"could not forward to node {to.node_id}: {e}")
+
+  async def _send_hops(self, key: tuple, to: Stage, shard: Shard) -> None:
+    """The rows gathered for one next hop, as one message (packing.py); the rows that come later make the next one."""
+    self._hop_senders.pop(key, None)
+    rows = self._hops.pop(key, [])
+    if not rows:
+      return
+    tensor, state = (rows[0][1], rows[0][2]) if len(rows) == 1 else pack(rows)
+    try:
+      await self.send_tensor(to, shard, tensor, rows[0][0], state)
+    except Exception as e:
+      for request_id, _, _ in rows:
+        await self.node.fail_request(request_id, f"could not forward to node {to.node_id}: {e}")
+
+  async def unpack(self, base: Shard, tensor: np.ndarray, state: dict, accepted) -> None:
+    """A packed message: each of its rows as the message it stands for (the first pass that starts accepts it)."""
+    await asyncio.gather(*[self.node.process_tensor(base, t, request_id, row_state, accepted=accepted)
+                           for request_id, t, row_state in unpack(tensor, state)])
+
+  async def send_tensor(self, to: Stage, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
+    node = self.node
+    if DEBUG >= 5:
+      print(f"forward tensor {tensor.shape} to {to.node_id} ({shard}) for {request_id}")
+    if to.node_id == node.id:
+      await node.process_tensor(shard, tensor, request_id, state)
+    else:
+      await self._peer(to.node_id).send_tensor(shard, tensor, request_id=request_id, inference_state=state)
+
+  def _peer(self, node_id: str):
+    peer = next((p for p in self.node.peers if p.id() == node_id), None)
+    if peer is None:
+      raise ValueError(f"node {node_id} is not among this node's peers")
+    return peer
+
+  # --- tokens ---
+
+  @staticmethod
+  def rides_the_ring(request: Request) -> bool:
+    """Whether the request's tokens reach its origin on the tensors that feed them back: the origin is the route's first
+    hop, and the tokens need no logprobs beside them."""
+    route = request.route
+    return (route is not None and route.travels and len(route.hops) > 1 and request.origin == route.first.node_id
+            and request.params.logprobs is None)
+
+  def fed_back(self, request: Request, shard: Shard, tensor: np.ndarray) -> None:
+    """A token came back to the first hop: if this is the request's origin, the token is its client's."""
+    if shard.is_first_layer() and request.origin == self.node.id and self.rides_the_ring(request) and request.status is Status.DECODING:
+      self.node.on_result(request.id, [int(t) for t in np.asarray(tensor).reshape(-1)], False)
+
+  def send_token(self, request: Request, token: int, finished: bool, logprobs: Optional[TokenLogprobs]) -> None:
+    """After sampling: the token to the request's origin, the last one to every node of its route."""
+    node = self.node
+    route = request.route
+    if route is None or not route.travels:
+      self._send_result(request, token, finished, logprobs)
+      return
+    if not finished and self.rides_the_ring(request):
+      return  # it rides back to the origin on the next hop's tensor
+    top = None if logprobs is None else [logprobs.logprob, [list(pair) for pair in logprobs.top]]
+    to = {request.origin} | (set(route.node_ids) if finished else set())
+    for destination in to - {node.id}:
+      self._post(destination, [request.id, [token], finished, top if destination == request.origin else None])
+
+  def _send_result(self, request: Request, token: int, finished: bool, logprobs: Optional[TokenLogprobs]) -> None:
+    """As exo always did: SendResult to the origin, the last one to every peer (an upstream origin is unknown)."""
+    node = self.node
+    to = None if finished or request.origin is None else request.origin
+    if any(to is None or peer.id() == to for peer in node.peers):
+      preface = {request.origin: statuses.token_logprobs(request.id, len(request.tokens) - 1, logprobs)} if logprobs and request.origin else None
+      node.spawn(node.broadcast_result(request.id, [token], finished, to, preface))
+
+  def _post(self, destination: str, row: list) -> None:
+    self._outbox.setdefault(destination, []).append(row)
+    if destination not in self._senders:
+      self._senders[destination] = self.node.spawn(self._send_rows(destination))
+
+  async def _send_rows(self, destination: str) -> None:
+    """One status in flight per destination; the rows that arrive meanwhile go together in the next."""
+    try:
+      while self._outbox.get(destination):
+        rows = self._outbox.pop(destination)
+        try:
+          await asyncio.wait_for(self._peer(destination).send_opaque_status("", statuses.tokens(self.node.id, rows)), PEER_CALL_TIMEOUT_S)
+        except Exception as e:
+          if DEBUG >= 1:
+            print(f"Error sending {len(rows)} token(s) to {destination}: {e!r}")
+    finally:
+      self._senders.pop(destination, None)
+      self._outbox.pop(destination, None)
+
+  def _heard_tokens(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    node = self.node
+    for rid, tokens, finished, top in status["rows"]:
+      request = node.requests.get(rid)
+      if top is not None and request is not None and request.origin == node.id and request.params.logprobs is not None:
+        request.peer_logprobs[request.tokens_received] = TokenLogprobs(float(top[0]), [(int(t), float(lp)) for t, lp in top[1]])
+      node.on_result(rid, tokens, finished, sender_host)
+
+  # --- statuses about a request ---
+
+  async def tell(self, request: Optional[Request], request_id: str, status: str) -> None:
+    """A status about a request: to the nodes of its route and its origin (every peer for a request without a
+    travelling route), and to this node's own observers."""
+    node = self.node
+    route = request.route if request is not None else None
+    if route is None or not route.travels:
+      await node.broadcast_opaque_status(request_id, status)
+      return
+    targets = (set(route.node_ids) | {request.origin}) - {node.id}
+    await node.broadcast_opaque_status(request_id, status, to=targets)
+
+  # --- load reports ---
+
+  def _loads_here(self) -> Dict[str, Dict[str, List[int]]]:
+    """For each group whose first node this is: each origin's share of its work, [prompt tokens waiting, requests
+    running, requests waiting]."""
+    loads: Dict[str, Dict[str, List[int]]] = {}
+    for request in self.node.requests:
+      route = request.route
+      if route is None or not route.travels or route.first.node_id != self.node.id:
+        continue
+      share = loads.setdefault(route.group, {}).setdefault(request.origin, [0, 0, 0])
+      if request.status is Status.DECODING and request.positions >= request.prompt_tokens:
+        share[1] += 1
+      else:
+        share[0] += max(1, request.prompt_tokens - request.positions)
+        share[2] += 1
+    return loads
+
+  def _see_loads_here(self) -> Dict[str, Dict[str, List[int]]]:
+    """This node's router sees its own groups' load as it is now, not as last reported."""
+    loads = self._loads_here()
+    for group in self._here | set(loads):
+      self.router.report(group, {origin: tuple(share) for origin, share in loads.get(group, {}).items()})
+    self._here = set(loads)
+    return loads
+
+  def report_loads(self) -> None:
+    """On each group's first node: each origin's share of the group's work, when it changed (at most every REPORT_S,
+    and again before the last report goes stale at the others)."""
+    node, now = self.node, time.monotonic()
+    loads = self._see_loads_here()
+    for group in set(self._reported) | set(loads):
+      current = loads.get(group, {})
+      last, when = self._reported.get(group, ({}, -REPORT_FRESH_S))
+      if now - when < REPORT_S or (current == last and now - when < REPORT_FRESH_S / 2):
+        continue
+      self._reported[group] = (current, now)
+      node.spawn(node.broadcast_opaque_status("", statuses.group_load(node.id, group, current)))
+      if not current:
+        del self._reported[group]
+
+  def _heard_load(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if sender_host is not None and status["node_id"] in self.node.peers_at(sender_host):
+      self.router.report(status["group"], {origin: tuple(share) for origin, share in status["loads"].items()})
+
+
+def _layers(shard: Optional[Shard]) -> str:
+  return "nothing" if shard is None else f"layers {shard.start_layer}-{shard.end_layer} of {shard.model_id}"

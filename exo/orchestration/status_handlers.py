@@ -1,0 +1,84 @@
+"""What the node does with each kind of status it hears about requests and about its peers (the inbox parses each one
+once and hands it here by kind): a request's sampling parameters, its end (cancelled by its origin, or failed on its
+path), a token's logprobs sent ahead of it; who is working, download progress, the peers' engines and grammar engines. The other kinds
+belong to the parts that act on them (placements, routing, prefixes, the batching plugin)."""
+from typing import Optional
+
+from exo.download.download_progress import RepoProgressEvent
+from exo.helpers import DEBUG
+from exo.orchestration import statuses
+from exo.orchestration.requests import Status
+
+PEER_LOGPROBS_AHEAD = 64  # a token's logprobs may arrive at most this many tokens before the token itself
+
+
+class StatusHandlers:
+  def __init__(self, node):
+    self.node = node
+    inbox = node.inbox
+    inbox.on_peer(statuses.REQUEST_PARAMS, self._heard_params)
+    inbox.on_peer(statuses.TOKEN_LOGPROBS, self._heard_logprobs)
+    for kind in statuses.REQUEST_ENDS:
+      inbox.on_peer(kind, self._heard_end)
+    inbox.observe(statuses.NODE_STATUS, self._heard_node_status)
+    inbox.observe(statuses.DOWNLOAD_PROGRESS, self._heard_download_progress)
+    inbox.observe(statuses.SUPPORTED_ENGINES, self._heard_engines)
+    inbox.observe(statuses.STRUCTURED_OUTPUT, self._heard_grammar_engine)
+    if node.topology_viz:
+      for kind in (statuses.NODE_STATUS, statuses.REQUEST_ERROR, statuses.DOWNLOAD_PROGRESS):
+        inbox.observe(kind, lambda request_id, status, host: node.topology_viz.update_status(status))
+
+  def _heard_params(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    request = self.node._open(status["request_id"])
+    if request is not None and request.model is None:  # parameters can no longer change once it runs here
+      request.params, request.origin = statuses.sampling_params(status["params"]), status.get("origin")
+
+  def _heard_end(self, request_id: str, status: dict, sender_host: Optional[str]) -> Optional[bool]:
+    kind, request_id_ = status["type"], status["request_id"]
+    request = self.node.requests.get(request_id_)
+    if request is not None and sender_host is not None and not self.node.on_path(request, sender_host, origin_only=kind == statuses.CANCEL_REQUEST):
+      print(f"exo: dropped a {kind} for {request_id_} from {sender_host}, which is not its origin or on its path", flush=True)
+      return False
+    if request is None:
+      self.node.requests.end(request_id_, Status.FAILED)  # not seen here yet: a late hop must not start it
+    elif kind == statuses.CANCEL_REQUEST:
+      self.node.end_request(request_id_, Status.CANCELLED)
+    else:
+      self.node.end_request(request_id_, Status.FAILED, status["error"])
+    return None
+
+  def _heard_logprobs(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    """Keep a token's logprobs until the token itself arrives: only for a request of ours that asked for them, from a
+    node on its path, for a token not yet received and at most PEER_LOGPROBS_AHEAD tokens ahead."""
+    request, position = self.node.requests.get(status["request_id"]), status["position"]
+    if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status["top"]) > request.params.logprobs
+        or not request.tokens_received <= position < request.tokens_received + PEER_LOGPROBS_AHEAD
+        or (sender_host is not None and not self.node.on_path(request, sender_host))):
+      if DEBUG >= 1:
+        print(f"Ignoring token logprobs for {status['request_id']} (position {position}) from {sender_host}")
+      return
+    request.peer_logprobs[position] = statuses.logprobs_of(status)
+
+  def _heard_node_status(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if status["status"].startswith("start_"):
+      self.node.topology.active_node_id = status["node_id"]
+      if status["status"] == "start_process_prompt" and status["node_id"] != self.node.id and self.node.partitioning_strategy:
+        self.node.spawn(self.node._preload(statuses.shard(status["shard"])))
+    elif status["status"].startswith("end_") and status["node_id"] == self.node.topology.active_node_id:
+      self.node.topology.active_node_id = None
+
+  def _heard_download_progress(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if status["node_id"] in {self.node.id, *self.node.peer_hosts}:
+      try:
+        self.node.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
+      except (KeyError, TypeError, ValueError) as e:
+        if DEBUG >= 1:
+          print(f"Ignoring malformed download progress: {e!r}")
+
+  def _heard_engines(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if status["node_id"] in self.node.peer_hosts:
+      self.node.peer_engines[status["node_id"]] = status["engines"]
+
+  def _heard_grammar_engine(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    if status["node_id"] in self.node.peer_hosts:
+      self.node.peer_grammar_engines[status["node_id"]] = status["engine"]

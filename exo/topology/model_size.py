@@ -1,0 +1,105 @@
+"""What a model's pieces weigh, for placement: the weights of one layer, of the embedding and of the output head, and
+the KV cache a layer keeps per position, each at the precision a node's engine holds them in.
+
+Every node must size a model the same way (placement is derived on each node from the same facts), so the figures
+come from the model's shape, which is the same wherever it is read: a table for the registry's models, the
+checkpoint's own config for a local checkpoint. A model whose shape is unknown has no size (placement then puts it
+on one pipeline over every node, as exo always did)."""
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from exo.models import get_repo
+
+KV_RESERVE_POSITIONS = 16384  # KV positions a copy of a model keeps room for (e.g. 16 streams of 1,024 positions)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+  hidden: int
+  intermediate: int
+  vocab: int
+  kv_dim: int  # key/value heads x head dimension
+  tied: bool  # the output head is the embedding's matrix
+
+  @property
+  def layer_weights(self) -> int:
+    """Attention (q and o square, k and v hidden x kv_dim), the gated MLP's three matrices, two norms."""
+    h = self.hidden
+    return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
+
+  @property
+  def head_weights(self) -> int:
+    """The output head (vocab x hidden) and the final norm: every row's logits cost one product with it."""
+    return self.vocab * self.hidden + self.hidden
+
+  @property
+  def embedding_weights(self) -> int:
+    return self.vocab * self.hidden
+
+  @property
+  def kv_per_position(self) -> int:
+    """Elements one layer's KV cache keeps per position (a key and a value)."""
+    return 2 * self.kv_dim
+
+
+# The registry's models (hidden, MLP, vocabulary, KV width, tied head), as their configs give them.
+SHAPES = {
+  "smollm2-135m": ModelShape(576, 1536, 49152, 3 * 64, True),
+  "llama-3.2-1b": ModelShape(2048, 8192, 128256, 8 * 64, True),
+  "llama-3.2-3b": ModelShape(3072, 8192, 128256, 8 * 128, True),
+  "llama-3.1-8b": ModelShape(4096, 14336, 128256, 8 * 128, False),
+  "llama-3.1-70b": ModelShape(8192, 28672, 128256, 8 * 128, False),
+  "llama-3.1-405b": ModelShape(16384, 53248, 128256, 8 * 128, False),
+  "dummy": ModelShape(1, 1, 1000, 1, True),
+}
+SHAPES.update({
+  "llama-3.2-1b-8bit": SHAPES["llama-3.2-1b"], "llama-3.2-3b-8bit": SHAPES["llama-3.2-3b"], "llama-3.2-3b-bf16": SHAPES["llama-3.2-3b"],
+  "llama-3-8b": SHAPES["llama-3.1-8b"], "llama-3.3-70b": SHAPES["llama-3.1-70b"], "llama-3.1-70b-bf16": SHAPES["llama-3.1-70b"],
+  "llama-3-70b": SHAPES["llama-3.1-70b"], "llama-3.1-405b-8bit": SHAPES["llama-3.1-405b"],
+})
+
+
+def shape_of(model_id: str) -> Optional[ModelShape]:
+  """The model's shape: the table's, or a local checkpoint's own config; None when neither is known."""
+  if model_id in SHAPES:
+    return SHAPES[model_id]
+  if isinstance(model_id, str) and os.path.isabs(model_id):
+    return _checkpoint_shape(model_id)
+  return None
+
+
+@functools.lru_cache(maxsize=64)
+def _checkpoint_shape(path: str) -> Optional[ModelShape]:
+  from exo.inference.weights import load_config
+  try:
+    c = load_config(path)
+  except (OSError, ValueError, KeyError):
+    return None
+  return ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, c.n_kv_heads * c.head_dim, c.tie_word_embeddings)
+
+
+def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> float:
+  """Bytes one weight takes on a node: MLX holds its repos' quantized weights as they are (4 or 8 bits and a scale and
+  bias per 64), the other engines dequantize to their float width; the dummy engine holds nothing."""
+  if engine_classname == "DummyInferenceEngine":
+    return 0.0
+  if engine_classname == "MLXDynamicShardInferenceEngine":
+    repo = (get_repo(model_id, engine_classname) or "").lower()
+    for bits in (3, 4, 6, 8):
+      if f"{bits}bit" in repo:
+        return bits / 8 + 4 / 64
+  return float(float_bytes)
+
+
+def engine_float_bytes(engine_name: str) -> int:
+  """The float width (bytes) an engine computes and keeps KV caches in on this machine."""
+  if engine_name == "dummy":
+    return 0
+  if engine_name == "mlx":
+    return 2
+  if engine_name == "tinygrad":
+    from exo.inference.tinygrad.llama import float_dtype
+    return float_dtype()(0).itemsize
+  return 4

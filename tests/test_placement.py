@@ -1,0 +1,131 @@
+"""Placement as a pure function of the members' facts and the model's shape (exo/topology/placement.py): which nodes
+form groups, and how a group's layers are cut."""
+import pytest
+
+from exo.topology.model_size import KV_RESERVE_POSITIONS, shape_of
+from exo.topology.placement import MIB, MemberFacts, Placement, facts_version, place
+
+pytestmark = pytest.mark.unit
+
+SMOL = "smollm2-135m"
+NUMPY = "NumpyDynamicShardInferenceEngine"
+
+
+def member(node_id: str, memory_mb: int, speed: float = 50.0, mode: str = "auto", engine: str = NUMPY, float_bytes: int = 4) -> MemberFacts:
+  return MemberFacts(node_id, engine, float_bytes, memory_mb, speed, mode)
+
+
+def smol(*members: MemberFacts) -> Placement:
+  return place(SMOL, 30, members, shape_of(SMOL))
+
+
+def layout(placement: Placement) -> list:
+  return [[(s.node_id, s.start, s.end) for s in g.stages] for g in placement.groups]
+
+
+def whole_copy_mb() -> float:
+  """SmolLM2 in float32 with the KV reserve: what one node must offer to hold a copy."""
+  s = shape_of(SMOL)
+  weights = 30 * s.layer_weights + s.embedding_weights + s.hidden  # tied head: the embedding's matrix, and the final norm
+  return (4 * weights + 30 * s.kv_per_position * KV_RESERVE_POSITIONS * 4) / MIB
+
+
+def test_a_model_that_fits_one_node_is_a_replica_on_every_node():
+  placement = smol(member("b", 8000), member("a", 8000), member("c", 8000))
+  assert layout(placement) == [[("a", 0, 29)], [("b", 0, 29)], [("c", 0, 29)]]
+  assert placement.mode == "auto" and placement.shard_of("b").get_layer_count() == 30
+
+
+def test_a_model_that_fits_no_single_node_is_a_pipeline_cut_for_equal_stage_times_with_the_head_counted():
+  need = whole_copy_mb()
+  placement = smol(member("a", int(need * 0.75)), member("b", int(need * 0.75)))
+  (group,) = placement.groups
+  # The last stage holds the output head (49,152 x 576 weights, about 8 layers' worth): it takes fewer layers.
+  assert layout(placement) == [[("b", 0, 18), ("a", 19, 29)]]
+  assert group.name == "b+a"
+
+
+def test_the_copy_needs_its_kv_reserve_too():
+  need = whole_copy_mb()
+  weights_only = need - 30 * shape_of(SMOL).kv_per_position * KV_RESERVE_POSITIONS * 4 / MIB
+  assert len(smol(member("a", int(need) + 1), member("b", int(need) + 1)).groups) == 2
+  assert len(smol(member("a", int(weights_only) + 1), member("b", int(weights_only) + 1)).groups) == 1
+
+
+def test_a_faster_node_takes_more_layers():
+  need = whole_copy_mb()
+  placement = smol(member("a", int(need), speed=100.0), member("b", int(need), speed=50.0), member("x", 100, speed=1.0, mode="pipeline"))
+  assert placement.mode == "pipeline"  # the members disagree on the mode: one pipeline over every node, as exo always did
+  fast = placement.groups[0].stage_of("a")
+  slow = placement.groups[0].stage_of("b")
+  assert fast.end - fast.start > slow.end - slow.start
+
+
+def test_three_nodes_with_one_small_make_two_groups_and_the_small_one_takes_a_share_within_its_memory():
+  need = whole_copy_mb()
+  placement = smol(member("big1", int(need * 1.2)), member("big2", int(need * 1.2)), member("small", int(need * 0.3)))
+  assert [g.node_ids for g in placement.groups] == [("big1", "small"), ("big2",)]
+  small = placement.groups[0].stage_of("small")
+  assert small.end == 29 and 1 <= small.end - small.start + 1 < 15  # the last layers and the head, what its memory holds
+
+
+def test_four_small_nodes_make_two_pipelines_of_two():
+  need = whole_copy_mb()
+  placement = smol(*[member(f"n{i}", int(need * 0.75)) for i in range(4)])
+  assert sorted(sorted(g.node_ids) for g in placement.groups) == [["n0", "n1"], ["n2", "n3"]]
+  assert all([(s.start, s.end) for s in g.stages] == [(0, 18), (19, 29)] for g in placement.groups)
+
+
+def test_forced_modes():
+  need = whole_copy_mb()
+  assert layout(smol(member("a", 8000, mode="pipeline"), member("b", 8000, mode="pipeline"))) == [[("b", 0, 18), ("a", 19, 29)]]
+  assert layout(smol(member("a", int(need * 0.5), mode="replicas"), member("b", int(need * 0.5), mode="replicas"))) == [[("a", 0, 29)], [("b", 0, 29)]]
+
+
+def test_every_node_derives_the_same_placement_from_the_same_facts_in_any_order():
+  facts = [member("a", 900), member("b", 700, speed=80.0), member("c", 1500), member("d", 300)]
+  placements = [smol(*order) for order in (facts, facts[::-1], facts[1:] + facts[:1])]
+  assert len({(p.version, p.groups) for p in placements}) == 1
+  assert facts_version(facts) != facts_version(facts[:3])  # a member more or less is another placement
+
+
+def test_a_model_of_unknown_size_is_one_pipeline_over_every_node():
+  placement = place("some-model", 8, [member("a", 8000), member("b", 8000)], None)
+  assert placement.mode == "pipeline" and layout(placement) == [[("b", 0, 3), ("a", 4, 7)]]
+
+
+def test_quantized_weights_take_less_memory():
+  need = whole_copy_mb()
+  mlx = dict(engine="MLXDynamicShardInferenceEngine", float_bytes=2)
+  # The 4-bit Llama 3.2 1B on two 1 GiB nodes: a copy each; in float32 on the same nodes: one pipeline of both.
+  assert len(place("llama-3.2-1b", 16, [member("a", 2048, **mlx), member("b", 2048, **mlx)], shape_of("llama-3.2-1b")).groups) == 2
+  assert len(place("llama-3.2-1b", 16, [member("a", 2048), member("b", 2048)], shape_of("llama-3.2-1b")).groups) == 1
+  assert need > 1000
+
+
+def test_a_stage_takes_no_more_layers_than_its_memory_holds():
+  need = whole_copy_mb()
+  placement = smol(member("a", int(need * 0.6)), member("b", int(need * 0.6)))
+  first, last = placement.groups[0].stages
+  assert (first.end, last.start) == (15, 16)  # 19 layers and the embedding would not fit the first node
+
+
+def test_the_tui_shows_each_groups_nodes_and_their_layers():
+  from rich.console import Console
+
+  from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
+  from exo.topology.topology import Topology
+  from exo.viz.topology_viz import TopologyViz
+  need = whole_copy_mb()
+  placement = smol(*[member(f"n{i}", int(need * 0.75)) for i in range(4)])
+  topology = Topology()
+  for i in range(4):
+    topology.update_node(f"n{i}", DeviceCapabilities(model="m", chip="c", memory=int(need * 0.75), flops=DeviceFlops(fp32=0, fp16=0, int8=0)))
+  viz = TopologyViz()
+  viz.update_visualization(topology, [], "n1", {}, {"mode": "auto", "active": True, "version": placement.version,
+                                                    "models": {SMOL: {**placement.to_json(), "ready": [True, False]}}})
+  console = Console(record=True, width=140)
+  console.print(viz.render())
+  screen = console.export_text()
+  assert f"Placement: auto (version {placement.version})" in screen and "Groups (each serves a whole copy)" in screen
+  assert screen.count("0–18 of 30") == 2 and screen.count("19–29 of 30") == 2 and "n1 (this node)" in screen and "loading" in screen
