@@ -24,6 +24,7 @@ import pytest
 from tests.support.checkpoints import write_layer_split_llama
 from tests.support.cluster import REPO as CHECKOUT, Cluster, free_port, wait_for_ring
 from tests.support.stand_in_hub import StandInHub
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -295,7 +296,7 @@ def test_exo_run_says_what_failed_in_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "EXO_HOME": str(tmp_path), "HF_ENDPOINT": dead, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": ""})
   seconds = time.monotonic() - started
-  lines = [line for line in run.stderr.splitlines() if not line.startswith("exo: prefix cache")]
+  lines = [line for line in run.stderr.splitlines() if not line.startswith(("exo: prefix cache", "exo: placement"))]  # the settings it starts with
   assert run.returncode == 1 and len(lines) == 1, run.stderr
   assert lines[0].startswith(f"exo: error: Could not download model {MODEL} (repository {REPO} from {dead})") and "hub unreachable" in lines[0]
   print(f"exo run, hub unreachable: exit {run.returncode} after {seconds:.2f} s (process start included): {lines[0]}")
@@ -305,7 +306,7 @@ def test_exo_run_says_what_failed_in_one_line(tmp_path):
 
 async def test_a_ring_fails_with_the_peers_download_error_then_each_node_fetches_only_its_layers(hub, checkpoint, tmp_path):
   dead = f"http://127.0.0.1:{free_port()}"
-  cluster = Cluster(tmp_path, ["ring-a", "ring-b"], "numpy", hub_env(hub, tmp_path))
+  cluster = Cluster(tmp_path, ["ring-a", "ring-b"], "numpy", hub_env(hub, tmp_path, EXO_PLACEMENT="pipeline"))  # a copy does fit one node
   b = cluster.nodes["ring-b"]
   b.extra_env = {**b.extra_env, "HF_ENDPOINT": dead}  # b cannot reach any hub (the nodes share one env dict)
   try:
@@ -317,15 +318,25 @@ async def test_a_ring_fails_with_the_peers_download_error_then_each_node_fetches
     await wait_for_ring({"ring-a": cluster.ports["ring-a"]}, 30)  # a has seen b leave: b's return is not a flap
     b.extra_env["HF_ENDPOINT"] = hub.url
     await cluster.start(["ring-b"])
+
+    async def both_placed():  # until then a routes to a pipeline of itself alone, which must fetch every file
+      return len((await call("GET", f"{cluster.url('ring-a')}/v1/topology"))[1]["placement"]["members"]) == 2
+    await eventually(both_placed, 30, "ring-a hears ring-b's placement facts")
     client = openai.AsyncOpenAI(base_url=f"{cluster.url('ring-a')}/v1", api_key="exo", max_retries=0, timeout=120)
     reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert reply.choices[0].finish_reason in ("stop", "length")
+    _, topology = await call("GET", f"{cluster.url('ring-a')}/v1/topology")
+    stages = topology["placement"]["models"][MODEL]["groups"][0]["stages"]
+    assert len(stages) == 2, stages
     weights = {}
     for node_id, process in cluster.nodes.items():
       weights[node_id] = sorted(p.name for p in (process.home / "downloads" / FOLDER).glob("*.safetensors"))
-    layer_files = {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"}
-    assert {frozenset(set(w) - {BIG}) for w in weights.values()} == {frozenset({f}) for f in layer_files}, weights  # one half each
+    per_file = LAYERS // 2  # the checkpoint's first file holds the first half of the layers, its second the rest
+    needs = {s["node_id"]: {f"model-0000{layer // per_file + 1}-of-00003.safetensors" for layer in range(s["start_layer"], s["end_layer"] + 1)}
+             for s in stages}
+    assert {node: set(w) - {BIG} for node, w in weights.items()} == needs, (weights, stages)  # its own layers' files only
     assert all(BIG in w for w in weights.values())  # and the embeddings, which the first and (tied) the last node use
-    assert all(len(hub.fetches(f)) == 1 for f in layer_files)
+    layer_files = {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors"}
+    assert all(len(hub.fetches(f)) == sum(f in need for need in needs.values()) for f in layer_files)  # once by each node that needs it
   finally:
     cluster.stop()
