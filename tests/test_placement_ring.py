@@ -26,7 +26,7 @@ from exo.orchestration.routing.route import Route
 from exo.topology.placement import Stage
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from tests.support.waiting import eventually
-from tests.support.cluster import free_port, write_manual_config
+from tests.support.cluster import free_port, record_inference_states, write_manual_config
 from tests.support.engines import cached_weights
 from tests.support.models import smollm2_shard
 
@@ -196,13 +196,7 @@ async def test_a_ring_with_a_node_that_never_announces_runs_as_one_pipeline_over
   async with ring(tmp_path, downloader, {"mix-a": "auto", "mix-b": None}) as nodes:
     a, b = nodes["mix-a"], nodes["mix-b"]
     a.placements.grace_s = 1.0
-    states = []
-    process_tensor = b.process_tensor
-
-    async def recording(base_shard, tensor, request_id=None, inference_state=None, accepted=None):
-      states.append(dict(inference_state or {}))
-      return await process_tensor(base_shard, tensor, request_id, inference_state, accepted=accepted)
-    b.process_tensor = recording
+    states = record_inference_states(b)
     await eventually(lambda: not a.placements.active, 10)
     assert a.placement_view()["undeclared"] == ["mix-b"]
     assert await asyncio.gather(*[answer(a, p) for p in PROMPTS[:3]]) == references[:3]

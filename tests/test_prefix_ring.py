@@ -14,7 +14,7 @@ from exo.networking.grpc.grpc_server import GRPCServer
 from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
-from tests.support.cluster import free_port, wait_for_ring, write_manual_config
+from tests.support.cluster import free_port, record_inference_states, wait_for_ring, write_manual_config
 from tests.support.engines import cached_weights, load_engine
 from tests.support.prefixes import answer, conversation, prefixes_off, two_turns
 from tests.support.waiting import eventually
@@ -55,13 +55,7 @@ async def test_a_ring_reuses_prefixes_on_every_node_and_without_the_ability_stay
   monkeypatch.setattr(llama_engine, "load_shard_weights", cached_weights)
   async with two_node_ring(tmp_path, downloader, ["ring-a", "ring-b"]) as nodes:
     first, second = nodes
-    received = []
-    process_tensor = second.process_tensor
-
-    async def recording(base_shard, tensor, request_id=None, inference_state=None, accepted=None):
-      received.append(dict(inference_state or {}))
-      return await process_tensor(base_shard, tensor, request_id, inference_state, accepted=accepted)
-    second.process_tensor = recording
+    received = record_inference_states(second)
     prompts = conversation(engine, 2)
 
     # A node that never announced the ability (as an upstream node): the first node reuses nothing and sends no state.

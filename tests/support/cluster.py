@@ -211,3 +211,15 @@ async def chat(url: str, model: str, content: str, timeout: float = 240, **extra
 
 def tokens_of(log: str, request_id: str) -> list:
   return [int(m["token"]) for m in TOKEN_LINE.finditer(log) if m["rid"] == request_id]
+
+
+def record_inference_states(node) -> list:
+  """Every inference state the node's process_tensor is given from now on (a copy of each), in arrival order."""
+  states = []
+  process_tensor = node.process_tensor
+
+  async def recording(base_shard, tensor, request_id=None, inference_state=None, accepted=None):
+    states.append(dict(inference_state or {}))
+    return await process_tensor(base_shard, tensor, request_id, inference_state, accepted=accepted)
+  node.process_tensor = recording
+  return states
