@@ -15,6 +15,7 @@ from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.networking.discovery import NoDiscovery
 from exo.orchestration import requests as registry_module
+from exo.orchestration import statuses
 from exo.orchestration.generation import generate
 from exo.orchestration.model_gate import LeftTheLine, ModelBusy, ModelGate
 from exo.orchestration.node import Node
@@ -90,6 +91,20 @@ async def test_a_request_that_waits_too_long_for_the_gate_gets_a_clear_error_and
     await waiting
   gate.leave("a1")
   assert gate.idle_for("B")
+
+
+async def test_a_request_for_other_layers_would_wait_only_behind_a_preload_never_behind_a_request():
+  gate = ModelGate()
+  assert gate.hold_if_idle("preload-1", "A")
+  assert gate.no_request_disturbed_by("B") and not gate.idle_for("B")  # a route may still name B: it waits for the load
+  first = asyncio.ensure_future(gate.enter("b1", "B"))
+  await eventually(lambda: gate.in_line() == ["b1"], 5)
+  assert gate.no_request_disturbed_by("B") and not gate.no_request_disturbed_by("C")  # C would wait for b1 too
+  gate.leave("preload-1")
+  await first
+  gate.leave("b1")
+  await gate.enter("r1", "A")
+  assert gate.no_request_disturbed_by("A") and not gate.no_request_disturbed_by("B")
 
 
 class OnCue:
@@ -320,3 +335,19 @@ async def test_only_a_requests_origin_may_cancel_it_and_only_its_ring_may_fail_i
   assert node.requests.get("r") is not None
   node.receive_status("r", json.dumps({"type": "cancel_request", "request_id": "r"}), "10.0.0.1")
   assert node.requests.ended("r") is Status.CANCELLED
+
+
+async def test_a_newcomers_placement_facts_heard_before_it_is_known_count_once_it_joins_from_its_own_address():
+  """A node that finds this one first announces its facts at once, before this node's discovery has found it: they
+  are kept until it joins, then checked against its address like any peer's."""
+  node = make_node("here")
+  node.placements.enable("auto", 4, 50.0)
+  newcomer, impostor = PeerStandIn("newcomer", "10.0.0.1"), PeerStandIn("impostor", "10.0.0.2")
+  facts = {"engine": "DummyInferenceEngine", "float_bytes": 4, "memory_mb": 8000, "speed": 50.0, "placement": "auto"}
+  node.receive_status("", statuses.placement_member("newcomer", facts, None), "10.0.0.1")
+  node.receive_status("", statuses.placement_member("impostor", facts, None), "10.0.0.9")  # not where it is reached
+  assert [f.node_id for f in node.placements.members()] == ["here"]
+  node.peers = [newcomer, impostor]
+  node.peer_hosts = {"newcomer": {"10.0.0.1"}, "impostor": {"10.0.0.2"}}
+  node.membership.peers_changed([newcomer, impostor], [], [])
+  assert [f.node_id for f in node.placements.members()] == ["here", "newcomer"]

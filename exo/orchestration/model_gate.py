@@ -34,6 +34,7 @@ class ModelGate:
     self.wait_s = wait_s
     self.serving: Optional[str] = None  # the model the holders use
     self.holders: Set[str] = set()  # request ids
+    self.preloads: Set[str] = set()  # the holders that are preloads, not requests
     self._line: Deque[Tuple[str, str, asyncio.Future]] = deque()  # (model, request id, admitted)
 
   def holds(self, request_id: str) -> bool:
@@ -47,11 +48,16 @@ class ModelGate:
     """Nothing would be disturbed by loading `model` now."""
     return not self._line and (not self.holders or self.serving == model)
 
+  def no_request_disturbed_by(self, model: str) -> bool:
+    """Whether a request for `model` would wait at most behind a preload and requests for `model` itself."""
+    return all(m == model for m, _, _ in self._line) and (self.serving == model or self.holders <= self.preloads)
+
   def hold_if_idle(self, holder: str, model: str) -> bool:
     """Hold the gate for `model` now if that disturbs nobody (a preload: it never waits in line). False if not."""
     if not self.idle_for(model):
       return False
     self._admit(holder, model)
+    self.preloads.add(holder)
     return True
 
   async def enter(self, request_id: str, model: str) -> None:
@@ -75,6 +81,7 @@ class ModelGate:
   def leave(self, request_id: str) -> None:
     """The request has ended here: it lets go of the model, or leaves the line."""
     self.holders.discard(request_id)
+    self.preloads.discard(request_id)
     for _, waiting, admitted in self._line:
       if waiting == request_id and not admitted.done():
         admitted.set_exception(LeftTheLine(request_id))

@@ -43,6 +43,7 @@ class Placements:
     self.peer_loaded: Dict[str, Optional[Shard]] = {}
     self.joined_at: Dict[str, float] = {}
     self.suspects: Dict[str, float] = {}
+    self._early: Dict[str, Tuple[dict, str]] = {}  # node id -> (facts, sender host) heard before this node knew the peer
     self._placements: Dict[Tuple[str, int, str], Placement] = {}
     self._announced: Optional[str] = None
     self._preloading: Optional[asyncio.Task] = None
@@ -105,10 +106,11 @@ class Placements:
     return all(n in members for n in group.node_ids)
 
   def can_serve(self, shard: Shard) -> bool:
-    """Whether this node runs these layers for a route: it holds them, it is placed to, or it can load them now
-    without disturbing a request (nodes that have not heard the same facts yet plan other cuts for a moment)."""
+    """Whether this node runs these layers for a route: it holds them, it is placed to, or it can load them without
+    disturbing a request, at most after a preload (nodes that have not heard the same facts yet plan other cuts for a
+    moment, and a node that just started may still be loading the model it expected)."""
     node = self.node
-    return node.inference_engine.shard == shard or self.own_shard(shard) == shard or node.model_gate.idle_for(gate_key(shard))
+    return node.inference_engine.shard == shard or self.own_shard(shard) == shard or node.model_gate.no_request_disturbed_by(gate_key(shard))
 
   # --- what peers announce ---
 
@@ -124,7 +126,14 @@ class Placements:
 
   def _heard(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
     node_id = status["node_id"]
-    if sender_host is None or node_id == self.node.id or node_id not in self.node.peer_hosts or sender_host not in self.node.peer_hosts[node_id]:
+    if sender_host is None or node_id == self.node.id:
+      return
+    if node_id not in self.node.peer_hosts:  # a newcomer announces when it finds us, maybe before we find it
+      if len(self._early) >= PLACEMENTS_KEPT:
+        self._early.clear()
+      self._early[node_id] = (status, sender_host)
+      return
+    if sender_host not in self.node.peer_hosts[node_id]:
       return  # only a peer speaks for itself
     self.peer_facts[node_id] = MemberFacts(node_id, status["engine"], int(status["float_bytes"]), int(status["memory_mb"]), float(status["speed"]),
                                            status["placement"])
@@ -136,6 +145,8 @@ class Placements:
     now = time.monotonic()
     for peer in added:
       self.joined_at[peer.id()] = now
+      if peer.id() in self._early:  # checked now that the peer's address is known
+        self._heard("", *self._early.pop(peer.id()))
     for peer in removed:
       for table in (self.joined_at, self.peer_facts, self.peer_loaded, self.suspects):
         table.pop(peer.id(), None)
