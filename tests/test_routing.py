@@ -5,7 +5,7 @@ import pytest
 
 from exo.inference.prefix_cache import BLOCK
 from exo.orchestration.routing.route import InvalidRoute, Route
-from exo.orchestration.routing.router import LEAST_LOAD, ONLY_GROUP, PACE_FRESH_S, PREFIX, PREFIX_SLACK, REPORT_FRESH_S, Router
+from exo.orchestration.routing.router import LEAST_LOAD, ONLY_GROUP, PREFIX, PREFIX_SLACK, REPORT_FRESH_S, Router
 from exo.topology.placement import Group, Stage
 
 pytestmark = pytest.mark.unit
@@ -141,25 +141,3 @@ def test_a_steps_rows_for_one_hop_pack_into_one_message_and_unpack_as_they_were(
   for bad in [{"rows": []}, {"rows": [["r1", 2, {}]]}, {"rows": [["r1", 0, {}], ["r2", 4, {}]]}, {"rows": [["r1", "4", {}]]}, {"rows": [["", 4, {}]]}]:
     with pytest.raises(ValueError):
       unpack(tensor, bad)
-
-
-def test_a_slower_group_counts_its_load_by_its_pace_once_every_group_has_one():
-  clock = Clock()
-  router = Router("a", clock)
-  for i in range(4):  # two running requests on each group
-    send(router, f"r{i}", [A, B])
-    router.tokens(f"r{i}", [1], False)
-  assert send(router, "tie", [A, B]).group == A  # no pace known yet: a tie goes to this node's own group
-  router.ended("tie")
-  on = {"a": ["r0", "r2"], "b": ["r1", "r3"]}
-  for group, seconds in (("a", 0.15), ("b", 0.1)):  # a's tokens come every 0.15 s (its node also serves the API), b's every 0.1 s
-    for _ in range(3):
-      clock.now += seconds
-      for request_id in on[group]:
-        router.tokens(request_id, [1], False)
-  assert router.own("a") == router.own("b") == (0, 2, 0)
-  paces = router.paces(["a", "b"])
-  assert paces == {"a": pytest.approx(1.5), "b": 1.0}
-  assert send(router, "next", [A, B]).group == B  # equal rows, but b goes faster
-  clock.now += PACE_FRESH_S + 1
-  assert router.paces(["a", "b"]) == {"a": 1.0, "b": 1.0}  # stale: loads count as they are

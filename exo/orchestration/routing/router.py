@@ -12,18 +12,11 @@ holds (a short system prompt every prompt starts with is no reason), goes there 
 loaded group's by more than the margin: PREFIX_SLACK plus the tokens its cache spares (a cached prefix is worth the
 tokens it saves). So a conversation's next turn goes back to the group that holds its earlier turns. Otherwise the
 least loaded group, ties going to the group that contains this node (its tokens need no hop), then placement order.
-
-Pace. Groups are not equally fast: a node's own group shares its cores with the node's API work for every stream it
-serves (whichever group runs it), and nodes differ. So while every candidate group's recent token pace is known
-(the median time between the tokens of this node's decoding requests there, over the last PACE_FRESH_S), a group's
-load counts in proportion to its pace against the fastest group's: the slower group takes fewer rows, and the
-streams of both groups see closer latencies. Without a fresh pace for each group, loads count as they are.
 Nothing here waits or sends: the clock is a parameter, so tests run it by hand."""
-import statistics
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from exo.inference.prefix_cache import BLOCK, block_keys
 from exo.topology.placement import Group
@@ -34,8 +27,6 @@ PREFIX_SLACK = 32.0  # load a prefix group may carry beyond the least loaded one
 REPORT_S = 0.1  # a group's first node reports its load at most this often (when it changed)
 REPORT_FRESH_S = 3.0  # a report is used for this long
 KEYS_KEPT = 1 << 16  # block keys remembered per group (least recently sent forgotten first)
-PACE_FRESH_S = 10.0  # a group's token pace is taken over this long
-PACE_SAMPLES = 256  # and over at most this many of its latest intervals
 
 LEAST_LOAD, PREFIX, ONLY_GROUP = "least_load", "prefix", "only_group"
 REASONS = (PREFIX, LEAST_LOAD, ONLY_GROUP)
@@ -49,7 +40,6 @@ class Sent:
   prompt_ids: Optional[List[int]]
   waiting: int  # prompt tokens still to compute, until its first token comes back
   answer: List[int] = field(default_factory=list)
-  last_token_at: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +56,6 @@ class Router:
     self.reports: Dict[str, Tuple[Dict[str, Tuple[int, int, int]], float]] = {}  # group -> (origin -> its share, heard at)
     self.keys: Dict[str, "OrderedDict[str, None]"] = {}  # group -> block keys sent there, oldest first
     self.routed: Counter = Counter()  # reason -> requests
-    self.intervals: Dict[str, Deque[Tuple[float, float]]] = {}  # group -> (when, seconds per token) of its decoding requests
 
   # --- the choice ---
 
@@ -75,8 +64,7 @@ class Router:
       return self._chose(Choice(groups[0], ONLY_GROUP, self._cached(groups[0], model, prompt_ids)))
     order = {g.name: i for i, g in enumerate(groups)}
     local = {g.name: self.node_id in g.node_ids for g in groups}
-    paces = self.paces([g.name for g in groups])
-    loads = {g.name: self.load(g.name) * paces[g.name] for g in groups}
+    loads = {g.name: self.load(g.name) for g in groups}
     least = min(groups, key=lambda g: (loads[g.name], not local[g.name], order[g.name]))
     keys = block_keys(model, prompt_ids) if prompt_ids is not None and len(prompt_ids) >= BLOCK else []
     held = {g.name: self._held(g.name, keys) for g in groups}
@@ -122,11 +110,7 @@ class Router:
     sent = self.sent.get(request_id)
     if sent is None:
       return
-    now = self.clock()
-    if sent.last_token_at is not None and tokens:
-      intervals = self.intervals.setdefault(sent.group, deque(maxlen=PACE_SAMPLES))
-      intervals.append((now, (now - sent.last_token_at) / len(tokens)))
-    sent.waiting, sent.last_token_at = 0, now
+    sent.waiting = 0
     if sent.prompt_ids is not None:
       sent.answer += tokens
     if finished:
@@ -174,15 +158,6 @@ class Router:
   def load(self, group: str) -> float:
     (own_waiting, own_running, _), (other_waiting, other_running, _) = self.own(group), self.others(group)
     return own_waiting + own_running + other_waiting + other_running
-
-  def paces(self, groups: Sequence[str]) -> Dict[str, float]:
-    """Each group's recent seconds per token over the fastest one's, or 1 for all while one of them has none."""
-    since, paces = self.clock() - PACE_FRESH_S, {}
-    for group in groups:
-      recent = [seconds for at, seconds in self.intervals.get(group, ()) if at >= since]
-      paces[group] = statistics.median(recent) if recent else 0.0
-    fastest = min(paces.values(), default=0.0)
-    return {g: pace / fastest for g, pace in paces.items()} if fastest > 0 else dict.fromkeys(groups, 1.0)
 
   def groups(self) -> Dict[str, Dict[str, int]]:
     """Each group this node sent to or heard of: its requests running and waiting, as this node knows them."""
