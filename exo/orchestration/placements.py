@@ -30,6 +30,7 @@ from exo.topology.placement import MODES, Group, MemberFacts, Placement, facts_v
 ANNOUNCE_GRACE_S = 10.0  # a peer that has not announced this long after it joined is taken for an upstream node
 SUSPECT_S = 30.0  # a peer that failed a health check takes no new requests for this long, unless it answers again
 PLACEMENTS_KEPT = 64
+EARLY_FACTS_KEPT = 64  # facts from nodes not found yet, kept until they are (a bound against a flood of made-up ids)
 
 
 class Placements:
@@ -129,7 +130,7 @@ class Placements:
     if sender_host is None or node_id == self.node.id:
       return
     if node_id not in self.node.peer_hosts:  # a newcomer announces when it finds us, maybe before we find it
-      if len(self._early) >= PLACEMENTS_KEPT:
+      if len(self._early) >= EARLY_FACTS_KEPT:
         self._early.clear()
       self._early[node_id] = (status, sender_host)
       return
