@@ -9,7 +9,8 @@ placement is a pure function of the facts and the model's shape, and its version
 has to be elected or agreed, no node is special, and a node that leaves takes nothing with it. Two nodes that have not
 heard the same facts yet (for a second or two after a node joins) may derive different placements; that is safe
 because a request carries its route, planned by its origin: every node on it runs the layers the route names, and one
-that cannot (it neither holds them nor is placed to) refuses the request with an error, never guesses.
+that cannot (it neither holds them nor is placed to, and loading them would disturb a request of its own) refuses the
+request with an error, never guesses.
 
 Mixed rings. Routes are used only among members that announced. A peer that has not announced within
 ANNOUNCE_GRACE_S of joining (an upstream exo node) turns routing off: the ring is then one pipeline over every node,
