@@ -194,10 +194,7 @@ async def test_a_node_killed_mid_download_resumes_after_its_restart(hub, checkpo
     url, solo = cluster.url("solo"), cluster.nodes["solo"]
     assert (await call("POST", f"{url}/download", {"model": MODEL}))[0] == 200
     partial = solo.home / "downloads" / FOLDER / f"{BIG}.partial"
-    deadline = time.monotonic() + 60
-    while not (partial.exists() and partial.stat().st_size > 2 << 20):
-      assert time.monotonic() < deadline, "the big file never got under way"
-      await asyncio.sleep(0.05)
+    await eventually(lambda: partial.exists() and partial.stat().st_size > 2 << 20, 60, "the big file under way")
     solo.kill()
     kept = partial.stat().st_size
     hub.bytes_per_second = None

@@ -131,16 +131,10 @@ async def test_two_replicas_serve_one_burst_each_request_on_its_route(tmp_path, 
     sampled_on_b, rows_per_status, groups = set(), [], set()
     b.on_token.register("test").on_next(lambda request_id, tokens, finished: sampled_on_b.add(request_id))
     a.inbox.on_peer(statuses.TOKENS, lambda request_id, status, host: rows_per_status.append(len(status["rows"])))
-
-    async def watch_groups():
-      while True:
-        groups.update(r["group"] for r in a.state()["requests"])
-        await asyncio.sleep(0.01)
-    watcher = asyncio.ensure_future(watch_groups())
-    try:
-      answers = await asyncio.gather(*[answer(a, p) for p in PROMPTS])
-    finally:
-      watcher.cancel()
+    # At each token a receives, what its state says of that request's group.
+    a.on_token.register("groups").on_next(lambda request_id, tokens, finished: groups.update(
+      r["group"] for r in a.state()["requests"] if r["id"] == request_id))
+    answers = await asyncio.gather(*[answer(a, p) for p in PROMPTS])
     assert answers == references
     assert len(sampled_on_b) == len(PROMPTS) // 2  # a burst spreads at once: half of it went to b
     assert groups == {"rep-a", "rep-b"}  # /v1/state says which group each request is on
