@@ -15,6 +15,7 @@ from exo.orchestration.batching.batcher import BatcherStopped
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_groups
 from exo.orchestration.batching.scheduler import GATHER_LIMIT, LONE_PROMPT_CHUNK, ROUND_TRIP_SLACK, RUNNING_AFTER, Scheduler
+from exo.orchestration.batching import step_loop as step_loop_module
 from exo.orchestration.batching.step_loop import StepLoop
 from exo.orchestration.requests import RequestEnded
 from tests.support.waiting import eventually
@@ -224,6 +225,16 @@ def test_the_first_layers_node_plans_its_groups_from_its_measurements():
   assert len(run(s, t, step_s=0.030 + 0.0035 * 16)) < 16 and s.groups > 2
 
 
+def test_a_whole_model_stage_keeps_one_group_whatever_it_measures():
+  s = scheduler(shard=Shard("toy", 0, 5, 6), batch_size=32, stages=1)
+  for i in range(16):
+    s.add(f"r{i}", TOKEN, None, 0.0)
+  for size in (4, 8, 16, 8):  # the fit of the test above
+    s.times.record(0.0, 0.030 + 0.0035 * size, size, decode_only=True)
+  s.round_trips.extend([0.5] * 4)  # a slow way back (sampling, a busy host): two stages would split for it
+  assert len(run(s, 0.0, step_s=0.030 + 0.0035 * 16)) == 16 and s.groups == 1
+
+
 def test_busy_fraction_counts_steps_in_the_recent_window():
   times = StageTimes()
   times.record(0.0, 1.0, 4, True)
@@ -381,6 +392,34 @@ async def test_a_request_that_ends_leaves_at_once_and_one_that_ended_while_queue
   with pytest.raises(RequestEnded):
     await asyncio.wait_for(calls["c"], 5)
   assert engine.steps == [["a"]]
+  await loop.stop()
+
+
+async def test_a_prompt_whose_prefix_lookup_waits_behind_a_step_joins_the_next_step(monkeypatch):
+  # A real engine queues a new prompt's prefix lookup behind the step under way and counts it in
+  # prefix_starts_queued; this one is told what the count is.
+  monkeypatch.setattr(step_loop_module, "ARRIVAL_WAIT_S", 30.0)
+  engine = StepEngine()
+  engine.release.clear()
+  loop = step_loop(engine)
+  first = asyncio.ensure_future(loop.infer(LAST, "a", TOKEN, None))
+  await asyncio.wait_for(engine.entered.wait(), 5)
+  engine.prefix_starts_queued = 1  # b's lookup waits for the step
+  engine.release.set()
+  await asyncio.wait_for(first, 5)
+  engine.release.clear()
+  again = asyncio.ensure_future(loop.infer(LAST, "a", TOKEN, None))  # a's next token
+  for _ in range(20):  # without the wait, the loop starts a's step alone within these turns
+    await asyncio.sleep(0)
+  assert len(engine.steps) == 1
+  engine.prefix_starts_queued = 0
+  late = asyncio.ensure_future(loop.infer(LAST, "b", TOKEN, None))
+  engine.release.set()
+  await asyncio.wait_for(asyncio.gather(again, late), 5)
+  assert engine.steps == [["a"], ["a", "b"]]
+  monkeypatch.setattr(step_loop_module, "ARRIVAL_WAIT_S", 0.01)
+  engine.prefix_starts_queued = 1  # a lookup that never ends (a load behind it): steps still run
+  assert (await asyncio.wait_for(loop.infer(LAST, "c", TOKEN, None), 5))[0].tolist() == [[8]]
   await loop.stop()
 
 

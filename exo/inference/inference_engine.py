@@ -96,6 +96,8 @@ class InferenceEngine(ABC):
 
   # --- prompt prefixes (see prefix_cache.py, whose PrefixReuse implements them) ---
 
+  prefix_starts_queued = 0  # start_from_prefix calls waiting for the engine (behind a step): requests about to arrive
+
   @property
   def reuses_prefixes(self) -> bool:
     """Whether the engine starts requests from cached prompt prefixes now (it copies them and its cache is on)."""

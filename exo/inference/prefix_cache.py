@@ -217,7 +217,11 @@ class PrefixReuse:
     prompt's block keys, of at most `limit` positions. Returns the positions it starts with (0: none held). A
     request's first message at a node may be this call, not a step: the shard is loaded first, as for a step."""
     await self.ensure_shard(shard)
-    return await self._run(self._start_from_prefix, request_id, shard, keys, limit)
+    self.prefix_starts_queued += 1  # the step loop lets the request into its next step rather than leave it a step behind
+    try:
+      return await self._run(self._start_from_prefix, request_id, shard, keys, limit)
+    finally:
+      self.prefix_starts_queued -= 1
 
   def _start_from_prefix(self, request_id: str, shard, keys: List[str], limit: int) -> int:
     if self.shard != shard:

@@ -21,6 +21,7 @@ from exo.orchestration.batching.scheduler import Row, Scheduler, Step
 from exo.orchestration.requests import RequestEnded
 
 IDLE_LOOK_S = 1.0  # with no work due, the loop looks again at least this often
+ARRIVAL_WAIT_S = 0.05  # the most a step waits for requests whose start the engine has queued (see _let_arrivals_in)
 
 Done = List[Tuple[Row, object]]  # rows a step finished, each with its (output, state) or its exception
 
@@ -96,6 +97,7 @@ class StepLoop:
             self._fail(request_id, e)
 
   async def _next(self) -> None:
+    await self._let_arrivals_in()
     now = self.clock()
     for shard, scheduler in sorted(self.schedulers.items(), key=lambda item: item[1].due(now)):
       step = scheduler.schedule(now)
@@ -109,6 +111,18 @@ class StepLoop:
       await asyncio.wait_for(self._wake.wait(), wait)
     except asyncio.TimeoutError:
       pass
+
+  async def _let_arrivals_in(self) -> None:
+    """A new prompt's prefix lookup runs on the engine's thread, queued behind the step under way: it ends a moment
+    after that step, and its request then arrives here. Without this wait the next step would start first and leave
+    the prompt a whole step behind (a burst's prompts would trickle in, one step each). At most ARRIVAL_WAIT_S."""
+    deadline = time.monotonic() + ARRIVAL_WAIT_S
+    while getattr(self.engine, "prefix_starts_queued", 0) > 0 and not self._stopped:
+      self._wake.clear()
+      try:
+        await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
+      except asyncio.TimeoutError:
+        return
 
   async def _step(self, scheduler: Scheduler, step: Step) -> None:
     for row, _ in list(step.rows):  # a request may have ended while its step was queued
