@@ -253,6 +253,9 @@ class Scheduler:
   def _plan_groups(self) -> None:
     """m for the live requests, from the measured step costs and hops; before there is a fit, one group per stage."""
     live = self._live()
+    if self.stages == 1:  # nothing to keep busy while a group is away: a split would only pay the fixed cost twice
+      self.groups = 1
+      return
     own = self.times.cost()
     hops = self.hop_estimate()
     if own is None or hops is None:
