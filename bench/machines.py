@@ -4,9 +4,10 @@ pinned the same way, and the nodes' gRPC links through a loopback relay that del
   python bench/machines.py                                  # 2 nodes x 1 core, 1 ms each way, every placement, 3 pairs
   python bench/machines.py --placements auto --ns 1,16,32,64 --clients spread --conversations 8
 
-Each pair runs the single node and the cluster once in each placement (EXO_PLACEMENT: auto, the default, places a
-replica of SmolLM2 on each node; pipeline, one ring over every node; replicas), taking turns going first so that a
-drift in the machine's speed favours none, all with batching on; every N is a burst of N streaming requests through
+Each pair runs, in each placement (EXO_PLACEMENT: auto, the default, places a replica of SmolLM2 on each node;
+pipeline, one ring over every node; replicas), a single node and the cluster up at once, all with batching on: every
+N is a burst of N streaming requests, run on one and then on the other (which goes first alternates), so that a drift
+in the VM's speed (minutes long, tens of percent here) falls on both alike; the one waiting idles. Requests go through
 the real HTTP API. Clients: `one` sends every request to the first node's API (it then carries every stream's HTTP
 and every remote token), `spread` sends request i to node i mod p (as a load balancer in front of the nodes would).
 It prints, per placement and N, cluster ÷ single (the median over pairs of each cluster run ÷ the single run of its
@@ -113,36 +114,62 @@ def clients_of(cluster: Cluster, clients: str):
   return cluster.url if clients == "one" else cluster.urls
 
 
-async def run_cluster(args, nodes: int, placement: Optional[str], clients: str, ns: List[int], pair: int, out, root: Path = ROOT) -> Dict:
-  rows: Dict = {}
-  label = "single" if nodes == 1 else f"{placement or 'baseline'}/{clients}"
-  async with Machines(nodes, args, Path(args.log_dir), root, placement) as cluster:
-    urls = clients_of(cluster, clients)
-    await burst(cluster.urls, make_prompts(2 * nodes, 48, salt=99), 8)  # warm-up at every node: loads, first allocations
-    for n in ns + [n for n in args.capacity_ns if n not in ns]:
-      before, start = await cluster.scrape(), time.monotonic()
-      results = await burst(urls, make_prompts(n, args.prompt_tokens), args.tokens)
-      wall = time.monotonic() - start
-      after = await cluster.scrape()
-      moved = {key: value - before.get(key, 0.0) for key, value in after.items()}
-      stages = [key[5:] for key in after if key.startswith("busy ")]
-      row = {"label": label, "nodes": nodes, "n": n, "pair": pair, "code": "this" if root == ROOT else str(root), "texts": [r["text"] for r in results],
-             **summarise(results), "busy": {stage: moved[f"busy {stage}"] / wall for stage in stages},
-             "rows_per_step": {stage: moved.get(f"rows {stage}", 0) / max(1, moved.get(f"steps {stage}", 0)) for stage in stages}}
-      rows[n] = row
-      out.write(json.dumps({k: v for k, v in row.items() if k != "texts"}) + "\n")
-      out.flush()
-      busy = ", ".join(f"{stage} {100 * b:.0f}% ({row['rows_per_step'][stage]:.1f} rows/step)" for stage, b in sorted(row["busy"].items()))
-      print(f"  pair {pair} {label:<16} N={n:<3} {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1e3 * row['itl_p50']:.0f} ms  "
-            f"busy: {busy}", flush=True)
+async def one_burst(cluster: Machines, urls, n: int, args, label: str, pair: int, out, idle: List[subprocess.Popen]) -> Dict:
+  """A burst of n streams on one configuration, with its stages' busy fractions; also the core time that the
+  configuration waiting meanwhile (`idle`) took, which should be next to none."""
+  before, start, idle_before = await cluster.scrape(), time.monotonic(), sum(map(cpu_seconds, idle))
+  results = await burst(urls, make_prompts(n, args.prompt_tokens), args.tokens)
+  wall = time.monotonic() - start
+  after = await cluster.scrape()
+  moved = {key: value - before.get(key, 0.0) for key, value in after.items()}
+  stages = [key[5:] for key in after if key.startswith("busy ")]
+  row = {"label": label, "nodes": cluster.nodes, "n": n, "pair": pair, "code": "this" if cluster.root == ROOT else str(cluster.root),
+         "texts": [r["text"] for r in results], **summarise(results), "busy": {stage: moved[f"busy {stage}"] / wall for stage in stages},
+         "rows_per_step": {stage: moved.get(f"rows {stage}", 0) / max(1, moved.get(f"steps {stage}", 0)) for stage in stages},
+         "idle_other": (sum(map(cpu_seconds, idle)) - idle_before) / wall}
+  out.write(json.dumps({k: v for k, v in row.items() if k != "texts"}) + "\n")
+  out.flush()
+  busy = ", ".join(f"{stage} {100 * b:.0f}% ({row['rows_per_step'][stage]:.1f} rows/step)" for stage, b in sorted(row["busy"].items()))
+  print(f"  pair {pair} {label:<16} N={n:<3} {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1e3 * row['itl_p50']:.0f} ms  "
+        f"busy: {busy}; the other side idle: {100 * row['idle_other']:.1f}% of a core", flush=True)
+  return row
+
+
+def cpu_seconds(process: subprocess.Popen) -> float:
+  """Core seconds a process has used so far (user + system)."""
+  with open(f"/proc/{process.pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_pair(args, placement: Optional[str], clients: str, ns: List[int], pair: int, out, root: Path = ROOT) -> Tuple[Dict, Dict]:
+  """One pair: a single node and a cluster up at once, each burst run on one and then on the other (which goes first
+  alternates), so that a drift in the machine's speed, minutes long on a shared VM, falls on both alike. The one
+  waiting idles; its core time is printed beside each burst. Returns (cluster's rows, single node's rows) by N."""
+  label = f"{placement or 'baseline'}/{clients}"
+  log_dir = Path(args.log_dir) / f"pair{pair}-{label.replace('/', '-')}"
+  (log_dir / "single").mkdir(parents=True, exist_ok=True)
+  (log_dir / "cluster").mkdir(parents=True, exist_ok=True)
+  async with Machines(1, args, log_dir / "single") as single, Machines(args.nodes, args, log_dir / "cluster", root, placement) as cluster:
+    sides = {"single": (single, single.url), label: (cluster, clients_of(cluster, clients))}
+    rows: Dict[str, Dict] = {"single": {}, label: {}}
+    for side, _ in sides.values():
+      await burst(side.urls, make_prompts(2 * side.nodes, 48, salt=99), 8)  # warm-up at every node: loads, first allocations
+    for i, n in enumerate(ns + [n for n in args.capacity_ns if n not in ns]):
+      order = list(sides) if (i + pair) % 2 == 0 else list(sides)[::-1]
+      for name in order:
+        side, urls = sides[name]
+        other = sides["single" if name == label else label][0]
+        rows[name][n] = await one_burst(side, urls, n, args, name, pair, out, other.procs)
     if args.conversations and placement in (None, "auto"):
-      rows["conversations"] = await conversations(cluster, args, clients)
-      out.write(json.dumps({"label": label, "pair": pair, "conversations": rows["conversations"]}) + "\n")
-      c = rows["conversations"]
-      print(f"  pair {pair} {label:<16} {args.conversations} conversations x {args.turns} turns: TTFT by turn "
-            f"{' '.join(f'{t:.2f}' for t in c['ttft_by_turn'])} s, turn {args.turns} / 1 = {c['last_over_first']:.2f}x"
-            + (f", later turns routed to their prefix's group {100 * c['prefix_share']:.0f}%" if c["prefix_share"] is not None else ""), flush=True)
-  return rows
+      for name in (list(sides) if pair % 2 == 0 else list(sides)[::-1]):
+        side, _ = sides[name]
+        c = rows[name]["conversations"] = await conversations(side, args, clients if name == label else "one")
+        out.write(json.dumps({"label": name, "pair": pair, "conversations": c}) + "\n")
+        print(f"  pair {pair} {name:<16} {args.conversations} conversations x {args.turns} turns: TTFT by turn "
+              f"{' '.join(f'{t:.2f}' for t in c['ttft_by_turn'])} s, turn {args.turns} / 1 = {c['last_over_first']:.2f}x"
+              + (f", later turns routed to their prefix's group {100 * c['prefix_share']:.0f}%" if c["prefix_share"] is not None else ""), flush=True)
+  return rows[label], rows["single"]
 
 
 def words(count: int, salt: int) -> str:
@@ -253,8 +280,8 @@ def same_as(reference: Dict, rows: Dict, ns: List[int]) -> bool:
 
 def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], reference: Dict) -> None:
   """The tables, medians over pairs: each cluster configuration against the single node of the same pair."""
-  for label in [k for k in runs[0] if k != "single"]:
-    pairs = [(run[label], run["single"]) for run in runs]
+  for label in runs[0]:
+    pairs = [run[label] for run in runs]
     print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "
           f"core(s); medians over {len(pairs)} pair(s)")
     print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} "
@@ -287,7 +314,7 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], 
             f"prefix caches, cluster ÷ single {statistics.median(reuse):.2f}; turn {args.turns} / turn 1 TTFT "
             f"cluster {statistics.median(a['last_over_first'] for a, _ in conv):.2f}x, single {statistics.median(b['last_over_first'] for _, b in conv):.2f}x; "
             f"answers as one unbatched node's: {'yes' if all(a['answers'] == reference.get('answers') for a, _ in conv) else 'NO'}")
-  print(f"\n  single node (batched): greedy outputs as one unbatched node's: {'yes' if all(same_as(reference, run['single'], ns) for run in runs) else 'NO'}")
+  print(f"\n  single node (batched): greedy outputs as one unbatched node's: {'yes' if all(same_as(reference, single, ns) for run in runs for _, single in run.values()) else 'NO'}")
   if caps:
     print(f"\n  ceiling: {args.nodes} nodes each taking N/{args.nodes} of the streams on these cores, T(N) / T(N/{args.nodes}), median over pairs")
 
@@ -340,12 +367,10 @@ async def main() -> None:
       if args.ceiling:  # once per pair, so that its median spans the same drift as the clusters'
         caps.append(ceiling(args, ns))
         out.write(json.dumps({"pair": pair, "ceiling": caps[-1]}) + "\n")
-      order = [("single", 1, None, "one", ROOT)] + [(f"{pl}/{cl}", args.nodes, pl, cl, ROOT) for pl in placements for cl in clients]
-      if args.baseline:
-        order.append(("baseline", args.nodes, None, "one", Path(args.baseline)))
+      order = [(pl, cl, ROOT) for pl in placements for cl in clients] + ([(None, "one", Path(args.baseline))] if args.baseline else [])
       if pair % 2:
         order.reverse()
-      runs.append({label: await run_cluster(args, nodes, placement, cl, ns, pair, out, root) for label, nodes, placement, cl, root in order})
+      runs.append({f"{pl or 'baseline'}/{cl}": await run_pair(args, pl, cl, ns, pair, out, root) for pl, cl, root in order})
   report(args, ns, runs, caps, reference)
   print(f"\nraw figures: {path}")
 
