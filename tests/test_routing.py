@@ -5,7 +5,7 @@ import pytest
 
 from exo.inference.prefix_cache import BLOCK
 from exo.orchestration.routing.route import InvalidRoute, Route
-from exo.orchestration.routing.router import LEAST_LOAD, ONLY_GROUP, PREFIX, PREFIX_SLACK, REPORT_FRESH_S, Router
+from exo.orchestration.routing.router import LEAST_LOAD, ONLY_GROUP, PREFIX, PREFIX_SLACK, REPORT_FRESH_S, ROW_TOKENS, Router
 from exo.topology.placement import Group, Stage
 
 pytestmark = pytest.mark.unit
@@ -39,15 +39,15 @@ def test_ties_go_to_this_nodes_group_and_a_burst_spreads_at_once():
   assert send(router, "r0", [A, B]).group == B  # both idle: the group that holds this node
   picks = [send(router, f"r{i}", [A, B]).group.name for i in range(1, 9)]
   assert picks == ["a", "b"] * 4  # each send counts at once: the burst alternates before any report arrives
-  assert (router.load("a"), router.load("b"), router.routed[LEAST_LOAD]) == (4 * 64, 5 * 64, 9)
+  assert (router.load("a"), router.load("b"), router.routed[LEAST_LOAD]) == (4 * (64 + ROW_TOKENS), 5 * (64 + ROW_TOKENS), 9)
 
 
-def test_a_running_request_weighs_one_row_and_an_ended_one_nothing():
+def test_a_request_weighs_its_prompt_until_it_runs_then_one_row_and_once_ended_nothing():
   router = Router("a", Clock())
   send(router, "long", [A, B], prompt_tokens=500)
-  assert router.load("a") == 500 and send(router, "next", [A, B]).group == B
+  assert router.load("a") == 500 + ROW_TOKENS and send(router, "next", [A, B]).group == B
   router.tokens("long", [7], False)  # its first token: running now
-  assert router.load("a") == 1 and router.own("a") == (0, 1, 0)
+  assert router.load("a") == ROW_TOKENS and router.own("a") == (0, 1, 0)
   router.ended("long")
   assert router.load("a") == 0 and send(router, "after", [A, B]).group == A
 
@@ -56,7 +56,7 @@ def test_other_origins_load_counts_until_its_report_is_stale():
   clock = Clock()
   router = Router("a", clock)
   router.report("a", {"b": (0, 10, 0), "a": (0, 99, 0)})  # this node's own share comes from its own counts, not the report
-  assert router.load("a") == 10 and send(router, "r", [A, B]).group == B
+  assert router.load("a") == 10 * ROW_TOKENS and send(router, "r", [A, B]).group == B
   clock.now += REPORT_FRESH_S + 0.1
   assert router.load("a") == 0 and router.others("a") == (0, 0, 0)
 
@@ -70,7 +70,7 @@ def test_a_prompt_goes_to_the_group_that_holds_its_prefix_within_the_margin():
   for i in range(2):  # the prefix group is busier than the other, within the margin
     send(router, f"busy{i}", [A], prompt_tokens=1)
     router.tokens(f"busy{i}", [1], False)
-  assert router.load("a") == 2 and router.load("b") == 0
+  assert router.load("a") == 2 * ROW_TOKENS and router.load("b") == 0
   second = send(router, "t2", [A, B], conversation(1) + answer + [5] * 32)  # the next turn holds the first one and its answer
   assert second.group == A and second.reason == PREFIX and second.cached == 128
   assert router.routed[PREFIX] == 1
@@ -82,14 +82,14 @@ def test_beyond_the_margin_the_least_loaded_group_wins():
   send(router, "t1", [A, B], conversation(1))
   router.tokens("t1", [1], True)
   held = 64 // BLOCK * BLOCK  # the cached prefix: the whole first prompt
-  for i in range(int(PREFIX_SLACK) + held + 1):  # more running rows on the prefix group than the margin allows
+  for i in range(int((PREFIX_SLACK + held) // ROW_TOKENS) + 1):  # more running rows on the prefix group than the margin allows
     send(router, f"busy{i}", [A], prompt_tokens=1)
     router.tokens(f"busy{i}", [1], False)
   choice = send(router, "t2", [A, B], conversation(2))
   assert choice.group == B and choice.reason == LEAST_LOAD
   router.ended("t2")
-  for i in range(3):  # within the margin again: the prefix wins
-    router.ended(f"busy{i}")
+  router.ended("busy0")  # within the margin again: the prefix wins
+  assert router.load("a") > router.load("b")
   assert send(router, "t2b", [A, B], conversation(2)).reason == PREFIX
 
 
@@ -105,7 +105,7 @@ def test_a_short_shared_start_is_no_reason_to_pick_a_group():
 
 def test_one_group_is_no_choice():
   router = Router("a", Clock())
-  assert send(router, "r", [PIPE]).reason == ONLY_GROUP and router.load("c+d") == 64
+  assert send(router, "r", [PIPE]).reason == ONLY_GROUP and router.load("c+d") == 64 + ROW_TOKENS
 
 
 def test_a_route_from_a_peer_is_checked():
@@ -125,7 +125,7 @@ def test_a_short_system_prompt_that_every_prompt_starts_with_does_not_pull_a_bur
   router.tokens("earlier", [2] * 8, True)
   picks = [send(router, f"r{i}", [A, B], system + [50 + i] * 12) for i in range(4)]
   assert {c.reason for c in picks} == {LEAST_LOAD} and {c.group.name for c in picks} == {"a", "b"}
-  assert [c.cached for c in picks if c.group == A] == [3 * BLOCK] * 3  # (where it is cached, a prompt costs less: a takes more)
+  assert [c.cached for c in picks if c.group == A] == [3 * BLOCK] * 2  # rows spread evenly though a's prompts cost less
 
 
 def test_a_steps_rows_for_one_hop_pack_into_one_message_and_unpack_as_they_were():

@@ -1,8 +1,10 @@
 """The choice of a group for each new request, at the node where it arrives (its origin).
 
 Load. A group's load is the prompt tokens it still has to compute (a prompt counts what its cached prefix does not
-cover) plus its running requests, one row each. This node counts its own requests the moment it sends them, so a
-burst spreads at once; the other origins' requests come from what each group's first node reports (a `group_load`
+cover) plus ROW_TOKENS for each of its requests, waiting or running: a prompt is computed once, while a request's row
+takes a share of every step until its answer ends, so rows are what a burst must spread evenly (weighed at one token
+each, a burst of prompts cached on one group went 21 to 9 onto it and that group set the burst's pace). This node
+counts its own requests the moment it sends them, so a burst spreads at once; the other origins' requests come from what each group's first node reports (a `group_load`
 status: each origin's share, at most every REPORT_S, kept for REPORT_FRESH_S).
 
 Prefix affinity. The router remembers, per group, the keys of the token blocks it sent there (prompts, and once a
@@ -24,6 +26,7 @@ from exo.topology.placement import Group
 PREFIX_MIN_SHARE = 0.5  # a group's cached blocks must cover at least this share of a prompt's whole blocks
 PREFIX_MIN_TOKENS = 64  # and spare it at least this many tokens more than the least loaded group (a shared system prompt does not)
 PREFIX_SLACK = 32.0  # load a prefix group may carry beyond the least loaded one's, besides the tokens it saves
+ROW_TOKENS = 64  # a request's row weighs as many prompt tokens: one per step it runs, for an answer of typical length
 REPORT_S = 0.1  # a group's first node reports its load at most this often (when it changed)
 REPORT_FRESH_S = 3.0  # a report is used for this long
 KEYS_KEPT = 1 << 16  # block keys remembered per group (least recently sent forgotten first)
@@ -156,8 +159,8 @@ class Router:
     return sum(s[0] for s in shares), sum(s[1] for s in shares), sum(s[2] for s in shares)
 
   def load(self, group: str) -> float:
-    (own_waiting, own_running, _), (other_waiting, other_running, _) = self.own(group), self.others(group)
-    return own_waiting + own_running + other_waiting + other_running
+    (own_tokens, own_running, own_queued), (other_tokens, other_running, other_queued) = self.own(group), self.others(group)
+    return own_tokens + other_tokens + ROW_TOKENS * (own_running + own_queued + other_running + other_queued)
 
   def groups(self) -> Dict[str, Dict[str, int]]:
     """Each group this node sent to or heard of: its requests running and waiting, as this node knows them."""
