@@ -409,7 +409,7 @@ async def test_a_prompt_whose_prefix_lookup_waits_behind_a_step_joins_the_next_s
   await asyncio.wait_for(first, 5)
   engine.release.clear()
   again = asyncio.ensure_future(loop.infer(LAST, "a", TOKEN, None))  # a's next token
-  for _ in range(20):  # without the wait, the loop starts a's step alone within these turns
+  for _ in range(20):  # turns of the event loop, not time: without the wait, a's step starts alone within them
     await asyncio.sleep(0)
   assert len(engine.steps) == 1
   engine.prefix_starts_queued = 0

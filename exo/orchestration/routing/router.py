@@ -4,8 +4,9 @@ Load. A group's load is the prompt tokens it still has to compute (a prompt coun
 cover) plus ROW_TOKENS for each of its requests, waiting or running: a prompt is computed once, while a request's row
 takes a share of every step until its answer ends, so rows are what a burst must spread evenly (weighed at one token
 each, a burst of prompts cached on one group went 21 to 9 onto it and that group set the burst's pace). This node
-counts its own requests the moment it sends them, so a burst spreads at once; the other origins' requests come from what each group's first node reports (a `group_load`
-status: each origin's share, at most every REPORT_S, kept for REPORT_FRESH_S).
+counts its own requests the moment it sends them, so a burst spreads at once; the other origins' requests come from
+what each group's first node reports (a `group_load` status: each origin's share, at most every REPORT_S, kept for
+REPORT_FRESH_S).
 
 Prefix affinity. The router remembers, per group, the keys of the token blocks it sent there (prompts, and once a
 request has finished its answer too: the block keys the engines' prefix caches file them under). A prompt whose
