@@ -16,10 +16,7 @@ way), each stage's busy fraction (from the nodes' /metrics), and:
 
 - the ceiling: what p nodes that each take N/p of the streams could reach on these cores, T(N) / T(N/p), T(rows)
   being one whole-model decode step on one node's cores, timed in a process pinned to them (the sizes' steps taken
-  in turn): T(N) with the other cores idle, as the single node runs; T(N/p) on every node's cores at once, the
-  slowest, as p nodes run (on a VM two busy cores are each slower than one: they share a physical core's units or
-  memory bandwidth; bench/cores.py measures it). In brackets, the ceiling with T(N/p) timed alone, which that
-  slowdown makes out of reach. Replicas and a perfect p-stage pipeline share it. Beside it, the share reached;
+  in turn). Replicas and a perfect p-stage pipeline share it. Beside it, the share of the ceiling reached;
 - capacity: the most streams whose inter-token latency p50 stays within the single node's at N=16, for the single
   node and for the cluster, among the Ns run and the extra bursts of --capacity-ns (near twice 16, where two nodes
   should land).
@@ -242,33 +239,19 @@ async def step_times(sizes: List[int], engine: str, context: int, steps: int = 1
   return {n: statistics.median(t) for n, t in times.items()}
 
 
-def ceiling(args, ns: List[int]) -> Dict[str, Dict[int, float]]:
-  """N -> T(N) / T(N / nodes), each T timed in children pinned as the nodes are (see the module's docstring): "busy",
-  T(N/p) timed on every node's cores at once, the slowest node's (p nodes taking N/p each all compute together, and
-  the last to finish ends a burst); "alone", T(N/p) on the first node's cores with the others idle, as T(N) is."""
+def ceiling(args, ns: List[int]) -> Dict[int, float]:
+  """N -> T(N) / T(N / nodes), timed in a child pinned to the first node's cores (see the module's docstring)."""
   ns = [n for n in ns if n >= args.nodes]
   if not ns:
     return {}
-  halves = sorted({-(-n // args.nodes) for n in ns})
-  context = str(args.prompt_tokens + args.tokens // 2)
-
-  def child(sizes, node):
-    cores = set(range(node * args.cores_per_node, (node + 1) * args.cores_per_node))
-    return subprocess.Popen([sys.executable, __file__, "--step-times", ",".join(map(str, sizes)), "--engine", args.engine, "--context", context],
-                            cwd=ROOT, text=True, stdout=subprocess.PIPE, preexec_fn=lambda: os.sched_setaffinity(0, cores))
-
-  def times(process) -> Dict[int, float]:
-    output, _ = process.communicate()
-    if process.returncode:
-      raise RuntimeError("timing the ceiling's steps failed")
-    return {int(n): t for n, t in json.loads(output.strip().splitlines()[-1]).items()}
-
-  alone = times(child(sorted(set(ns) | set(halves)), 0))
-  together = [times(p) for p in [child(halves, node) for node in range(args.nodes)]]
-  busy = {n: max(t[n] for t in together) for n in halves}
-  print(f"  one node's decode step on {args.cores_per_node} core(s), the others idle: " + ", ".join(f"{n} rows {1e3 * t:.0f} ms" for n, t in sorted(alone.items()))
-        + f"; on every node's cores at once, the slowest: " + ", ".join(f"{n} rows {1e3 * t:.0f} ms" for n, t in sorted(busy.items())), flush=True)
-  return {"busy": {n: alone[n] / busy[-(-n // args.nodes)] for n in ns}, "alone": {n: alone[n] / alone[-(-n // args.nodes)] for n in ns}}
+  sizes = sorted(set(ns) | {-(-n // args.nodes) for n in ns})
+  cores = set(range(args.cores_per_node))
+  output = subprocess.check_output([sys.executable, __file__, "--step-times", ",".join(map(str, sizes)), "--engine", args.engine,
+                                    "--context", str(args.prompt_tokens + args.tokens // 2)],
+                                   cwd=ROOT, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+  times = {int(n): t for n, t in json.loads(output.strip().splitlines()[-1]).items()}
+  print(f"  one node's decode step on {len(cores)} core(s): " + ", ".join(f"{n} rows {1e3 * t:.0f} ms" for n, t in sorted(times.items())), flush=True)
+  return {n: times[n] / times[-(-n // args.nodes)] for n in ns}
 
 
 def capacity(rows: Dict, limit: float) -> int:
@@ -295,25 +278,24 @@ def same_as(reference: Dict, rows: Dict, ns: List[int]) -> bool:
   return bursts and ("conversations" not in rows or rows["conversations"]["answers"] == reference.get("answers"))
 
 
-def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[str, Dict[int, float]]], reference: Dict) -> None:
+def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], reference: Dict) -> None:
   """The tables, medians over pairs: each cluster configuration against the single node of the same pair."""
   for label in runs[0]:
     pairs = [run[label] for run in runs]
     print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "
           f"core(s); medians over {len(pairs)} pair(s)")
-    print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling (idle)':>15} {'of it (idle)':>11} "
+    print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} "
           f"{'ITL p50 c/s (ms)':>17} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's)")
     for n in ns:
       ratios = [cluster[n]["tok_s"] / single[n]["tok_s"] for cluster, single in pairs]
       ratio = statistics.median(ratios)
       same = all(cluster[n]["texts"] == reference["texts"][:n] for cluster, _ in pairs)
-      cap = statistics.median(c["busy"][n] for c in caps) if caps and n in caps[0].get("busy", {}) else None
-      idle_cap = statistics.median(c["alone"][n] for c in caps) if cap else None
-      share = f"{100 * ratio / cap:5.0f}% ({100 * ratio / idle_cap:.0f}%)" if cap else f"{'-':>11}"
+      cap = statistics.median(c[n] for c in caps) if caps and n in caps[0] else None
+      share = f"{100 * ratio / cap:10.0f}%" if cap else f"{'-':>11}"
       itl = f"{1e3 * statistics.median(c[n]['itl_p50'] for c, _ in pairs):.0f}/{1e3 * statistics.median(s[n]['itl_p50'] for _, s in pairs):.0f}"
       busy = ", ".join(f"{node}:{'/'.join(layers)}: {100 * statistics.median(fractions):.0f}%" for node, (layers, fractions) in stage_busy(pairs, n).items())
       print(f"{n:>4} {statistics.median(c[n]['tok_s'] for c, _ in pairs):>14.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
-            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:.2f}x ({idle_cap:.2f}x)' if cap else '-'):>15} {share:>11} {itl:>17} {'yes' if same else 'NO':>5}  {busy}")
+            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {itl:>17} {'yes' if same else 'NO':>5}  {busy}")
     if CAPACITY_AT in ns:
       cluster_capacity, single_capacity = [], []
       for cluster, single in pairs:
@@ -334,8 +316,7 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[str, Dict[int,
             f"answers as one unbatched node's: {'yes' if all(a['answers'] == reference.get('answers') for a, _ in conv) else 'NO'}")
   print(f"\n  single node (batched): greedy outputs as one unbatched node's: {'yes' if all(same_as(reference, single, ns) for run in runs for _, single in run.values()) else 'NO'}")
   if caps:
-    print(f"\n  ceiling: {args.nodes} nodes each taking N/{args.nodes} of the streams on these cores, T(N) / T(N/{args.nodes}), median over pairs; "
-          f"T(N/{args.nodes}) timed on every node's cores at once (the slowest), in brackets with the other cores idle")
+    print(f"\n  ceiling: {args.nodes} nodes each taking N/{args.nodes} of the streams on these cores, T(N) / T(N/{args.nodes}), median over pairs")
 
 
 async def main() -> None:
