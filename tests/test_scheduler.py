@@ -395,30 +395,42 @@ async def test_a_request_that_ends_leaves_at_once_and_one_that_ended_while_queue
   await loop.stop()
 
 
+class LookupEngine(StepEngine):
+  """A real engine queues a new prompt's prefix lookup behind the step under way and counts it in
+  prefix_starts_queued; this one is told the count, and says when the step loop looks at it."""
+
+  def __init__(self):
+    super().__init__()
+    self.queued, self.looked = 0, asyncio.Event()
+
+  @property
+  def prefix_starts_queued(self) -> int:
+    self.looked.set()
+    return self.queued
+
+
 async def test_a_prompt_whose_prefix_lookup_waits_behind_a_step_joins_the_next_step(monkeypatch):
-  # A real engine queues a new prompt's prefix lookup behind the step under way and counts it in
-  # prefix_starts_queued; this one is told what the count is.
   monkeypatch.setattr(step_loop_module, "ARRIVAL_WAIT_S", 30.0)
-  engine = StepEngine()
+  engine = LookupEngine()
   engine.release.clear()
   loop = step_loop(engine)
   first = asyncio.ensure_future(loop.infer(LAST, "a", TOKEN, None))
   await asyncio.wait_for(engine.entered.wait(), 5)
-  engine.prefix_starts_queued = 1  # b's lookup waits for the step
+  engine.queued = 1  # b's lookup waits for the step
   engine.release.set()
   await asyncio.wait_for(first, 5)
   engine.release.clear()
-  again = asyncio.ensure_future(loop.infer(LAST, "a", TOKEN, None))  # a's next token
-  for _ in range(20):  # turns of the event loop, not time: without the wait, a's step starts alone within them
-    await asyncio.sleep(0)
+  engine.looked.clear()
+  again = asyncio.ensure_future(loop.infer(LAST, "a", TOKEN, None))  # a's next token wakes the loop...
+  await asyncio.wait_for(engine.looked.wait(), 5)  # ...which looks at the lookups queued, before any step
   assert len(engine.steps) == 1
-  engine.prefix_starts_queued = 0
+  engine.queued = 0
   late = asyncio.ensure_future(loop.infer(LAST, "b", TOKEN, None))
   engine.release.set()
   await asyncio.wait_for(asyncio.gather(again, late), 5)
   assert engine.steps == [["a"], ["a", "b"]]
   monkeypatch.setattr(step_loop_module, "ARRIVAL_WAIT_S", 0.01)
-  engine.prefix_starts_queued = 1  # a lookup that never ends (a load behind it): steps still run
+  engine.queued = 1  # a lookup that never ends (a load behind it): steps still run
   assert (await asyncio.wait_for(loop.infer(LAST, "c", TOKEN, None), 5))[0].tolist() == [[8]]
   await loop.stop()
 
