@@ -147,8 +147,8 @@ async def test_a_pipeline_cuts_layers_by_speed_with_the_head_counted(tmp_path, d
     a, b = nodes["pipe-a"], nodes["pipe-b"]
     await eventually(lambda: len(a.placements.placement(BASE).groups[0].stages) == 2 and len(b.placements.placement(BASE).groups[0].stages) == 2, 30)
     (group,) = a.placements.placement(BASE).groups
-    assert [(s.node_id, s.start, s.end) for s in group.stages] == [("pipe-b", 0, 18), ("pipe-a", 19, 29)]
-    await b.inference_engine.ensure_shard(smollm2_shard(0, 18))
+    assert [(s.node_id, s.start, s.end) for s in group.stages] == [("pipe-b", 0, 17), ("pipe-a", 18, 29)]
+    await b.inference_engine.ensure_shard(smollm2_shard(0, 17))
     await eventually(lambda: groups_ready(a, 1), 60)
     packed = []
     for node in (a, b):
@@ -161,7 +161,7 @@ async def test_a_pipeline_cuts_layers_by_speed_with_the_head_counted(tmp_path, d
     # From the first stage (its tokens ride back on the tensors that feed them) and from the last.
     assert await asyncio.gather(*[answer(b, p) for p in PROMPTS[:3]]) == references[:3]
     assert await asyncio.gather(*[answer(a, p) for p in PROMPTS[3:]]) == references[3:]
-    assert a.inference_engine.shard == smollm2_shard(19, 29) and b.inference_engine.shard == smollm2_shard(0, 18)
+    assert a.inference_engine.shard == smollm2_shard(18, 29) and b.inference_engine.shard == smollm2_shard(0, 17)
     assert packed and max(packed) > 1  # a step's rows went on to the next hop as one message
 
 
