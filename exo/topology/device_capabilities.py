@@ -103,20 +103,25 @@ async def device_capabilities(device_name: str = "CPU") -> DeviceCapabilities:
   return DeviceCapabilities(model="Unknown Device", chip="Unknown Chip", memory=psutil.virtual_memory().total // 2**20, flops=_zero_flops())
 
 
-def measure_gflops(seconds: float = 0.05) -> float:
+def measure_gflops(rounds: int = 6, round_s: float = 0.02, pause_s: float = 0.05) -> float:
   """This process's float32 matrix-product speed on the cores it may use (GFLOP/s, three significant digits): the
-  best of repeated products of a decode step's shape for about `seconds`, so that a moment of contention counts
-  little. Placement cuts a pipeline's layers by it."""
+  fastest of back-to-back products of a decode step's shape, `rounds` rounds of `round_s` each, `pause_s` apart, so
+  that a moment of contention (a process starting beside this one) counts for nothing unless it lasts the whole
+  third of a second. Placement cuts a pipeline's layers by it."""
   import time
 
   import numpy as np
   rows, width = 32, 768
   a, b = np.ones((rows, width), np.float32), np.ones((width, width), np.float32)
   a @ b
-  best, runs, start = float("inf"), 0, time.perf_counter()
-  while runs < 3 or time.perf_counter() - start < seconds:
-    begin = time.perf_counter()
-    a @ b
-    best, runs = min(best, time.perf_counter() - begin), runs + 1
+  best = float("inf")
+  for round_ in range(rounds):
+    if round_:
+      time.sleep(pause_s)
+    start = time.perf_counter()
+    while time.perf_counter() - start < round_s:
+      begin = time.perf_counter()
+      a @ b
+      best = min(best, time.perf_counter() - begin)
   gflops = 2 * rows * width * width / best / 1e9
   return float(f"{gflops:.3g}")
