@@ -80,8 +80,8 @@ def test_a_step_waits_for_requests_on_their_way_back_but_at_most_the_timeout():
   s.add("b", TOKEN, None, 2.5)
   assert s.schedule(2.9) is None and s.due(2.9) == 3.5  # c may still come: timeout_s after the latest arrival
   assert run(s, 3.5) == ["a", "b"]
-  s.add("c", TOKEN, None, 3.6)  # late: a and b are away again, and c waits for them no longer than timeout_s
-  assert s.due(3.6) == 4.6 and run(s, 4.6) == ["c"]
+  s.add("c", TOKEN, None, 3.6)  # late: a and b have just left again, a round trip (2.5 s) from coming back: c goes alone
+  assert s.due(3.6) == 3.6 and run(s, 3.6) == ["c"]
 
 
 def test_a_burst_whose_messages_keep_arriving_waits_at_most_gather_limit_timeouts():
@@ -196,6 +196,21 @@ def test_other_stages_gather_each_group_as_it_arrives_and_keep_groups_apart():
   s.add("a", TOKEN, None, 1.0)
   s.add("b", TOKEN, None, 1.001)
   assert run(s, 1.051) == ["a", "b"]
+
+
+def test_a_later_stage_waits_for_requests_due_back_but_not_for_a_micro_batch_that_just_left():
+  s = scheduler(shard=LAST, timeout_s=0.05)
+  for r in "abcd":
+    s.add(r, TOKEN, None, 0.0)
+  assert run(s, 0.0) == list("abcd")
+  s.add("a", TOKEN, None, 0.2)
+  s.add("b", TOKEN, None, 0.2)
+  assert s.due(0.2) == 0.25  # c and d left with them, a round trip ago: due back any moment, worth the wait
+  assert run(s, 0.25) == ["a", "b"]  # they did not come: a and b go alone, and the two pairs are a step apart
+  s.add("c", TOKEN, None, 0.3)
+  s.add("d", TOKEN, None, 0.3)
+  # a and b left 0.05 s ago, a round trip (0.2 s) from coming back: waiting timeout_s would only delay c and d.
+  assert s.due(0.3) == 0.3 and run(s, 0.3) == ["c", "d"]
 
 
 def test_the_number_of_groups_follows_the_measured_step_costs_and_hops():

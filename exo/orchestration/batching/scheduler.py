@@ -12,10 +12,11 @@ that travel the ring one behind the other, so that every stage works while the o
 belongs to one group, balanced by rows; a group's step starts once all its live members are back, or once the late
 ones are overdue (ROUND_TRIP_SLACK typical round trips after they left), and never waits for another group.
 
-The other stages see each group arrive as a burst of messages, one per request, and gather it: a step waits while
-requests it handed back are still going, up to `timeout_s` after the latest arrival and GATHER_LIMIT timeouts
-after the first; the next group comes a whole step of the previous stage later, so groups stay apart. A lone
-request never waits: with nothing else going on this shard, a step starts at once."""
+The other stages see each group arrive as a burst of messages (one per request, or one for the whole step) and gather
+it: a step waits while requests it handed back are still going and due back within the wait (left a typical round
+trip ago), up to `timeout_s` after the latest arrival and GATHER_LIMIT timeouts after the first; the next group comes
+a whole step of the previous stage later, so it is not waited for and groups stay apart. A lone request never waits:
+with nothing else going on this shard, a step starts at once."""
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -196,6 +197,8 @@ class Scheduler:
     first, latest = min(row.since for row in rows), max(row.since for row in rows)
     start_by = min(latest + self.timeout_s, first + GATHER_LIMIT * self.timeout_s)
     typical = self.typical_round_trip()
+    if not grouped and typical is not None and all(self.away[r] + typical > start_by for r in missing):
+      return min(now, start_by)  # none is due back within the wait (another micro-batch, a step behind): waiting only delays
     if grouped and typical is not None and all(row.length == 1 for row in rows):
       # The group goes round together: waiting for a late member costs less than splitting the group.
       start_by = max(start_by, max(self.away.get(r, now) for r in missing) + ROUND_TRIP_SLACK * typical)
