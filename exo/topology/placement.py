@@ -4,8 +4,8 @@ A group is the fewest nodes whose memory holds one copy (weights at each node's 
 there are as many groups as the nodes allow: a replica per node when the model fits one node, pipelines of two or
 more nodes when it does not, and mixes where memory gives that. Inside a group the layers are cut so that every
 stage takes the same time: each layer costs its weights and the work between its products, the output head its
-weights (every row's logits are one product with it), divided by the node's measured speed. Nodes left over that cannot hold a copy together join the group
-whose slowest stage is slowest, if they can hold a layer.
+weights (every row's logits are one product with it), divided by the node's measured speed. Nodes left over that
+cannot hold a copy together join the group whose slowest stage is slowest, if they can hold a layer.
 
 A pure function of the members' facts (`MemberFacts`: what each node announced) and the model's shape, so every node
 that has heard the same facts derives the same placement; `facts_version` names a set of facts, and travels with
