@@ -42,7 +42,7 @@ def test_a_model_that_fits_no_single_node_is_a_pipeline_cut_for_equal_stage_time
   need = whole_copy_mb()
   placement = smol(member("a", int(need * 0.75)), member("b", int(need * 0.75)))
   (group,) = placement.groups
-  # The last stage holds the output head (49,152 x 576 weights, about 5.3 layers' work, see LAYER_WORK): it takes fewer layers.
+  # The last stage holds the output head (49,152 x 576 weights: 5.3 layers' work, LAYER_WORK): it takes fewer layers.
   assert layout(placement) == [[("b", 0, 17), ("a", 18, 29)]]
   assert group.name == "b+a"
 
