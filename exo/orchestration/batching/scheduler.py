@@ -198,7 +198,8 @@ class Scheduler:
     start_by = min(latest + self.timeout_s, first + GATHER_LIMIT * self.timeout_s)
     typical = self.typical_round_trip()
     if not grouped and typical is not None and all(self.away[r] + typical > start_by for r in missing):
-      return min(now, start_by)  # none is due back within the wait (another micro-batch, a step behind): waiting only delays
+      # None is due back within the wait (another micro-batch, a step behind): waiting would only delay this step.
+      return min(now, start_by)
     if grouped and typical is not None and all(row.length == 1 for row in rows):
       # The group goes round together: waiting for a late member costs less than splitting the group.
       start_by = max(start_by, max(self.away.get(r, now) for r in missing) + ROUND_TRIP_SLACK * typical)
