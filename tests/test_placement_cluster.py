@@ -19,7 +19,7 @@ MODEL = "smollm2-135m"
 AUTO = {"EXO_PLACEMENT": "auto", "EXO_BATCH_SIZE": "8", "DEBUG": "2"}
 PROMPTS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in Spanish.",
            "Who wrote Hamlet?", "Write one sentence about the sea."]
-DEAD_NODE_ERROR_BOUND_S = 12  # a health check of the peers live requests need every 2 s, 5 s timeout; or a send that fails at once
+DEAD_NODE_ERROR_BOUND_S = 12  # a killed node refuses the next health check (every 2 s), or a send fails at once
 
 
 async def get(url: str, path: str) -> dict:

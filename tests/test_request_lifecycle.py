@@ -14,6 +14,7 @@ from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.networking.discovery import NoDiscovery
+from exo.orchestration import membership as membership_module
 from exo.orchestration import requests as registry_module
 from exo.orchestration import statuses
 from exo.orchestration.generation import generate
@@ -351,3 +352,40 @@ async def test_a_newcomers_placement_facts_heard_before_it_is_known_count_once_i
   node.peer_hosts = {"newcomer": {"10.0.0.1"}, "impostor": {"10.0.0.2"}}
   node.membership.peers_changed([newcomer, impostor], [], [])
   assert [f.node_id for f in node.placements.members()] == ["here", "newcomer"]
+
+
+class CheckedPeer(PeerStandIn):
+  """A peer whose health checks go as scripted: "ok", "refused" (a quick no: its process is gone) or "timeout"."""
+
+  def __init__(self, peer_id: str, host: str, checks: list):
+    super().__init__(peer_id, host)
+    self.checks = checks
+
+  async def health_check(self):
+    check = self.checks.pop(0)
+    if check == "timeout":
+      await asyncio.sleep(membership_module.ANSWERED_S)
+    return check == "ok"
+
+
+async def test_a_peer_whose_check_runs_out_once_keeps_its_requests_and_one_that_refuses_loses_them_at_once(monkeypatch):
+  """A health check that runs out its timeout may be a live peer busy for a moment: its requests go on, and only
+  checks that keep running out end them. A refused check (the peer's process is gone) ends them at the first."""
+  monkeypatch.setattr(membership_module, "ANSWERED_S", 0.05)
+  node = make_node("here")
+  busy = CheckedPeer("busy", "10.0.0.1", ["timeout", "ok", "timeout", "timeout"])
+  gone = CheckedPeer("gone", "10.0.0.2", ["refused"])
+  node.peers, node.peer_hosts = [busy, gone], {"busy": {"10.0.0.1"}, "gone": {"10.0.0.2"}}
+  for request_id, peer in (("rb", busy), ("rg", gone)):
+    node.receive_status(request_id, json.dumps({"type": "request_params", "request_id": request_id, "params": {}, "origin": peer.id()}), peer.host)
+    node.requests.get(request_id).ring = (peer.id(), "here")
+
+  await node.membership.check_peers()
+  await eventually(lambda: node.requests.ended("rg") is Status.FAILED, 5)
+  assert node.requests.is_live("rb") and node.placements.is_suspect("busy")  # no new work for it meanwhile
+  await node.membership.check_peers()  # it answers: trusted again
+  assert node.requests.is_live("rb") and not node.placements.is_suspect("busy")
+  await node.membership.check_peers()
+  assert node.requests.is_live("rb")
+  await node.membership.check_peers()  # the second in a row that runs out
+  await eventually(lambda: node.requests.ended("rb") is Status.FAILED, 5)

@@ -5,6 +5,7 @@ checks, exactly the requests that need it end with an error naming it; the other
 nothing in flight where requests carry their routes; on a ring where each node derives its layers from its own view
 of the members (upstream nodes present, or routes off), every request in flight lost its place and ends too."""
 import asyncio
+import time
 from typing import Dict, List, Tuple
 
 from exo.helpers import DEBUG
@@ -13,18 +14,27 @@ from exo.orchestration.requests import Status
 from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
 
 PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-checked
-# A peer that dies mid-request ends it within PEER_CHECK_S + the health check's 5 s timeout (at once if a send fails).
+# A check that fails sooner than this was answered: the peer's port refused the connection (its process is gone) or
+# it said it is unhealthy. One that runs out its 5 s timeout may be a live peer busy for a moment (loading a model,
+# a long step on a loaded machine), so the peer counts as dead only after SLOW_CHECKS_BEFORE_DEAD such checks in a row.
+# A peer that dies mid-request ends it within PEER_CHECK_S (at once if a send to it fails); one that hangs, within
+# about SLOW_CHECKS_BEFORE_DEAD * (PEER_CHECK_S + 5 s).
+ANSWERED_S = 1.0
+SLOW_CHECKS_BEFORE_DEAD = 2
 
 
 class Membership:
   def __init__(self, node):
     self.node = node
+    self.slow_checks: Dict[str, int] = {}  # per peer: its failed checks in a row that ran out the timeout
 
   def peers_changed(self, added: List, removed: List, moved: List) -> None:
     """End the requests that needed a node that left or moved (and, on a derived ring, every request if one joined)."""
     node = self.node
     node.placements.peers_changed(added, removed)
     gone = {p.id(): p for p in removed}
+    for peer_id in gone:
+      self.slow_checks.pop(peer_id, None)
     why = f"the ring changed during the request (joined {[p.id() for p in added]}, left {list(gone)}, moved {[p.id() for p in moved]})"
     errors_for: Dict[str, List[Tuple[str, str]]] = {}  # per node that left: (request id, its request_error status)
     for request in node.requests:
@@ -52,24 +62,39 @@ class Membership:
       await peer.disconnect()
 
   async def watch_peers(self) -> None:
-    """Health-check the peers live requests need; a dead one ends them, with an error naming it, and no new request
-    is routed to it until it answers again."""
-    node = self.node
     while True:
       await asyncio.sleep(PEER_CHECK_S)
-      needed = {n for request in node.requests for n in request.ring} - {node.id}
-      peers = [p for p in node.peers if p.id() in needed or node.placements.is_suspect(p.id())]
-      healthy = await asyncio.gather(*[p.health_check() for p in peers], return_exceptions=True)
-      for peer, ok in zip(peers, healthy):
-        if ok is True:
-          node.placements.cleared(peer.id())
-          continue
-        if peer not in node.peers:  # it left the ring meanwhile: update_peers ends its requests
-          continue
-        node.placements.suspect(peer.id())
-        for request in node.requests:
-          if peer.id() in request.ring:
-            node.spawn(node.fail_request(request.id, f"node {peer.id()} at {peer.addr()} stopped answering during the request"))
+      await self.check_peers()
+
+  async def check_peers(self) -> None:
+    """Health-check the peers live requests need; a dead one ends them, with an error naming it. A peer that fails a
+    check gets no new request until it answers again."""
+    node = self.node
+    needed = {n for request in node.requests for n in request.ring} - {node.id}
+    peers = [p for p in node.peers if p.id() in needed or node.placements.is_suspect(p.id())]
+    checks = await asyncio.gather(*[timed_health_check(p) for p in peers])
+    for peer, (ok, seconds) in zip(peers, checks):
+      if ok:
+        self.slow_checks.pop(peer.id(), None)
+        node.placements.cleared(peer.id())
+        continue
+      if peer not in node.peers:  # it left the ring meanwhile: update_peers ends its requests
+        continue
+      node.placements.suspect(peer.id())
+      if not self.is_dead(peer.id(), seconds):
+        continue
+      for request in node.requests:
+        if peer.id() in request.ring:
+          node.spawn(node.fail_request(request.id, f"node {peer.id()} at {peer.addr()} stopped answering during the request"))
+
+  def is_dead(self, peer_id: str, seconds: float) -> bool:
+    """After a failed health check that took `seconds`: whether the peer counts as dead (it answered, or has let
+    SLOW_CHECKS_BEFORE_DEAD checks in a row run out)."""
+    slow = self.slow_checks.pop(peer_id, 0) + 1
+    if seconds >= ANSWERED_S and slow < SLOW_CHECKS_BEFORE_DEAD:
+      self.slow_checks[peer_id] = slow
+      return False
+    return True
 
   async def collect_periodically(self, interval: float) -> None:
     node = self.node
@@ -95,3 +120,13 @@ class Membership:
     for request in node.requests.sweep(now):
       if request.model is None:
         node.requests.end(request.id, Status.CANCELLED)
+
+
+async def timed_health_check(peer) -> Tuple[bool, float]:
+  """(whether the peer answered healthy, seconds the check took)."""
+  started = time.monotonic()
+  try:
+    ok = await peer.health_check() is True
+  except Exception:  # noqa: BLE001 (any failure to answer is a failed check)
+    ok = False
+  return ok, time.monotonic() - started
