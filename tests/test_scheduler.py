@@ -391,6 +391,32 @@ async def test_a_message_is_accepted_when_its_step_starts_not_when_it_arrives():
   await loop.stop()
 
 
+async def test_a_finished_rows_send_to_the_next_stage_starts_before_the_next_step():
+  """On one core a send that starts after the next step has begun waits on that step's pieces: the next stage gets
+  its rows late. Here the send is a task the row's waiter spawns, which hands the message over a turn later (the
+  shape of forwarding's hop senders)."""
+  events: List[str] = []
+
+  class Recording(StepEngine):
+    async def infer_batch(self, shard, items):
+      events.append(f"step {items[0][0]}")
+      return await super().infer_batch(shard, items)
+
+  loop = step_loop(Recording(), batch_size=1)
+
+  async def send(request_id):
+    await asyncio.sleep(0)  # the message's encoding, then gRPC has it
+    events.append(f"sent {request_id}")
+
+  async def pass_then_send(request_id):
+    await loop.infer(LAST, request_id, TOKEN, None)
+    await asyncio.ensure_future(send(request_id))
+
+  await asyncio.wait_for(asyncio.gather(pass_then_send("a"), pass_then_send("b")), 5)
+  assert events == ["step a", "sent a", "step b", "sent b"]
+  await loop.stop()
+
+
 async def test_a_request_that_ends_leaves_at_once_and_one_that_ended_while_queued_never_runs():
   engine = StepEngine()
   engine.release.clear()
