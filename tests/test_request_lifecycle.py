@@ -14,7 +14,6 @@ from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.networking.discovery import NoDiscovery
-from exo.orchestration import membership as membership_module
 from exo.orchestration import requests as registry_module
 from exo.orchestration import statuses
 from exo.orchestration.generation import generate
@@ -355,26 +354,27 @@ async def test_a_newcomers_placement_facts_heard_before_it_is_known_count_once_i
 
 
 class CheckedPeer(PeerStandIn):
-  """A peer whose health checks go as scripted: "ok", "refused" (a quick no: its process is gone) or "timeout"."""
+  """A peer whose health checks go as scripted: "ok", "refused" (a quick no: its process is gone) or "timeout" (a no
+  after the 5 s timeout, on the fake clock `now`)."""
 
-  def __init__(self, peer_id: str, host: str, checks: list):
+  def __init__(self, peer_id: str, host: str, checks: list, now: list):
     super().__init__(peer_id, host)
-    self.checks = checks
+    self.checks, self.now = checks, now
 
   async def health_check(self):
     check = self.checks.pop(0)
     if check == "timeout":
-      await asyncio.sleep(membership_module.ANSWERED_S)
+      self.now[0] += 5.0
     return check == "ok"
 
 
-async def test_a_peer_whose_check_runs_out_once_keeps_its_requests_and_one_that_refuses_loses_them_at_once(monkeypatch):
+async def test_a_peer_whose_check_runs_out_once_keeps_its_requests_and_one_that_refuses_loses_them_at_once():
   """A health check that runs out its timeout may be a live peer busy for a moment: its requests go on, and only
   checks that keep running out end them. A refused check (the peer's process is gone) ends them at the first."""
-  monkeypatch.setattr(membership_module, "ANSWERED_S", 0.05)
-  node = make_node("here")
-  busy = CheckedPeer("busy", "10.0.0.1", ["timeout", "ok", "timeout", "timeout"])
-  gone = CheckedPeer("gone", "10.0.0.2", ["refused"])
+  node, now = make_node("here"), [0.0]
+  node.membership.clock = lambda: now[0]
+  busy = CheckedPeer("busy", "10.0.0.1", ["timeout", "ok", "timeout", "timeout"], now)
+  gone = CheckedPeer("gone", "10.0.0.2", ["refused"], now)
   node.peers, node.peer_hosts = [busy, gone], {"busy": {"10.0.0.1"}, "gone": {"10.0.0.2"}}
   for request_id, peer in (("rb", busy), ("rg", gone)):
     node.receive_status(request_id, json.dumps({"type": "request_params", "request_id": request_id, "params": {}, "origin": peer.id()}), peer.host)

@@ -27,6 +27,7 @@ class Membership:
   def __init__(self, node):
     self.node = node
     self.slow_checks: Dict[str, int] = {}  # per peer: its failed checks in a row that ran out the timeout
+    self.clock = time.monotonic
 
   def peers_changed(self, added: List, removed: List, moved: List) -> None:
     """End the requests that needed a node that left or moved (and, on a derived ring, every request if one joined)."""
@@ -72,7 +73,7 @@ class Membership:
     node = self.node
     needed = {n for request in node.requests for n in request.ring} - {node.id}
     peers = [p for p in node.peers if p.id() in needed or node.placements.is_suspect(p.id())]
-    checks = await asyncio.gather(*[timed_health_check(p) for p in peers])
+    checks = await asyncio.gather(*[timed_health_check(p, self.clock) for p in peers])
     for peer, (ok, seconds) in zip(peers, checks):
       if ok:
         self.slow_checks.pop(peer.id(), None)
@@ -122,11 +123,11 @@ class Membership:
         node.requests.end(request.id, Status.CANCELLED)
 
 
-async def timed_health_check(peer) -> Tuple[bool, float]:
+async def timed_health_check(peer, clock) -> Tuple[bool, float]:
   """(whether the peer answered healthy, seconds the check took)."""
-  started = time.monotonic()
+  started = clock()
   try:
     ok = await peer.health_check() is True
   except Exception:  # noqa: BLE001 (any failure to answer is a failed check)
     ok = False
-  return ok, time.monotonic() - started
+  return ok, clock() - started
