@@ -405,7 +405,9 @@ async def test_a_finished_rows_send_to_the_next_stage_starts_before_the_next_ste
   loop = step_loop(Recording(), batch_size=1)
 
   async def send(request_id):
-    await asyncio.sleep(0)  # the message's encoding, then gRPC has it
+    encoded = asyncio.get_running_loop().create_future()  # the message's encoding: done a loop turn later
+    asyncio.get_running_loop().call_soon(encoded.set_result, None)
+    await encoded
     events.append(f"sent {request_id}")
 
   async def pass_then_send(request_id):
