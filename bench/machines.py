@@ -16,7 +16,10 @@ way), each stage's busy fraction (from the nodes' /metrics), and:
 
 - the ceiling: what p nodes that each take N/p of the streams could reach on these cores, T(N) / T(N/p), T(rows)
   being one whole-model decode step on one node's cores, timed in a process pinned to them (the sizes' steps taken
-  in turn). Replicas and a perfect p-stage pipeline share it. Beside it, the share of the ceiling reached;
+  in turn). Replicas and a perfect p-stage pipeline share it. Beside it, the share of the ceiling reached. That
+  T(N/p) is timed with the other cores idle; the nodes of a cluster compute at once and share the host's memory bus
+  and caches, so the bench also times T(N/p) in p processes stepping at once, one on each node's cores ("busy"), and
+  prints that ceiling and its share too: what is left between the cluster and it is the cluster's own cost;
 - capacity: the most streams whose inter-token latency p50 stays within the single node's at N=16, for the single
   node and for the cluster, among the Ns run and the extra bursts of --capacity-ns (near twice 16, where two nodes
   should land).
@@ -214,9 +217,11 @@ async def unbatched_reference(args, ns: List[int]) -> Dict:
   return reference
 
 
-async def step_times(sizes: List[int], engine: str, context: int, steps: int = 16) -> Dict[int, float]:
+async def step_times(sizes: List[int], engine: str, context: int, steps: int = 16, wait_for_go: bool = False) -> Dict[int, float]:
   """Median seconds of one whole-model decode step at each number of rows, on this process's cores: each size its
-  own requests (prompts of `context` tokens first), the sizes' steps taken in turn so that drift favours none."""
+  own requests (prompts of `context` tokens first), the sizes' steps taken in turn so that drift favours none. With
+  wait_for_go, the steps start when a line arrives on stdin (after "ready" on stdout), so that processes on other
+  cores time theirs at the same moment."""
   from exo.download.shard_download import HFShardDownloader
   from exo.inference.engines import get_inference_engine
   from exo.inference.shard import Shard
@@ -229,6 +234,9 @@ async def step_times(sizes: List[int], engine: str, context: int, steps: int = 1
   rng = np.random.default_rng(0)
   for n in sizes:
     await e.infer_batch(shard, [(rid, rng.integers(100, 1000, (1, context)), None) for rid in ids[n]])
+  if wait_for_go:
+    print("ready", flush=True)
+    sys.stdin.readline()
   times: Dict[int, List[float]] = {n: [] for n in sizes}
   for i in range(steps + 2):
     for n in (sizes if i % 2 else sizes[::-1]):
@@ -239,19 +247,53 @@ async def step_times(sizes: List[int], engine: str, context: int, steps: int = 1
   return {n: statistics.median(t) for n, t in times.items()}
 
 
-def ceiling(args, ns: List[int]) -> Dict[int, float]:
-  """N -> T(N) / T(N / nodes), timed in a child pinned to the first node's cores (see the module's docstring)."""
+def timed_steps(args, sizes: List[int], nodes: List[int]) -> List[Dict[int, float]]:
+  """step_times in one child per node, each pinned to that node's cores, all stepping at once."""
+  children = []
+  for i in nodes:
+    cores = set(range(i * args.cores_per_node, (i + 1) * args.cores_per_node))
+    children.append(subprocess.Popen([sys.executable, __file__, "--step-times", ",".join(map(str, sizes)), "--engine", args.engine,
+                                      "--context", str(args.prompt_tokens + args.tokens // 2), "--wait-for-go"],
+                                     cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores)))
+  for child in children:  # every child has loaded the model and filled its caches before any times a step
+    if not any(line.strip() == "ready" for line in iter(child.stdout.readline, "")):
+      raise SystemExit(f"a step timer stopped before it was ready (exit {child.wait()})")
+  for child in children:
+    child.stdin.write("go\n")
+    child.stdin.flush()
+  results = []
+  for child in children:
+    output, _ = child.communicate()
+    if child.returncode:
+      raise SystemExit(f"the step timer failed (exit {child.returncode})")
+    results.append({int(n): t for n, t in json.loads(output.strip().splitlines()[-1]).items()})
+  return results
+
+
+def ceiling(args, ns: List[int]) -> Dict[str, Dict[int, float]]:
+  """{"idle": N -> T(N) / T(N / nodes), T timed on the first node's cores with the others idle; "busy": the same with
+  T(N / nodes) timed on every node's cores at once (the median over the nodes); "steps_busy": rows -> those steps'
+  seconds; "step_alone": rows -> the first's} (see the module's docstring). The capacity bursts' shares are timed too."""
   ns = [n for n in ns if n >= args.nodes]
   if not ns:
-    return {}
-  sizes = sorted(set(ns) | {-(-n // args.nodes) for n in ns})
-  cores = set(range(args.cores_per_node))
-  output = subprocess.check_output([sys.executable, __file__, "--step-times", ",".join(map(str, sizes)), "--engine", args.engine,
-                                    "--context", str(args.prompt_tokens + args.tokens // 2)],
-                                   cwd=ROOT, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
-  times = {int(n): t for n, t in json.loads(output.strip().splitlines()[-1]).items()}
-  print(f"  one node's decode step on {len(cores)} core(s): " + ", ".join(f"{n} rows {1e3 * t:.0f} ms" for n, t in sorted(times.items())), flush=True)
-  return {n: times[n] / times[-(-n // args.nodes)] for n in ns}
+    return {"idle": {}, "busy": {}, "steps_busy": {}, "step_alone": {}}
+  shares = sorted({-(-n // args.nodes) for n in ns + args.capacity_ns})
+  [alone] = timed_steps(args, sorted(set(ns) | set(shares)), [0])
+  together = timed_steps(args, shares, list(range(args.nodes)))
+  busy = {n: statistics.median(times[n] for times in together) for n in shares}
+  print(f"  one node's decode step on {args.cores_per_node} core(s), the others idle: "
+        + ", ".join(f"{n} rows {1e3 * t:.0f} ms" for n, t in sorted(alone.items()))
+        + f"; with all {args.nodes} nodes' cores stepping at once: " + ", ".join(f"{n} rows {1e3 * t:.0f} ms" for n, t in sorted(busy.items())), flush=True)
+  return {"idle": {n: alone[n] / alone[-(-n // args.nodes)] for n in ns}, "busy": {n: alone[n] / busy[-(-n // args.nodes)] for n in ns},
+          "steps_busy": busy, "step_alone": alone}
+
+
+def host_capacity(args, ns: List[int], cap: Dict[str, Dict[int, float]]) -> int:
+  """Among the bursts run, the most streams N whose share N / nodes, stepped on every node's cores at once, takes no
+  longer than one node's CAPACITY_AT-row step alone: the most a cluster of these cores could hold at that latency."""
+  limit = cap["step_alone"][CAPACITY_AT]
+  return max((n for n in ns + args.capacity_ns if cap["steps_busy"].get(-(-n // args.nodes), float("inf")) <= limit), default=0)
 
 
 def capacity(rows: Dict, limit: float) -> int:
@@ -284,18 +326,19 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], 
     pairs = [run[label] for run in runs]
     print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "
           f"core(s); medians over {len(pairs)} pair(s)")
-    print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} "
+    print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} {'busy: ceiling, of it':>21} "
           f"{'ITL p50 c/s (ms)':>17} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's)")
     for n in ns:
       ratios = [cluster[n]["tok_s"] / single[n]["tok_s"] for cluster, single in pairs]
       ratio = statistics.median(ratios)
       same = all(cluster[n]["texts"] == reference["texts"][:n] for cluster, _ in pairs)
-      cap = statistics.median(c[n] for c in caps) if caps and n in caps[0] else None
+      cap, cap_busy = (statistics.median(c[kind][n] for c in caps) if caps and n in caps[0][kind] else None for kind in ("idle", "busy"))
       share = f"{100 * ratio / cap:10.0f}%" if cap else f"{'-':>11}"
+      share_busy = f"{cap_busy:6.2f}x {100 * ratio / cap_busy:4.0f}%" if cap_busy else f"{'-':>12}"
       itl = f"{1e3 * statistics.median(c[n]['itl_p50'] for c, _ in pairs):.0f}/{1e3 * statistics.median(s[n]['itl_p50'] for _, s in pairs):.0f}"
       busy = ", ".join(f"{node}:{'/'.join(layers)}: {100 * statistics.median(fractions):.0f}%" for node, (layers, fractions) in stage_busy(pairs, n).items())
       print(f"{n:>4} {statistics.median(c[n]['tok_s'] for c, _ in pairs):>14.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
-            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {itl:>17} {'yes' if same else 'NO':>5}  {busy}")
+            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {share_busy:>21} {itl:>17} {'yes' if same else 'NO':>5}  {busy}")
     if CAPACITY_AT in ns:
       cluster_capacity, single_capacity = [], []
       for cluster, single in pairs:
@@ -305,6 +348,10 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], 
       c, s = statistics.median(cluster_capacity), statistics.median(single_capacity)
       print(f"  capacity (ITL p50 within the single node's at N={CAPACITY_AT}): single {s:g} streams, cluster {c:g} streams "
             f"({c / s if s else float('nan'):.2f}x; each pair {', '.join(f'{a}/{b}' for a, b in zip(cluster_capacity, single_capacity))})")
+      if caps and CAPACITY_AT in caps[0]["step_alone"]:
+        bounds = [host_capacity(args, ns, cap) for cap in caps]
+        print(f"  host bound on capacity: the most streams whose share, stepped on every node's cores at once, takes no longer than one node's "
+              f"{CAPACITY_AT}-row step alone: {statistics.median(bounds):g} streams (each pair {', '.join(map(str, bounds))})")
     conv = [(cluster.get("conversations"), single.get("conversations")) for cluster, single in pairs]
     if all(a and b for a, b in conv):
       shares = [a["prefix_share"] for a, _ in conv if a["prefix_share"] is not None]
@@ -316,7 +363,8 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], 
             f"answers as one unbatched node's: {'yes' if all(a['answers'] == reference.get('answers') for a, _ in conv) else 'NO'}")
   print(f"\n  single node (batched): greedy outputs as one unbatched node's: {'yes' if all(same_as(reference, single, ns) for run in runs for _, single in run.values()) else 'NO'}")
   if caps:
-    print(f"\n  ceiling: {args.nodes} nodes each taking N/{args.nodes} of the streams on these cores, T(N) / T(N/{args.nodes}), median over pairs")
+    print(f"\n  ceiling: {args.nodes} nodes each taking N/{args.nodes} of the streams on these cores, T(N) / T(N/{args.nodes}), median over pairs;"
+          f" busy: T(N/{args.nodes}) timed on every node's cores at once")
 
 
 async def main() -> None:
@@ -343,9 +391,10 @@ async def main() -> None:
   p.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip timing the ceiling")
   p.add_argument("--step-times", default=None, help=argparse.SUPPRESS)  # the ceiling's child: the rows per step to time
   p.add_argument("--context", type=int, default=96, help=argparse.SUPPRESS)
+  p.add_argument("--wait-for-go", action="store_true", help=argparse.SUPPRESS)  # the ceiling's child: start the steps on a line from stdin
   args = p.parse_args()
   if args.step_times:
-    print(json.dumps(await step_times([int(n) for n in args.step_times.split(",")], args.engine, args.context)))
+    print(json.dumps(await step_times([int(n) for n in args.step_times.split(",")], args.engine, args.context, wait_for_go=args.wait_for_go)))
     return
   ns = [int(n) for n in args.ns.split(",") if n]
   args.capacity_ns = [int(n) for n in args.capacity_ns.split(",") if n]
