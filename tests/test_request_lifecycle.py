@@ -379,9 +379,11 @@ async def test_a_peer_whose_check_runs_out_once_keeps_its_requests_and_one_that_
   for request_id, peer in (("rb", busy), ("rg", gone)):
     node.receive_status(request_id, json.dumps({"type": "request_params", "request_id": request_id, "params": {}, "origin": peer.id()}), peer.host)
     node.requests.get(request_id).ring = (peer.id(), "here")
+  heard = {request_id: node.watch(request_id) for request_id in ("rb", "rg")}
 
   await node.membership.check_peers()
   await eventually(lambda: node.requests.ended("rg") is Status.FAILED, 5)
+  assert (await heard["rg"].get()).error == "node gone at 10.0.0.2:5678 stopped answering during the request (its health check failed)"
   assert node.requests.is_live("rb") and node.placements.is_suspect("busy")  # no new work for it meanwhile
   await node.membership.check_peers()  # it answers: trusted again
   assert node.requests.is_live("rb") and not node.placements.is_suspect("busy")
@@ -389,3 +391,4 @@ async def test_a_peer_whose_check_runs_out_once_keeps_its_requests_and_one_that_
   assert node.requests.is_live("rb")
   await node.membership.check_peers()  # the second in a row that runs out
   await eventually(lambda: node.requests.ended("rb") is Status.FAILED, 5)
+  assert (await heard["rb"].get()).error.endswith("stopped answering during the request (2 health checks in a row went unanswered)")

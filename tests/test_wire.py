@@ -199,6 +199,36 @@ def test_channel_options_match_upstream():
   assert server["grpc.http2.max_concurrent_streams"] == 0 and server["grpc.max_receive_message_length"] == 268435456
 
 
+async def test_a_health_check_whose_stream_is_refused_counts_as_answered_and_a_failure_says_why(monkeypatch):
+  """A loaded peer may refuse the check's stream (RST_STREAM code 7): its server is up, so the check passes, whether a
+  resend gets through or not. Any other error fails it, and the handle keeps the reason for the error message."""
+  monkeypatch.setattr(grpc_peer_handle, "REFUSED_RETRY_WAITS_S", (0, 0, None))
+  refused = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 details="Stream removed (RST_STREAM (Received RST_STREAM with error code 7))")
+  gone = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Connection refused")
+  peer = GRPCPeerHandle("p", "127.0.0.1:1", "MAN", None)
+  peer._open_channel = lambda: None  # the stub below stands in for the channel (the refusal cannot be provoked on demand)
+  answers = []
+
+  class Stub:
+    async def HealthCheck(self, request, **options):
+      answer = answers.pop(0)
+      if isinstance(answer, Exception):
+        raise answer
+      return pb.HealthCheckResponse(is_healthy=answer)
+  peer.stub = Stub()
+  answers[:] = [refused, True]
+  assert await peer.health_check() and peer.health_failure is None and not answers
+  answers[:] = [refused, refused, refused]
+  assert await peer.health_check() and not answers
+  answers[:] = [gone]
+  assert not await peer.health_check() and peer.health_failure == "UNAVAILABLE: Connection refused"
+  answers[:] = [False]
+  assert not await peer.health_check() and peer.health_failure == "it said it is unhealthy"
+  answers[:] = [True]
+  assert await peer.health_check() and peer.health_failure is None
+
+
 async def test_a_refused_stream_is_sent_again_and_other_errors_are_not(monkeypatch):
   """A peer over its per-connection stream limit refuses the stream (RST_STREAM code 7) without processing it; the
   call goes again. Anything else (here: a deadline) is the caller's to handle, sent once."""

@@ -84,9 +84,12 @@ class Membership:
       node.placements.suspect(peer.id())
       if not self.is_dead(peer.id(), seconds):
         continue
+      how = "its health check failed" if seconds < ANSWERED_S else f"{SLOW_CHECKS_BEFORE_DEAD} health checks in a row went unanswered"
+      why = getattr(peer, "health_failure", None)  # the gRPC handle's reason, where the handle keeps one
+      message = f"node {peer.id()} at {peer.addr()} stopped answering during the request ({how}{f': {why}' if why else ''})"
       for request in node.requests:
         if peer.id() in request.ring:
-          node.spawn(node.fail_request(request.id, f"node {peer.id()} at {peer.addr()} stopped answering during the request"))
+          node.spawn(node.fail_request(request.id, message))
 
   def is_dead(self, peer_id: str, seconds: float) -> bool:
     """After a failed health check that took `seconds`: whether the peer counts as dead (it answered, or has let

@@ -53,6 +53,11 @@ GZIP = grpc.Compression.Gzip
 TRAVELLING_STATE = ("prefix", "route", "params", "rows")  # the inference state's keys that go on the wire (JSON)
 
 
+def refused_stream(error: grpc.aio.AioRpcError) -> bool:
+  """Whether the peer refused the call's HTTP/2 stream (RST_STREAM REFUSED_STREAM, code 7) without processing it."""
+  return error.code() == grpc.StatusCode.UNAVAILABLE and "error code 7" in (error.details() or "")
+
+
 class GRPCPeerHandle(PeerHandle):
   def __init__(self, _id: str, address: str, desc: str, device_capabilities: DeviceCapabilities):
     self._id = _id
@@ -61,6 +66,7 @@ class GRPCPeerHandle(PeerHandle):
     self._device_capabilities = device_capabilities
     self.channel: Optional[grpc.aio.Channel] = None
     self.stub: Optional[pb_grpc.NodeServiceStub] = None
+    self.health_failure: Optional[str] = None  # why the last health check failed
 
   def id(self) -> str:
     return self._id
@@ -113,21 +119,23 @@ class GRPCPeerHandle(PeerHandle):
       state = self.channel.get_state()
 
   async def health_check(self) -> bool:
-    # One fail-fast call (no wait for READY): a dead peer answers "unhealthy" at once, not after a connect timeout.
+    """One fail-fast call (no wait for READY): a dead peer answers "unhealthy" at once, not after a connect timeout.
+    A peer that refuses the check's stream (over its connection's stream limit, under load) answered: its server is
+    up, so once the resends are refused too it still counts as healthy. `health_failure` says why the last check
+    failed (None after one that passed)."""
     self._open_channel()
     try:
-      response = await self.stub.HealthCheck(pb.HealthCheckRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, compression=GZIP)
-      return response.is_healthy
+      response = await self.unless_refused(self.stub.HealthCheck, pb.HealthCheckRequest(), timeout=HEALTH_CHECK_TIMEOUT_S, compression=GZIP)
+      self.health_failure = None if response.is_healthy else "it said it is unhealthy"
     except grpc.aio.AioRpcError as e:
-      if DEBUG >= 4:
-        print(f"Health check of {self._id}@{self.address} failed: {e.code()} {e.details()}")
-      return False
+      self.health_failure = None if refused_stream(e) else f"{e.code().name}: {e.details()}"
     except asyncio.CancelledError:
       raise
     except Exception as e:
-      if DEBUG >= 1:
-        print(f"Health check of {self._id}@{self.address} failed: {e!r}")
-      return False
+      self.health_failure = repr(e)
+    if self.health_failure and DEBUG >= 1:
+      print(f"Health check of {self._id}@{self.address} failed: {self.health_failure}")
+    return self.health_failure is None
 
   # --- ring traffic ---
 
@@ -149,7 +157,7 @@ class GRPCPeerHandle(PeerHandle):
       try:
         return await call(request, **options)
       except grpc.aio.AioRpcError as e:
-        if e.code() != grpc.StatusCode.UNAVAILABLE or "error code 7" not in (e.details() or "") or wait is None:
+        if not refused_stream(e) or wait is None:
           raise
       await asyncio.sleep(wait)
 
