@@ -51,6 +51,11 @@ from bench import MODEL, ROOT, WORDS, Cluster, burst, free_port, make_prompts, s
 CAPACITY_AT = 16  # the single node's ITL p50 at this many streams is the latency capacity keeps within
 
 
+def node_cores(args, i: int) -> set:
+  """The cores node i is pinned to."""
+  return set(range(i * args.cores_per_node, (i + 1) * args.cores_per_node))
+
+
 class Machines(Cluster):
   """Nodes pinned to cores of their own; with a delay, each node reached through a relay of its own."""
 
@@ -59,8 +64,7 @@ class Machines(Cluster):
     self.relays: List[subprocess.Popen] = []
 
   def cores(self, i: int) -> set:
-    per = self.args.cores_per_node
-    return set(range(i * per, (i + 1) * per))
+    return node_cores(self.args, i)
 
   def pin(self, i: int):
     cores = self.cores(i)
@@ -251,7 +255,7 @@ def timed_steps(args, sizes: List[int], nodes: List[int]) -> List[Dict[int, floa
   """step_times in one child per node, each pinned to that node's cores, all stepping at once."""
   children = []
   for i in nodes:
-    cores = set(range(i * args.cores_per_node, (i + 1) * args.cores_per_node))
+    cores = node_cores(args, i)
     children.append(subprocess.Popen([sys.executable, __file__, "--step-times", ",".join(map(str, sizes)), "--engine", args.engine,
                                       "--context", str(args.prompt_tokens + args.tokens // 2), "--wait-for-go"],
                                      cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -320,7 +324,7 @@ def same_as(reference: Dict, rows: Dict, ns: List[int]) -> bool:
   return bursts and ("conversations" not in rows or rows["conversations"]["answers"] == reference.get("answers"))
 
 
-def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[int, float]], reference: Dict) -> None:
+def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[str, Dict[int, float]]], reference: Dict) -> None:
   """The tables, medians over pairs: each cluster configuration against the single node of the same pair."""
   for label in runs[0]:
     pairs = [run[label] for run in runs]
