@@ -128,6 +128,7 @@ async def test_two_replicas_serve_one_burst_each_request_on_its_route(tmp_path, 
     await a.inference_engine.ensure_shard(smollm2_shard())  # the model in use: b loads its copy as soon as it hears
     await eventually(lambda: groups_ready(a, 2), 60)
     assert b.inference_engine.shard == smollm2_shard()  # a whole copy each, loaded before any request came to it
+    assert a.placements.heard_all_peers() and b.placements.heard_all_peers()  # what `exo run --wait-for-peers` waits for
     sampled_on_b, rows_per_status, groups = set(), [], set()
     b.on_token.register("test").on_next(lambda request_id, tokens, finished: sampled_on_b.add(request_id))
     a.inbox.on_peer(statuses.TOKENS, lambda request_id, status, host: rows_per_status.append(len(status["rows"])))
@@ -193,6 +194,7 @@ async def test_a_ring_with_a_node_that_never_announces_runs_as_one_pipeline_over
     states = record_inference_states(b)
     await eventually(lambda: not a.placements.active, 10)
     assert a.placement_view()["undeclared"] == ["mix-b"]
+    assert a.placements.heard_all_peers()  # an upstream node, taken for one after the grace, is not waited for
     assert await asyncio.gather(*[answer(a, p) for p in PROMPTS[:3]]) == references[:3]
     # The layers every node derives from its own view, split by memory; nothing of routes on the wire.
     assert {a.inference_engine.shard, b.inference_engine.shard} == {a.get_current_shard(BASE), b.get_current_shard(BASE)}

@@ -74,6 +74,12 @@ class Placements:
     now = time.monotonic()
     return [p.id() for p in self.node.peers if p.id() not in self.peer_facts and now - self.joined_at.get(p.id(), now) >= self.grace_s]
 
+  def heard_all_peers(self) -> bool:
+    """Every connected peer has announced its facts, or has been taken for an upstream node: the placement this node
+    derives now counts every node of the ring (true at once for a node that does not follow routes)."""
+    undeclared = set(self.undeclared())
+    return self.mode is None or all(p.id() in self.peer_facts or p.id() in undeclared for p in self.node.peers)
+
   @property
   def active(self) -> bool:
     """Whether requests are routed: this node follows routes and every peer does."""

@@ -31,9 +31,10 @@ async def views_agree(node) -> bool:
 
 
 async def wait_for_agreement(node, timeout: float, interval: float = 0.25) -> bool:
-  """Re-collect the topology until the peers agree on the ring; False after `timeout` seconds."""
+  """Re-collect the topology until the peers agree on the ring and this node has heard every peer's placement facts
+  (a request planned before that would be placed on this node alone); False after `timeout` seconds."""
   deadline = time.monotonic() + timeout
-  while not (peers_agree(node.topology, node.id) and await views_agree(node)):
+  while not (peers_agree(node.topology, node.id) and await views_agree(node) and node.placements.heard_all_peers()):
     if time.monotonic() > deadline:
       if DEBUG >= 1:
         print(f"Peers still disagree on the ring after {timeout} s: {node.topology}")
