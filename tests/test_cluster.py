@@ -317,9 +317,7 @@ async def test_killed_node_ends_the_request_with_an_error_and_a_restart_reforms_
 
   # node-a must notice the departure first; a restart inside that window would look like a brief flap instead.
   await wait_for_ring({"node-a": smol_pair.ports["node-a"]}, 30)
-  smol_pair.nodes["node-b"].start()
-  await smol_pair.wait_api("node-b")
-  await wait_for_ring(smol_pair.ports, 30, smol_pair.nodes.values())
+  await smol_pair.start(["node-b"])  # the ring re-formed and node-a places requests over both nodes again
   reply = await chat(smol_pair.url("node-a"), "smollm2-135m", QUESTION)
   assert reply["choices"][0]["message"]["content"] == smol_pair.reference_text, (reply, smol_pair.nodes["node-a"].log()[-4000:])
   assert tokens_of(smol_pair.nodes["node-a"].log(), reply["id"].removeprefix("chatcmpl-")) == smol_pair.reference_tokens

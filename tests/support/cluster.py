@@ -1,5 +1,6 @@
 """Helpers for tests that start real `exo` processes on loopback: free ports, manual-discovery configs, per-node
-EXO_HOME, and readiness by polling (logs, gRPC health and topology) with `eventually`, never by fixed sleeps."""
+EXO_HOME, and readiness by polling (logs, gRPC health, topology and the agreed placement) with `eventually`, never by
+fixed sleeps."""
 import asyncio
 import json
 import os
@@ -157,6 +158,40 @@ async def wait_for_ring(ports: Dict[str, int], timeout: float, processes: Iterab
   return await eventually(formed, timeout, seen, interval=0.25)
 
 
+async def placement_views(urls: Dict[str, str]) -> Dict[str, Optional[dict]]:
+  """Each node's placement as its /v1/topology shows it (None where the API did not answer)."""
+  async with aiohttp.ClientSession() as session:
+    async def view(url: str) -> Optional[dict]:
+      try:
+        async with session.get(f"{url}/v1/topology", timeout=aiohttp.ClientTimeout(total=5)) as response:
+          return (await response.json())["placement"]
+      except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    return dict(zip(urls, await asyncio.gather(*[view(url) for url in urls.values()])))
+
+
+def placement_agreed(views: Dict[str, Optional[dict]]) -> bool:
+  """Every node routes (it heard every peer's facts), counts exactly these nodes as members, and derives its placement
+  from the same facts as the others (one version): a request sent now is placed over all of them."""
+  members = set(views)
+  return (all(v is not None and v["active"] and set(v["members"]) == members for v in views.values())
+          and len({v["version"] for v in views.values()}) == 1)
+
+
+async def wait_for_placement(urls: Dict[str, str], timeout: float, processes: Iterable[ExoProcess] = ()) -> Dict[str, dict]:
+  """Until every node's placement counts every node in `urls`. A node answers its API (and forms the ring) before it
+  has heard the others' placement facts; until then it places a request over itself alone."""
+  views: Dict[str, Optional[dict]] = {}
+
+  async def agreed():
+    for p in processes:
+      p.check_running("the placement agreed")
+    views.update(await placement_views(urls))
+    return views if placement_agreed(views) else None
+  seen = lambda: f"placement over {sorted(urls)} agreed; seen {[(k, v and (v['version'], sorted(v['members']))) for k, v in views.items()]}"
+  return await eventually(agreed, timeout, seen, interval=0.25)
+
+
 def node_args(port: int, api_port: int, config, engine: str) -> list:
   return ["--inference-engine", engine, "--node-host", "127.0.0.1", "--node-port", str(port), "--chatgpt-api-port", str(api_port),
           "--discovery-module", "manual", "--discovery-config-path", str(config), "--disable-tui"]
@@ -187,13 +222,17 @@ class Cluster:
       await eventually(healthy, timeout, f"{node_id}'s API up", interval=0.2)
 
   async def start(self, ids=None, ring_timeout: float = 60) -> None:
+    """Start these nodes (default: all) and return once every running node sees the same ring and places requests
+    over all of them."""
     ids = list(ids or self.nodes)
     for node_id in ids:
       self.nodes[node_id].start()
     for node_id in ids:
       await self.wait_api(node_id)
     running = [i for i, node in self.nodes.items() if node.running()]
-    await wait_for_ring({i: self.ports[i] for i in running}, ring_timeout, [self.nodes[i] for i in running])
+    processes = [self.nodes[i] for i in running]
+    await wait_for_ring({i: self.ports[i] for i in running}, ring_timeout, processes)
+    await wait_for_placement({i: self.url(i) for i in running}, ring_timeout, processes)
 
   def stop(self) -> None:
     for node in self.nodes.values():
