@@ -17,6 +17,7 @@ install_requires = [
   "uvloop>=0.19,<1; sys_platform!='win32'",
   "llguidance>=1.0,<2",  # constrained decoding: response_format and tool calls (exo/inference/grammar.py)
   "jsonschema>=4.18,<5",  # checks the schemas requests send before they are admitted
+  "numba>=0.68,<1",  # the numpy engine's kernels over quantized weights (exo/inference/numpy/qkernels.py); 0.68 runs beside numpy 2.4
 ]
 
 extras_require = {

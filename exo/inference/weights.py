@@ -2,7 +2,8 @@
 
 Every engine reads its weights through `load_shard_weights`, so they all see the same tensors under the same
 (Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout. MLX
-quantized checkpoints are dequantised, or kept packed (exo/inference/quantized.py) for an engine that runs them."""
+quantized checkpoints and GGUF's Q4_0, Q4_1 and Q8_0 tensors are dequantised, or kept packed
+(exo/inference/quantized.py) for an engine that runs them; GGUF's other types are always dequantised."""
 import json
 import re
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from exo.inference.quantized import QuantizedWeight, group_quantized
+from exo.inference.quantized import GGUF_AFFINE_TYPES, QuantizedWeight, from_gguf_blocks, group_quantized, take_rows
 from exo.inference.shard import Shard
 
 
@@ -65,8 +66,11 @@ def _hf_name(gguf_name: str) -> Optional[str]:
   return None
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-  """llama.cpp stores Q/K with RoPE pairs interleaved; undo that to Hugging Face's rotate-half layout."""
+def _unpermute_rope(w: Union[np.ndarray, QuantizedWeight], n_heads: int) -> Union[np.ndarray, QuantizedWeight]:
+  """llama.cpp stores Q/K with RoPE pairs interleaved; undo that to Hugging Face's rotate-half layout. Whole rows
+  move, so a quantized matrix's rows move with their scales."""
+  if isinstance(w, QuantizedWeight):
+    return take_rows(w, _unpermute_rope(np.arange(w.shape[0])[:, None], n_heads)[:, 0])
   out_features = w.shape[0]
   return w.reshape(n_heads, out_features // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
@@ -114,7 +118,7 @@ def gguf_reader(path: Union[str, Path]):
   return FastGGUFReader(str(path))
 
 
-def load_gguf(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+def load_gguf(path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   import gguf
   reader = gguf_reader(str(path))
   config = gguf_config(reader)
@@ -128,12 +132,15 @@ def load_gguf(path: Union[str, Path], shard: Shard) -> Tuple[LlamaConfig, Dict[s
     if name is None or not _wanted(name, shard, config.tie_word_embeddings):
       continue
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+    if keep_quantized and tensor.tensor_type.name in GGUF_AFFINE_TYPES and len(shape) == 2:
+      w = from_gguf_blocks(tensor.data, tensor.tensor_type.name, shape[0])
+    else:
+      w = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape))
     if name.endswith("q_proj.weight"):
       w = _unpermute_rope(w, config.n_heads)
     elif name.endswith("k_proj.weight"):
       w = _unpermute_rope(w, config.n_kv_heads)
-    weights[name] = np.ascontiguousarray(w)
+    weights[name] = w
   return config, weights
 
 
@@ -203,10 +210,10 @@ def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
 
 def load_shard_weights(model_path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   """The shard's own layers (plus embeddings on the first shard, final norm and head on the last). With
-  keep_quantized, an MLX quantized matrix comes as a QuantizedWeight instead of float32."""
+  keep_quantized, a quantized matrix (MLX, or GGUF Q4_0/Q4_1/Q8_0) comes as a QuantizedWeight instead of float32."""
   model_path = Path(model_path)
   if model_path.suffix == ".gguf":
-    return load_gguf(model_path, shard)
+    return load_gguf(model_path, shard, keep_quantized)
   if model_path.is_dir() and (model_path / "config.json").exists():
     return load_hf_dir(model_path, shard, keep_quantized)
   raise ValueError(f"{model_path}: neither a .gguf file nor a directory with config.json")

@@ -121,3 +121,42 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     np.matmul(x, w[:, a:b], out=out[:, a:b])
   split_columns(part, w.shape[1], 64, x.shape[0])
   return out
+
+
+# --- weights: float32 (in, out) arrays, or quantized (packed.py); every weight product of the model goes through here
+
+def weight_matrix(w, order: Optional[np.ndarray] = None):
+  """A loaded (out, in) weight as the engine computes with it, its outputs in `order` if given: float32 as an (in,
+  out) array; a QuantizedWeight the kernels run kept packed (rows = outputs), any other dequantised; parts quantized
+  differently (a tuple) dequantised and joined."""
+  from exo.inference.quantized import QuantizedWeight
+  if isinstance(w, tuple):
+    w = np.concatenate([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in w])
+  if isinstance(w, QuantizedWeight):
+    from exo.inference.numpy.packed import PackedMatrix
+    if not PackedMatrix.supports(w):
+      w = w.dequantize()
+    else:
+      packed = PackedMatrix.from_quantized(w)
+      return packed if order is None else packed.take_rows(order)
+  if order is not None:
+    w = w[order]
+  return np.ascontiguousarray(w.T)
+
+
+def product(x: np.ndarray, w, a: int, b: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+  """x (rows, in) @ the weight's output columns a..b: (rows, b - a), written into `out` if given."""
+  if isinstance(w, np.ndarray):
+    return np.matmul(x, w[:, a:b], out=out)
+  result = w.product(x, a, b)
+  if out is None:
+    return result
+  out[...] = result
+  return out
+
+
+def weight_rows(w, ids: np.ndarray) -> np.ndarray:
+  """Output rows `ids` of a weight as float32 (len(ids), in): a tied head's embedding lookups."""
+  if isinstance(w, np.ndarray):
+    return w[:, ids].T.copy()
+  return w.rows(ids)

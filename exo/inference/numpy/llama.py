@@ -15,7 +15,7 @@ import numpy as np
 from exo.inference.llama_layout import in_caller_order, layer_weights, rope_inv_freq, shard_ends, step_input
 from exo.inference.numpy.attention import Step
 from exo.inference.numpy.cache import KVCache, KVPool
-from exo.inference.numpy.kernels import split_columns, split_over_cores
+from exo.inference.numpy.kernels import product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig
 
@@ -37,11 +37,10 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def interleaved_pairs(gate_up: np.ndarray) -> np.ndarray:
-  """Fused (2 * inter, hidden) gate/up rows as (hidden, 2 * inter) columns: PAIR gate columns, then the PAIR up
-  columns of the same units, and so on."""
-  hidden = gate_up.shape[1]
-  return gate_up.reshape(2, -1, PAIR, hidden).transpose(3, 1, 0, 2).reshape(hidden, -1)
+def interleaved_pairs(outputs: int) -> np.ndarray:
+  """The order of fused gate/up's 2 * inter outputs as the engine computes them: PAIR gate outputs, then the PAIR up
+  outputs of the same units, and so on."""
+  return np.arange(outputs).reshape(2, -1, PAIR).transpose(1, 0, 2).reshape(-1)
 
 
 class Llama:
@@ -50,15 +49,15 @@ class Llama:
     c = config
     if c.intermediate_size % PAIR:
       raise ValueError(f"intermediate size {c.intermediate_size} is not a multiple of {PAIR}")
-    # Matrices as (in, out): a product's columns are what the cores share.
-    self.layers = [{"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "qkv": np.ascontiguousarray(layer.qkv.T),
-                    "o": np.ascontiguousarray(layer.o.T), "gate_up": interleaved_pairs(layer.gate_up),
-                    "down": np.ascontiguousarray(layer.down.T)}
+    # A product's output columns are what the cores share (kernels.weight_matrix: float (in, out), or kept quantized).
+    self.layers = [{"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "qkv": weight_matrix(layer.qkv),
+                    "o": weight_matrix(layer.o), "gate_up": weight_matrix(layer.gate_up, interleaved_pairs(2 * c.intermediate_size)),
+                    "down": weight_matrix(layer.down)}
                    for layer in layer_weights(weights, shard)]
     ends = shard_ends(weights, shard)
     self.norm = ends.norm
-    self.head = None if ends.head is None else np.ascontiguousarray(ends.head.T)  # (hidden, vocab)
-    self.embed = None if ends.shared else ends.embed  # shared: tokens are looked up in the head's columns
+    self.head = None if ends.head is None else weight_matrix(ends.head)
+    self.embed = None if ends.shared or ends.embed is None else weight_matrix(ends.embed)  # shared: tokens are looked up in the head
     self.inv_freq = rope_inv_freq(config)
     self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings)
 
@@ -66,7 +65,7 @@ class Llama:
     return KVCache(self.pool)
 
   def _embed(self, ids: np.ndarray) -> np.ndarray:
-    return self.embed[ids] if self.embed is not None else self.head[:, ids].T.copy()
+    return weight_rows(self.embed if self.embed is not None else self.head, ids)
 
   def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
@@ -94,7 +93,7 @@ class Llama:
       logits = np.empty((len(inputs), c.vocab_size), dtype=np.float32)
 
       def head(a: int, b: int) -> None:
-        np.matmul(last, self.head[:, a:b], out=logits[:, a:b])
+        product(last, self.head, a, b, out=logits[:, a:b])
       split_columns(head, c.vocab_size, 256, step.rows)
       outputs = [logits[i:i + 1] for i in range(len(inputs))]
     return in_caller_order(order, outputs)
@@ -112,7 +111,7 @@ class Llama:
 
     for li, layer in enumerate(self.layers):
       def qkv(a: int, b: int) -> None:  # whole heads: queries, then keys, then values
-        out = (x @ layer["qkv"][:, a:b]).reshape(rows, -1, hd)
+        out = product(x, layer["qkv"], a, b).reshape(rows, -1, hd)
         ha, hb = a // hd, b // hd
         for head0, head1, kind in ((0, n_heads, "q"), (n_heads, n_heads + n_kv, "k"), (n_heads + n_kv, n_heads + 2 * n_kv, "v")):
           lo, hi = max(ha, head0), min(hb, head1)
@@ -132,10 +131,10 @@ class Llama:
             job.attend(li, q, attn, n_kv)
 
       def o_proj(a: int, b: int) -> None:
-        h[:, a:b] += attn @ layer["o"][:, a:b]
+        h[:, a:b] += product(attn, layer["o"], a, b)
 
       def gate_up(a: int, b: int) -> None:
-        pairs = (x @ layer["gate_up"][:, a:b]).reshape(rows, -1, 2, PAIR)
+        pairs = product(x, layer["gate_up"], a, b).reshape(rows, -1, 2, PAIR)
         gate, up = pairs[:, :, 0], pairs[:, :, 1]
         out = act[:, a // 2:b // 2].reshape(rows, -1, PAIR)
         np.negative(gate, out=out)  # silu(gate) * up, in place: these are the layer's largest elementwise arrays
@@ -145,7 +144,7 @@ class Llama:
         out *= up
 
       def down(a: int, b: int) -> None:
-        h[:, a:b] += act @ layer["down"][:, a:b]
+        h[:, a:b] += product(act, layer["down"], a, b)
 
       x = rms_norm(h, layer["attn_norm"], c.rms_norm_eps)
       split_columns(qkv, (n_heads + 2 * n_kv) * hd, hd, rows)

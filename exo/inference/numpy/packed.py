@@ -1,0 +1,89 @@
+"""A quantized weight as the numpy engine keeps it: packed codes, 16-bit scales and biases, products by qkernels.py.
+
+Rows are the matrix's outputs, as checkpoints store them; a product's output columns a..b are rows a..b here, so the
+engine's column slices (kernels.py) are slices of rows. Up to DIRECT_ROWS input rows a product reads the codes
+directly (a decode step, bound by reading the weights); above, it turns TILE weight rows at a time into float32 and
+lets BLAS multiply them (prefill, big batches: bound by arithmetic, where BLAS is several times faster than the
+direct kernel and the dequantising is paid once for all rows)."""
+from typing import Optional
+
+import numpy as np
+
+from exo.inference.numpy import qkernels
+from exo.inference.quantized import QuantizedWeight
+
+DIRECT_ROWS = 4
+TILE = 128
+
+
+def _half_bits(values: np.ndarray) -> tuple:
+  """16-bit floats as (bits, table name): float16 as they are; float32 values read from bfloat16 (MLX checkpoints)
+  exactly as bfloat16; other float32 values rounded to float16."""
+  if values.dtype == np.float16:
+    return values.view(np.uint16), "float16"
+  values = np.ascontiguousarray(values, dtype=np.float32)
+  as_bits = values.view(np.uint32)
+  if not (as_bits & 0xFFFF).any():
+    return (as_bits >> 16).astype(np.uint16), "bfloat16"
+  return values.astype(np.float16).view(np.uint16), "float16"
+
+
+class PackedMatrix:
+  """An (out, in) matrix of 4- or 8-bit codes in groups along its inputs, each group with a scale and a bias."""
+
+  def __init__(self, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, table: str, bits: int):
+    self.codes, self.scales, self.biases, self.table_name, self.bits = codes, scales, biases, table, bits
+    self.table = qkernels.TABLES[table]
+    self._product = qkernels.product_rows_4 if bits == 4 else qkernels.product_rows_8
+    self._rows = qkernels.dequantize_rows_4 if bits == 4 else qkernels.dequantize_rows_8
+
+  @classmethod
+  def supports(cls, w: QuantizedWeight) -> bool:
+    return w.mode == "affine" and w.bits in (4, 8) and (w.shape[1] // w.scales.shape[1]) % 2 == 0
+
+  @classmethod
+  def from_quantized(cls, w: QuantizedWeight) -> "PackedMatrix":
+    scales, table = _half_bits(w.scales)
+    biases, bias_table = _half_bits(w.biases)
+    if bias_table != table:  # one table reads both: keep the pair in float16
+      scales, table = _half_bits(w.scales.astype(np.float32).astype(np.float16))
+      biases, _ = _half_bits(w.biases.astype(np.float32).astype(np.float16))
+    codes = np.ascontiguousarray(w.packed).view(np.uint8)
+    return cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
+
+  @property
+  def shape(self):
+    return self.codes.shape[0], self.codes.shape[1] * 8 // self.bits
+
+  @property
+  def nbytes(self) -> int:
+    return self.codes.nbytes + self.scales.nbytes + self.biases.nbytes
+
+  def take_rows(self, index: np.ndarray) -> "PackedMatrix":
+    pick = lambda a: np.ascontiguousarray(a[index])
+    return PackedMatrix(pick(self.codes), pick(self.scales), pick(self.biases), self.table_name, self.bits)
+
+  def rows(self, ids: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Rows `ids` as float32 (len(ids), in): embedding lookups."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if out is None:
+      out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
+    self._rows(self.codes, self.scales, self.biases, self.table, ids, out)
+    return out
+
+  def product(self, x: np.ndarray, a: int, b: int) -> np.ndarray:
+    """x (rows, in) @ this matrix's rows a..b, transposed: (rows, b - a) float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], b - a), dtype=np.float32)
+    if x.shape[0] <= DIRECT_ROWS:
+      self._product(x, self.codes, self.scales, self.biases, self.table, a, b, out)
+      return out
+    tile = np.empty((min(TILE, b - a), x.shape[1]), dtype=np.float32)
+    for lo in range(a, b, TILE):
+      hi = min(b, lo + TILE)
+      w = self.rows(np.arange(lo, hi), tile[:hi - lo])
+      np.matmul(x, w.T, out=out[:, lo - a:hi - a])
+    return out
+
+  def dequantize(self) -> np.ndarray:
+    return self.rows(np.arange(self.shape[0]))

@@ -1,0 +1,130 @@
+"""Compiled kernels over quantized weights (numba): products read the packed codes directly.
+
+A weight here is (out, in) rows of codes, 4 bits (two a byte: code 2k in the low nibble of byte k, code 2k + 1 in the
+high one, MLX's order) or 8 bits (one a byte), with a scale and a bias for each group of inputs: w = scale * code +
+bias. Scales and biases are 16-bit floats kept as their bits (numba has no float16) and read through `table`, the
+65,536 float32 values of float16 or of bfloat16 (256 KiB: it stays in the core's cache).
+
+`product_rows_4`/`_8` are the few-rows path (a decode step): each weight row is read once from memory and used for
+every input row; a group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd
+inputs gathered apart first so that the inner loop runs unit-stride and vectorises. `dequantize_rows_4`/`_8` write
+weight rows as float32: embedding lookups, and tiles for the many-rows path that hands them to BLAS (packed.py).
+
+Every kernel releases the GIL, so the engine's own worker threads (kernels.py) run slices of one product on several
+cores at once; numba's parallel loops are not used, their threads would compete with the engine's. Each is compiled
+for one signature and cached on disk (`cache=True`), so numba's compile time (about a second each) is paid once per
+installation. fastmath lets LLVM reorder the sums so that they vectorise."""
+import numba
+import numpy as np
+
+_JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy", boundscheck=False)
+
+
+def _f16_table() -> np.ndarray:
+  return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _bf16_table() -> np.ndarray:
+  return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+
+
+TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table()}
+
+
+@numba.njit(**_JIT)
+def _group_sums(x, n_groups):
+  rows, n_in = x.shape
+  group = n_in // n_groups
+  sums = np.empty((rows, n_groups), dtype=np.float32)
+  for r in range(rows):
+    xr = x[r]
+    for g in range(n_groups):
+      s = np.float32(0.0)
+      base = g * group
+      for k in range(group):
+        s += xr[base + k]
+      sums[r, g] = s
+  return sums
+
+
+@numba.njit(**_JIT)
+def product_rows_4(x, codes, scales, biases, table, lo, hi, out):
+  """out[:, j - lo] = x @ w[j] for weight rows j in [lo, hi). x: float32 (rows, in)."""
+  rows, n_in = x.shape
+  n_groups = scales.shape[1]
+  half = n_in // 2
+  half_group = half // n_groups
+  even = np.empty((rows, half), dtype=np.float32)
+  odd = np.empty((rows, half), dtype=np.float32)
+  for r in range(rows):
+    for k in range(half):
+      even[r, k] = x[r, 2 * k]
+      odd[r, k] = x[r, 2 * k + 1]
+  sums = _group_sums(x, n_groups)
+  for j in range(lo, hi):
+    row, row_scales, row_biases = codes[j], scales[j], biases[j]
+    for r in range(rows):
+      e = even[r]
+      o = odd[r]
+      acc = np.float32(0.0)
+      for g in range(n_groups):
+        s = np.float32(0.0)
+        base = g * half_group
+        for k in range(half_group):  # from 0: a loop from g * half_group did not vectorise (6x slower)
+          c = np.int32(row[base + k])
+          s += e[base + k] * np.float32(c & 15) + o[base + k] * np.float32(c >> 4)
+        acc += s * table[row_scales[g]] + sums[r, g] * table[row_biases[g]]
+      out[r, j - lo] = acc
+
+
+@numba.njit(**_JIT)
+def product_rows_8(x, codes, scales, biases, table, lo, hi, out):
+  """As product_rows_4, one code a byte."""
+  rows, n_in = x.shape
+  n_groups = scales.shape[1]
+  group = n_in // n_groups
+  sums = _group_sums(x, n_groups)
+  for j in range(lo, hi):
+    row, row_scales, row_biases = codes[j], scales[j], biases[j]
+    for r in range(rows):
+      xr = x[r]
+      acc = np.float32(0.0)
+      for g in range(n_groups):
+        s = np.float32(0.0)
+        base = g * group
+        for k in range(group):
+          s += xr[base + k] * np.float32(row[base + k])
+        acc += s * table[row_scales[g]] + sums[r, g] * table[row_biases[g]]
+      out[r, j - lo] = acc
+
+
+@numba.njit(**_JIT)
+def dequantize_rows_4(codes, scales, biases, table, ids, out):
+  """out[i] = w[ids[i]] as float32; out is (len(ids), in)."""
+  n_groups = scales.shape[1]
+  half_group = out.shape[1] // 2 // n_groups
+  for i in range(ids.shape[0]):
+    j = ids[i]
+    row, dest = codes[j], out[i]
+    for g in range(n_groups):
+      scale, bias = table[scales[j, g]], table[biases[j, g]]
+      base = g * half_group
+      for k in range(base, base + half_group):
+        c = np.int32(row[k])
+        dest[2 * k] = np.float32(c & 15) * scale + bias
+        dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
+
+
+@numba.njit(**_JIT)
+def dequantize_rows_8(codes, scales, biases, table, ids, out):
+  """As dequantize_rows_4, one code a byte."""
+  n_groups = scales.shape[1]
+  group = out.shape[1] // n_groups
+  for i in range(ids.shape[0]):
+    j = ids[i]
+    row, dest = codes[j], out[i]
+    for g in range(n_groups):
+      scale, bias = table[scales[j, g]], table[biases[j, g]]
+      base = g * group
+      for k in range(group):
+        dest[base + k] = np.float32(row[base + k]) * scale + bias
