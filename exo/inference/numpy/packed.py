@@ -17,15 +17,15 @@ TILE = 128
 
 
 def _half_bits(values: np.ndarray) -> tuple:
-  """16-bit floats as (bits, table name): float16 as they are; float32 values read from bfloat16 (MLX checkpoints)
-  exactly as bfloat16; other float32 values rounded to float16."""
+  """Scales or biases as the kernels read them, (array, table name): float16 as their bits; float32 values that are
+  bfloat16 ones (the safetensors reader widens those) as bfloat16 bits; other float32 values as they are."""
   if values.dtype == np.float16:
     return values.view(np.uint16), "float16"
   values = np.ascontiguousarray(values, dtype=np.float32)
   as_bits = values.view(np.uint32)
   if not (as_bits & 0xFFFF).any():
     return (as_bits >> 16).astype(np.uint16), "bfloat16"
-  return values.astype(np.float16).view(np.uint16), "float16"
+  return values, "float32"
 
 
 class PackedMatrix:
@@ -35,7 +35,6 @@ class PackedMatrix:
     self.codes, self.scales, self.biases, self.table_name, self.bits = codes, scales, biases, table, bits
     self.table = qkernels.TABLES[table]
     self._product = qkernels.product_rows_4 if bits == 4 else qkernels.product_rows_8
-    self._rows = qkernels.dequantize_rows_4 if bits == 4 else qkernels.dequantize_rows_8
 
   @classmethod
   def supports(cls, w: QuantizedWeight) -> bool:
@@ -45,9 +44,8 @@ class PackedMatrix:
   def from_quantized(cls, w: QuantizedWeight) -> "PackedMatrix":
     scales, table = _half_bits(w.scales)
     biases, bias_table = _half_bits(w.biases)
-    if bias_table != table:  # one table reads both: keep the pair in float16
-      scales, table = _half_bits(w.scales.astype(np.float32).astype(np.float16))
-      biases, _ = _half_bits(w.biases.astype(np.float32).astype(np.float16))
+    if bias_table != table:  # one table reads both
+      scales, biases, table = w.scales.astype(np.float32), w.biases.astype(np.float32), "float32"
     codes = np.ascontiguousarray(w.packed).view(np.uint8)
     return cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
 
@@ -68,7 +66,7 @@ class PackedMatrix:
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if out is None:
       out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
-    self._rows(self.codes, self.scales, self.biases, self.table, ids, out)
+    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, out)
     return out
 
   def product(self, x: np.ndarray, a: int, b: int) -> np.ndarray:

@@ -3,11 +3,12 @@
 A weight here is (out, in) rows of codes, 4 bits (two a byte: code 2k in the low nibble of byte k, code 2k + 1 in the
 high one, MLX's order) or 8 bits (one a byte), with a scale and a bias for each group of inputs: w = scale * code +
 bias. Scales and biases are 16-bit floats kept as their bits (numba has no float16) and read through `table`, the
-65,536 float32 values of float16 or of bfloat16 (256 KiB: it stays in the core's cache).
+65,536 float32 values of float16 or of bfloat16 (256 KiB: it stays in the core's cache), or float32 as they are
+(a checkpoint quantized from float32 weights: a second compilation, made only when one is loaded).
 
 `product_rows_4`/`_8` are the few-rows path (a decode step): each weight row is read once from memory and used for
 every input row; a group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd
-inputs gathered apart first so that the inner loop runs unit-stride and vectorises. `dequantize_rows_4`/`_8` write
+inputs gathered apart first so that the inner loop runs unit-stride and vectorises. `dequantize_rows` writes
 weight rows as float32: embedding lookups, and tiles for the many-rows path that hands them to BLAS (packed.py).
 
 Every kernel releases the GIL, so the engine's own worker threads (kernels.py) run slices of one product on several
@@ -16,6 +17,8 @@ for one signature and cached on disk (`cache=True`), so numba's compile time (ab
 installation. fastmath lets LLVM reorder the sums so that they vectorise."""
 import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy", boundscheck=False)
 
@@ -28,7 +31,18 @@ def _bf16_table() -> np.ndarray:
   return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
 
 
-TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table()}
+TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table(), "float32": np.zeros(1, dtype=np.float32)}
+
+
+def _value(values, i, table):
+  """values[i] as float32: 16-bit floats' bits read through the table, float32 as they are."""
+
+
+@overload(_value)
+def _value_impl(values, i, table):
+  if values.dtype == types.uint16:
+    return lambda values, i, table: table[values[i]]
+  return lambda values, i, table: values[i]
 
 
 @numba.njit(**_JIT)
@@ -73,7 +87,7 @@ def product_rows_4(x, codes, scales, biases, table, lo, hi, out):
         for k in range(half_group):  # from 0: a loop from g * half_group did not vectorise (6x slower)
           c = np.int32(row[base + k])
           s += e[base + k] * np.float32(c & 15) + o[base + k] * np.float32(c >> 4)
-        acc += s * table[row_scales[g]] + sums[r, g] * table[row_biases[g]]
+        acc += s * _value(row_scales, g, table) + sums[r, g] * _value(row_biases, g, table)
       out[r, j - lo] = acc
 
 
@@ -94,37 +108,27 @@ def product_rows_8(x, codes, scales, biases, table, lo, hi, out):
         base = g * group
         for k in range(group):
           s += xr[base + k] * np.float32(row[base + k])
-        acc += s * table[row_scales[g]] + sums[r, g] * table[row_biases[g]]
+        acc += s * _value(row_scales, g, table) + sums[r, g] * _value(row_biases, g, table)
       out[r, j - lo] = acc
 
 
 @numba.njit(**_JIT)
-def dequantize_rows_4(codes, scales, biases, table, ids, out):
+def dequantize_rows(codes, scales, biases, table, bits, ids, out):
   """out[i] = w[ids[i]] as float32; out is (len(ids), in)."""
-  n_groups = scales.shape[1]
-  half_group = out.shape[1] // 2 // n_groups
-  for i in range(ids.shape[0]):
-    j = ids[i]
-    row, dest = codes[j], out[i]
-    for g in range(n_groups):
-      scale, bias = table[scales[j, g]], table[biases[j, g]]
-      base = g * half_group
-      for k in range(base, base + half_group):
-        c = np.int32(row[k])
-        dest[2 * k] = np.float32(c & 15) * scale + bias
-        dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
-
-
-@numba.njit(**_JIT)
-def dequantize_rows_8(codes, scales, biases, table, ids, out):
-  """As dequantize_rows_4, one code a byte."""
   n_groups = scales.shape[1]
   group = out.shape[1] // n_groups
   for i in range(ids.shape[0]):
     j = ids[i]
     row, dest = codes[j], out[i]
     for g in range(n_groups):
-      scale, bias = table[scales[j, g]], table[biases[j, g]]
-      base = g * group
-      for k in range(group):
-        dest[base + k] = np.float32(row[base + k]) * scale + bias
+      scale, bias = _value(scales[j], g, table), _value(biases[j], g, table)
+      if bits == 4:
+        base = g * group // 2
+        for k in range(base, base + group // 2):
+          c = np.int32(row[k])
+          dest[2 * k] = np.float32(c & 15) * scale + bias
+          dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
+      else:
+        base = g * group
+        for k in range(group):
+          dest[base + k] = np.float32(row[base + k]) * scale + bias

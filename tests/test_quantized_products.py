@@ -1,0 +1,122 @@
+"""Quantized weights kept packed in the numpy engine: GGUF's Q4_0, Q4_1 and Q8_0 blocks read as the gguf package
+dequantises them, and every product and lookup of the compiled kernels equal to the same matrix dequantised to
+float32, for each bit width, group size and scale format, on the few-rows (direct) and many-rows (tiled BLAS) paths."""
+import gguf
+import numpy as np
+import pytest
+from gguf import quants
+
+from exo.inference.numpy import packed
+from exo.inference.numpy.kernels import product, weight_matrix, weight_rows
+from exo.inference.numpy.llama import interleaved_pairs
+from exo.inference.numpy.packed import PackedMatrix
+from exo.inference.quantized import QuantizedWeight, from_gguf_blocks
+from exo.inference.weights import _unpermute_rope
+
+pytestmark = pytest.mark.unit
+
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def gguf_matrix(type_name: str, rows: int = 96, cols: int = 128, seed: int = 0):
+  """A random matrix quantized by the gguf package: its raw blocks and gguf's own dequantisation."""
+  w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+  kind = gguf.GGMLQuantizationType[type_name]
+  raw = quants.quantize(w, kind)
+  return raw, quants.dequantize(raw, kind).reshape(rows, cols)
+
+
+def mlx_matrix(bits: int, group: int, scale_dtype, rows: int = 80, cols: int = 256, seed: int = 1) -> QuantizedWeight:
+  """An MLX-layout affine matrix with random codes; scales and biases exactly representable in `scale_dtype`, given
+  as float32 (as the safetensors reader gives bfloat16 ones) or as float16; or float32 ones (mlx-lm's conversion
+  of a float32 checkpoint)."""
+  rng = np.random.default_rng(seed)
+  codes = rng.integers(0, 2 ** bits, (rows, cols), dtype=np.uint32)
+  packed_words = np.zeros((rows, cols * bits // 32), dtype=np.uint32)
+  per_word = 32 // bits
+  for i in range(per_word):
+    packed_words |= codes[:, i::per_word] << np.uint32(i * bits)
+  groups = cols // group
+  scales = (rng.random((rows, groups)) * 0.02 + 0.001).astype(np.float32)
+  biases = (rng.standard_normal((rows, groups)) * 0.05).astype(np.float32)
+  if scale_dtype == "bfloat16":
+    scales, biases = [(a.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32) for a in (scales, biases)]
+  elif scale_dtype == "float16":
+    scales, biases = scales.astype(np.float16), biases.astype(np.float16)
+  return QuantizedWeight(packed_words, scales, biases, group, bits)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_read_as_affine_groups_dequantise_exactly_as_gguf_does(type_name):
+  raw, reference = gguf_matrix(type_name)
+  w = from_gguf_blocks(raw, type_name, 96)
+  assert (w.group_size, w.bits) == (32, 8 if type_name == "Q8_0" else 4)
+  np.testing.assert_array_equal(w.dequantize(), reference)
+  assert PackedMatrix.supports(w)
+  np.testing.assert_array_equal(PackedMatrix.from_quantized(w).dequantize(), reference)
+  # held at the file's size: codes plus a 16-bit scale and bias a block (Q4_0 and Q8_0 gain the 2-byte bias)
+  assert PackedMatrix.from_quantized(w).nbytes <= raw.nbytes * (1.12 if type_name != "Q4_1" else 1.0)
+
+
+def check_products(matrix: PackedMatrix, reference: np.ndarray) -> None:
+  out_features, n_in = reference.shape
+  rng = np.random.default_rng(2)
+  a, b = 8, out_features - 8  # a slice, as the cores take them
+  for rows in (1, 2, packed.DIRECT_ROWS, packed.DIRECT_ROWS + 1, 37):
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    want = x.astype(np.float64) @ reference[a:b].T.astype(np.float64)
+    got = matrix.product(x, a, b)
+    assert got.shape == (rows, b - a) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+  ids = np.array([0, out_features - 1, 5, 5])
+  # exact for 16-bit scales (code * scale is exact); float32 ones may round once less (a fused multiply-add)
+  np.testing.assert_allclose(matrix.rows(ids), reference[ids], rtol=0, atol=1e-6 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_products_from_gguf_blocks_equal_the_dequantised_products(type_name):
+  raw, reference = gguf_matrix(type_name)
+  check_products(PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 96)), reference)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16", "float32"])
+def test_products_from_mlx_affine_matrices_equal_the_dequantised_products(bits, group, scale_dtype):
+  w = mlx_matrix(bits, group, scale_dtype)
+  matrix = PackedMatrix.from_quantized(w)
+  assert matrix.table_name == scale_dtype  # scales kept at their own width, exactly
+  check_products(matrix, w.dequantize())
+
+
+def test_rows_moved_whole_keep_their_scales():
+  """The llama.cpp Q/K rows and the engine's gate/up interleave permute rows of a packed matrix."""
+  raw, reference = gguf_matrix("Q4_1", rows=128)
+  w = from_gguf_blocks(raw, "Q4_1", 128)
+  np.testing.assert_array_equal(_unpermute_rope(w, 4).dequantize(), _unpermute_rope(reference, 4))
+  order = interleaved_pairs(128)
+  matrix = weight_matrix(w, order)
+  x = np.random.default_rng(3).standard_normal((1, 128)).astype(np.float32)
+  np.testing.assert_allclose(product(x, matrix, 0, 128), x @ reference[order].T, rtol=0, atol=1e-4)
+  floats = weight_matrix(reference, order)  # the float path: (in, out), the same outputs
+  np.testing.assert_allclose(product(x, floats, 0, 128), x @ reference[order].T, rtol=0, atol=1e-4)
+  np.testing.assert_array_equal(weight_rows(matrix, np.array([3])), weight_rows(floats, np.array([3])))
+
+
+def test_formats_the_kernels_do_not_run_are_dequantised():
+  w = mlx_matrix(4, 32, "float16")
+  for other in (QuantizedWeight(w.packed, w.scales.astype(np.uint8), None, 32, 4, "mxfp4"),
+                QuantizedWeight(np.zeros((80, 256 * 3 // 32), dtype=np.uint32), w.scales, w.biases, 32, 3)):
+    matrix = weight_matrix(other)
+    assert isinstance(matrix, np.ndarray) and matrix.shape == (256, 80)
+    np.testing.assert_array_equal(matrix, other.dequantize().T)
+
+
+def test_a_product_writes_into_a_given_slice():
+  raw, reference = gguf_matrix("Q8_0")
+  matrix = PackedMatrix.from_quantized(from_gguf_blocks(raw, "Q8_0", 96))
+  x = np.random.default_rng(4).standard_normal((3, 128)).astype(np.float32)
+  logits = np.zeros((3, 96), dtype=np.float32)
+  product(x, matrix, 32, 64, out=logits[:, 32:64])
+  np.testing.assert_allclose(logits[:, 32:64], x @ reference[32:64].T, rtol=0, atol=1e-4)
+  assert not logits[:, :32].any() and not logits[:, 64:].any()
