@@ -4,6 +4,7 @@ token, and the process's resident memory once the model is loaded.
   python bench/engine_speed.py --engine numpy --tokens 64
   python bench/engine_speed.py --engine tinygrad --tokens 64 --requests 8   # 8 requests per engine step
   python bench/engine_speed.py --engine mlx --model ~/models/SmolLM2-135M-Instruct-4bit   # a local checkpoint
+  python bench/engine_speed.py --engine numpy --dequantize   # quantized weights held as float32, as before they were kept
 
 The prompt is prefilled, a few warm-up tokens are decoded (tinygrad compiles and captures its jits then), and the
 next --tokens greedy steps are timed. With --requests N every step decodes one token for each of N requests through
@@ -30,6 +31,8 @@ WARMUP = 4
 
 async def main(args) -> None:
   engine = get_inference_engine(args.engine, HFShardDownloader())
+  if args.dequantize:
+    engine.keeps_quantized = False
   model_id = serve([args.model])[0]
   n_layers = model_cards[model_id]["layers"]
   shard = Shard(model_id, 0, n_layers - 1, n_layers)
@@ -58,7 +61,7 @@ async def main(args) -> None:
 
   ms = 1000 * np.array(step_s)
   device = engine.device_name
-  print(f"engine={args.engine} device={device} model={args.model} resident={resident_mb:.0f}MB requests={args.requests} load={load_s:.1f}s "
+  print(f"engine={args.engine}{' (dequantized)' if args.dequantize else ''} device={device} model={args.model} resident={resident_mb:.0f}MB requests={args.requests} load={load_s:.1f}s "
         f"prefill={1000 * prefill_s:.0f}ms ({sum(x.shape[1] for x in ids)} tokens)")
   print(f"decode: {np.median(ms):.1f} ms/token (median of {len(ms)} steps; mean {ms.mean():.1f}, min {ms.min():.1f}) "
         f"= {1000 * args.requests / np.median(ms):.1f} tokens/s")
@@ -70,5 +73,6 @@ if __name__ == "__main__":
   parser.add_argument("--model", default="smollm2-135m", help="a model id or a local checkpoint's path")
   parser.add_argument("--tokens", type=int, default=64, help="timed decode steps (after %d warm-up steps)" % WARMUP)
   parser.add_argument("--requests", type=int, default=1, help="requests decoded together in each step")
+  parser.add_argument("--dequantize", action="store_true", help="hold a quantized checkpoint's weights as float32")
   args = parser.parse_args()
   asyncio.run(main(args))

@@ -13,7 +13,8 @@ from exo.inference.numpy import qkernels
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 4
-TILE = 128
+TILE = 256
+_ready = set()  # (bits, table) whose kernels this process has compiled or read from numba's cache
 
 
 def _half_bits(values: np.ndarray) -> tuple:
@@ -47,7 +48,13 @@ class PackedMatrix:
     if bias_table != table:  # one table reads both
       scales, biases, table = w.scales.astype(np.float32), w.biases.astype(np.float32), "float32"
     codes = np.ascontiguousarray(w.packed).view(np.uint8)
-    return cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
+    matrix = cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
+    if (w.bits, table) not in _ready:  # at load, not in a request's first step: reading the cached code takes ~1 s
+      for rows in (1, DIRECT_ROWS + 1):
+        matrix.product(np.zeros((rows, matrix.shape[1]), dtype=np.float32), 0, 1)
+      matrix.rows(np.zeros(1, dtype=np.int64))
+      _ready.add((w.bits, table))
+    return matrix
 
   @property
   def shape(self):
@@ -61,12 +68,13 @@ class PackedMatrix:
     pick = lambda a: np.ascontiguousarray(a[index])
     return PackedMatrix(pick(self.codes), pick(self.scales), pick(self.biases), self.table_name, self.bits)
 
-  def rows(self, ids: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Rows `ids` as float32 (len(ids), in): embedding lookups."""
+  def rows(self, ids: np.ndarray, out: Optional[np.ndarray] = None, halves: bool = False) -> np.ndarray:
+    """Rows `ids` as float32 (len(ids), in): embedding lookups; with `halves`, 4-bit rows' even inputs then their odd
+    ones (see qkernels.dequantize_rows)."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if out is None:
       out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
-    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, out)
+    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, halves, out)
     return out
 
   def product(self, x: np.ndarray, a: int, b: int) -> np.ndarray:
@@ -76,10 +84,13 @@ class PackedMatrix:
     if x.shape[0] <= DIRECT_ROWS:
       self._product(x, self.codes, self.scales, self.biases, self.table, a, b, out)
       return out
+    halves = self.bits == 4
+    if halves:  # the inputs in the order the tiles are written in
+      x = np.concatenate((x[:, 0::2], x[:, 1::2]), axis=1)
     tile = np.empty((min(TILE, b - a), x.shape[1]), dtype=np.float32)
     for lo in range(a, b, TILE):
       hi = min(b, lo + TILE)
-      w = self.rows(np.arange(lo, hi), tile[:hi - lo])
+      w = self.rows(np.arange(lo, hi), tile[:hi - lo], halves)
       np.matmul(x, w.T, out=out[:, lo - a:hi - a])
     return out
 

@@ -113,10 +113,12 @@ def product_rows_8(x, codes, scales, biases, table, lo, hi, out):
 
 
 @numba.njit(**_JIT)
-def dequantize_rows(codes, scales, biases, table, bits, ids, out):
-  """out[i] = w[ids[i]] as float32; out is (len(ids), in)."""
+def dequantize_rows(codes, scales, biases, table, bits, ids, halves, out):
+  """out[i] = w[ids[i]] as float32; out is (len(ids), in). With `halves`, 4-bit rows are written with their even
+  inputs first, then their odd ones (both writes unit-stride: about 5x faster), for products with inputs so ordered."""
   n_groups = scales.shape[1]
   group = out.shape[1] // n_groups
+  half = out.shape[1] // 2
   for i in range(ids.shape[0]):
     j = ids[i]
     row, dest = codes[j], out[i]
@@ -124,10 +126,16 @@ def dequantize_rows(codes, scales, biases, table, bits, ids, out):
       scale, bias = _value(scales[j], g, table), _value(biases[j], g, table)
       if bits == 4:
         base = g * group // 2
-        for k in range(base, base + group // 2):
-          c = np.int32(row[k])
-          dest[2 * k] = np.float32(c & 15) * scale + bias
-          dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
+        if halves:
+          for k in range(group // 2):
+            c = np.int32(row[base + k])
+            dest[base + k] = np.float32(c & 15) * scale + bias
+            dest[half + base + k] = np.float32(c >> 4) * scale + bias
+        else:
+          for k in range(base, base + group // 2):
+            c = np.int32(row[k])
+            dest[2 * k] = np.float32(c & 15) * scale + bias
+            dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
       else:
         base = g * group
         for k in range(group):
