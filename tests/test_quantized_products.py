@@ -1,5 +1,5 @@
-"""Quantized weights kept packed in the numpy engine: GGUF's Q4_0, Q4_1 and Q8_0 blocks read as the gguf package
-dequantises them, and every product and lookup of the compiled kernels equal to the same matrix dequantised to
+"""Quantized weights kept packed in the numpy engine: GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks read as the
+gguf package dequantises them, and every product and lookup of the compiled kernels equal to the same matrix dequantised to
 float32, for each bit width, group size and scale format, on the few-rows (direct) and many-rows (tiled BLAS) paths."""
 import gguf
 import numpy as np
@@ -10,19 +10,28 @@ from exo.inference.numpy import packed
 from exo.inference.numpy.kernels import product, weight_matrix, weight_rows
 from exo.inference.numpy.llama import interleaved_pairs
 from exo.inference.numpy.packed import PackedMatrix
-from exo.inference.quantized import QuantizedWeight, from_gguf_blocks
+from exo.inference.gguf_quants import BLOCK_BYTES, from_gguf_blocks
+from exo.inference.quantized import QuantizedWeight
 from exo.inference.weights import _unpermute_rope
 
 pytestmark = pytest.mark.unit
 
-GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+GGUF_TYPES = list(BLOCK_BYTES)
+# where each type's float16 super-scales sit in a block (random bytes there could be infinities)
+HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+# bytes held per byte of the file (K-quants: float32 scales and biases, 5- and 6-bit codes one a byte)
+HELD_PER_FILE_BYTE = {"Q4_0": 20 / 18, "Q4_1": 1.0, "Q8_0": 36 / 34, "Q4_K": 0.75 / 0.5625, "Q5_K": 1.25 / 0.6875, "Q6_K": 1.5 / 0.8203125}
 
 
-def gguf_matrix(type_name: str, rows: int = 96, cols: int = 128, seed: int = 0):
-  """A random matrix quantized by the gguf package: its raw blocks and gguf's own dequantisation."""
-  w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+def gguf_matrix(type_name: str, rows: int = 96, cols: int = 256, seed: int = 0):
+  """Random blocks of the type (every code and sub-scale value occurs) with small float16 scales: the raw bytes and
+  the gguf package's own dequantisation of them."""
+  rng = np.random.default_rng(seed)
   kind = gguf.GGMLQuantizationType[type_name]
-  raw = quants.quantize(w, kind)
+  raw = rng.integers(0, 256, (rows, cols // quants.GGML_QUANT_SIZES[kind][0] * BLOCK_BYTES[type_name]), dtype=np.uint8)
+  blocks = raw.reshape(-1, BLOCK_BYTES[type_name])
+  for at in HALF_OFFSETS[type_name]:
+    blocks[:, at:at + 2] = (rng.random((len(blocks), 1)) * 0.01).astype(np.float16).view(np.uint8)
   return raw, quants.dequantize(raw, kind).reshape(rows, cols)
 
 
@@ -50,12 +59,13 @@ def mlx_matrix(bits: int, group: int, scale_dtype, rows: int = 80, cols: int = 2
 def test_gguf_blocks_read_as_affine_groups_dequantise_exactly_as_gguf_does(type_name):
   raw, reference = gguf_matrix(type_name)
   w = from_gguf_blocks(raw, type_name, 96)
-  assert (w.group_size, w.bits) == (32, 8 if type_name == "Q8_0" else 4)
+  assert w.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
   np.testing.assert_array_equal(w.dequantize(), reference)
   assert PackedMatrix.supports(w)
-  np.testing.assert_array_equal(PackedMatrix.from_quantized(w).dequantize(), reference)
-  # held at the file's size: codes plus a 16-bit scale and bias a block (Q4_0 and Q8_0 gain the 2-byte bias)
-  assert PackedMatrix.from_quantized(w).nbytes <= raw.nbytes * (1.12 if type_name != "Q4_1" else 1.0)
+  matrix = PackedMatrix.from_quantized(w)
+  np.testing.assert_allclose(matrix.dequantize(), reference, rtol=0, atol=1e-6 * np.abs(reference).max())
+  assert matrix.nbytes == pytest.approx(raw.nbytes * HELD_PER_FILE_BYTE[type_name])
+  assert matrix.nbytes < reference.nbytes / 2.6
 
 
 def check_products(matrix: PackedMatrix, reference: np.ndarray) -> None:
@@ -96,10 +106,11 @@ def test_rows_moved_whole_keep_their_scales():
   np.testing.assert_array_equal(_unpermute_rope(w, 4).dequantize(), _unpermute_rope(reference, 4))
   order = interleaved_pairs(128)
   matrix = weight_matrix(w, order)
-  x = np.random.default_rng(3).standard_normal((1, 128)).astype(np.float32)
-  np.testing.assert_allclose(product(x, matrix, 0, 128), x @ reference[order].T, rtol=0, atol=1e-4)
+  x = np.random.default_rng(3).standard_normal((1, 256)).astype(np.float32)
+  want = x @ reference[order].T
+  np.testing.assert_allclose(product(x, matrix, 0, 128), want, rtol=0, atol=1e-5 * np.abs(want).max())
   floats = weight_matrix(reference, order)  # the float path: (in, out), the same outputs
-  np.testing.assert_allclose(product(x, floats, 0, 128), x @ reference[order].T, rtol=0, atol=1e-4)
+  np.testing.assert_allclose(product(x, floats, 0, 128), want, rtol=0, atol=1e-5 * np.abs(want).max())
   np.testing.assert_array_equal(weight_rows(matrix, np.array([3])), weight_rows(floats, np.array([3])))
 
 
@@ -115,8 +126,9 @@ def test_formats_the_kernels_do_not_run_are_dequantised():
 def test_a_product_writes_into_a_given_slice():
   raw, reference = gguf_matrix("Q8_0")
   matrix = PackedMatrix.from_quantized(from_gguf_blocks(raw, "Q8_0", 96))
-  x = np.random.default_rng(4).standard_normal((3, 128)).astype(np.float32)
+  x = np.random.default_rng(4).standard_normal((3, 256)).astype(np.float32)
   logits = np.zeros((3, 96), dtype=np.float32)
   product(x, matrix, 32, 64, out=logits[:, 32:64])
-  np.testing.assert_allclose(logits[:, 32:64], x @ reference[32:64].T, rtol=0, atol=1e-4)
+  want = x @ reference[32:64].T
+  np.testing.assert_allclose(logits[:, 32:64], want, rtol=0, atol=1e-5 * np.abs(want).max())
   assert not logits[:, :32].any() and not logits[:, 64:].any()

@@ -30,7 +30,7 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
   outputs are hidden states, or on the last shard the logits of each request's last position (1, vocab). A cache
   (exo/inference/<backend>/cache.py) has `length`, `nbytes` and copy_prefix(source, positions)."""
 
-  keeps_quantized = False  # True: the model class takes quantized matrices (MLX, GGUF Q4_0/Q4_1/Q8_0) as QuantizedWeight, not float32
+  keeps_quantized = False  # True: the model class takes quantized matrices (MLX, GGUF) as QuantizedWeight, not float32
 
   def __init__(self, shard_downloader, executor: ThreadPoolExecutor):
     self.shard_downloader = shard_downloader

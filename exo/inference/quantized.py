@@ -104,31 +104,6 @@ def group_quantized(tensors: Dict[str, np.ndarray], quantization: Optional[dict]
   return out
 
 
-# GGUF's simple block formats, all blocks of 32 inputs with a float16 scale `d`, as affine groups of 32 (exactly the
-# same values: d * code + bias in float32 is exact for these codes): Q4_0 w = d * (q - 8) -> bias -8d; Q4_1 w = d * q
-# + m -> bias m; Q8_0 w = d * q (q signed) -> code q + 128, bias -128d.
-GGUF_AFFINE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-
-
-def from_gguf_blocks(blocks: np.ndarray, type_name: str, rows: int) -> QuantizedWeight:
-  """A GGUF tensor's raw bytes (uint8, as gguf's reader maps them) of type Q4_0, Q4_1 or Q8_0 as a QuantizedWeight of
-  `rows` rows in MLX's layout (group size 32, float16 scales and biases)."""
-  size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-  blocks = np.asarray(blocks, dtype=np.uint8).reshape(-1, size)
-  d = blocks[:, :2].copy().view(np.float16)[:, 0]
-  if type_name == "Q8_0":
-    codes = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    packed, bias = codes, d * np.float16(-128)
-  else:
-    nibbles = blocks[:, 4:] if type_name == "Q4_1" else blocks[:, 2:]
-    bias = blocks[:, 2:4].copy().view(np.float16)[:, 0] if type_name == "Q4_1" else d * np.float16(-8)
-    # GGUF: byte i holds inputs i (low) and i + 16 (high); MLX: byte k holds inputs 2k (low) and 2k + 1 (high)
-    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=1)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-  groups = blocks.shape[0] // rows
-  return QuantizedWeight(np.ascontiguousarray(packed.reshape(rows, -1)).view(np.uint32), d.reshape(rows, groups),
-                         bias.astype(np.float16).reshape(rows, groups), 32, 8 if type_name == "Q8_0" else 4)
-
 
 def take_rows(w: QuantizedWeight, index: np.ndarray) -> QuantizedWeight:
   """The matrix with its rows in the order `index` gives (rows are quantized independently, so they move whole)."""

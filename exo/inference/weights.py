@@ -2,7 +2,7 @@
 
 Every engine reads its weights through `load_shard_weights`, so they all see the same tensors under the same
 (Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout. MLX
-quantized checkpoints and GGUF's Q4_0, Q4_1 and Q8_0 tensors are dequantised, or kept packed
+quantized checkpoints and GGUF's 4- to 8-bit tensors (gguf_quants.py) are dequantised, or kept packed
 (exo/inference/quantized.py) for an engine that runs them; GGUF's other types are always dequantised."""
 import json
 import re
@@ -13,7 +13,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from exo.inference.quantized import GGUF_AFFINE_TYPES, QuantizedWeight, from_gguf_blocks, group_quantized, take_rows
+from exo.inference.gguf_quants import GGUF_AFFINE_TYPES, from_gguf_blocks
+from exo.inference.quantized import QuantizedWeight, group_quantized, take_rows
 from exo.inference.shard import Shard
 
 
@@ -210,7 +211,7 @@ def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
 
 def load_shard_weights(model_path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   """The shard's own layers (plus embeddings on the first shard, final norm and head on the last). With
-  keep_quantized, a quantized matrix (MLX, or GGUF Q4_0/Q4_1/Q8_0) comes as a QuantizedWeight instead of float32."""
+  keep_quantized, a quantized matrix (MLX, or GGUF's types in gguf_quants.py) comes as a QuantizedWeight instead of float32."""
   model_path = Path(model_path)
   if model_path.suffix == ".gguf":
     return load_gguf(model_path, shard, keep_quantized)

@@ -14,6 +14,7 @@ from exo.inference.quantized import QuantizedWeight
 from exo.inference.weights import LlamaConfig
 
 QMM_MAX_ROWS = 6
+GROUP_SIZES = (32, 64, 128)  # what MLX's quantized kernels take; other groups (GGUF's Q6_K: 16) are dequantised
 ON_GPU = mx.default_device().type == mx.DeviceType.gpu
 
 
@@ -28,6 +29,8 @@ class Matrix:
 
   def __init__(self, w, dtype: mx.Dtype):
     self.dtype = dtype
+    if isinstance(w, QuantizedWeight) and w.group_size not in GROUP_SIZES:
+      w = w.dequantize()
     if isinstance(w, QuantizedWeight):
       self.weight = mx.array(w.packed)
       # affine scales and biases take the compute dtype; the mx modes' scales are uint8 exponents, kept as stored

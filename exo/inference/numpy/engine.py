@@ -34,7 +34,7 @@ def single_threaded_blas() -> None:
 
 class NumpyDynamicShardInferenceEngine(LlamaShardEngine):
   """Llama in float32 numpy, on one worker thread with single-threaded BLAS (llama.py spreads big steps itself).
-  4- and 8-bit weights (GGUF Q4_0/Q4_1/Q8_0, MLX affine) stay quantized in memory (packed.py)."""
+  Quantized weights (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, MLX affine 4/8-bit) stay quantized in memory (packed.py)."""
   keeps_quantized = True
 
   def __init__(self, shard_downloader):
