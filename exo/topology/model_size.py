@@ -80,11 +80,45 @@ def _checkpoint_shape(path: str) -> Optional[ModelShape]:
   return ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, c.n_kv_heads * c.head_dim, c.tie_word_embeddings)
 
 
+# Bytes a weight of each GGUF type takes held quantized (exo/inference/gguf_quants.py: 16-bit scale and bias a block
+# of 32 for the simple types; K-quants with float32 scales and biases, 5- and 6-bit codes one a byte).
+GGUF_HELD_BYTES = {"Q4_0": 20 / 32, "Q4_1": 20 / 32, "Q8_0": 36 / 32, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.5}
+KEEPS_QUANTIZED = ("NumpyDynamicShardInferenceEngine", "MLXDynamicShardInferenceEngine")
+
+
+@functools.lru_cache(maxsize=64)
+def _checkpoint_weight_bytes(repo: str, float_bytes: float) -> Optional[float]:
+  """Bytes a weight of a checkpoint on this machine (a local path, or the embedded model) takes held as an engine that
+  keeps quantized weights holds it, averaged over its matrices; None for a checkpoint not here or not quantized."""
+  from exo.download.shard_files import local_model_path
+  path = local_model_path(repo)
+  if path is None or not path.exists():
+    return None
+  try:
+    if path.suffix == ".gguf":
+      from exo.inference.weights import gguf_reader
+      matrices = [(int(t.n_elements), t.tensor_type.name) for t in gguf_reader(str(path)).tensors if len(t.shape) == 2]
+      count = sum(n for n, _ in matrices)
+      held = sum(n * GGUF_HELD_BYTES.get(kind, float_bytes) for n, kind in matrices)
+      return held / count if count and held < count * float_bytes else None
+    import json
+    quantization = json.loads((path / "config.json").read_text()).get("quantization")
+  except (OSError, ValueError, KeyError):
+    return None
+  if not quantization:
+    return None
+  return quantization.get("bits", 4) / 8 + 4 / quantization.get("group_size", 64)  # 16-bit scale and bias a group
+
+
 def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> float:
-  """Bytes one weight takes on a node: MLX holds its repos' quantized weights as they are (4 or 8 bits and a scale and
-  bias per 64), the other engines dequantize to their float width; the dummy engine holds nothing."""
+  """Bytes one weight takes on a node: the numpy and MLX engines hold quantized checkpoints as they are (4 or 8 bits
+  and a scale and bias a group); other weights are held at the engine's float width; the dummy engine holds nothing."""
   if engine_classname == "DummyInferenceEngine":
     return 0.0
+  if engine_classname in KEEPS_QUANTIZED:
+    held = _checkpoint_weight_bytes(get_repo(model_id, engine_classname) or "", float(float_bytes))
+    if held is not None:
+      return held
   if engine_classname == "MLXDynamicShardInferenceEngine":
     repo = (get_repo(model_id, engine_classname) or "").lower()
     for bits in (3, 4, 6, 8):
