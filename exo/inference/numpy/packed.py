@@ -12,7 +12,7 @@ import numpy as np
 from exo.inference.numpy import qkernels
 from exo.inference.quantized import QuantizedWeight
 
-DIRECT_ROWS = 4
+DIRECT_ROWS = 2
 TILE = 256
 _ready = set()  # (bits, table) whose kernels this process has compiled or read from numba's cache
 
@@ -53,6 +53,7 @@ class PackedMatrix:
       for rows in (1, DIRECT_ROWS + 1):
         matrix.product(np.zeros((rows, matrix.shape[1]), dtype=np.float32), 0, 1)
       matrix.rows(np.zeros(1, dtype=np.int64))
+      matrix.rows(np.zeros(1, dtype=np.int64), halves=True)
       _ready.add((w.bits, table))
     return matrix
 
@@ -74,7 +75,10 @@ class PackedMatrix:
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if out is None:
       out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
-    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, halves, out)
+    if halves and self.bits == 4:
+      qkernels.dequantize_halves_4(self.codes, self.scales, self.biases, self.table, ids, out)
+    else:
+      qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, out)
     return out
 
   def product(self, x: np.ndarray, a: int, b: int) -> np.ndarray:

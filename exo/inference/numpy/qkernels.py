@@ -38,7 +38,7 @@ def _value(values, i, table):
   """values[i] as float32: 16-bit floats' bits read through the table, float32 as they are."""
 
 
-@overload(_value)
+@overload(_value, inline='always')
 def _value_impl(values, i, table):
   if values.dtype == types.uint16:
     return lambda values, i, table: table[values[i]]
@@ -113,29 +113,44 @@ def product_rows_8(x, codes, scales, biases, table, lo, hi, out):
 
 
 @numba.njit(**_JIT)
-def dequantize_rows(codes, scales, biases, table, bits, ids, halves, out):
-  """out[i] = w[ids[i]] as float32; out is (len(ids), in). With `halves`, 4-bit rows are written with their even
-  inputs first, then their odd ones (both writes unit-stride: about 5x faster), for products with inputs so ordered."""
+def dequantize_halves_4(codes, scales, biases, table, ids, out):
+  """out[i] = 4-bit row w[ids[i]] as float32 with its even inputs first, then its odd ones, for products with inputs
+  so ordered: each row's codes are widened in one pass and scaled in a second, both unit-stride (about 3x faster
+  than dequantize_rows, which writes the inputs in order)."""
   n_groups = scales.shape[1]
-  group = out.shape[1] // n_groups
   half = out.shape[1] // 2
+  half_group = half // n_groups
   for i in range(ids.shape[0]):
     j = ids[i]
-    row, dest = codes[j], out[i]
+    row, dest, row_scales, row_biases = codes[j], out[i], scales[j], biases[j]
+    for k in range(half):
+      c = row[k]
+      dest[k] = np.float32(c & np.uint8(15))
+      dest[half + k] = np.float32(c >> np.uint8(4))
     for g in range(n_groups):
-      scale, bias = _value(scales[j], g, table), _value(biases[j], g, table)
+      scale, bias = _value(row_scales, g, table), _value(row_biases, g, table)
+      base = g * half_group
+      for k in range(half_group):
+        dest[base + k] = dest[base + k] * scale + bias
+        dest[half + base + k] = dest[half + base + k] * scale + bias
+
+
+@numba.njit(**_JIT)
+def dequantize_rows(codes, scales, biases, table, bits, ids, out):
+  """out[i] = w[ids[i]] as float32; out is (len(ids), in)."""
+  n_groups = scales.shape[1]
+  group = out.shape[1] // n_groups
+  for i in range(ids.shape[0]):
+    j = ids[i]
+    row, dest, row_scales, row_biases = codes[j], out[i], scales[j], biases[j]
+    for g in range(n_groups):
+      scale, bias = _value(row_scales, g, table), _value(row_biases, g, table)
       if bits == 4:
         base = g * group // 2
-        if halves:
-          for k in range(group // 2):
-            c = np.int32(row[base + k])
-            dest[base + k] = np.float32(c & 15) * scale + bias
-            dest[half + base + k] = np.float32(c >> 4) * scale + bias
-        else:
-          for k in range(base, base + group // 2):
-            c = np.int32(row[k])
-            dest[2 * k] = np.float32(c & 15) * scale + bias
-            dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
+        for k in range(base, base + group // 2):
+          c = np.int32(row[k])
+          dest[2 * k] = np.float32(c & 15) * scale + bias
+          dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
       else:
         base = g * group
         for k in range(group):
