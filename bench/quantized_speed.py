@@ -1,0 +1,79 @@
+"""The numpy engine on a quantized checkpoint, kept quantized against the same checkpoint dequantised to float32: both
+models in one process, their steps alternated, so that a shared machine's load falls on both alike.
+
+  python bench/quantized_speed.py                      # the embedded SmolLM2 (GGUF Q4_1), 1, 16 and 64 streams
+  python bench/quantized_speed.py --model PATH --streams 1,8 --steps 16
+
+Per stream count: a decode step for every stream at once (each stream's cache holding its prompt), median ms of
+--steps alternated steps each; then a prefill of --prompt tokens; and the bytes each model's weights hold."""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exo.download.shard_files import embedded_model_path  # noqa: E402
+from exo.inference.numpy.engine import single_threaded_blas  # noqa: E402
+from exo.inference.numpy.llama import Llama  # noqa: E402
+from exo.inference.shard import Shard  # noqa: E402
+from exo.inference.weights import load_config, load_shard_weights  # noqa: E402
+
+
+def weight_bytes(model: Llama) -> int:
+  arrays = [w for layer in model.layers for w in layer.values()] + [model.head, model.embed, model.norm]
+  return sum(w.nbytes for w in arrays if w is not None)
+
+
+def main(args) -> None:
+  single_threaded_blas()
+  path = args.model or str(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
+  n_layers = load_config(path).n_layers
+  shard = Shard(path, 0, n_layers - 1, n_layers)
+  models = {}
+  for name, keep in (("quantized", True), ("float32", False)):
+    config, weights = load_shard_weights(path, shard, keep_quantized=keep)
+    models[name] = Llama(config, shard, weights)
+    del weights
+  for name, model in models.items():
+    print(f"{name}: weights {weight_bytes(model) / 2**20:.1f} MiB")
+  rng = np.random.default_rng(0)
+  for streams in args.streams:
+    caches = {name: [m.new_cache() for _ in range(streams)] for name, m in models.items()}
+    prompts = [rng.integers(100, 10000, 24) for _ in range(streams)]
+    for name, m in models.items():
+      m.forward(prompts, caches[name])
+    times = {name: [] for name in models}
+    for _ in range(args.steps):
+      tokens = [rng.integers(100, 10000, 1) for _ in range(streams)]
+      for name, m in models.items():
+        started = time.perf_counter()
+        m.forward(tokens, caches[name])
+        times[name].append(time.perf_counter() - started)
+    q, f = (1000 * statistics.median(times[n]) for n in ("quantized", "float32"))
+    print(f"{streams:>3} streams, decode step: quantized {q:.1f} ms, float32 {f:.1f} ms, speed ratio {f / q:.2f}x "
+          f"({1000 * streams / q:.1f} vs {1000 * streams / f:.1f} tokens/s)", flush=True)
+    del caches  # their slots go back to the pool
+  times = {name: [] for name in models}
+  for _ in range(max(3, args.steps // 4)):
+    prompt = rng.integers(100, 10000, args.prompt)
+    for name, m in models.items():
+      cache = m.new_cache()
+      started = time.perf_counter()
+      m.forward([prompt], [cache])
+      times[name].append(time.perf_counter() - started)
+      del cache
+  q, f = (1000 * statistics.median(times[n]) for n in ("quantized", "float32"))
+  print(f"prefill of {args.prompt} tokens: quantized {q:.0f} ms, float32 {f:.0f} ms, speed ratio {f / q:.2f}x")
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", help="a quantized checkpoint's path (default: the embedded SmolLM2)")
+  parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+  parser.add_argument("--steps", type=int, default=24, help="timed steps of each model per stream count")
+  parser.add_argument("--prompt", type=int, default=512, help="tokens of the timed prefill")
+  main(parser.parse_args())
