@@ -20,6 +20,7 @@ from exo.api.errors import ApiError
 from exo.api.event_stream import STREAM_KEY
 from exo.api.ollama.routes import OllamaRoutes
 from exo.api.openai_responses.routes import ResponsesRoutes
+from exo.api.openai_embeddings import OpenAIEmbeddingRoutes
 from exo.api.openai_routes import OpenAIRoutes
 from exo.api.serving import ServingCore
 from exo.api.settings import ApiSettings
@@ -50,7 +51,7 @@ class ChatGPTAPI:
     self.error_shapes = [(prefix, dialect.error_reply) for dialect in (anthropic, ollama) for prefix in dialect.PREFIXES]
     self.app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors, self._guard, self._deadline])
     self.app.on_response_prepare.append(self._add_cors_headers)
-    routes = [OpenAIRoutes(self.core), ResponsesRoutes(self.core), anthropic, ollama,
+    routes = [OpenAIRoutes(self.core), OpenAIEmbeddingRoutes(self.core), ResponsesRoutes(self.core), anthropic, ollama,
               AdminRoutes(self.core, lambda: self.stopping, on_quit)]
     for paths, method, handler in [route for dialect in routes for route in dialect.routes()]:
       for path in paths:

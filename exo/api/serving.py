@@ -17,6 +17,7 @@ from exo.api.admission import Admission
 from exo.api.answer import AnswerPlan, plan_answer
 from exo.api.choices import Choice, run_choices
 from exo.api.downloads import peer_download_api_error
+from exo.api.embeddings import Embeddings
 from exo.api.errors import ApiError
 from exo.api.events import Event, Started, Usage
 from exo.api.generation_request import GenerationRequest
@@ -52,9 +53,11 @@ class ServingCore:
     self.profiles = ModelProfiles(node, engine_classname)
     self.prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="exo-api-prompt")
     self.on_request: Optional[Callable] = None  # (request_id, request, prompt) for each templated request, before it runs
+    self.embeddings = Embeddings(self.in_thread)  # embedding requests: run on this node, beside the ring's generations
 
   def close(self) -> None:
     self.prompt_pool.shutdown(wait=False, cancel_futures=True)
+    self.embeddings.close()
 
   async def in_thread(self, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)

@@ -1,5 +1,5 @@
 """Ollama's routes: POST /api/chat and /api/generate (NDJSON streams by default), GET /api/tags, /api/ps and
-/api/version, POST /api/show; errors under /api/ as Ollama's {"error": "..."}."""
+/api/version, POST /api/show, POST /api/embed and the older /api/embeddings; errors under /api/ as Ollama's {"error": "..."}."""
 import asyncio
 import time
 from contextlib import aclosing
@@ -7,6 +7,7 @@ from typing import Callable, List, Tuple
 
 from aiohttp import web
 
+from exo.api.embedding_request import parse_ollama_embed, parse_ollama_embeddings
 from exo.api.errors import ApiError
 from exo.api.event_stream import EventStream
 from exo.api.ollama.models import config_of, describe, local_models, model_info, tagged
@@ -29,7 +30,8 @@ class OllamaRoutes:
   def routes(self) -> List[Tuple[Tuple[str, ...], str, Callable]]:
     return [(("/api/chat",), "POST", self.handle_chat), (("/api/generate",), "POST", self.handle_generate),
             (("/api/tags",), "GET", self.handle_tags), (("/api/ps",), "GET", self.handle_ps), (("/api/version",), "GET", self.handle_version),
-            (("/api/show",), "POST", self.handle_show)]
+            (("/api/show",), "POST", self.handle_show), (("/api/embed",), "POST", self.handle_embed),
+            (("/api/embeddings",), "POST", self.handle_embeddings)]
 
   @staticmethod
   def error_reply(error: ApiError) -> web.Response:
@@ -57,6 +59,22 @@ class OllamaRoutes:
         reply.note(event)
         usage = event
     return json_reply(reply.whole(usage))
+
+  async def handle_embed(self, request: web.Request) -> web.Response:
+    """{"model", "embeddings", "total_duration", "load_duration", "prompt_eval_count"}, durations in nanoseconds."""
+    started = time.monotonic_ns()
+    raw = await request.read()
+    embedding = await self.core.in_thread(lambda: parse_ollama_embed(parse_json_body(raw)))
+    vectors, tokens = await self.core.embeddings.embed(embedding)
+    return json_reply({"model": tagged(embedding.model), "embeddings": vectors.tolist(), "total_duration": time.monotonic_ns() - started,
+                       "load_duration": 0, "prompt_eval_count": tokens})
+
+  async def handle_embeddings(self, request: web.Request) -> web.Response:
+    """The older route: {"embedding": [...]} for one `prompt`."""
+    raw = await request.read()
+    embedding = await self.core.in_thread(lambda: parse_ollama_embeddings(parse_json_body(raw)))
+    vectors, _ = await self.core.embeddings.embed(embedding)
+    return json_reply({"embedding": vectors[0].tolist()})
 
   async def handle_tags(self, request: web.Request) -> web.Response:
     engine = self.core.engine_classname

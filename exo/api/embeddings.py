@@ -1,0 +1,80 @@
+"""Embedding requests, whichever dialect they came in (OpenAI's /v1/embeddings, Ollama's /api/embed and
+/api/embeddings): the inputs read and checked (exo/api/embedding_request.py), tokenised off the event loop, held to
+the model's length (refused with its limit, or cut where the request asks), run by the node's embedding batcher
+(exo/embeddings/batcher.py), and shortened to `dimensions` where the model allows it."""
+import asyncio
+from typing import List, Tuple
+
+import numpy as np
+
+from exo.api.embedding_request import EmbeddingRequest
+from exo.api.errors import ApiError, BadRequest
+from exo.embeddings.batcher import EmbeddingBatcher, EmbeddingQueueFull
+from exo.embeddings.model import EmbeddingModel, normalized
+from exo.embeddings.registry import checkpoint_path, embedding_cards
+
+
+def shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
+  """The first `dimensions` of each vector, back to unit length (how Matryoshka-trained models are shortened)."""
+  return vectors if dimensions >= vectors.shape[1] else normalized(vectors[:, :dimensions])
+
+
+class Embeddings:
+  def __init__(self, in_thread, batcher: EmbeddingBatcher = None):
+    self.in_thread = in_thread  # the API's prompt threads: tokenising is CPU work that must not hold the event loop
+    self.batcher = batcher or EmbeddingBatcher()
+
+  def close(self) -> None:
+    self.batcher.close()
+
+  async def model(self, model_id: str) -> EmbeddingModel:
+    card = embedding_cards[model_id]
+    if checkpoint_path(model_id) is None:
+      raise ApiError(404, f"the embedding model {card.name} is not installed on this node (install it with: {card.install})",
+                     param="model", code="model_not_found")
+    return await self.batcher.model(model_id)
+
+  async def embed(self, request: EmbeddingRequest) -> Tuple[np.ndarray, int]:
+    """The request's vectors (one per input, in order) and the tokens they took."""
+    model = await self.model(request.model)
+    self._check_dimensions(request, model)
+    inputs = await self.in_thread(self._token_ids, model, request)
+    try:
+      vectors = await self.batcher.embed(model, inputs)
+    except EmbeddingQueueFull as e:
+      raise ApiError(429, f"this node is busy: {e}; try again shortly", code="too_many_requests", headers={"Retry-After": "1"}) from None
+    if request.dimensions is not None:
+      vectors = shortened(vectors, request.dimensions)
+    return vectors, sum(len(ids) for ids in inputs)
+
+  @staticmethod
+  def _check_dimensions(request: EmbeddingRequest, model: EmbeddingModel) -> None:
+    wanted, field = request.dimensions, request.fields.dimensions
+    if wanted is None or wanted == model.dimensions:
+      return
+    if wanted > model.dimensions:
+      raise BadRequest(f"{field} must be at most {model.dimensions}, the size of {request.model}'s embeddings", param=field)
+    if not embedding_cards[request.model].shortenable:
+      raise BadRequest(f"{request.model} cannot shorten its embeddings (it was not trained for it): {field} must be {model.dimensions} or left out",
+                       param=field)
+
+  @staticmethod
+  def _token_ids(model: EmbeddingModel, request: EmbeddingRequest) -> List[List[int]]:
+    field = request.fields.input
+    texts = [(i, text) for i, text in enumerate(request.inputs) if isinstance(text, str)]
+    ids = dict(zip((i for i, _ in texts), model.tokenize([text for _, text in texts]))) if texts else {}
+    out = []
+    for i, item in enumerate(request.inputs):
+      tokens = ids.get(i, item)
+      if i not in ids:
+        bad = next((t for t in tokens if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+          raise BadRequest(f"{request.item_name(i)} holds the token id {bad}, outside {request.model}'s vocabulary (0 to {model.vocab_size - 1})",
+                           param=field)
+      if len(tokens) > model.max_tokens:
+        if not request.truncate:
+          raise BadRequest(f"{request.item_name(i)} is {len(tokens)} tokens long, more than {request.model}'s limit of {model.max_tokens} tokens"
+                           f"{request.truncate_hint}", param=field, code="context_length_exceeded")
+        tokens = model.truncate(tokens)
+      out.append(list(tokens))
+    return out

@@ -1,0 +1,138 @@
+"""Embedding requests run together: one worker thread per API takes every input queued when it is free and runs
+them as padded batches, so 32 requests arriving together cost a few encoder passes instead of 32.
+
+An embedding is a prompt's pass alone (no KV cache, no sampling, no ring): it runs here, on the node whose API got
+the request, on this thread of its own beside the engine's, so chat steps never wait for an embedding batch nor an
+embedding for a chat step. A batch holds at most `batch_tokens` padded tokens (inputs sorted by length, so
+little of that is padding), which bounds how long one pass holds a core."""
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from exo.embeddings.model import EmbeddingModel
+from exo.embeddings.registry import checkpoint_path
+
+BATCH_TOKENS = 4096  # padded tokens per encoder pass: 16 inputs of 256 tokens, or 128 of 32
+MAX_QUEUED_INPUTS = 16384  # beyond this the node is busy (429), not slowly drowning
+
+
+class EmbeddingQueueFull(Exception):
+  pass
+
+
+@dataclass
+class Job:
+  model: EmbeddingModel
+  inputs: Sequence[Sequence[int]]
+  done: Callable[[Optional[np.ndarray], Optional[BaseException]], None]  # called on the worker thread
+  vectors: Optional[np.ndarray] = None
+  cancelled: bool = False
+  left: int = field(init=False)
+
+  def __post_init__(self):
+    self.left = len(self.inputs)
+
+
+class EmbeddingBatcher:
+  def __init__(self, batch_tokens: int = BATCH_TOKENS, max_queued_inputs: int = MAX_QUEUED_INPUTS,
+               load: Callable[[str], EmbeddingModel] = lambda model_id: EmbeddingModel(checkpoint_path(model_id))):
+    self.batch_tokens, self.max_queued_inputs, self.load = batch_tokens, max_queued_inputs, load
+    self.models: Dict[str, EmbeddingModel] = {}
+    self.loading: Dict[str, asyncio.Future] = {}
+    self.jobs: Deque[Job] = deque()
+    self.queued_inputs = 0
+    self.wake = threading.Condition()
+    self.closed = False
+    self.passes = 0  # encoder passes run (each one batch): how tests see that requests ran together
+    self.thread: Optional[threading.Thread] = None
+
+  async def model(self, model_id: str) -> EmbeddingModel:
+    """The model, loaded on first use (off the event loop; concurrent first requests share one load, a failed one
+    is tried again by the next request)."""
+    if model_id not in self.models:
+      loading = self.loading.get(model_id)
+      if loading is None:
+        loading = self.loading[model_id] = asyncio.ensure_future(asyncio.to_thread(self.load, model_id))
+      try:
+        self.models[model_id] = await asyncio.shield(loading)
+      finally:
+        if loading.done() and self.loading.get(model_id) is loading:
+          del self.loading[model_id]
+    return self.models[model_id]
+
+  async def embed(self, model: EmbeddingModel, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+    """(inputs, dimensions) vectors, run in batches with whatever else is queued. Cancelling drops the inputs not yet run."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def done(vectors, error):
+      loop.call_soon_threadsafe(lambda: future.done() or (future.set_exception(error) if error else future.set_result(vectors)))
+    job = Job(model, inputs, done)
+    with self.wake:
+      if self.closed:
+        raise RuntimeError("the embedding batcher is closed")
+      if self.queued_inputs + len(inputs) > self.max_queued_inputs:
+        raise EmbeddingQueueFull(f"{self.queued_inputs} inputs are waiting to be embedded on this node (at most {self.max_queued_inputs})")
+      self.queued_inputs += len(inputs)
+      self.jobs.append(job)
+      if self.thread is None:
+        self.thread = threading.Thread(target=self._run, daemon=True, name="exo-embeddings")
+        self.thread.start()
+      self.wake.notify()
+    try:
+      return await future
+    finally:
+      job.cancelled = True  # a no-op once done; else the worker skips what is left of it
+
+  def close(self) -> None:
+    with self.wake:
+      self.closed = True
+      self.wake.notify()
+
+  def _run(self) -> None:
+    while True:
+      with self.wake:
+        while not self.jobs and not self.closed:
+          self.wake.wait()
+        if self.closed:
+          return
+        jobs = list(self.jobs)
+        self.jobs.clear()
+      for model in dict.fromkeys(job.model for job in jobs):
+        self._run_together([job for job in jobs if job.model is model])
+
+  def _run_together(self, jobs: List[Job]) -> None:
+    """Every input of these jobs (one model's), shortest first, in batches of at most batch_tokens padded tokens."""
+    rows = sorted(((len(ids), job, i) for job in jobs for i, ids in enumerate(job.inputs)), key=lambda row: row[0])
+    while rows:
+      take = 1
+      while take < len(rows) and rows[take][0] * (take + 1) <= self.batch_tokens:
+        take += 1
+      batch, rows = [r for r in rows[:take] if not r[1].cancelled], rows[take:]
+      self._release(take)
+      if not batch:
+        continue
+      try:
+        vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch])
+        self.passes += 1
+      except Exception as e:  # the jobs in this batch fail; the worker goes on
+        for job in {id(job): job for _, job, _ in batch}.values():
+          job.cancelled = True
+          job.done(None, e)
+        continue
+      for (_, job, i), vector in zip(batch, vectors):
+        if job.vectors is None:
+          job.vectors = np.empty((len(job.inputs), len(vector)), dtype=np.float32)
+        job.vectors[i] = vector
+        job.left -= 1
+        if job.left == 0 and not job.cancelled:
+          job.done(job.vectors, None)
+
+  def _release(self, inputs: int) -> None:
+    with self.wake:
+      self.queued_inputs -= inputs
+

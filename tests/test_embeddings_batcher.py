@@ -1,0 +1,126 @@
+"""The embedding batcher: inputs queued while a pass runs go together in the next, in batches bounded by padded
+tokens, each request getting its own vectors back in order; a failing pass fails only its requests, a cancelled
+request's inputs are not run, a full queue refuses. The encoder is a stand-in (a vector of each input's ids) so the
+tests see exactly which inputs ran together; tests/test_embeddings_model.py checks the real one."""
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from exo.api.embeddings import shortened
+from exo.embeddings.batcher import EmbeddingBatcher, EmbeddingQueueFull
+
+pytestmark = pytest.mark.unit
+
+
+class StandIn:
+  """Each pass recorded; `gate`, when set, holds a pass until the test opens it."""
+
+  def __init__(self, fail_on=None):
+    self.passes, self.fail_on = [], fail_on
+    self.entered, self.gate = threading.Event(), threading.Event()
+    self.gate.set()
+
+  def embed(self, inputs):
+    self.passes.append([list(i) for i in inputs])
+    self.entered.set()
+    self.gate.wait(30)
+    if self.fail_on is not None and any(self.fail_on in i for i in inputs):
+      raise ValueError("bad input")
+    return np.array([[float(i[0]), float(len(i))] for i in inputs], dtype=np.float32)
+
+
+async def wait_for(event: threading.Event):
+  assert await asyncio.to_thread(event.wait, 30)
+
+
+async def test_requests_queued_during_a_pass_run_together_in_the_next():
+  batcher, model = EmbeddingBatcher(), StandIn()
+  model.gate.clear()
+  first = asyncio.ensure_future(batcher.embed(model, [[1]]))
+  await wait_for(model.entered)  # the worker is inside the first pass
+  others = [asyncio.ensure_future(batcher.embed(model, [[i], [i, i]])) for i in range(2, 33)]
+  await asyncio.sleep(0)  # let every request reach the queue
+  model.gate.set()
+  results = await asyncio.gather(first, *others)
+  assert len(model.passes) == 2 and len(model.passes[1]) == 62  # 31 requests, two inputs each, in one pass
+  assert results[0].tolist() == [[1, 1]]
+  for i, vectors in zip(range(2, 33), results[1:]):
+    assert vectors.tolist() == [[i, 1], [i, 2]]  # each request's own, in its order
+  batcher.close()
+
+
+async def test_a_pass_holds_at_most_batch_tokens_padded_tokens_shortest_first():
+  batcher, model = EmbeddingBatcher(batch_tokens=7), StandIn()
+  model.gate.clear()
+  first = asyncio.ensure_future(batcher.embed(model, [[9]]))
+  await wait_for(model.entered)
+  lengths = [4, 1, 2, 1, 3]
+  rest = asyncio.ensure_future(batcher.embed(model, [[n] * n for n in lengths]))
+  await asyncio.sleep(0)
+  model.gate.set()
+  await first
+  assert [v[1] for v in (await rest).tolist()] == lengths
+  later = model.passes[1:]
+  assert [[len(i) for i in p] for p in later] == [[1, 1, 2], [3], [4]]  # rows x longest <= 7
+  batcher.close()
+
+
+async def test_a_failing_pass_fails_its_requests_only():
+  batcher, model = EmbeddingBatcher(batch_tokens=1), StandIn(fail_on=7)
+  model.gate.clear()
+  first = asyncio.ensure_future(batcher.embed(model, [[1]]))
+  await wait_for(model.entered)
+  bad, good = asyncio.ensure_future(batcher.embed(model, [[7], [8]])), asyncio.ensure_future(batcher.embed(model, [[5]]))
+  await asyncio.sleep(0)
+  model.gate.set()
+  await first
+  with pytest.raises(ValueError):
+    await bad
+  assert (await good).tolist() == [[5, 1]]
+  assert (await batcher.embed(model, [[6]])).tolist() == [[6, 1]]  # the worker goes on
+  assert [8] not in [i for p in model.passes for i in p]  # the rest of a failed request is not run
+  batcher.close()
+
+
+async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
+  batcher, model = EmbeddingBatcher(max_queued_inputs=3), StandIn()
+  model.gate.clear()
+  first = asyncio.ensure_future(batcher.embed(model, [[1]]))
+  await wait_for(model.entered)
+  cancelled = asyncio.ensure_future(batcher.embed(model, [[2], [3]]))
+  await asyncio.sleep(0)
+  with pytest.raises(EmbeddingQueueFull):
+    await batcher.embed(model, [[4], [5]])  # 1 running + 2 queued + 2 > 3
+  cancelled.cancel()
+  await asyncio.sleep(0)
+  model.gate.set()
+  await first
+  assert (await batcher.embed(model, [[4], [5]])).tolist() == [[4, 1], [5, 1]]  # room again
+  assert all([2] not in p for p in model.passes)
+  batcher.close()
+
+
+async def test_concurrent_first_requests_share_one_load():
+  loads = []
+  started, release = threading.Event(), threading.Event()
+
+  def load(model_id):
+    loads.append(model_id)
+    started.set()
+    release.wait(30)
+    return StandIn()
+  batcher = EmbeddingBatcher(load=load)
+  waiting = [asyncio.ensure_future(batcher.model("m")) for _ in range(5)]
+  await wait_for(started)
+  release.set()
+  models = await asyncio.gather(*waiting)
+  assert loads == ["m"] and all(m is models[0] for m in models)
+
+
+def test_shortened_vectors_are_cut_and_back_to_unit_length():
+  vectors = np.array([[3.0, 4.0, 12.0]], dtype=np.float32) / 13
+  cut = shortened(vectors, 2)
+  assert np.allclose(cut, [[0.6, 0.8]])
+  assert shortened(vectors, 3) is vectors
