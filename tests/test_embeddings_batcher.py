@@ -35,14 +35,25 @@ async def wait_for(event: threading.Event):
   assert await asyncio.to_thread(event.wait, 30)
 
 
+async def held_first_pass(batcher: EmbeddingBatcher, model: StandIn, first_id: int = 1) -> asyncio.Future:
+  """A first request whose pass is held (the worker is inside it), so what is sent next queues behind it."""
+  model.gate.clear()
+  first = asyncio.ensure_future(batcher.embed(model, [[first_id]]))
+  await wait_for(model.entered)
+  return first
+
+
+async def release(model: StandIn, first: asyncio.Future) -> None:
+  await asyncio.sleep(0)  # let every request sent meanwhile reach the queue
+  model.gate.set()
+  await first
+
+
 async def test_requests_queued_during_a_pass_run_together_in_the_next():
   batcher, model = EmbeddingBatcher(), StandIn()
-  model.gate.clear()
-  first = asyncio.ensure_future(batcher.embed(model, [[1]]))
-  await wait_for(model.entered)  # the worker is inside the first pass
+  first = await held_first_pass(batcher, model)
   others = [asyncio.ensure_future(batcher.embed(model, [[i], [i, i]])) for i in range(2, 33)]
-  await asyncio.sleep(0)  # let every request reach the queue
-  model.gate.set()
+  await release(model, first)
   results = await asyncio.gather(first, *others)
   assert len(model.passes) == 2 and len(model.passes[1]) == 62  # 31 requests, two inputs each, in one pass
   assert results[0].tolist() == [[1, 1]]
@@ -53,14 +64,10 @@ async def test_requests_queued_during_a_pass_run_together_in_the_next():
 
 async def test_a_pass_holds_at_most_batch_tokens_padded_tokens_shortest_first():
   batcher, model = EmbeddingBatcher(batch_tokens=7), StandIn()
-  model.gate.clear()
-  first = asyncio.ensure_future(batcher.embed(model, [[9]]))
-  await wait_for(model.entered)
+  first = await held_first_pass(batcher, model, 9)
   lengths = [4, 1, 2, 1, 3]
   rest = asyncio.ensure_future(batcher.embed(model, [[n] * n for n in lengths]))
-  await asyncio.sleep(0)
-  model.gate.set()
-  await first
+  await release(model, first)
   assert [v[1] for v in (await rest).tolist()] == lengths
   later = model.passes[1:]
   assert [[len(i) for i in p] for p in later] == [[1, 1, 2], [3], [4]]  # rows x longest <= 7
@@ -69,13 +76,9 @@ async def test_a_pass_holds_at_most_batch_tokens_padded_tokens_shortest_first():
 
 async def test_a_failing_pass_fails_its_requests_only():
   batcher, model = EmbeddingBatcher(batch_tokens=1), StandIn(fail_on=7)
-  model.gate.clear()
-  first = asyncio.ensure_future(batcher.embed(model, [[1]]))
-  await wait_for(model.entered)
+  first = await held_first_pass(batcher, model)
   bad, good = asyncio.ensure_future(batcher.embed(model, [[7], [8]])), asyncio.ensure_future(batcher.embed(model, [[5]]))
-  await asyncio.sleep(0)
-  model.gate.set()
-  await first
+  await release(model, first)
   with pytest.raises(ValueError):
     await bad
   assert (await good).tolist() == [[5, 1]]
@@ -86,17 +89,13 @@ async def test_a_failing_pass_fails_its_requests_only():
 
 async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
   batcher, model = EmbeddingBatcher(max_queued_inputs=3), StandIn()
-  model.gate.clear()
-  first = asyncio.ensure_future(batcher.embed(model, [[1]]))
-  await wait_for(model.entered)
+  first = await held_first_pass(batcher, model)
   cancelled = asyncio.ensure_future(batcher.embed(model, [[2], [3]]))
   await asyncio.sleep(0)
   with pytest.raises(EmbeddingQueueFull):
     await batcher.embed(model, [[4], [5]])  # 1 running + 2 queued + 2 > 3
   cancelled.cancel()
-  await asyncio.sleep(0)
-  model.gate.set()
-  await first
+  await release(model, first)
   assert (await batcher.embed(model, [[4], [5]])).tolist() == [[4, 1], [5, 1]]  # room again
   assert all([2] not in p for p in model.passes)
   batcher.close()
