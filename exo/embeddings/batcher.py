@@ -2,8 +2,9 @@
 them as padded batches, so 32 requests arriving together cost a few encoder passes instead of 32.
 
 An embedding is a prompt's pass alone (no KV cache, no sampling, no ring): it runs here, on the node whose API got
-the request, on this thread of its own beside the engine's, so chat steps never wait for an embedding batch nor an
-embedding for a chat step. A batch holds at most `batch_tokens` padded tokens (inputs sorted by length, so
+the request, on a thread of its own beside the engine's, so chat steps never wait for an embedding batch nor an
+embedding for a chat step. That thread and its helpers (one per extra core, its own) run at a lower priority: when
+the cores are wanted by a chat step they go to it, and embeddings run on what is left. A batch holds at most `batch_tokens` padded tokens (inputs sorted by length, so
 little of that is padding), which bounds how long one pass holds a core."""
 import asyncio
 import threading
@@ -15,7 +16,9 @@ import numpy as np
 
 from exo.embeddings.model import EmbeddingModel
 from exo.embeddings.registry import checkpoint_path
+from exo.inference.numpy.kernels import Workers, lower_thread_priority
 
+NICENESS = 10  # the batcher's threads run on what the engine's steps leave: a chat stream keeps its speed beside them
 BATCH_TOKENS = 4096  # padded tokens per encoder pass: 16 inputs of 256 tokens, or 128 of 32
 MAX_QUEUED_INPUTS = 16384  # beyond this the node is busy (429), not slowly drowning
 
@@ -31,16 +34,18 @@ class Job:
   done: Callable[[Optional[np.ndarray], Optional[BaseException]], None]  # called on the worker thread
   vectors: Optional[np.ndarray] = None
   cancelled: bool = False
-  left: int = field(init=False)
+  left: int = field(init=False)  # inputs whose vectors are still to come
+  queued: int = field(init=False)  # inputs not yet taken into a pass (counted in the batcher's queued_inputs)
 
   def __post_init__(self):
-    self.left = len(self.inputs)
+    self.left = self.queued = len(self.inputs)
 
 
 class EmbeddingBatcher:
   def __init__(self, batch_tokens: int = BATCH_TOKENS, max_queued_inputs: int = MAX_QUEUED_INPUTS,
-               load: Callable[[str], EmbeddingModel] = lambda model_id: EmbeddingModel(checkpoint_path(model_id))):
-    self.batch_tokens, self.max_queued_inputs, self.load = batch_tokens, max_queued_inputs, load
+               load: Callable[[str], EmbeddingModel] = lambda model_id: EmbeddingModel(checkpoint_path(model_id)), niceness: int = NICENESS):
+    self.batch_tokens, self.max_queued_inputs, self.load, self.niceness = batch_tokens, max_queued_inputs, load, niceness
+    self.workers = Workers(niceness)  # its own, not the engine's: a pass never holds the cores a chat step shares its work on
     self.models: Dict[str, EmbeddingModel] = {}
     self.loading: Dict[str, asyncio.Future] = {}
     self.jobs: Deque[Job] = deque()
@@ -86,7 +91,7 @@ class EmbeddingBatcher:
     try:
       return await future
     finally:
-      job.cancelled = True  # a no-op once done; else the worker skips what is left of it
+      self._drop(job)  # a no-op once done; else the worker skips what is left of it, and its room in the queue is free now
 
   def close(self) -> None:
     with self.wake:
@@ -94,6 +99,7 @@ class EmbeddingBatcher:
       self.wake.notify()
 
   def _run(self) -> None:
+    lower_thread_priority(self.niceness)
     while True:
       with self.wake:
         while not self.jobs and not self.closed:
@@ -112,16 +118,19 @@ class EmbeddingBatcher:
       take = 1
       while take < len(rows) and rows[take][0] * (take + 1) <= self.batch_tokens:
         take += 1
-      batch, rows = [r for r in rows[:take] if not r[1].cancelled], rows[take:]
-      self._release(take)
+      with self.wake:
+        batch, rows = [r for r in rows[:take] if not r[1].cancelled], rows[take:]
+        for _, job, _ in batch:
+          job.queued -= 1
+        self.queued_inputs -= len(batch)
       if not batch:
         continue
       try:
-        vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch])
+        vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch], self.workers)
         self.passes += 1
       except Exception as e:  # the jobs in this batch fail; the worker goes on
         for job in {id(job): job for _, job, _ in batch}.values():
-          job.cancelled = True
+          self._drop(job)
           job.done(None, e)
         continue
       for (_, job, i), vector in zip(batch, vectors):
@@ -132,7 +141,9 @@ class EmbeddingBatcher:
         if job.left == 0 and not job.cancelled:
           job.done(job.vectors, None)
 
-  def _release(self, inputs: int) -> None:
+  def _drop(self, job: Job) -> None:
     with self.wake:
-      self.queued_inputs -= inputs
+      job.cancelled = True
+      self.queued_inputs -= job.queued
+      job.queued = 0
 

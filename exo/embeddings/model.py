@@ -5,13 +5,14 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 from safetensors.numpy import load as load_safetensors
 from tokenizers import Tokenizer
 
 from exo.inference.numpy.bert import Bert, BertConfig
+from exo.inference.numpy.kernels import Workers
 
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
 NORMALIZE = "sentence_transformers.models.Normalize"
@@ -100,12 +101,13 @@ class EmbeddingModel:
     """An over-long input cut to max_tokens, keeping its last (special) token, as the tokenizer's own truncation does."""
     return ids if len(ids) <= self.max_tokens else ids[: self.max_tokens - 1] + ids[-1:]
 
-  def embed(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
-    """One batch of id lists (each at most max_tokens long), padded to the longest: (inputs, dimensions) float32."""
+  def embed(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers] = None) -> np.ndarray:
+    """One batch of id lists (each at most max_tokens long), padded to the longest: (inputs, dimensions) float32.
+    Its products are shared among `workers` (the engine's by default)."""
     length = max(len(ids) for ids in inputs)
     ids = np.zeros((len(inputs), length), dtype=np.int64)
     mask = np.zeros((len(inputs), length), dtype=np.int64)
     for row, tokens in enumerate(inputs):
       ids[row, : len(tokens)] = tokens
       mask[row, : len(tokens)] = 1
-    return self.pooling(self.encoder(ids, mask), mask)
+    return self.pooling(self.encoder(ids, mask, workers), mask)

@@ -4,11 +4,11 @@ last_hidden_state). Sentence embedding models (all-MiniLM-L6-v2) pool these; see
 A batch is a padded (rows, length) matrix of ids with a mask marking the real tokens: padding keys are masked out
 of attention, so a row's states do not depend on what it is batched with."""
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
-from exo.inference.numpy.kernels import matmul
+from exo.inference.numpy.kernels import Workers, matmul
 
 MASKED = np.float32(-1e30)  # a padding key's score: exp() of it minus the row's max is 0
 
@@ -78,8 +78,9 @@ class Bert:
         "ffn_norm": (get(p + "output.LayerNorm.weight"), get(p + "output.LayerNorm.bias")),
       })
 
-  def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """ids and mask (rows, length), mask 1 for a token and 0 for padding: the last layer's states (rows, length, hidden)."""
+  def __call__(self, ids: np.ndarray, mask: np.ndarray, workers: Optional[Workers] = None) -> np.ndarray:
+    """ids and mask (rows, length), mask 1 for a token and 0 for padding: the last layer's states (rows, length, hidden).
+    The products are shared among `workers` (kernels.py; the engine's shared ones by default)."""
     c = self.config
     rows, length = ids.shape
     if length > c.max_positions:
@@ -88,18 +89,18 @@ class Bert:
     x = layer_norm(x, *self.embed_norm, c.layer_norm_eps).reshape(rows * length, c.hidden_size)
     bias = np.where(mask[:, None, None, :] > 0, np.float32(0), MASKED).astype(np.float32)
     for layer in self.layers:
-      x = layer_norm(x + self._attention(x, layer, rows, length, bias), *layer["attn_norm"], c.layer_norm_eps)
+      x = layer_norm(x + self._attention(x, layer, rows, length, bias, workers), *layer["attn_norm"], c.layer_norm_eps)
       w, b = layer["up"]
-      hidden = gelu(matmul(x, w) + b)
+      hidden = gelu(matmul(x, w, workers) + b)
       w, b = layer["down"]
-      x = layer_norm(x + matmul(hidden, w) + b, *layer["ffn_norm"], c.layer_norm_eps)
+      x = layer_norm(x + matmul(hidden, w, workers) + b, *layer["ffn_norm"], c.layer_norm_eps)
     return x.reshape(rows, length, c.hidden_size)
 
-  def _attention(self, x: np.ndarray, layer: dict, rows: int, length: int, bias: np.ndarray) -> np.ndarray:
+  def _attention(self, x: np.ndarray, layer: dict, rows: int, length: int, bias: np.ndarray, workers: Optional[Workers]) -> np.ndarray:
     c = self.config
     head_dim = c.hidden_size // c.heads
     w, b = layer["qkv"]
-    qkv = (matmul(x, w) + b).reshape(rows, length, 3, c.heads, head_dim).transpose(2, 0, 3, 1, 4)  # (3, rows, heads, length, head_dim)
+    qkv = (matmul(x, w, workers) + b).reshape(rows, length, 3, c.heads, head_dim).transpose(2, 0, 3, 1, 4)  # (3, rows, heads, length, head_dim)
     q, k, v = qkv[0], qkv[1], qkv[2]
     scores = q @ k.transpose(0, 1, 3, 2) * np.float32(1 / np.sqrt(head_dim)) + bias
     scores -= scores.max(-1, keepdims=True)
@@ -107,4 +108,4 @@ class Bert:
     scores /= scores.sum(-1, keepdims=True)
     out = (scores @ v).transpose(0, 2, 1, 3).reshape(rows * length, c.hidden_size)
     w, b = layer["out"]
-    return matmul(np.ascontiguousarray(out), w) + b
+    return matmul(np.ascontiguousarray(out), w, workers) + b

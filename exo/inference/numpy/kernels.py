@@ -14,6 +14,7 @@ OpenBLAS runs single-threaded here (see engine.py): its own threads spin between
 made steps several times slower. The engine shares work itself: `split_over_cores` hands slices of a task to worker
 threads, one per extra core, started on first use."""
 import os
+import sys
 import threading
 from typing import Callable, List, Optional
 
@@ -26,14 +27,17 @@ class _Worker:
   """A thread that runs one slice of a task when handed one. A pair of locks hands it over: waking a thread costs
   about 25 us on this VM, and a thread pool's futures and queues cost as much again on top."""
 
-  def __init__(self):
+  def __init__(self, niceness: int = 0):
     self.go, self.done = threading.Lock(), threading.Lock()
     self.go.acquire()
     self.done.acquire()
     self.task, self.error = None, None
+    self.niceness = niceness
     threading.Thread(target=self._loop, daemon=True, name="numpy-worker").start()
 
   def _loop(self) -> None:
+    if self.niceness:
+      lower_thread_priority(self.niceness)
     while True:
       self.go.acquire()
       part, lo, hi = self.task
@@ -55,52 +59,73 @@ class _Worker:
     return error
 
 
-_workers: Optional[List[_Worker]] = None
-_workers_busy = threading.Lock()  # one split task at a time; another engine's thread in this process meanwhile runs alone
-_starting = threading.Lock()
+def lower_thread_priority(niceness: int) -> None:
+  """The calling thread's niceness raised by `niceness` (Linux sets it per thread), so it runs on what other work
+  leaves; elsewhere nothing changes."""
+  if hasattr(os, "setpriority") and sys.platform.startswith("linux"):
+    try:
+      os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness))
+    except OSError:
+      pass
 
 
-def _get_workers() -> List[_Worker]:
-  global _workers
-  if _workers is None:
-    with _starting:
-      if _workers is None:
-        _workers = [_Worker() for _ in range(CORES - 1)]
-  return _workers
+class Workers:
+  """One worker thread per extra core, started on first use, sharing out one task at a time (another thread's task
+  meanwhile runs alone, on its caller). The engine's steps share one group (`shared_workers`); work that must give
+  way to them has its own, niced (see exo/embeddings/batcher.py)."""
+
+  def __init__(self, niceness: int = 0):
+    self.niceness = niceness
+    self.threads: Optional[List[_Worker]] = None
+    self.busy, self.starting = threading.Lock(), threading.Lock()
+
+  def get(self) -> List[_Worker]:
+    if self.threads is None:
+      with self.starting:
+        if self.threads is None:
+          self.threads = [_Worker(self.niceness) for _ in range(CORES - 1)]
+    return self.threads
+
+  def split(self, part: Callable[[int, int], None], n: int) -> None:
+    """part(lo, hi) for each of CORES even slices of range(n), at once; the calling thread runs the first slice."""
+    workers = self.get() if CORES > 1 and n > 1 else []
+    if not workers or not self.busy.acquire(blocking=False):
+      part(0, n)
+      return
+    try:
+      bounds = [n * i // CORES for i in range(CORES + 1)]
+      for worker, lo, hi in zip(workers, bounds[1:], bounds[2:]):
+        worker.start(part, lo, hi)
+      part(bounds[0], bounds[1])
+    finally:
+      errors = [worker.wait() for worker in workers]
+      self.busy.release()
+    for error in errors:
+      if error is not None:
+        raise error
+
+
+shared_workers = Workers()
 
 
 def _forget_workers() -> None:
-  global _workers, _workers_busy, _starting
-  _workers, _workers_busy, _starting = None, threading.Lock(), threading.Lock()
+  global shared_workers
+  shared_workers = Workers()
 
 
 if hasattr(os, "register_at_fork"):
   os.register_at_fork(after_in_child=_forget_workers)  # a forked child has none of its parent's threads to hand work to
 
 
-def split_over_cores(part: Callable[[int, int], None], n: int) -> None:
-  """part(lo, hi) for each of CORES even slices of range(n), at once; the calling thread runs the first slice."""
-  workers = _get_workers() if CORES > 1 and n > 1 else []
-  if not workers or not _workers_busy.acquire(blocking=False):
-    part(0, n)
-    return
-  try:
-    bounds = [n * i // CORES for i in range(CORES + 1)]
-    for worker, lo, hi in zip(workers, bounds[1:], bounds[2:]):
-      worker.start(part, lo, hi)
-    part(bounds[0], bounds[1])
-  finally:
-    errors = [worker.wait() for worker in workers]
-    _workers_busy.release()
-  for error in errors:
-    if error is not None:
-      raise error
+def split_over_cores(part: Callable[[int, int], None], n: int, workers: Optional[Workers] = None) -> None:
+  """part(lo, hi) for each of CORES even slices of range(n), at once, on `workers` (the engine's shared ones by default)."""
+  (workers or shared_workers).split(part, n)
 
 
 PARALLEL_ROWS = 2  # from 2 rows a step shares its work among the cores (2 rows: 20% faster; 1 row, memory-bound: 20% slower)
 
 
-def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, rows: int) -> None:
+def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, rows: int, workers: Optional[Workers] = None) -> None:
   """part(a, b) over slices of range(n_cols) cut at multiples of `align`, shared among the cores if rows are enough."""
   panels = -(-n_cols // align)
 
@@ -108,18 +133,18 @@ def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, row
     if lo < hi:
       part(lo * align, min(n_cols, hi * align))
   if rows >= PARALLEL_ROWS:
-    split_over_cores(run, panels)
+    split_over_cores(run, panels, workers)
   else:
     run(0, panels)
 
 
-def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def matmul(x: np.ndarray, w: np.ndarray, workers: Optional[Workers] = None) -> np.ndarray:
   """x (rows, in) @ w (in, out), its columns shared among the cores when there are rows enough."""
   out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
 
   def part(a: int, b: int) -> None:
     np.matmul(x, w[:, a:b], out=out[:, a:b])
-  split_columns(part, w.shape[1], 64, x.shape[0])
+  split_columns(part, w.shape[1], 64, x.shape[0], workers)
   return out
 
 
