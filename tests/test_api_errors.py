@@ -10,6 +10,7 @@ import pytest
 
 from exo.api.reply_text import ReplyText
 from exo.download.download_progress import RepoProgressEvent
+from exo.embeddings.registry import embedding_cards
 from exo.inference.shard import Shard
 from exo.models import model_cards
 from exo.orchestration.requests import Status
@@ -242,7 +243,8 @@ async def test_models_and_initial_models(server):
     assert status == 200
     body = json.loads(text)
     assert list(body) == ["object", "data"] and body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == list(model_cards)
+    assert [m["id"] for m in body["data"]] == list(model_cards) + list(embedding_cards)
+    assert body["data"][-1] == {"id": "all-minilm-l6-v2", "object": "model", "owned_by": "exo", "ready": True, "type": "embedding"}
     assert body["data"][0] == {"id": list(model_cards)[0], "object": "model", "owned_by": "exo", "ready": True}
   status, _, text = await get(f"{server.url}/initial_models")
   assert status == 200

@@ -101,23 +101,6 @@ async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
   batcher.close()
 
 
-async def test_concurrent_first_requests_share_one_load():
-  loads = []
-  started, release = threading.Event(), threading.Event()
-
-  def load(model_id):
-    loads.append(model_id)
-    started.set()
-    release.wait(30)
-    return StandIn()
-  batcher = EmbeddingBatcher(load=load)
-  waiting = [asyncio.ensure_future(batcher.model("m")) for _ in range(5)]
-  await wait_for(started)
-  release.set()
-  models = await asyncio.gather(*waiting)
-  assert loads == ["m"] and all(m is models[0] for m in models)
-
-
 def test_shortened_vectors_are_cut_and_back_to_unit_length():
   vectors = np.array([[3.0, 4.0, 12.0]], dtype=np.float32) / 13
   cut = shortened(vectors, 2)

@@ -15,6 +15,7 @@ from exo.api.replies import json_reply
 from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
 from exo.download.shard_download import repo_dir
+from exo.embeddings.registry import checkpoint_path, embedding_cards
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
 
 
@@ -48,7 +49,8 @@ class AdminRoutes:
   # --- models, downloads, topology ---
 
   async def handle_models(self, request: web.Request) -> web.Response:
-    return json_reply({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "exo", "ready": True} for m in model_cards]})
+    embedding = [{"id": m, "object": "model", "owned_by": "exo", "ready": checkpoint_path(m) is not None, "type": "embedding"} for m in embedding_cards]
+    return json_reply({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "exo", "ready": True} for m in model_cards] + embedding})
 
   async def handle_initial_models(self, request: web.Request) -> web.Response:
     return json_reply({
@@ -130,8 +132,9 @@ class AdminRoutes:
     return json_reply({"status": "ok"})
 
   async def handle_state(self, request: web.Request) -> web.Response:
-    """This node's live requests (id, model, status, positions, KV bytes) and its KV memory in all."""
-    return json_reply(self.node.state())
+    """This node's live requests (id, model, status, positions, KV bytes) and its KV memory in all; the embedding
+    models loaded beside its chat model (seconds loaded, seconds until unloaded, requests using each)."""
+    return json_reply({**self.node.state(), "embedding_models": self.core.embeddings.pool.describe()})
 
   async def handle_health(self, request: web.Request) -> web.Response:
     """Readiness: 200 while this node takes new requests; 503 while it is stopping or every place is taken."""

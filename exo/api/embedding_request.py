@@ -1,14 +1,16 @@
 """Embedding request bodies read and checked: OpenAI's /v1/embeddings (`input` a string, a list of strings, a list of
 token ids or a list of those; `encoding_format`; `dimensions`) and Ollama's /api/embed (`input` a string or a list of
-strings, `truncate`, `dimensions`) and /api/embeddings (`prompt`). Bad input is a 400 naming the field.
+strings, `truncate`, `dimensions`) and /api/embeddings (`prompt`), both with Ollama's `keep_alive`. Bad input is a 400 naming the field.
 
 Token ids are the embedding model's own, taken as the encoder sees them (as vLLM takes them): a client that
 tokenises itself includes the model's special tokens ([CLS] ... [SEP] for BERT) as its tokenizer adds them."""
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Union
 
 from exo.api.errors import ApiError, BadRequest
-from exo.api.request_fields import MAX_INT32, is_int, parse_flag, refuse_unimplemented
+from exo.api.request_fields import MAX_INT32, is_int, is_number, parse_flag, refuse_unimplemented
 from exo.embeddings.registry import DEFAULT_EMBEDDING_MODEL, FALLBACK_PREFIXES, embedding_cards, embedding_model_id
 from exo.models import model_cards
 
@@ -38,6 +40,7 @@ class EmbeddingRequest:
   fields: EmbeddingFields = EmbeddingFields()
   single: bool = False  # `input` was one item, not a list (its error messages say `input`, not `input[0]`)
   truncate_hint: str = " (send \"truncate\": true to cut it to the limit)"
+  keep_alive: Optional[float] = None  # seconds the model stays loaded after this request (the node's default when None)
 
   def item_name(self, index: int) -> str:
     return self.fields.input if self.single else f"{self.fields.input}[{index}]"
@@ -112,6 +115,33 @@ def parse_openai_embedding(body: Mapping) -> EmbeddingRequest:
                           single=single)
 
 
+DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: Any, name: str = "keep_alive") -> Optional[float]:
+  """Seconds from Ollama's keep_alive: a number of seconds, or a Go duration ("5m", "1h30m", "300ms"); negative
+  means forever (math.inf), 0 unload at once. None when not given."""
+  if value is None:
+    return None
+  seconds = None
+  if is_number(value):
+    seconds = float(value)
+  elif isinstance(value, str):
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    try:
+      seconds = sign * float(body)  # a bare number, as Ollama's clients also send it
+    except ValueError:
+      parts = DURATION.findall(body)
+      if parts and "".join(n + u for n, u in parts) == body:
+        seconds = sign * sum(float(n) * UNIT_S[u] for n, u in parts)
+  if seconds is None:
+    raise BadRequest(f'{name} must be a number of seconds or a duration such as "5m" or "1h30m" (negative: keep the model loaded)', param=name)
+  return math.inf if seconds < 0 else seconds
+
+
 def _ollama_model(body: Mapping) -> str:
   name = body.get("model")
   if not isinstance(name, str) or not name:
@@ -131,7 +161,8 @@ def parse_ollama_embed(body: Mapping) -> EmbeddingRequest:
   _check_options(body)
   inputs, single = parse_inputs(body.get("input"), "input", token_ids=False)
   return EmbeddingRequest(_ollama_model(body), inputs, dimensions=parse_dimensions(body), truncate=parse_flag(body, "truncate", True),
-                          single=single, truncate_hint=" (leave truncate unset or true to cut it to the limit)")
+                          single=single, truncate_hint=" (leave truncate unset or true to cut it to the limit)",
+                          keep_alive=parse_duration(body.get("keep_alive")))
 
 
 def parse_ollama_embeddings(body: Mapping) -> EmbeddingRequest:
@@ -141,4 +172,5 @@ def parse_ollama_embeddings(body: Mapping) -> EmbeddingRequest:
   prompt = body.get("prompt")
   if not isinstance(prompt, str):
     raise BadRequest("prompt is required, as a string", param="prompt")
-  return EmbeddingRequest(_ollama_model(body), [prompt], truncate=True, fields=EmbeddingFields(input="prompt"), single=True)
+  return EmbeddingRequest(_ollama_model(body), [prompt], truncate=True, fields=EmbeddingFields(input="prompt"), single=True,
+                          keep_alive=parse_duration(body.get("keep_alive")))

@@ -2,8 +2,7 @@
 /api/embeddings): the inputs read and checked (exo/api/embedding_request.py), tokenised off the event loop, held to
 the model's length (refused with its limit, or cut where the request asks), run by the node's embedding batcher
 (exo/embeddings/batcher.py), and shortened to `dimensions` where the model allows it."""
-import asyncio
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -11,6 +10,7 @@ from exo.api.embedding_request import EmbeddingRequest
 from exo.api.errors import ApiError, BadRequest
 from exo.embeddings.batcher import EmbeddingBatcher, EmbeddingQueueFull
 from exo.embeddings.model import EmbeddingModel, normalized
+from exo.embeddings.pool import DEFAULT_KEEP_ALIVE_S, EmbeddingPool
 from exo.embeddings.registry import checkpoint_path, embedding_cards
 
 
@@ -19,30 +19,34 @@ def shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
   return vectors if dimensions >= vectors.shape[1] else normalized(vectors[:, :dimensions])
 
 
+def load_installed(model_id: str) -> EmbeddingModel:
+  return EmbeddingModel(checkpoint_path(model_id))
+
+
 class Embeddings:
-  def __init__(self, in_thread, batcher: EmbeddingBatcher = None):
+  def __init__(self, in_thread, keep_alive: float = DEFAULT_KEEP_ALIVE_S, batcher: Optional[EmbeddingBatcher] = None,
+               pool: Optional[EmbeddingPool] = None):
     self.in_thread = in_thread  # the API's prompt threads: tokenising is CPU work that must not hold the event loop
     self.batcher = batcher or EmbeddingBatcher()
+    self.pool = pool or EmbeddingPool(load_installed, keep_alive)
 
   def close(self) -> None:
     self.batcher.close()
-
-  async def model(self, model_id: str) -> EmbeddingModel:
-    card = embedding_cards[model_id]
-    if checkpoint_path(model_id) is None:
-      raise ApiError(404, f"the embedding model {card.name} is not installed on this node (install it with: {card.install})",
-                     param="model", code="model_not_found")
-    return await self.batcher.model(model_id)
+    self.pool.close()
 
   async def embed(self, request: EmbeddingRequest) -> Tuple[np.ndarray, int]:
     """The request's vectors (one per input, in order) and the tokens they took."""
-    model = await self.model(request.model)
-    self._check_dimensions(request, model)
-    inputs = await self.in_thread(self._token_ids, model, request)
-    try:
-      vectors = await self.batcher.embed(model, inputs)
-    except EmbeddingQueueFull as e:
-      raise ApiError(429, f"this node is busy: {e}; try again shortly", code="too_many_requests", headers={"Retry-After": "1"}) from None
+    card = embedding_cards[request.model]
+    if checkpoint_path(request.model) is None:
+      raise ApiError(404, f"the embedding model {card.name} is not installed on this node (install it with: {card.install})",
+                     param="model", code="model_not_found")
+    async with self.pool.use(request.model, request.keep_alive) as model:
+      self._check_dimensions(request, model)
+      inputs = await self.in_thread(self._token_ids, model, request)
+      try:
+        vectors = await self.batcher.embed(model, inputs)
+      except EmbeddingQueueFull as e:
+        raise ApiError(429, f"this node is busy: {e}; try again shortly", code="too_many_requests", headers={"Retry-After": "1"}) from None
     if request.dimensions is not None:
       vectors = shortened(vectors, request.dimensions)
     return vectors, sum(len(ids) for ids in inputs)

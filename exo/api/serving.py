@@ -53,7 +53,7 @@ class ServingCore:
     self.profiles = ModelProfiles(node, engine_classname)
     self.prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="exo-api-prompt")
     self.on_request: Optional[Callable] = None  # (request_id, request, prompt) for each templated request, before it runs
-    self.embeddings = Embeddings(self.in_thread)  # embedding requests: run on this node, beside the ring's generations
+    self.embeddings = Embeddings(self.in_thread, settings.keep_alive_s)  # embedding requests: run on this node, beside the ring's generations
 
   def close(self) -> None:
     self.prompt_pool.shutdown(wait=False, cancel_futures=True)

@@ -5,12 +5,18 @@
   EXO_KV_BUDGET_MB / --kv-budget-mb                        KV cache the running requests may claim between them
   EXO_MAX_REQUEST_BODY_MB / --max-request-body-mb          largest request body
   EXO_ALLOWED_ORIGINS / --allowed-origins                  web origins, besides the node's own, whose pages may use the API
-  EXO_API_KEY / --api-key                                  when set, API calls must bring it as `Authorization: Bearer <key>`"""
+  EXO_API_KEY / --api-key                                  when set, API calls must bring it as `Authorization: Bearer <key>`
+  EXO_KEEP_ALIVE                                           how long an idle embedding model stays loaded (Ollama's OLLAMA_KEEP_ALIVE:
+                                                           seconds or a duration such as "5m"; negative: always)"""
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Tuple
 
 import psutil
+
+from exo.api.embedding_request import parse_duration
+from exo.api.errors import BadRequest
+from exo.embeddings.pool import DEFAULT_KEEP_ALIVE_S
 
 DEFAULT_MAX_RUNNING = 256  # vLLM's default for requests in flight; the KV budget usually binds first
 DEFAULT_MAX_QUEUED = 1024
@@ -30,6 +36,7 @@ class ApiSettings:
   max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
   allowed_origins: Tuple[str, ...] = ()  # exact origins, fnmatch patterns ("http://*.lan:*"), or "*" for any
   api_key: Optional[str] = None
+  keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
 
   def describe(self) -> str:
     origins = ", ".join(self.allowed_origins) if self.allowed_origins else "none"
@@ -68,6 +75,11 @@ def api_settings_from(args, environ: Mapping[str, str]) -> ApiSettings:
   origins, _ = _raw(args, "--allowed-origins", environ, "EXO_ALLOWED_ORIGINS")
   key, _ = _raw(args, "--api-key", environ, "EXO_API_KEY")
   kv_mb = _number(args, "--kv-budget-mb", environ, "EXO_KV_BUDGET_MB", 1, integer=False)
+  keep_alive, _ = _raw(args, "--keep-alive", environ, "EXO_KEEP_ALIVE")
+  try:
+    keep_alive_s = DEFAULT_KEEP_ALIVE_S if keep_alive is None else parse_duration(keep_alive, "EXO_KEEP_ALIVE")
+  except BadRequest as e:
+    raise ValueError(e.message) from None
   return ApiSettings(
     max_running=int(number("--max-concurrent-requests", "EXO_MAX_CONCURRENT_REQUESTS", DEFAULT_MAX_RUNNING, 1)),
     max_queued=int(number("--max-queued-requests", "EXO_MAX_QUEUED_REQUESTS", DEFAULT_MAX_QUEUED, 0)),
@@ -75,4 +87,5 @@ def api_settings_from(args, environ: Mapping[str, str]) -> ApiSettings:
     max_body_bytes=int(number("--max-request-body-mb", "EXO_MAX_REQUEST_BODY_MB", DEFAULT_MAX_BODY_MB, 0.001, integer=False) * 2**20),
     allowed_origins=tuple(o.strip().rstrip("/") for o in (origins or "").split(",") if o.strip()),
     api_key=key.strip() if key else None,
+    keep_alive_s=keep_alive_s,
   )

@@ -10,12 +10,11 @@ import asyncio
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence
+from typing import Callable, Deque, List, Optional, Sequence
 
 import numpy as np
 
 from exo.embeddings.model import EmbeddingModel
-from exo.embeddings.registry import checkpoint_path
 from exo.inference.numpy.kernels import Workers, lower_thread_priority
 
 NICENESS = 10  # the batcher's threads run on what the engine's steps leave: a chat stream keeps its speed beside them
@@ -42,32 +41,15 @@ class Job:
 
 
 class EmbeddingBatcher:
-  def __init__(self, batch_tokens: int = BATCH_TOKENS, max_queued_inputs: int = MAX_QUEUED_INPUTS,
-               load: Callable[[str], EmbeddingModel] = lambda model_id: EmbeddingModel(checkpoint_path(model_id)), niceness: int = NICENESS):
-    self.batch_tokens, self.max_queued_inputs, self.load, self.niceness = batch_tokens, max_queued_inputs, load, niceness
+  def __init__(self, batch_tokens: int = BATCH_TOKENS, max_queued_inputs: int = MAX_QUEUED_INPUTS, niceness: int = NICENESS):
+    self.batch_tokens, self.max_queued_inputs, self.niceness = batch_tokens, max_queued_inputs, niceness
     self.workers = Workers(niceness)  # its own, not the engine's: a pass never holds the cores a chat step shares its work on
-    self.models: Dict[str, EmbeddingModel] = {}
-    self.loading: Dict[str, asyncio.Future] = {}
     self.jobs: Deque[Job] = deque()
     self.queued_inputs = 0
     self.wake = threading.Condition()
     self.closed = False
     self.passes = 0  # encoder passes run (each one batch): how tests see that requests ran together
     self.thread: Optional[threading.Thread] = None
-
-  async def model(self, model_id: str) -> EmbeddingModel:
-    """The model, loaded on first use (off the event loop; concurrent first requests share one load, a failed one
-    is tried again by the next request)."""
-    if model_id not in self.models:
-      loading = self.loading.get(model_id)
-      if loading is None:
-        loading = self.loading[model_id] = asyncio.ensure_future(asyncio.to_thread(self.load, model_id))
-      try:
-        self.models[model_id] = await asyncio.shield(loading)
-      finally:
-        if loading.done() and self.loading.get(model_id) is loading:
-          del self.loading[model_id]
-    return self.models[model_id]
 
   async def embed(self, model: EmbeddingModel, inputs: Sequence[Sequence[int]]) -> np.ndarray:
     """(inputs, dimensions) vectors, run in batches with whatever else is queued. Cancelling drops the inputs not yet run."""

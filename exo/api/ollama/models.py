@@ -7,6 +7,7 @@ from typing import List, Optional
 
 from exo.api.model_profiles import local_files
 from exo.api.request_fields import supported_models
+from exo.embeddings.registry import checkpoint_path, embedding_cards
 from exo.inference.weights import LlamaConfig, load_config
 from exo.models import get_repo
 
@@ -58,6 +59,21 @@ def describe(model_id: str, engine_classname: str) -> dict:
              "parameter_size": _size_label(parameter_count(config)) if config else "", "quantization_level": precision}
   return {"name": tagged(model_id), "model": tagged(model_id), "modified_at": modified.isoformat().replace("+00:00", "Z"), "size": size,
           "digest": hashlib.sha256(f"{model_id}\n{listing}".encode()).hexdigest(), "details": details}
+
+
+def installed_embedding_models() -> List[str]:
+  return [m for m in embedding_cards if checkpoint_path(m) is not None]
+
+
+def describe_embedding(model_id: str) -> dict:
+  """An embedding model's entry, as /api/tags lists it: its weights are float32, so its size gives its parameters."""
+  path = checkpoint_path(model_id)
+  stat = path.stat()
+  details = {"parent_model": "", "format": "safetensors", "family": "bert", "families": ["bert"],
+             "parameter_size": _size_label(stat.st_size // 4), "quantization_level": "F32"}
+  return {"name": tagged(model_id), "model": tagged(model_id),
+          "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"), "size": stat.st_size,
+          "digest": hashlib.sha256(f"{model_id}\n{path.name} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest(), "details": details}
 
 
 def model_info(config: Optional[LlamaConfig]) -> dict:

@@ -3,6 +3,7 @@
 import asyncio
 import time
 from contextlib import aclosing
+from datetime import datetime, timezone
 from typing import Callable, List, Tuple
 
 from aiohttp import web
@@ -10,7 +11,8 @@ from aiohttp import web
 from exo.api.embedding_request import parse_ollama_embed, parse_ollama_embeddings
 from exo.api.errors import ApiError
 from exo.api.event_stream import EventStream
-from exo.api.ollama.models import config_of, describe, local_models, model_info, tagged
+from exo.api.ollama.models import (config_of, describe, describe_embedding, installed_embedding_models, local_models, model_info,
+                                   tagged)
 from exo.api.ollama.render import OllamaReply, error_body, now
 from exo.api.ollama.request import parse_chat, parse_generate, resolve_ollama_model
 from exo.api.replies import NDJSON, json_reply
@@ -19,6 +21,7 @@ from exo.api.serving import ServingCore
 
 # The version of Ollama's API these routes follow (clients check it before using newer fields), not exo's own.
 OLLAMA_API_VERSION = "0.12.0"
+FOREVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at of a model that stays loaded
 
 
 class OllamaRoutes:
@@ -78,17 +81,25 @@ class OllamaRoutes:
 
   async def handle_tags(self, request: web.Request) -> web.Response:
     engine = self.core.engine_classname
-    models = await asyncio.to_thread(lambda: [describe(m, engine) for m in local_models(engine)])
+    models = await asyncio.to_thread(lambda: [describe(m, engine) for m in local_models(engine)] +
+                                     [describe_embedding(m) for m in installed_embedding_models()])
     return json_reply({"models": models})
 
   async def handle_ps(self, request: web.Request) -> web.Response:
-    """The model this node's engine holds (its shard of it), kept until another is asked for."""
+    """The model this node's engine holds (its shard of it), kept until another is asked for; the embedding models
+    loaded beside it, each until its keep-alive runs out."""
+    models = []
     shard = self.core.node.inference_engine.shard
-    if shard is None:
-      return json_reply({"models": []})
-    entry = await asyncio.to_thread(describe, shard.model_id, self.core.engine_classname)
-    _, limits = await self.core.profiles.get(shard.model_id)
-    return json_reply({"models": [{**entry, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0, "context_length": limits.context_length}]})
+    if shard is not None:
+      entry = await asyncio.to_thread(describe, shard.model_id, self.core.engine_classname)
+      _, limits = await self.core.profiles.get(shard.model_id)
+      models.append({**entry, "expires_at": FOREVER, "size_vram": 0, "context_length": limits.context_length})
+    for held in self.core.embeddings.pool.describe():
+      entry = await asyncio.to_thread(describe_embedding, held["model"])
+      expires = FOREVER if held["expires_in_s"] is None or held["expires_in_s"] > 1e9 else \
+        datetime.fromtimestamp(time.time() + held["expires_in_s"], timezone.utc).isoformat().replace("+00:00", "Z")
+      models.append({**entry, "expires_at": expires, "size_vram": 0, "context_length": held["max_tokens"]})
+    return json_reply({"models": models})
 
   async def handle_version(self, request: web.Request) -> web.Response:
     return json_reply({"version": OLLAMA_API_VERSION})
