@@ -65,6 +65,8 @@ def test_a_product_split_over_the_cores_equals_it_on_one_thread():
   for rows in (1, kernels.PARALLEL_ROWS - 1, kernels.PARALLEL_ROWS, 40):
     x = rng.standard_normal((rows, 96), dtype=np.float32)
     np.testing.assert_allclose(kernels.matmul(x, w), x @ w, rtol=1e-6, atol=1e-5)
+    bias = rng.standard_normal(200, dtype=np.float32)
+    np.testing.assert_allclose(kernels.matmul(x, w, bias, then=np.tanh), np.tanh(x @ w + bias), rtol=1e-5, atol=1e-5)  # each slice's epilogue
 
 
 def test_split_work_reports_a_workers_error_and_serves_concurrent_callers():

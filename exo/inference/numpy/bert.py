@@ -90,22 +90,18 @@ class Bert:
     bias = np.where(mask[:, None, None, :] > 0, np.float32(0), MASKED).astype(np.float32)
     for layer in self.layers:
       x = layer_norm(x + self._attention(x, layer, rows, length, bias, workers), *layer["attn_norm"], c.layer_norm_eps)
-      w, b = layer["up"]
-      hidden = gelu(matmul(x, w, workers) + b)
-      w, b = layer["down"]
-      x = layer_norm(x + matmul(hidden, w, workers) + b, *layer["ffn_norm"], c.layer_norm_eps)
+      hidden = matmul(x, *layer["up"], workers, gelu)
+      x = layer_norm(x + matmul(hidden, *layer["down"], workers), *layer["ffn_norm"], c.layer_norm_eps)
     return x.reshape(rows, length, c.hidden_size)
 
   def _attention(self, x: np.ndarray, layer: dict, rows: int, length: int, bias: np.ndarray, workers: Optional[Workers]) -> np.ndarray:
     c = self.config
     head_dim = c.hidden_size // c.heads
-    w, b = layer["qkv"]
-    qkv = (matmul(x, w, workers) + b).reshape(rows, length, 3, c.heads, head_dim).transpose(2, 0, 3, 1, 4)  # (3, rows, heads, length, head_dim)
+    qkv = matmul(x, *layer["qkv"], workers).reshape(rows, length, 3, c.heads, head_dim).transpose(2, 0, 3, 1, 4)  # (3, rows, heads, length, head_dim)
     q, k, v = qkv[0], qkv[1], qkv[2]
     scores = q @ k.transpose(0, 1, 3, 2) * np.float32(1 / np.sqrt(head_dim)) + bias
     scores -= scores.max(-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(-1, keepdims=True)
     out = (scores @ v).transpose(0, 2, 1, 3).reshape(rows * length, c.hidden_size)
-    w, b = layer["out"]
-    return matmul(np.ascontiguousarray(out), w, workers) + b
+    return matmul(np.ascontiguousarray(out), *layer["out"], workers)

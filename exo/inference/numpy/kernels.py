@@ -138,12 +138,18 @@ def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, row
     run(0, panels)
 
 
-def matmul(x: np.ndarray, w: np.ndarray, workers: Optional[Workers] = None) -> np.ndarray:
-  """x (rows, in) @ w (in, out), its columns shared among the cores when there are rows enough."""
+def matmul(x: np.ndarray, w: np.ndarray, bias: Optional[np.ndarray] = None, workers: Optional[Workers] = None,
+           then: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
+  """x (rows, in) @ w (in, out) (+ bias, then `then` of it, elementwise), its columns shared among the cores when
+  there are rows enough: each core adds the bias and applies `then` to its own columns."""
   out = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
 
   def part(a: int, b: int) -> None:
     np.matmul(x, w[:, a:b], out=out[:, a:b])
+    if bias is not None:
+      out[:, a:b] += bias[a:b]
+    if then is not None:
+      out[:, a:b] = then(out[:, a:b])
   split_columns(part, w.shape[1], 64, x.shape[0], workers)
   return out
 
