@@ -101,6 +101,17 @@ async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
   batcher.close()
 
 
+async def test_closing_ends_what_waits_with_an_error():
+  batcher, model = EmbeddingBatcher(), StandIn()
+  first = await held_first_pass(batcher, model)
+  waiting = asyncio.ensure_future(batcher.embed(model, [[2]]))
+  await asyncio.sleep(0)
+  batcher.close()
+  await release(model, first)
+  with pytest.raises(RuntimeError, match="stopping"):
+    await waiting
+
+
 def test_shortened_vectors_are_cut_and_back_to_unit_length():
   vectors = np.array([[3.0, 4.0, 12.0]], dtype=np.float32) / 13
   cut = shortened(vectors, 2)

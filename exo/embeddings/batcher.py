@@ -4,8 +4,8 @@ them as padded batches, so 32 requests arriving together cost a few encoder pass
 An embedding is a prompt's pass alone (no KV cache, no sampling, no ring): it runs here, on the node whose API got
 the request, on a thread of its own beside the engine's, so chat steps never wait for an embedding batch nor an
 embedding for a chat step. That thread and its helpers (one per extra core, its own) run at a lower priority: when
-the cores are wanted by a chat step they go to it, and embeddings run on what is left. A batch holds at most `batch_tokens` padded tokens (inputs sorted by length, so
-little of that is padding), which bounds how long one pass holds a core."""
+the cores are wanted by a chat step they go to it, and embeddings run on what is left. A batch holds at most
+`batch_tokens` padded tokens (inputs sorted by length, so little of that is padding), which bounds one pass."""
 import asyncio
 import threading
 from collections import deque
@@ -48,7 +48,6 @@ class EmbeddingBatcher:
     self.queued_inputs = 0
     self.wake = threading.Condition()
     self.closed = False
-    self.passes = 0  # encoder passes run (each one batch): how tests see that requests ran together
     self.thread: Optional[threading.Thread] = None
 
   async def embed(self, model: EmbeddingModel, inputs: Sequence[Sequence[int]]) -> np.ndarray:
@@ -86,12 +85,23 @@ class EmbeddingBatcher:
       with self.wake:
         while not self.jobs and not self.closed:
           self.wake.wait()
-        if self.closed:
-          return
         jobs = list(self.jobs)
         self.jobs.clear()
+      if self.closed:  # the API is stopping: what waits ends with an error, never hangs
+        for job in jobs:
+          job.done(None, RuntimeError("the node is stopping"))
+        return
       for model in dict.fromkeys(job.model for job in jobs):
-        self._run_together([job for job in jobs if job.model is model])
+        group = [job for job in jobs if job.model is model]
+        try:
+          self._run_together(group)
+        except Exception as e:  # a fault outside a pass fails its requests; the worker goes on
+          self._fail(group, e)
+
+  def _fail(self, jobs: List[Job], error: Exception) -> None:
+    for job in jobs:
+      self._drop(job)
+      job.done(None, error)
 
   def _run_together(self, jobs: List[Job]) -> None:
     """Every input of these jobs (one model's), shortest first, in batches of at most batch_tokens padded tokens."""
@@ -109,11 +119,8 @@ class EmbeddingBatcher:
         continue
       try:
         vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch], self.workers)
-        self.passes += 1
       except Exception as e:  # the jobs in this batch fail; the worker goes on
-        for job in {id(job): job for _, job, _ in batch}.values():
-          self._drop(job)
-          job.done(None, e)
+        self._fail(list({id(job): job for _, job, _ in batch}.values()), e)
         continue
       for (_, job, i), vector in zip(batch, vectors):
         if job.vectors is None:
