@@ -10,6 +10,7 @@ import pytest
 
 from exo.api.embeddings import shortened
 from exo.embeddings.batcher import EmbeddingBatcher, EmbeddingQueueFull
+from exo.inference.numpy import kernels
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +25,7 @@ class StandIn:
 
   def embed(self, inputs, workers=None):
     self.passes.append([list(i) for i in inputs])
+    self.cores = workers.cores
     self.entered.set()
     self.gate.wait(30)
     if self.fail_on is not None and any(self.fail_on in i for i in inputs):
@@ -98,6 +100,17 @@ async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
   await release(model, first)
   assert (await batcher.embed(model, [[4], [5]])).tolist() == [[4, 1], [5, 1]]  # room again
   assert all([2] not in p for p in model.passes)
+  batcher.close()
+
+
+async def test_while_chat_runs_a_pass_keeps_to_its_own_thread():
+  chatting = False
+  batcher, model = EmbeddingBatcher(busy=lambda: chatting), StandIn()
+  await batcher.embed(model, [[1]])
+  assert model.cores == kernels.CORES  # its own helpers, one per extra core (never the engine's: see kernels.Workers)
+  chatting = True
+  await batcher.embed(model, [[1]])
+  assert model.cores == 1
   batcher.close()
 
 

@@ -2,7 +2,7 @@
 /api/embeddings): the inputs read and checked (exo/api/embedding_request.py), tokenised off the event loop, held to
 the model's length (refused with its limit, or cut where the request asks), run by the node's embedding batcher
 (exo/embeddings/batcher.py), and shortened to `dimensions` where the model allows it."""
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -24,10 +24,10 @@ def load_installed(model_id: str) -> EmbeddingModel:
 
 
 class Embeddings:
-  def __init__(self, in_thread, keep_alive: float = DEFAULT_KEEP_ALIVE_S, batcher: Optional[EmbeddingBatcher] = None,
-               pool: Optional[EmbeddingPool] = None):
+  def __init__(self, in_thread, keep_alive: float = DEFAULT_KEEP_ALIVE_S, busy: Callable[[], bool] = lambda: False,
+               batcher: Optional[EmbeddingBatcher] = None, pool: Optional[EmbeddingPool] = None):
     self.in_thread = in_thread  # the API's prompt threads: tokenising is CPU work that must not hold the event loop
-    self.batcher = batcher or EmbeddingBatcher()
+    self.batcher = batcher or EmbeddingBatcher(busy=busy)  # busy(): whether the node has chat requests, which embeddings give way to
     self.pool = pool or EmbeddingPool(load_installed, keep_alive)
 
   def close(self) -> None:

@@ -53,7 +53,8 @@ class ServingCore:
     self.profiles = ModelProfiles(node, engine_classname)
     self.prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="exo-api-prompt")
     self.on_request: Optional[Callable] = None  # (request_id, request, prompt) for each templated request, before it runs
-    self.embeddings = Embeddings(self.in_thread, settings.keep_alive_s)  # embedding requests: run on this node, beside the ring's generations
+    # Embedding requests run on this node, beside the ring's generations, giving way to them while there are any here.
+    self.embeddings = Embeddings(self.in_thread, settings.keep_alive_s, busy=lambda: len(node.requests) > 0)
 
   def close(self) -> None:
     self.prompt_pool.shutdown(wait=False, cancel_futures=True)

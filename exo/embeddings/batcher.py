@@ -3,9 +3,10 @@ them as padded batches, so 32 requests arriving together cost a few encoder pass
 
 An embedding is a prompt's pass alone (no KV cache, no sampling, no ring): it runs here, on the node whose API got
 the request, on a thread of its own beside the engine's, so chat steps never wait for an embedding batch nor an
-embedding for a chat step. That thread and its helpers (one per extra core, its own) run at a lower priority: when
-the cores are wanted by a chat step they go to it, and embeddings run on what is left. A batch holds at most
-`batch_tokens` padded tokens (inputs sorted by length, so little of that is padding), which bounds one pass."""
+embedding for a chat step. A pass shares its products among helper threads of its own (one per extra core), never
+the engine's; while the node has chat requests (`busy()`), it runs on its one thread instead, leaving the other
+cores to the engine's steps. A batch holds at most `batch_tokens` padded tokens (inputs sorted by length, so little
+of that is padding), which bounds one pass."""
 import asyncio
 import threading
 from collections import deque
@@ -15,9 +16,8 @@ from typing import Callable, Deque, List, Optional, Sequence
 import numpy as np
 
 from exo.embeddings.model import EmbeddingModel
-from exo.inference.numpy.kernels import Workers, lower_thread_priority
+from exo.inference.numpy.kernels import Workers
 
-NICENESS = 10  # the batcher's threads run on what the engine's steps leave: a chat stream keeps its speed beside them
 BATCH_TOKENS = 4096  # padded tokens per encoder pass: 16 inputs of 256 tokens, or 128 of 32
 MAX_QUEUED_INPUTS = 16384  # beyond this the node is busy (429), not slowly drowning
 
@@ -41,9 +41,10 @@ class Job:
 
 
 class EmbeddingBatcher:
-  def __init__(self, batch_tokens: int = BATCH_TOKENS, max_queued_inputs: int = MAX_QUEUED_INPUTS, niceness: int = NICENESS):
-    self.batch_tokens, self.max_queued_inputs, self.niceness = batch_tokens, max_queued_inputs, niceness
-    self.workers = Workers(niceness)  # its own, not the engine's: a pass never holds the cores a chat step shares its work on
+  def __init__(self, batch_tokens: int = BATCH_TOKENS, max_queued_inputs: int = MAX_QUEUED_INPUTS, busy: Callable[[], bool] = lambda: False):
+    self.batch_tokens, self.max_queued_inputs, self.busy = batch_tokens, max_queued_inputs, busy
+    self.workers = Workers()  # its own, not the engine's: a pass never holds the helpers a chat step shares its work on
+    self.alone = Workers(cores=1)  # while chat runs: the pass's own thread only
     self.jobs: Deque[Job] = deque()
     self.queued_inputs = 0
     self.wake = threading.Condition()
@@ -80,7 +81,6 @@ class EmbeddingBatcher:
       self.wake.notify()
 
   def _run(self) -> None:
-    lower_thread_priority(self.niceness)
     while True:
       with self.wake:
         while not self.jobs and not self.closed:
@@ -118,7 +118,8 @@ class EmbeddingBatcher:
       if not batch:
         continue
       try:
-        vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch], self.workers)
+        workers = self.alone if self.busy() else self.workers
+        vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch], workers)
       except Exception as e:  # the jobs in this batch fail; the worker goes on
         self._fail(list({id(job): job for _, job, _ in batch}.values()), e)
         continue

@@ -14,7 +14,6 @@ OpenBLAS runs single-threaded here (see engine.py): its own threads spin between
 made steps several times slower. The engine shares work itself: `split_over_cores` hands slices of a task to worker
 threads, one per extra core, started on first use."""
 import os
-import sys
 import threading
 from typing import Callable, List, Optional
 
@@ -27,17 +26,14 @@ class _Worker:
   """A thread that runs one slice of a task when handed one. A pair of locks hands it over: waking a thread costs
   about 25 us on this VM, and a thread pool's futures and queues cost as much again on top."""
 
-  def __init__(self, niceness: int = 0):
+  def __init__(self):
     self.go, self.done = threading.Lock(), threading.Lock()
     self.go.acquire()
     self.done.acquire()
     self.task, self.error = None, None
-    self.niceness = niceness
     threading.Thread(target=self._loop, daemon=True, name="numpy-worker").start()
 
   def _loop(self) -> None:
-    if self.niceness:
-      lower_thread_priority(self.niceness)
     while True:
       self.go.acquire()
       part, lo, hi = self.task
@@ -59,23 +55,13 @@ class _Worker:
     return error
 
 
-def lower_thread_priority(niceness: int) -> None:
-  """The calling thread's niceness raised by `niceness` (Linux sets it per thread), so it runs on what other work
-  leaves; elsewhere nothing changes."""
-  if hasattr(os, "setpriority") and sys.platform.startswith("linux"):
-    try:
-      os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness))
-    except OSError:
-      pass
-
-
 class Workers:
-  """One worker thread per extra core, started on first use, sharing out one task at a time (another thread's task
-  meanwhile runs alone, on its caller). The engine's steps share one group (`shared_workers`); work that must give
-  way to them has its own, niced (see exo/embeddings/batcher.py)."""
+  """One worker thread per extra core (of `cores`, all by default), started on first use, sharing out one task at a
+  time (another thread's task meanwhile runs alone, on its caller). The engine's steps share one group
+  (`shared_workers`); other work has its own, so it never takes the engine's (see exo/embeddings/batcher.py)."""
 
-  def __init__(self, niceness: int = 0):
-    self.niceness = niceness
+  def __init__(self, cores: int = CORES):
+    self.cores = cores
     self.threads: Optional[List[_Worker]] = None
     self.busy, self.starting = threading.Lock(), threading.Lock()
 
@@ -83,17 +69,17 @@ class Workers:
     if self.threads is None:
       with self.starting:
         if self.threads is None:
-          self.threads = [_Worker(self.niceness) for _ in range(CORES - 1)]
+          self.threads = [_Worker() for _ in range(self.cores - 1)]
     return self.threads
 
   def split(self, part: Callable[[int, int], None], n: int) -> None:
-    """part(lo, hi) for each of CORES even slices of range(n), at once; the calling thread runs the first slice."""
-    workers = self.get() if CORES > 1 and n > 1 else []
+    """part(lo, hi) for each of `cores` even slices of range(n), at once; the calling thread runs the first slice."""
+    workers = self.get() if self.cores > 1 and n > 1 else []
     if not workers or not self.busy.acquire(blocking=False):
       part(0, n)
       return
     try:
-      bounds = [n * i // CORES for i in range(CORES + 1)]
+      bounds = [n * i // self.cores for i in range(self.cores + 1)]
       for worker, lo, hi in zip(workers, bounds[1:], bounds[2:]):
         worker.start(part, lo, hi)
       part(bounds[0], bounds[1])
