@@ -2,9 +2,11 @@
 /api/embeddings): the inputs read and checked (exo/api/embedding_request.py), tokenised off the event loop, held to
 the model's length (refused with its limit, or cut where the request asks), run by the node's embedding batcher
 (exo/embeddings/batcher.py), and shortened to `dimensions` where the model allows it."""
+import json
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
+from aiohttp import web
 
 from exo.api.embedding_request import EmbeddingRequest
 from exo.api.errors import ApiError, BadRequest
@@ -50,6 +52,11 @@ class Embeddings:
     if request.dimensions is not None:
       vectors = shortened(vectors, request.dimensions)
     return vectors, sum(len(ids) for ids in inputs)
+
+  async def reply(self, body: Callable[[], dict]) -> web.Response:
+    """A JSON reply built and written on the prompt threads: 2048 vectors as decimal floats take a while, which the
+    event loop (every other stream's) must not spend."""
+    return web.Response(text=await self.in_thread(lambda: json.dumps(body())), content_type="application/json")
 
   @staticmethod
   def _check_dimensions(request: EmbeddingRequest, model: EmbeddingModel) -> None:

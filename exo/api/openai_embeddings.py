@@ -8,7 +8,6 @@ import numpy as np
 from aiohttp import web
 
 from exo.api.embedding_request import parse_openai_embedding
-from exo.api.replies import json_reply
 from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
 
@@ -30,6 +29,6 @@ class OpenAIEmbeddingRoutes:
     raw = await request.read()
     embedding = await self.core.in_thread(lambda: parse_openai_embedding(parse_json_body(raw)))
     vectors, tokens = await self.core.embeddings.embed(embedding)
-    data = [{"object": "embedding", "index": i, "embedding": encoded(v, embedding.encoding_format)} for i, v in enumerate(vectors)]
-    return json_reply({"object": "list", "data": data, "model": embedding.model,
-                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return await self.core.embeddings.reply(lambda: {
+      "object": "list", "data": [{"object": "embedding", "index": i, "embedding": encoded(v, embedding.encoding_format)} for i, v in enumerate(vectors)],
+      "model": embedding.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

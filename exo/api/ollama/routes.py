@@ -69,15 +69,15 @@ class OllamaRoutes:
     raw = await request.read()
     embedding = await self.core.in_thread(lambda: parse_ollama_embed(parse_json_body(raw)))
     vectors, tokens = await self.core.embeddings.embed(embedding)
-    return json_reply({"model": tagged(embedding.model), "embeddings": vectors.tolist(), "total_duration": time.monotonic_ns() - started,
-                       "load_duration": 0, "prompt_eval_count": tokens})
+    return await self.core.embeddings.reply(lambda: {"model": tagged(embedding.model), "embeddings": vectors.tolist(),
+                                                     "total_duration": time.monotonic_ns() - started, "load_duration": 0, "prompt_eval_count": tokens})
 
   async def handle_embeddings(self, request: web.Request) -> web.Response:
     """The older route: {"embedding": [...]} for one `prompt`."""
     raw = await request.read()
     embedding = await self.core.in_thread(lambda: parse_ollama_embeddings(parse_json_body(raw)))
     vectors, _ = await self.core.embeddings.embed(embedding)
-    return json_reply({"embedding": vectors[0].tolist()})
+    return await self.core.embeddings.reply(lambda: {"embedding": vectors[0].tolist()})
 
   async def handle_tags(self, request: web.Request) -> web.Response:
     engine = self.core.engine_classname
