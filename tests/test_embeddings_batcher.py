@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from exo.api.embeddings import shortened
-from exo.embeddings.batcher import EmbeddingBatcher, EmbeddingQueueFull
+from exo.embeddings.batcher import BUSY_BATCH_TOKENS, EmbeddingBatcher, EmbeddingQueueFull
 from exo.inference.numpy import kernels
 
 pytestmark = pytest.mark.unit
@@ -103,14 +103,14 @@ async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
   batcher.close()
 
 
-async def test_while_chat_runs_a_pass_keeps_to_its_own_thread():
+async def test_while_chat_runs_passes_keep_to_their_own_thread_and_stay_small():
   chatting = False
-  batcher, model = EmbeddingBatcher(busy=lambda: chatting), StandIn()
-  await batcher.embed(model, [[1]])
-  assert model.cores == kernels.CORES  # its own helpers, one per extra core (never the engine's: see kernels.Workers)
+  batcher, model = EmbeddingBatcher(busy=lambda: chatting, busy_share=1.0), StandIn()  # share 1: no pause between passes
+  await batcher.embed(model, [[1] * 100] * 20)
+  assert model.cores == kernels.CORES and len(model.passes) == 1  # its own helpers, one per extra core (never the engine's)
   chatting = True
-  await batcher.embed(model, [[1]])
-  assert model.cores == 1
+  await batcher.embed(model, [[1] * 100] * 20)
+  assert model.cores == 1 and [len(p) for p in model.passes[1:]] == [BUSY_BATCH_TOKENS // 100] * 4  # 5 rows of 100 tokens <= 512
   batcher.close()
 
 
