@@ -105,6 +105,7 @@ LONG = "word " * 400  # 402 tokens, past the model's 256
   ("/v1/embeddings", {"input": [[]]}, "input[0]", "empty"),
   ("/v1/embeddings", {"input": ["a", [101, 102]]}, "input", "mixes"),
   ("/v1/embeddings", {"input": [101, 99999, 102]}, "input", "vocabulary"),
+  ("/v1/embeddings", {"input": [101] + [1000] * 3000 + [102]}, "input", "3002 tokens long, more than all-minilm-l6-v2's limit of 256"),
   ("/v1/embeddings", {"input": "a", "dimensions": 1000}, "dimensions", "at most 384"),
   ("/v1/embeddings", {"input": "a", "dimensions": 100}, "dimensions", "cannot shorten"),
   ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions", ">= 1"),

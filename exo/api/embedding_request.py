@@ -78,10 +78,10 @@ def parse_inputs(value: Any, name: str, token_ids: bool) -> tuple:
     raise BadRequest(f"{name} is required, as {what}" if value is None else f"{name} must be {what}", param=name)
   if not value:
     raise BadRequest(f"{name} must not be an empty list", param=name)
+  if token_ids and not any(isinstance(v, (str, list)) for v in value):  # one input as token ids (its length is the model's to judge)
+    return [_token_list(value, name)], True
   if len(value) > MAX_INPUTS:
     raise BadRequest(f"{name} holds {len(value)} items; at most {MAX_INPUTS} per request", param=name)
-  if token_ids and not any(isinstance(v, (str, list)) for v in value):  # one list of token ids
-    return [_token_list(value, name)], True
   items = []
   for i, item in enumerate(value):
     if isinstance(item, str):
