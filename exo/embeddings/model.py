@@ -5,10 +5,9 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
-from safetensors.numpy import load as load_safetensors
 from tokenizers import Tokenizer
 
 from exo.inference.numpy.bert import Bert, BertConfig
@@ -17,6 +16,25 @@ from exo.inference.numpy.kernels import Workers
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
 NORMALIZE = "sentence_transformers.models.Normalize"
 POOLING = "sentence_transformers.models.Pooling"
+
+
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
+
+
+def read_safetensors(data: bytes) -> Dict[str, np.ndarray]:
+  """Every tensor of a safetensors file held in memory, as read-only views of its bytes."""
+  header_len = int.from_bytes(data[:8], "little")
+  header = json.loads(data[8:8 + header_len])
+  tensors = {}
+  for name, meta in header.items():
+    if name == "__metadata__":
+      continue
+    if meta["dtype"] not in SAFETENSORS_DTYPES:
+      raise ValueError(f"{name} is {meta['dtype']}; this reader takes {sorted(SAFETENSORS_DTYPES)}")
+    dtype = np.dtype(SAFETENSORS_DTYPES[meta["dtype"]])
+    start, end = meta["data_offsets"]
+    tensors[name] = np.frombuffer(data, dtype, (end - start) // dtype.itemsize, 8 + header_len + start).reshape(meta["shape"])
+  return tensors
 
 
 def checkpoint_reader(source: Union[str, Path]) -> Callable[[str], bytes]:
@@ -87,7 +105,7 @@ class EmbeddingModel:
     self.tokenizer = Tokenizer.from_str(read("tokenizer.json").decode())
     self.tokenizer.no_padding()  # the file pads every input to 128 and cuts there; the batcher pads, the API decides on length
     self.tokenizer.no_truncation()
-    self.encoder = Bert(self.config, load_safetensors(read("model.safetensors")))
+    self.encoder = Bert(self.config, read_safetensors(read("model.safetensors")))
 
   @property
   def vocab_size(self) -> int:
