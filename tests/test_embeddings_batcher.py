@@ -106,11 +106,11 @@ async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
 async def test_while_chat_runs_passes_keep_to_their_own_thread_and_stay_small():
   chatting = False
   batcher, model = EmbeddingBatcher(busy=lambda: chatting, busy_share=1.0), StandIn()  # share 1: no pause between passes
-  await batcher.embed(model, [[1] * 100] * 20)
+  await batcher.embed(model, [[1] * 10] * 20)
   assert model.cores == kernels.CORES and len(model.passes) == 1  # its own helpers, one per extra core (never the engine's)
   chatting = True
-  await batcher.embed(model, [[1] * 100] * 20)
-  assert model.cores == 1 and [len(p) for p in model.passes[1:]] == [BUSY_BATCH_TOKENS // 100] * 4  # 5 rows of 100 tokens <= 512
+  await batcher.embed(model, [[1] * 10] * 20)
+  assert model.cores == 1 and [len(p) for p in model.passes[1:]] == [BUSY_BATCH_TOKENS // 10] * (200 // BUSY_BATCH_TOKENS) + [200 % BUSY_BATCH_TOKENS // 10]
   batcher.close()
 
 
