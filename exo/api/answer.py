@@ -17,6 +17,7 @@ class AnswerPlan:
   tools: Optional[List[dict]]  # for the chat template
   grammar: Optional[str]  # Lark text (see exo/inference/grammar.py), None when the answer is free
   tool_format: Optional[ToolFormat]  # None when no tool may be called
+  bounded_numbers: bool = True  # no schema asks for numbers wider than the grammar's bounds (grammar.asks_for_wide_numbers)
 
   def tool_stream(self) -> Optional[ToolCallStream]:
     return ToolCallStream(self.tool_format) if self.tool_format is not None else None
@@ -36,13 +37,15 @@ class AnswerPlan:
 def plan_answer(tokenizer, messages: List[Dict[str, Any]], response_format: Optional[ResponseFormat], tool_use: Optional[ToolUse]) -> AnswerPlan:
   """Run on the prompt threads: compiling a grammar takes milliseconds (a first one per model, ~0.5 s more for the
   vocabulary). A request that may call no tool shows the chat template none (tool_choice none means no call)."""
+  schemas = ([response_format.schema] if response_format is not None else []) + ([t.parameters for t in tool_use.callable] if tool_use else [])
+  bounded = not grammar.asks_for_wide_numbers(schemas)
   if tool_use is None:
     source = f"start: {response_format.fragment()}" if response_format is not None else None
-    return AnswerPlan(messages, None, _compiled(tokenizer, source, "response_format"), None)
+    return AnswerPlan(messages, None, _compiled(tokenizer, source, "response_format"), None, bounded)
   tool_format = format_for(tokenizer, structured_reply=response_format is not None)
   messages, tools = tool_format.conversation(messages, tool_use)
   source = tool_format.grammar(tool_use, response_format)
-  return AnswerPlan(messages, tools, _compiled(tokenizer, source, "tools"), tool_format)
+  return AnswerPlan(messages, tools, _compiled(tokenizer, source, "tools"), tool_format, bounded)
 
 
 def _compiled(tokenizer, source: Optional[str], field: str) -> Optional[str]:

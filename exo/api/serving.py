@@ -120,7 +120,7 @@ class ServingCore:
     texts, plan = self._prompts(tokenizer, request)
     names = request.fields
     return [(text, ids, replace(request.params, max_tokens=limits.reply_budget(len(ids), request.params.max_tokens, names.prompt, names.max_tokens),
-                                grammar=plan.grammar), text if request.echo else "") for text, ids in texts], plan
+                                grammar=plan.grammar, bounded_numbers=plan.bounded_numbers), text if request.echo else "") for text, ids in texts], plan
 
   async def count_prompt_tokens(self, request: GenerationRequest) -> int:
     """The tokens the request's prompt takes, as it would be run (tools and the answer's format included)."""

@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from exo.inference.closing import within_budget
 from exo.inference.grammar import CannotConstrain, Constraint, GrammarError, MaskTimes, compute_masks, in_grammar_thread
 from exo.inference.sampling import SamplingParams, allowed, draw_then_check, last_rows, make_generator, masked, sample_rows, token_logprobs
 
@@ -33,7 +34,7 @@ def start(request, tokenizer) -> Optional[Constraint]:
   if request.params.grammar and request.constraint is None:
     if tokenizer is None:
       raise CannotConstrain("it has no tokenizer for the request's model")
-    request.constraint = Constraint(request.params.grammar)
+    request.constraint = Constraint(request.params.grammar, request.params.bounded_numbers is not False)
   if request.constraint is not None:
     request.constraint.prepare(tokenizer)
   return request.constraint
@@ -52,9 +53,11 @@ async def masks_of(constraints: Sequence[Optional[Constraint]], times: Optional[
 
 async def sample(engine, results: Sequence[np.ndarray], params: Sequence[SamplingParams], generators: Sequence[np.random.Generator],
                  constraints: Sequence[Optional[Constraint]], masks: Optional[Sequence[Optional[np.ndarray]]] = None,
-                 times: Optional[MaskTimes] = None) -> Tuple[np.ndarray, np.ndarray]:
+                 times: Optional[MaskTimes] = None, budgets: Optional[Sequence[Optional[int]]] = None) -> Tuple[np.ndarray, np.ndarray]:
   """(tokens, the logit rows they were drawn from): constrained rows as the module docstring says. `masks`, when
-  given, holds each constrained row's mask computed beforehand (while the step's forward pass ran)."""
+  given, holds each constrained row's mask computed beforehand (while the step's forward pass ran). `budgets`, when
+  given, holds each row's tokens left, this one included: a constrained row near its end is closed within it
+  (exo/inference/closing.py)."""
   n = len(results)
   constrained = [i for i, c in enumerate(constraints) if c is not None]
   if not constrained:
@@ -78,7 +81,18 @@ async def sample(engine, results: Sequence[np.ndarray], params: Sequence[Samplin
     if not np.isfinite(rows[again]).any(axis=-1).all():
       raise GrammarError("the grammar allows no token of this model's vocabulary here")
     tokens[again] = sample_rows(rows[again], [params[i] for i in again], [generators[i] for i in again])
+  if budgets is not None:
+    near = [i for i in constrained if budgets[i] is not None and constraints[i].closing is not None and constraints[i].budget.watching(budgets[i])]
+    for i in constrained:
+      if i not in near:
+        constraints[i].budget.steps += 1
+    if near:
+      tokens[near] = await in_grammar_thread(_within_budgets, [constraints[i] for i in near], tokens[near], [budgets[i] for i in near])
   return tokens, rows
+
+
+def _within_budgets(constraints: Sequence[Constraint], tokens: np.ndarray, budgets: Sequence[int]) -> List[int]:
+  return [within_budget(c.matcher, c.budget, c.closing, c.lexer, c.lexer_state, int(t), left) for c, t, left in zip(constraints, tokens, budgets)]
 
 
 def advance(constraints: Sequence[Optional[Constraint]], tokens: Sequence[int]) -> List[Optional[Exception]]:
@@ -95,10 +109,11 @@ def advance(constraints: Sequence[Optional[Constraint]], tokens: Sequence[int]) 
 
 
 async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarray], sampler: str, masks: Optional[Sequence[Optional[np.ndarray]]] = None,
-                          times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
+                          times: Optional[MaskTimes] = None, budgets: Optional[Sequence[Optional[int]]] = None) -> List[Union[int, Exception]]:
   """Each request's next token (exo/orchestration/requests.py's records: their parameters, random streams and
   grammars), its logprobs set on the record when it asked, its matcher advanced; a request whose grammar `sampler`
-  (the node, for the error) cannot follow gets an error in place of its token."""
+  (the node, for the error) cannot follow gets an error in place of its token. `budgets`: each request's tokens
+  left, this one included (a constrained answer is closed within them)."""
   for request in requests:
     if request.generator is None:
       request.generator = make_generator(request.params.seed)
@@ -110,7 +125,7 @@ async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarr
     return out
   params, constraints = [requests[i].params for i in rows], [prepared[i] for i in rows]
   drawn, logits = await sample(engine, [results[i] for i in rows], params, [requests[i].generator for i in rows], constraints,
-                               masks and [masks[i] for i in rows], times)
+                               masks and [masks[i] for i in rows], times, budgets and [budgets[i] for i in rows])
   tokens = [int(t) for t in drawn]
   if any(p.logprobs is not None for p in params):  # from the logits each was drawn from, for every row that asked, in one pass
     logits = last_rows([results[i] for i in rows]) if logits is None else logits

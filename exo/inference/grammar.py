@@ -19,6 +19,9 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
+from exo.inference.closing import Budget, ClosingTokens
+from exo.inference.json_numbers import START, NumberBounds, clear_bits
+
 try:
   import llguidance
 except ImportError:  # a node without it cannot constrain: requests that need it fail with a clear error
@@ -97,6 +100,25 @@ def tightened(schema: Any) -> Any:
   return out
 
 
+WIDE_NUMBER = 10**17  # a schema bound this far out asks for more digits than json_numbers.MAX_DIGITS
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def asks_for_wide_numbers(schema: Any) -> bool:
+  """Whether a schema lets a number reach WIDE_NUMBER by a bound of its own (`minimum`, `maximum` or their exclusive
+  forms): the answer's numbers are then not held to exo/inference/json_numbers.py's bounds."""
+  stack = [schema]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, dict):
+      if any(isinstance(node.get(k), (int, float)) and not isinstance(node.get(k), bool) and abs(node[k]) >= WIDE_NUMBER for k in _BOUNDS):
+        return True
+      stack.extend(node.values())
+    elif isinstance(node, list):
+      stack.extend(node)
+  return False
+
+
 def lark_string(text: str) -> str:
   """A Lark string literal matching `text` exactly."""
   return json.dumps(text)
@@ -135,6 +157,25 @@ def vocabulary(tokenizer) -> "llguidance.LLTokenizer":
         raise CannotConstrain(f"this model's tokenizer ({type(tokenizer).__name__}) has no vocabulary the grammar engine can read")
       eos = sorted(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
       built = _vocabularies[tokenizer] = llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
+    return built
+
+
+_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def vocabulary_tables(tokenizer) -> Tuple[NumberBounds, ClosingTokens]:
+  """A model's vocabulary as the number bounds (exo/inference/json_numbers.py) and the closing of answers within
+  their budget (exo/inference/closing.py) read it, built once per tokenizer."""
+  vocab = vocabulary(tokenizer)
+  with _vocabulary_lock:
+    built = _tables.get(tokenizer)
+    if built is None:
+      # Bytes read as Latin-1: one character per byte, and the characters either looks for are ASCII.
+      special = [i for i in range(vocab.vocab_size) if vocab.is_special_token(i)]
+      texts = [vocab.decode_bytes([i]).decode("latin-1") for i in range(vocab.vocab_size)]
+      for i in special:
+        texts[i] = ""
+      built = _tables[tokenizer] = (NumberBounds(texts), ClosingTokens(texts))
     return built
 
 
@@ -186,12 +227,18 @@ async def in_grammar_thread(fn, *args):
 
 class Constraint:
   """One request's grammar on the node that samples it: compiled once (`prepare`), then advanced by each sampled
-  token. `finished` once the grammar admits nothing more: the request ends there."""
+  token. `finished` once the grammar admits nothing more: the request ends there. With `bounded_numbers`, the JSON
+  numbers it writes keep within exo/inference/json_numbers.py's bounds (`limit` applies them to its masks)."""
 
-  def __init__(self, grammar: str):
+  def __init__(self, grammar: str, bounded_numbers: bool = True):
     self.grammar = grammar
     self.matcher = None
     self.vocab_size = 0
+    self.lexer: Optional[NumberBounds] = None  # follows where the answer stands in its JSON (json_numbers.py)
+    self.lexer_state = START
+    self.bounded_numbers = bounded_numbers
+    self.closing: Optional[ClosingTokens] = None
+    self.budget = Budget()
     self._preparing: Optional[asyncio.Future] = None
 
   def prepare(self, tokenizer) -> asyncio.Future:
@@ -200,6 +247,7 @@ class Constraint:
       async def compile_it():
         self.matcher = await in_grammar_thread(compile_matcher, tokenizer, self.grammar)
         self.vocab_size = vocabulary(tokenizer).vocab_size
+        self.lexer, self.closing = await in_grammar_thread(vocabulary_tables, tokenizer)
       self._preparing = asyncio.ensure_future(compile_it())
       self._preparing.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is raised where it is awaited
     return self._preparing
@@ -215,6 +263,20 @@ class Constraint:
   def advance(self, token: int) -> None:
     if not self.matcher.consume_token(int(token)):
       raise GrammarError(f"token {int(token)} does not follow the grammar: {_first_lines(self.matcher.get_error(), 1)}")
+    if self.lexer is not None and 0 <= int(token) < len(self.lexer.texts):
+      self.lexer_state = self.lexer.advance(self.lexer_state, int(token))
+
+  def limit(self, mask: np.ndarray) -> np.ndarray:
+    """`mask` (this constraint's row of allowed tokens, from the grammar) less the tokens that would take a JSON
+    number past its bounds; the mask as it was if that would leave nothing (a schema's own bounds decide then)."""
+    if self.lexer is None or not self.bounded_numbers:
+      return mask
+    banned = self.lexer.banned(self.lexer_state)
+    if not len(banned):
+      return mask
+    limited = mask.copy()
+    clear_bits(limited, banned)
+    return limited if limited.any() else mask
 
 
 def mask_words(vocab_size: int) -> int:
@@ -237,7 +299,7 @@ class MaskTimes:
 
 def compute_masks(constraints: Sequence[Constraint], times: Optional[MaskTimes] = None) -> np.ndarray:
   """Each constraint's allowed next tokens as a bitmask row (int32 words; bit i of word w is token 32 w + i), all
-  rows in one parallel call. Every constraint must be ready and on one model's vocabulary. Call on the grammar
+  rows in one parallel call, each `limit`ed. Every constraint must be ready and on one model's vocabulary. Call on the grammar
   threads."""
   global _executor
   start = time.perf_counter()
@@ -245,6 +307,8 @@ def compute_masks(constraints: Sequence[Constraint], times: Optional[MaskTimes] 
   if _executor is None:
     _executor = llguidance.LLExecutor(GRAMMAR_THREADS)
   _executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], masks.ctypes.data, masks.shape[1] * 4, len(constraints))
+  for i, c in enumerate(constraints):
+    masks[i] = c.limit(masks[i])
   if times is not None:
     times.record(time.perf_counter() - start, len(constraints))
   return masks

@@ -17,6 +17,7 @@ class SamplingParams:
   ignore_eos: bool = False  # generate exactly max_tokens (benchmarks), as vLLM's extension of the same name
   logprobs: Optional[int] = None  # None = none; k = each token's log-probability and its k most likely alternatives
   grammar: Optional[str] = None  # Lark text (llguidance's dialect) the answer must follow; see exo/inference/grammar.py
+  bounded_numbers: bool = True  # the grammar's JSON numbers keep within exo/inference/json_numbers.py's bounds
 
   def to_dict(self) -> dict:
     return asdict(self)

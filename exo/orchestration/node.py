@@ -410,7 +410,18 @@ class Node(RingMember):
     (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
     node cannot follow gets an error in place of its token."""
     requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    return await constrained.sample_requests(self.inference_engine, requests, results, f"node {self.id}", masks, mask_times)
+    return await constrained.sample_requests(self.inference_engine, requests, results, f"node {self.id}", masks, mask_times,
+                                             [self.tokens_left(r) for r in requests])
+
+  def token_limit(self, request: Request) -> int:
+    return min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
+
+  def tokens_left(self, request: Request) -> int:
+    """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
+    context's (one fewer than the context would hold, to be sure)."""
+    left = self.token_limit(request) - len(request.tokens)
+    context = self._context_length()
+    return left if context is None else min(left, context - request.positions)
 
   def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
     """After sampling on the last layer: record, check EOS / length / context, fire callbacks, send, forward."""
@@ -421,7 +432,7 @@ class Node(RingMember):
     logprobs, request.sampled_logprobs = request.sampled_logprobs, None
     if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
       request.eos_ids = eos_ids(self.inference_engine.tokenizer)
-    limit = min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
+    limit = self.token_limit(request)
     context = self._context_length()
     is_finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
                    or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))

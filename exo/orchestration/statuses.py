@@ -126,8 +126,9 @@ def sampling_params(data: Any) -> SamplingParams:
     raise InvalidStatus(f"params.seed must be an unsigned 64-bit integer, got {params.seed!r}")
   if params.max_tokens is not None and (not _is_int(params.max_tokens) or params.max_tokens < 1):
     raise InvalidStatus(f"params.max_tokens must be an integer >= 1, got {params.max_tokens!r}")
-  if not isinstance(params.ignore_eos, bool):
-    raise InvalidStatus("params.ignore_eos must be true or false")
+  for flag in ("ignore_eos", "bounded_numbers"):
+    if not isinstance(getattr(params, flag), bool):
+      raise InvalidStatus(f"params.{flag} must be true or false")
   if params.logprobs is not None and (not _is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
     raise InvalidStatus(f"params.logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
   if params.grammar is not None and (not isinstance(params.grammar, str) or not params.grammar or len(params.grammar) > MAX_GRAMMAR_CHARS):
