@@ -9,7 +9,8 @@ by exo/inference/json_numbers.py's lexer. It is greedy, not a search, so it may 
 odd grammar, but every token it takes is one the grammar allows.
 
 `within_budget` runs at each step for the rows near their budget: the token drawn is kept when a way to close still
-fits after it; otherwise the row takes the first token of its plan instead, and from then on its plan's tokens."""
+fits after it; otherwise the row takes the next token of its plan instead. The answer so goes on as the model
+wants until its budget is down to the closing, which usually ends it at its budget or a few tokens before."""
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -92,22 +93,19 @@ class Budget:
 
 def within_budget(matcher, budget: Budget, closing: ClosingTokens, lexer: NumberBounds, state: State, token: int, left: Optional[int]) -> int:
   """The token this row takes: `token`, unless after it no way to close would fit in the `left` - 1 tokens that would
-  remain; then the next token of the shortest way to close found from here. Call on the grammar threads."""
+  remain; then the next token of the way to close found from here (kept, and followed while draws do not fit). Call
+  on the grammar threads."""
   budget.steps += 1
-  if left is None or left <= 0:
-    return token
-  if budget.following:
-    return budget.following.pop(0)
-  if not budget.watching(left):
+  if left is None or left <= 0 or not budget.watching(left):
     return token
   after = matcher.deep_copy()
   if after.consume_token(int(token)):
     rest = plan(after, closing, lexer, lexer.advance(state, int(token)), min(MAX_PLAN, left - 1))
-    budget.estimate, budget.planned_at = (len(rest) + 1 if rest is not None else budget.estimate), budget.steps
     if rest is not None:
+      budget.estimate, budget.planned_at, budget.following = len(rest) + 1, budget.steps, None
       return token
-  now = plan(matcher, closing, lexer, state, min(MAX_PLAN, left))
-  if not now:  # no way to close within what is left (or none needed): the draw stands
-    return token
-  budget.following = now[1:]
-  return now[0]
+  if not budget.following:
+    budget.following = plan(matcher, closing, lexer, state, min(MAX_PLAN, left))
+    if not budget.following:  # no way to close within what is left (or none needed): the draw stands
+      return token
+  return budget.following.pop(0)
