@@ -198,7 +198,10 @@ def test_ollama_generate_templates_the_prompt_unless_raw_and_loads_on_an_empty_o
 @pytest.mark.parametrize("body,field", [
   ({"options": {"top_k": -1}}, "options.top_k"),
   ({"options": {"num_predict": 0}}, "options.num_predict"),
-  ({"options": {"repeat_penalty": 1.3}}, "options.repeat_penalty"),
+  ({"options": {"repeat_penalty": 0}}, "options.repeat_penalty"),
+  ({"options": {"repeat_last_n": -2}}, "options.repeat_last_n"),
+  ({"options": {"presence_penalty": 3}}, "options.presence_penalty"),
+  ({"options": {"num_ctx": 0}}, "options.num_ctx"),
   ({"options": {"mirostat": 2}}, "options.mirostat"),
   ({"options": {"warp": 1}}, "options.warp"),
   ({"format": "xml"}, "format"),

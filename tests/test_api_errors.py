@@ -177,12 +177,16 @@ BAD_VALUES = [
   ({"messages": [{"role": "wizard", "content": "abracadabra"}]}, "messages[0].role must be one of"),
   ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string or a list"),
   ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
-  # Parameters this server does not implement are refused, never silently ignored.
-  ({"frequency_penalty": 99}, "frequency_penalty is not supported"),
-  ({"presence_penalty": "x"}, "presence_penalty is not supported"),
+  ({"frequency_penalty": 99}, "frequency_penalty must be a number between -2 and 2"),
+  ({"presence_penalty": "x"}, "presence_penalty must be a number between -2 and 2"),
+  ({"repetition_penalty": 0}, "repetition_penalty must be a number between 0.01 and 10"),
+  ({"min_tokens": 50, "max_tokens": 10}, "min_tokens must be an integer >= 0 and at most the token budget"),
   ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}, "is not a valid JSON Schema"),
   ({"response_format": "json"}, "response_format must be an object"),
-  ({"logit_bias": {"42": 5}}, "logit_bias is not supported"),
+  ({"logit_bias": {"42": 500}}, "logit_bias['42'] must be a number between -100 and 100"),
+  ({"logit_bias": {"x": 5}}, "logit_bias keys must be token ids"),
+  # Parameters this server does not implement are refused, never silently ignored.
+  ({"best_of": 3}, "Unrecognized request argument supplied: best_of"),
   ({"temprature": 0.5}, "Unrecognized request argument supplied: temprature"),
 ]
 
@@ -218,7 +222,8 @@ async def test_accepted_edge_values(server):
   # Limits of each range, nulls meaning "default", a list-of-parts message with an image, a negative seed, and the
   # values of unimplemented parameters that ask for nothing.
   body = {"model": None, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "max_tokens": None, "seed": -1, "stop": None, "n": 1,
-          "stream": None, "logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0, "response_format": {"type": "text"},
+          "stream": None, "logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1,
+          "logit_bias": {}, "min_tokens": 0, "response_format": {"type": "text"},
           "tool_choice": "auto", "user": "someone", "stream_options": None,
           "messages": [{"role": "developer", "content": "be brief"},
                        {"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:x"}}]}]}

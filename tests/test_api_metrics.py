@@ -29,7 +29,7 @@ async def test_counters_and_histograms_move_as_requests_are_served():
     results = await asyncio.gather(*[post(s.url, {"messages": USER, "stream": i % 2 == 0}) for i in range(4)])
     assert [status for status, _ in results] == [200] * 4
     assert (await post(s.url, {"messages": USER, "top_k": -1}))[0] == 400
-    assert (await post(s.url, {"messages": USER, "frequency_penalty": 99}))[0] == 400
+    assert (await post(s.url, {"messages": USER, "best_of": 2}))[0] == 400
     after = await scrape(s.url)
   finally:
     s.stop()

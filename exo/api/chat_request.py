@@ -15,9 +15,9 @@ IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 IMPLEMENTED = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n", "ignore_eos", "user",
-               "logprobs", "top_logprobs"}
+               "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
 # OpenAI parameters this server does not implement, with the values that ask for nothing (null is always one).
-NEUTRAL_VALUES = {"frequency_penalty": [0], "presence_penalty": [0], "repetition_penalty": [1], "logit_bias": [{}]}
+NEUTRAL_VALUES: Dict[str, list] = {}
 
 
 def _chat_logprobs(body: dict) -> Optional[int]:

@@ -10,8 +10,8 @@ from exo.api.request_fields import (MAX_CHOICES, MAX_INT32, parse_flag, parse_lo
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route (vLLM's too): a completion is a continuation, not an answer
 IMPLEMENTED = {"model", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "n",
-               "logprobs", "echo", "ignore_eos", "user"}
-NEUTRAL_VALUES = {"best_of": [1], "suffix": [""], "frequency_penalty": [0], "presence_penalty": [0], "logit_bias": [{}]}
+               "logprobs", "echo", "ignore_eos", "user", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+NEUTRAL_VALUES = {"best_of": [1], "suffix": [""]}
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -15,6 +15,7 @@ class FieldNames:
   """The dialect's names of the fields the core's errors point at."""
   prompt: str = "messages"  # the conversation or prompt, when it does not fit the context
   max_tokens: str = "max_tokens"  # the reply's token budget
+  context: str = "num_ctx"  # the client's own context size, where its dialect has one
 
 
 @dataclass
@@ -33,6 +34,7 @@ class GenerationRequest:
   echo: bool = False  # each choice's text starts with its prompt
   stream: bool = False
   stream_usage: bool = False  # OpenAI's stream_options.include_usage
+  context: Optional[int] = None  # a context the client asks for (Ollama's num_ctx): prompt and reply must fit it too
   fields: FieldNames = field(default_factory=FieldNames)
 
   @property

@@ -4,9 +4,10 @@ object such as Ollama's `options.top_k`) and saying why; a field a dialect does 
 way (`refuse_unimplemented`), never silently ignored."""
 import json
 import re
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from exo.api.errors import BadRequest
+from exo.inference.penalties import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from exo.local_checkpoints import model_card
 from exo.models import get_repo, model_cards
@@ -190,16 +191,56 @@ def parse_user(body: Mapping) -> None:
 
 def sampling_params(body: Mapping, default_temperature: float, max_tokens_names: Iterable[str] = ("max_completion_tokens", "max_tokens"),
                     prefix: str = "", max_temperature: float = 2.0) -> SamplingParams:
-  """temperature, top_p, top_k, min_p, seed, the reply's token budget and ignore_eos, under the names OpenAI gives them."""
+  """temperature, top_p, top_k, min_p, seed, the reply's token budget, ignore_eos and the logit processors
+  (frequency_penalty, presence_penalty, repetition_penalty, logit_bias, min_tokens), under the names OpenAI and vLLM
+  give them."""
+  budget = max_tokens(body, max_tokens_names, prefix)
   return SamplingParams(
     temperature=number(body, "temperature", default_temperature, 0.0, max_temperature, f"a number between 0 and {max_temperature:g}", prefix),
     top_p=number(body, "top_p", 1.0, 0.0, 1.0, "a number between 0 and 1", prefix),
     top_k=top_k(body, prefix),
     min_p=number(body, "min_p", 0.0, 0.0, 1.0, "a number between 0 and 1", prefix),
     seed=seed(body, prefix),
-    max_tokens=max_tokens(body, max_tokens_names, prefix),
+    max_tokens=budget,
     ignore_eos=parse_flag(body, "ignore_eos"),
+    frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0, "a number between -2 and 2", prefix),
+    presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0, "a number between -2 and 2", prefix),
+    repetition_penalty=repetition_penalty(body, "repetition_penalty", prefix),
+    logit_bias=logit_bias(body, prefix),
+    min_tokens=min_tokens(body, budget, prefix),
   )
+
+
+def repetition_penalty(body: Mapping, name: str, prefix: str = "") -> float:
+  return number(body, name, 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                f"a number between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} (1 means none)", prefix)
+
+
+def logit_bias(body: Mapping, prefix: str = "") -> Tuple[Tuple[int, float], ...]:
+  """OpenAI's map of token ids (as strings, JSON's keys) to a bias between -100 and 100."""
+  value = body.get("logit_bias")
+  if value is None:
+    return ()
+  where = prefix + "logit_bias"
+  if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+    raise BadRequest(f'{where} must be an object mapping token ids to a bias, such as {{"1734": -100}} (at most {MAX_LOGIT_BIAS} tokens)', param=where)
+  out = []
+  for key, bias in value.items():
+    if not re.fullmatch(r"[0-9]{1,10}", str(key)) or int(key) > MAX_INT32:
+      raise BadRequest(f"{where} keys must be token ids (integers >= 0), got {key!r}", param=where)
+    if not is_number(bias) or not -100 <= bias <= 100:
+      raise BadRequest(f"{where}[{key!r}] must be a number between -100 and 100 (-100 bans the token)", param=f"{where}.{key}")
+    out.append((int(key), float(bias)))
+  return tuple(sorted(out))
+
+
+def min_tokens(body: Mapping, budget: Optional[int], prefix: str = "") -> int:
+  value = body.get("min_tokens")
+  if value is None:
+    return 0
+  if not is_int(value) or not 0 <= value <= MAX_INT32 or (budget is not None and value > budget):
+    raise BadRequest(f"{prefix}min_tokens must be an integer >= 0 and at most the token budget", param=prefix + "min_tokens")
+  return value
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -18,7 +18,7 @@ from exo.api.answer import AnswerPlan, plan_answer
 from exo.api.choices import Choice, run_choices
 from exo.api.downloads import peer_download_api_error
 from exo.api.embeddings import Embeddings
-from exo.api.errors import ApiError
+from exo.api.errors import ApiError, BadRequest
 from exo.api.events import Event, Started, Usage
 from exo.api.generation_request import GenerationRequest
 from exo.api.metrics import ApiMetrics
@@ -29,6 +29,7 @@ from exo.api.reply_text import ReplyText
 from exo.api.request_fields import parse_json_body
 from exo.api.settings import ApiSettings
 from exo.helpers import DEBUG
+from exo.inference.penalties import penalty_prompt
 from exo.inference.sampling import SamplingParams
 from exo.inference.tokenizers import eos_ids
 from exo.models import build_base_shard
@@ -119,8 +120,20 @@ class ServingCore:
     """The prompts, each with its reply's budget (the context must hold both); the answer's plan."""
     texts, plan = self._prompts(tokenizer, request)
     names = request.fields
-    return [(text, ids, replace(request.params, max_tokens=limits.reply_budget(len(ids), request.params.max_tokens, names.prompt, names.max_tokens),
-                                grammar=plan.grammar, bounded_numbers=plan.bounded_numbers), text if request.echo else "") for text, ids in texts], plan
+    return [(text, ids, replace(request.params, max_tokens=self._budget(limits, request, len(ids)), grammar=plan.grammar,
+                                bounded_numbers=plan.bounded_numbers, penalty_prompt=penalty_prompt(request.params, ids)),
+             text if request.echo else "") for text, ids in texts], plan
+
+  @staticmethod
+  def _budget(limits: ModelLimits, request: GenerationRequest, prompt_tokens: int) -> Optional[int]:
+    """The reply's budget: the model's context's rule, and the client's own context (Ollama's num_ctx) where it asks."""
+    names = request.fields
+    budget = limits.reply_budget(prompt_tokens, request.params.max_tokens, names.prompt, names.max_tokens)
+    if request.context is None:
+      return budget
+    if prompt_tokens >= request.context:
+      raise BadRequest(f"the prompt is {prompt_tokens:,} tokens; {names.context} is {request.context:,}", param=names.context, code="context_length_exceeded")
+    return min(budget or request.context, request.context - prompt_tokens)
 
   async def count_prompt_tokens(self, request: GenerationRequest) -> int:
     """The tokens the request's prompt takes, as it would be run (tools and the answer's format included)."""

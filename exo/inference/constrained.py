@@ -5,13 +5,15 @@ grammar allows keeps it; the others, and constrained rows for which that shortcu
 (`sampling.draw_then_check`), draw from their masked logits in a second vectorised call. Either way a constrained
 row's token is drawn from: its logits with every token the grammar does not allow next set to -inf, divided by its
 temperature, then cut by its top-k, top-p and min-p (greedy: the best allowed token)."""
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
 from exo.inference.closing import within_budget
 from exo.inference.grammar import CannotConstrain, Constraint, GrammarError, MaskTimes, compute_masks, in_grammar_thread
+from exo.inference.penalties import rows_to_sample
 from exo.inference.sampling import SamplingParams, allowed, draw_then_check, last_rows, make_generator, masked, sample_rows, token_logprobs
+from exo.inference.tokenizers import eos_ids
 
 
 async def prepare(requests: Sequence, tokenizer) -> List[Union[None, Constraint, Exception]]:
@@ -124,13 +126,23 @@ async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarr
   if not rows:
     return out
   params, constraints = [requests[i].params for i in rows], [prepared[i] for i in rows]
-  drawn, logits = await sample(engine, [results[i] for i in rows], params, [requests[i].generator for i in rows], constraints,
+  asked = [requests[i] for i in rows]
+  processed = rows_to_sample([results[i] for i in rows], asked, end_tokens(engine))
+  drawn, logits = await sample(engine, processed, params, [requests[i].generator for i in rows], constraints,
                                masks and [masks[i] for i in rows], times, budgets and [budgets[i] for i in rows])
   tokens = [int(t) for t in drawn]
   if any(p.logprobs is not None for p in params):  # from the logits each was drawn from, for every row that asked, in one pass
-    logits = last_rows([results[i] for i in rows]) if logits is None else logits
+    logits = last_rows(processed) if logits is None else logits
     for i, logprobs in zip(rows, token_logprobs(logits, params, tokens)):
       requests[i].sampled_logprobs = logprobs
+  for request, token in zip(asked, tokens):
+    if request.penalty_counts is not None:
+      request.penalty_counts.add(token)
   for i, token, error in zip(rows, tokens, advance(constraints, tokens)):
     out[i] = token if error is None else error
   return out
+
+
+def end_tokens(engine) -> Set[int]:
+  tokenizer = getattr(engine, "tokenizer", None)
+  return eos_ids(tokenizer) if tokenizer is not None else set()

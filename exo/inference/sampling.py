@@ -18,6 +18,14 @@ class SamplingParams:
   logprobs: Optional[int] = None  # None = none; k = each token's log-probability and its k most likely alternatives
   grammar: Optional[str] = None  # Lark text (llguidance's dialect) the answer must follow; see exo/inference/grammar.py
   bounded_numbers: bool = True  # the grammar's JSON numbers keep within exo/inference/json_numbers.py's bounds
+  # Logit processors (exo/inference/penalties.py); the defaults change nothing.
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  penalty_window: Optional[int] = None  # the last n tokens of prompt and answer are counted; None: the answer (and prompt for repetition)
+  penalty_prompt: Tuple[int, ...] = ()  # the prompt's tokens, sent when a penalty counts them
+  logit_bias: Tuple[Tuple[int, float], ...] = ()  # (token id, bias); -100 bans
+  min_tokens: int = 0  # end tokens are banned until the answer holds this many
 
   def to_dict(self) -> dict:
     return asdict(self)
@@ -25,7 +33,13 @@ class SamplingParams:
   @staticmethod
   def from_dict(data: dict) -> "SamplingParams":
     known = {f.name for f in fields(SamplingParams)}
-    return SamplingParams(**{k: v for k, v in data.items() if k in known})
+    values = {k: v for k, v in data.items() if k in known}
+    # JSON has lists where these have tuples (left as they are when malformed: the peer's check says why).
+    if isinstance(values.get("penalty_prompt"), list):
+      values["penalty_prompt"] = tuple(values["penalty_prompt"])
+    if isinstance(values.get("logit_bias"), list) and all(isinstance(pair, list) for pair in values["logit_bias"]):
+      values["logit_bias"] = tuple(tuple(pair) for pair in values["logit_bias"])
+    return SamplingParams(**values)
 
 
 def make_generator(seed: Optional[int]) -> np.random.Generator:

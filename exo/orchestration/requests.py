@@ -68,6 +68,7 @@ class Request:
   generator: Optional[np.random.Generator] = None  # its random stream, on the node that samples it
   eos_ids: Optional[Set[int]] = None  # its model's end tokens, on the node that samples it
   constraint: Optional[Any] = None  # its grammar's matcher (exo/inference/grammar.py), on the node that samples it
+  penalty_counts: Optional[Any] = None  # what its penalties count (exo/inference/penalties.py), on the node that samples it
   sampled_logprobs: Optional[TokenLogprobs] = None  # the logprobs of the token just sampled, until handle_token sends it
   tokens_received: int = 0  # tokens a peer has sent here, its origin
   peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it

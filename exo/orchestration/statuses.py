@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Tuple
 
 from exo.inference.grammar import MAX_GRAMMAR_CHARS
 from exo.inference.prefix_cache import checked_keys
+from exo.inference.penalties import MAX_LOGIT_BIAS, MAX_PENALTY_PROMPT, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
 
@@ -131,9 +132,29 @@ def sampling_params(data: Any) -> SamplingParams:
       raise InvalidStatus(f"params.{flag} must be true or false")
   if params.logprobs is not None and (not _is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
     raise InvalidStatus(f"params.logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
+  _check_processors(params)
   if params.grammar is not None and (not isinstance(params.grammar, str) or not params.grammar or len(params.grammar) > MAX_GRAMMAR_CHARS):
     raise InvalidStatus(f"params.grammar must be null or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
   return params
+
+
+def _check_processors(params: SamplingParams) -> None:
+  """The logit processors' parameters (exo/inference/penalties.py), in the ranges the API allows."""
+  for name, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0), ("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)):
+    value = getattr(params, name)
+    if not _is_number(value) or not low <= value <= high:
+      raise InvalidStatus(f"params.{name} must be a number in [{low}, {high}], got {value!r}")
+  if params.penalty_window is not None and (not _is_int(params.penalty_window) or params.penalty_window < 0):
+    raise InvalidStatus(f"params.penalty_window must be null or an integer >= 0, got {params.penalty_window!r}")
+  if not _is_int(params.min_tokens) or params.min_tokens < 0:
+    raise InvalidStatus(f"params.min_tokens must be an integer >= 0, got {params.min_tokens!r}")
+  prompt = params.penalty_prompt
+  if not isinstance(prompt, tuple) or len(prompt) > MAX_PENALTY_PROMPT or not all(_is_int(t) and 0 <= t < 2**31 for t in prompt):
+    raise InvalidStatus(f"params.penalty_prompt must be a list of at most {MAX_PENALTY_PROMPT} token ids")
+  bias = params.logit_bias
+  if (not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS
+      or not all(len(pair) == 2 and _is_int(pair[0]) and 0 <= pair[0] < 2**31 and _is_number(pair[1]) and -100 <= pair[1] <= 100 for pair in bias)):
+    raise InvalidStatus(f"params.logit_bias must be a list of at most {MAX_LOGIT_BIAS} [token id, bias in [-100, 100]] pairs")
 
 
 def _is_number(value: Any) -> bool:

@@ -1,6 +1,7 @@
 """Ollama's /api/chat and /api/generate bodies read into GenerationRequests: the messages (tool calls with their
 arguments as objects, tool results) or the prompt (templated as a user turn, or `raw`), `options` (temperature,
-top_p, top_k, min_p, seed, num_predict, stop), `format` ("json" or a JSON Schema), tools on chat. Ollama streams
+top_p, top_k, min_p, seed, num_predict, stop, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
+num_ctx), `format` ("json" or a JSON Schema), tools on chat. Ollama streams
 unless told not to. Bad input is a 400 naming the field; a model this node does not have is a 404, as Ollama's."""
 import json
 from dataclasses import replace
@@ -10,7 +11,7 @@ from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import ApiError, BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.request_fields import (MAX_INT32, is_int, parse_flag, parse_logprobs_count, parse_stop, parse_string, refuse_unimplemented,
-                                    resolve_model, sampling_params)
+                                    repetition_penalty, resolve_model, sampling_params)
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import parse_tool_use
 
@@ -18,11 +19,13 @@ MAX_STOP_STRINGS = 16
 CHAT_FIELDS = {"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think", "logprobs", "top_logprobs"}
 GENERATE_FIELDS = {"model", "prompt", "system", "raw", "format", "options", "stream", "keep_alive", "think", "images", "logprobs", "top_logprobs"}
 GENERATE_NEUTRAL = {"suffix": [""], "template": [""], "context": [[]]}
-SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop"}
-# How a node runs (its context, threads, memory): the node's own settings, so these options are accepted and have no effect.
-RUNTIME_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "num_keep", "repeat_last_n",
-                   "penalize_newline", "mirostat_tau", "mirostat_eta"}
-NEUTRAL_OPTIONS = {"repeat_penalty": [1], "presence_penalty": [0], "frequency_penalty": [0], "typical_p": [1], "tfs_z": [1], "mirostat": [0]}
+SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "min_p", "seed", "num_predict", "stop", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                    "frequency_penalty", "num_ctx"}
+# How a node runs (its threads, memory): the node's own settings, so these options are accepted and have no effect.
+RUNTIME_OPTIONS = {"num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "num_keep", "penalize_newline",
+                   "mirostat_tau", "mirostat_eta"}
+NEUTRAL_OPTIONS = {"typical_p": [1], "tfs_z": [1], "mirostat": [0]}
+REPEAT_LAST_N = 64  # Ollama's default window for its penalties
 ROLES = {"system", "user", "assistant", "tool"}
 LATEST = ":latest"
 
@@ -48,10 +51,28 @@ def _options(body: dict, default_temperature: float):
   predict = options.get("num_predict")
   if predict is not None and (not is_int(predict) or not (predict in (-1, -2) or 1 <= predict <= MAX_INT32)):
     raise BadRequest("options.num_predict must be an integer >= 1, or -1 (until the context is full)", param="options.num_predict")
-  fields = {k: options.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")}
+  fields = {k: options.get(k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty")}
   params = sampling_params({**fields, "num_predict": predict if predict and predict > 0 else None}, default_temperature, ("num_predict",),
                            prefix="options.")
-  return params, parse_stop(options, "stop", MAX_STOP_STRINGS, prefix="options.")
+  params = replace(params, repetition_penalty=repetition_penalty(options, "repeat_penalty", "options."), penalty_window=_repeat_last_n(options))
+  return params, parse_stop(options, "stop", MAX_STOP_STRINGS, prefix="options."), _num_ctx(options)
+
+
+def _repeat_last_n(options: dict) -> int:
+  """How many of the last tokens (prompt and answer) the penalties count: -1 all of them, 0 none, as Ollama's."""
+  value = options.get("repeat_last_n")
+  if value is None:
+    return REPEAT_LAST_N
+  if not is_int(value) or not -1 <= value <= MAX_INT32:
+    raise BadRequest("options.repeat_last_n must be an integer >= 0, or -1 (the whole context)", param="options.repeat_last_n")
+  return MAX_INT32 if value == -1 else value
+
+
+def _num_ctx(options: dict) -> Optional[int]:
+  value = options.get("num_ctx")
+  if value is not None and (not is_int(value) or not 1 <= value <= MAX_INT32):
+    raise BadRequest("options.num_ctx must be an integer >= 1", param="options.num_ctx")
+  return value
 
 
 def _format(body: dict) -> Optional[ResponseFormat]:
@@ -79,9 +100,10 @@ def _common(body: dict, default_temperature: float, fields: set, neutral: dict, 
   """The GenerationRequest's fields that chat and generate share."""
   refuse_unimplemented(body, fields, neutral)
   _refuse_thinking(body)
-  params, stop = _options(body, default_temperature)
-  return {"params": replace(params, logprobs=_logprobs(body)), "stop": stop, "response_format": _format(body),
-          "stream": parse_flag(body, "stream", default=True), "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict")}
+  params, stop, context = _options(body, default_temperature)
+  return {"params": replace(params, logprobs=_logprobs(body)), "stop": stop, "response_format": _format(body), "context": context,
+          "stream": parse_flag(body, "stream", default=True),
+          "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict", context="options.num_ctx")}
 
 
 def _images(message: dict, where: str) -> str:
