@@ -114,3 +114,16 @@ async def test_the_plan_is_the_grammars_own_and_short(tokenizer):
   closed = '{"city": "Par' + tokenizer.decode(tokens)
   assert json.loads(closed) == {"city": "Par", "facts": [], "count": 0}
   assert len(tokens) <= 16, tokenizer.decode(tokens)  # the forced keys come a few characters a token
+
+
+async def test_an_answer_that_cannot_close_in_time_is_left_as_drawn_and_rarely_looked_at(tokenizer, monkeypatch):
+  from exo.inference import closing
+  long = {"type": "array", "minItems": 400, "items": {"type": "integer"}}
+  favoured = ["[", "1", ", "]
+  free, _ = await run(tokenizer, long, favoured, steps=40)
+  looks = []
+  original = closing.plan
+  monkeypatch.setattr(closing, "plan", lambda *a, **k: looks.append(1) or original(*a, **k))
+  budgeted, tokens = await run(tokenizer, long, favoured, budget=40)
+  assert budgeted == free and len(tokens) == 40
+  assert len(looks) <= 2 * (1 + 40 // closing.REPLAN_EVERY)

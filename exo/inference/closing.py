@@ -76,36 +76,49 @@ def plan(matcher, closing: ClosingTokens, lexer: NumberBounds, state: State, lim
 
 
 class Budget:
-  """One constrained request's closing state: the last plan's length, when it was made, and the plan it follows once
-  its budget is down to it."""
+  """One constrained request's closing state: the last plan's length and when it was made, whether the last look
+  found no way to close within the budget at all, and the plan it follows while its draws do not fit."""
 
   def __init__(self) -> None:
     self.estimate: Optional[int] = None
     self.planned_at = 0
     self.steps = 0
+    self.unreachable = False
     self.following: Optional[List[int]] = None
 
   def watching(self, left: int) -> bool:
-    if self.following is not None:
+    if self.following:
       return True
-    return self.estimate is None or self.steps - self.planned_at >= REPLAN_EVERY or left <= self.estimate + WATCH
+    if self.estimate is None or self.steps - self.planned_at >= REPLAN_EVERY:
+      return True
+    return not self.unreachable and left <= self.estimate + WATCH
 
 
 def within_budget(matcher, budget: Budget, closing: ClosingTokens, lexer: NumberBounds, state: State, token: int, left: Optional[int]) -> int:
   """The token this row takes: `token`, unless after it no way to close would fit in the `left` - 1 tokens that would
   remain; then the next token of the way to close found from here (kept, and followed while draws do not fit). Call
-  on the grammar threads."""
+  on the grammar threads. A row with no way to close within its budget is looked at again REPLAN_EVERY tokens later."""
   budget.steps += 1
   if left is None or left <= 0 or not budget.watching(left):
     return token
+  budget.planned_at = budget.steps
+  if budget.estimate is None or budget.unreachable:  # first look, or a look again: is there a way to close at all?
+    budget.following = plan(matcher, closing, lexer, state, min(MAX_PLAN, left))
+    budget.unreachable = budget.following is None
+    if budget.unreachable:
+      budget.estimate = left
+      return token
   after = matcher.deep_copy()
   if after.consume_token(int(token)):
     rest = plan(after, closing, lexer, lexer.advance(state, int(token)), min(MAX_PLAN, left - 1))
     if rest is not None:
-      budget.estimate, budget.planned_at, budget.following = len(rest) + 1, budget.steps, None
+      budget.estimate, budget.unreachable, budget.following = len(rest) + 1, False, None
       return token
   if not budget.following:
     budget.following = plan(matcher, closing, lexer, state, min(MAX_PLAN, left))
-    if not budget.following:  # no way to close within what is left (or none needed): the draw stands
+    if budget.following is None:  # no way to close within what is left: the draw stands
+      budget.estimate, budget.unreachable = left, True
+      return token
+    if not budget.following:  # the grammar accepts here already
       return token
   return budget.following.pop(0)
