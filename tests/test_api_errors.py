@@ -185,6 +185,7 @@ BAD_VALUES = [
   ({"response_format": "json"}, "response_format must be an object"),
   ({"logit_bias": {"42": 500}}, "logit_bias['42'] must be a number between -100 and 100"),
   ({"logit_bias": {"x": 5}}, "logit_bias keys must be token ids"),
+  ({"logit_bias": {"99999999": 5}}, "logit_bias names token 99999999, which this model does not have"),
   # Parameters this server does not implement are refused, never silently ignored.
   ({"best_of": 3}, "Unrecognized request argument supplied: best_of"),
   ({"temprature": 0.5}, "Unrecognized request argument supplied: temprature"),

@@ -120,6 +120,10 @@ class ServingCore:
     """The prompts, each with its reply's budget (the context must hold both); the answer's plan."""
     texts, plan = self._prompts(tokenizer, request)
     names = request.fields
+    vocab = getattr(tokenizer, "vocab_size", None)
+    outside = [token for token, _ in request.params.logit_bias if vocab is not None and token >= vocab]
+    if outside:
+      raise BadRequest(f"logit_bias names token {outside[0]}, which this model does not have (its ids are 0 to {vocab - 1})", param="logit_bias")
     return [(text, ids, replace(request.params, max_tokens=self._budget(limits, request, len(ids)), grammar=plan.grammar,
                                 bounded_numbers=plan.bounded_numbers, penalty_prompt=penalty_prompt(request.params, ids)),
              text if request.echo else "") for text, ids in texts], plan
