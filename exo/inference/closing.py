@@ -3,8 +3,8 @@ to what the grammar needs to be complete, the answer is closed the shortest way 
 schema instead of stopping mid-string.
 
 `plan` finds a way to close from a matcher's state: the tokens the grammar forces, else the first allowed of a few
-closing tokens (in a string, a quote and what may follow it; outside one, a brace or bracket, then the smallest
-values: 0, "", [], {}, null, false), else the allowed token with the shortest text. Where a string stands is read
+closing tokens (in a string, a quote and what may follow it; outside one, a brace or bracket, then a comma, then
+the smallest values: 0, "", [], {}, null, false), else the allowed token with the shortest text. Where a string stands is read
 by exo/inference/json_numbers.py's lexer. It is greedy, not a search, so it may miss a shorter way in an
 odd grammar, but every token it takes is one the grammar allows.
 
@@ -19,11 +19,14 @@ from exo.inference.json_numbers import ESCAPE, STRING, NumberBounds, State
 
 # Inside a string only a quote can close anything (a brace there is text); outside one, a brace or bracket, else the
 # smallest value.
+# Outside a string: a brace or bracket, else a comma (a number or value ends there, and required keys follow it),
+# else the smallest value.
 IN_STRING = ('"}}', '"}]', '"}', '"]', '"')
-OUTSIDE = ('}}', ']}', '}]', ']]', '}', ']', '0', '""', '[]', '{}', 'null', 'false', 'true')
+OUTSIDE = ('}}', ']}', '}]', ']]', '}', ']', ',', ', ', '0', '""', '[]', '{}', 'null', 'false', 'true')
 MAX_PLAN = 256  # tokens: a plan longer than this is not looked for
 WATCH = 16  # tokens of margin over the last plan's length within which a row's every draw is checked
 REPLAN_EVERY = 32  # tokens between two plans of a row further from its budget (the plan's length moves as the answer grows)
+LOOK_AGAIN = 4  # a row with no way to close in time is looked at again after a quarter of what it has left (at least this, at most REPLAN_EVERY)
 
 
 class ClosingTokens:
@@ -91,13 +94,16 @@ class Budget:
       return True
     if self.estimate is None or self.steps - self.planned_at >= REPLAN_EVERY:
       return True
-    return not self.unreachable and left <= self.estimate + WATCH
+    if self.unreachable:
+      return self.steps - self.planned_at >= min(REPLAN_EVERY, max(LOOK_AGAIN, left // 4))
+    return left <= self.estimate + WATCH
 
 
 def within_budget(matcher, budget: Budget, closing: ClosingTokens, lexer: NumberBounds, state: State, token: int, left: Optional[int]) -> int:
   """The token this row takes: `token`, unless after it no way to close would fit in the `left` - 1 tokens that would
   remain; then the next token of the way to close found from here (kept, and followed while draws do not fit). Call
-  on the grammar threads. A row with no way to close within its budget is looked at again REPLAN_EVERY tokens later."""
+  on the grammar threads. A row with no way to close within its budget is looked at again some tokens later (the
+answer may have written what its grammar still needed)."""
   budget.steps += 1
   if left is None or left <= 0 or not budget.watching(left):
     return token
