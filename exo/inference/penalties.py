@@ -44,32 +44,44 @@ def processes(params: SamplingParams) -> bool:
 
 
 class TokenCounts:
-  """The tokens a request's penalties count: `counted` (token -> occurrences) for frequency and presence, `present`
-  (token -> occurrences) for repetition. Without a window: the answer's tokens for the first, the prompt's
+  """The tokens a request's penalties count, as arrays a step gathers at once: `ids` (every token seen, in order of
+  first sight), `counted` (its occurrences for frequency and presence) and `present` (its occurrences for
+  repetition), the first `size` entries of each. Without a window: the answer's tokens for the first, the prompt's
   (`penalty_prompt`) and the answer's for the second; with one, the last `window` tokens of both, for both."""
 
   def __init__(self, params: SamplingParams):
     self.window = params.penalty_window
-    self.counted: dict = {}
-    self.present: dict = {}
     self.written = 0
+    self.size = 0
+    self.ids = np.zeros(64, dtype=np.int64)
+    self.counted = np.zeros(64, dtype=np.float32)
+    self.present = np.zeros(64, dtype=np.float32)
+    self._index: dict = {}  # token -> its entry
     self._last: deque = deque()  # the window's tokens, oldest first
     prompt = [int(t) for t in params.penalty_prompt]
     for token in prompt[-self.window:] if self.window else ([] if self.window == 0 else prompt):
       self._add(token, counted=self.window is not None)
 
+  def _entry(self, token: int) -> int:
+    at = self._index.get(token)
+    if at is None:
+      if self.size == len(self.ids):
+        self.ids, self.counted, self.present = (np.concatenate([a, np.zeros_like(a)]) for a in (self.ids, self.counted, self.present))
+      at = self._index[token] = self.size
+      self.ids[at] = token
+      self.size += 1
+    return at
+
   def _add(self, token: int, counted: bool) -> None:
-    self.present[token] = self.present.get(token, 0) + 1
-    if counted:
-      self.counted[token] = self.counted.get(token, 0) + 1
+    at = self._entry(token)
+    self.present[at] += 1
+    self.counted[at] += counted
     if self.window:
-      self._last.append(token)
+      self._last.append((at, counted))
       if len(self._last) > self.window:
-        old = self._last.popleft()
-        for counts in (self.present, self.counted):
-          counts[old] -= 1
-          if not counts[old]:
-            del counts[old]
+        old, was_counted = self._last.popleft()
+        self.present[old] -= 1
+        self.counted[old] -= was_counted
 
   def add(self, token: int) -> None:
     self.written += 1
@@ -78,29 +90,26 @@ class TokenCounts:
 
 
 def apply(rows: np.ndarray, params: Sequence[SamplingParams], counts: Sequence[Optional[TokenCounts]], end_tokens: Collection[int]) -> np.ndarray:
-  """`rows` (N, vocab) with each row's processors applied (a new array; rows whose request asks for none unchanged).
-  `counts[i]` is row i's TokenCounts (None for rows that ask for nothing); `end_tokens` the model's end tokens."""
-  out = np.array(rows, dtype=np.float32, copy=True)
+  """`rows` (N, vocab, float32) with each row's processors applied, in place (rows whose request asks for none
+  unchanged); returns it. `counts[i]` is row i's TokenCounts (None for rows that ask for nothing); `end_tokens` the
+  model's end tokens."""
+  out = rows
   vocab = out.shape[1]
-  which, tokens, answer_counts = [], [], []
-  for i, (p, c) in enumerate(zip(params, counts)):
-    if c is None or not (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0):
-      continue
-    seen = sorted(c.present)
-    which += [i] * len(seen)
-    tokens += seen
-    answer_counts += [c.counted.get(t, 0) for t in seen]
-  if which:
-    which, tokens = np.array(which), np.array(tokens)
-    keep = tokens < vocab
-    which, tokens = which[keep], tokens[keep]
-    answer_counts = np.array(answer_counts, dtype=np.float32)[keep]
+  penalised = [i for i, (p, c) in enumerate(zip(params, counts))
+               if c is not None and c.size and (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)]
+  if penalised:
+    which = np.concatenate([np.full(counts[i].size, i) for i in penalised])
+    tokens = np.concatenate([counts[i].ids[:counts[i].size] for i in penalised])
+    counted = np.concatenate([counts[i].counted[:counts[i].size] for i in penalised])
+    present = np.concatenate([counts[i].present[:counts[i].size] for i in penalised]) > 0
+    keep = (tokens < vocab) & (present | (counted > 0))
+    which, tokens, counted, present = which[keep], tokens[keep], counted[keep], present[keep]
     repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)[which]
     frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)[which]
     presence = np.array([p.presence_penalty for p in params], dtype=np.float32)[which]
     values = out[which, tokens]
-    values = np.where(values > 0, values / repetition, values * repetition)  # every gathered token is present
-    values = values - answer_counts * frequency - (answer_counts > 0) * presence
+    values = np.where(present, np.where(values > 0, values / repetition, values * repetition), values)
+    values = values - counted * frequency - (counted > 0) * presence
     out[which, tokens] = values
   for i, p in enumerate(params):
     for token, bias in p.logit_bias:
@@ -131,7 +140,8 @@ def rows_to_sample(results: Sequence[np.ndarray], requests: Sequence, end_tokens
     return list(results)
   # A grammar decides where a constrained answer ends: min_tokens does not hold it open.
   params = [replace(requests[i].params, min_tokens=0) if requests[i].params.grammar else requests[i].params for i in asking]
-  processed = apply(last_rows([results[i] for i in asking]), params, [counts_for(requests[i]) for i in asking], end_tokens)
+  rows = last_rows([results[i] for i in asking]).astype(np.float32, copy=False)  # a new array: the engine's logits stay as they were
+  processed = apply(rows, params, [counts_for(requests[i]) for i in asking], end_tokens)
   out = list(results)
   for row, i in enumerate(asking):
     out[i] = processed[row:row + 1]
