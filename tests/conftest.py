@@ -54,6 +54,15 @@ def make_server():
 
 
 @pytest.fixture(scope="module")
+def numpy_server():
+  """A node serving SmolLM2 on the numpy engine with batching on (up to 8 rows a step), for one module."""
+  from exo.orchestration.batching.config import BatchingConfig
+  server = ApiServer("numpy", batching=BatchingConfig(8)).start()
+  yield server
+  server.stop()
+
+
+@pytest.fixture(scope="module")
 def client(server):
   """The official `openai` client against the module's own `server` fixture."""
   return openai_client(server)

@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-from exo.orchestration.batching.config import BatchingConfig
-from tests.support.api_server import ApiServer
 from tests.support.models import SMOLLM2, smollm2_shard
 
 pytestmark = pytest.mark.model
@@ -20,10 +18,8 @@ STEPS = 16
 
 
 @pytest.fixture(scope="module")
-def server():
-  server = ApiServer("numpy", batching=BatchingConfig(8)).start()
-  yield server
-  server.stop()
+def server(numpy_server):
+  return numpy_server
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ import json
 import pytest
 from pydantic import BaseModel
 
-from exo.orchestration.batching.config import BatchingConfig
-from tests.support.api_server import ApiServer, openai_client
+from tests.support.api_server import openai_client
 
 pytestmark = pytest.mark.model
 
@@ -16,10 +15,8 @@ MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def server():
-  server = ApiServer("numpy", batching=BatchingConfig(8)).start()
-  yield server
-  server.stop()
+def server(numpy_server):
+  return numpy_server
 
 
 @pytest.fixture(scope="module")

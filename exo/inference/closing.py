@@ -4,9 +4,9 @@ schema instead of stopping mid-string.
 
 `plan` finds a way to close from a matcher's state: the tokens the grammar forces, else the first allowed of a few
 closing tokens (in a string, a quote and what may follow it; outside one, a brace or bracket, then a comma, then
-the smallest values: 0, "", [], {}, null, false), else the allowed token with the shortest text. Where a string stands is read
-by exo/inference/json_numbers.py's lexer. It is greedy, not a search, so it may miss a shorter way in an
-odd grammar, but every token it takes is one the grammar allows.
+the smallest values: 0, "", [], {}, null, false), else the allowed token with the shortest text. Where a string
+stands is read by exo/inference/json_numbers.py's lexer. It is greedy, not a search, so it may miss a shorter way in
+an odd grammar, but every token it takes is one the grammar allows.
 
 `within_budget` runs at each step for the rows near their budget: the token drawn is kept when a way to close still
 fits after it; otherwise the row takes the next token of its plan instead. The answer so goes on as the model
@@ -17,10 +17,8 @@ import numpy as np
 
 from exo.inference.json_numbers import ESCAPE, STRING, NumberBounds, State
 
-# Inside a string only a quote can close anything (a brace there is text); outside one, a brace or bracket, else the
-# smallest value.
-# Outside a string: a brace or bracket, else a comma (a number or value ends there, and required keys follow it),
-# else the smallest value.
+# Inside a string only a quote can close anything (a brace there is text). Outside one: a brace or bracket, else a
+# comma (a number or value ends there, and required keys follow it), else the smallest value.
 IN_STRING = ('"}}', '"}]', '"}', '"]', '"')
 OUTSIDE = ('}}', ']}', '}]', ']]', '}', ']', ',', ', ', '0', '""', '[]', '{}', 'null', 'false', 'true')
 MAX_PLAN = 256  # tokens: a plan longer than this is not looked for
