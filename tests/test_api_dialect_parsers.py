@@ -266,3 +266,15 @@ def test_odd_values_in_any_field_are_client_errors_never_crashes(dialect):
           parse(body, "dummy", ENGINE)
         except ApiError as e:
           assert 400 <= e.status < 500, (field, value, e.message)
+
+
+def test_ollamas_sampling_options_map_onto_the_cores():
+  params = ollama_chat({"messages": [{"role": "user", "content": "hi"}], "options": {
+    "repeat_penalty": 1.3, "repeat_last_n": 32, "presence_penalty": 0.5, "frequency_penalty": 0.2, "top_k": 5, "top_p": 0.9, "min_p": 0.1,
+    "seed": 7, "num_predict": 12, "num_ctx": 512, "stop": ["x"]}})
+  p = params.params
+  assert (p.repetition_penalty, p.penalty_window, p.presence_penalty, p.frequency_penalty) == (1.3, 32, 0.5, 0.2)
+  assert (p.top_k, p.top_p, p.min_p, p.seed, p.max_tokens, params.context, params.stop) == (5, 0.9, 0.1, 7, 12, 512, ["x"])
+  default = ollama_chat({"messages": [{"role": "user", "content": "hi"}], "options": {"repeat_penalty": 1.1}}).params
+  assert default.penalty_window == 64  # Ollama's default window
+  assert ollama_chat({"messages": [{"role": "user", "content": "hi"}], "options": {"repeat_last_n": -1}}).params.penalty_window == 2**31 - 1

@@ -47,7 +47,7 @@ def parse_completion_request(body: Dict[str, Any], default_model: str, engine_cl
     raise BadRequest("logprobs with echo would need the prompt's own logprobs, which this server does not compute; drop one of them",
                      param="logprobs", code="unsupported_parameter")
   parse_user(body)
-  params = sampling_params(body, default_temperature)
-  params = replace(params, max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS, logprobs=logprobs)
+  params = sampling_params({"max_tokens": DEFAULT_MAX_TOKENS, **{k: v for k, v in body.items() if v is not None}}, default_temperature)
+  params = replace(params, logprobs=logprobs)
   return GenerationRequest(model, prompts=prompts, params=params, stop=parse_stop(body), n=n, echo=echo, stream=parse_flag(body, "stream"),
                            stream_usage=parse_stream_options(body), fields=FieldNames(prompt="prompt"))
