@@ -112,8 +112,8 @@ async def schema_suite(url: str) -> None:
         print(f"  BAD CALL {name}: {str(e)[:120] or reply['choices'][0]}")
     print(f"forced tool calls: {good}/{len(named)} name the given tool with arguments that validate", flush=True)
     start = time.perf_counter()
-    reply = await post(session, url, {"messages": [{"role": "user", "content": "What is the capital of France, and its population in millions?"}],
-                                      "temperature": 0, "tools": [CITY_TOOL], "tool_choice": "required"})
+    reply = await post(session, url, {"messages": [{"role": "user", "content": "Tell me about Paris."}], "temperature": 0, "tools": [CITY_TOOL],
+                                      "tool_choice": "required", "parallel_tool_calls": False})
     arguments = reply["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
     jsonschema.validate(json.loads(arguments), CITY_TOOL["function"]["parameters"])
     print(f"forced tool call with a number, no max_tokens: {reply['usage']['completion_tokens']} tokens in {time.perf_counter() - start:.1f} s, "

@@ -1,6 +1,6 @@
 """Structured output that ends, against a real node (SmolLM2 on the numpy engine, batching on) and unmodified
-clients: the forced tool call pydantic-ai makes for an `output_type` with a number ends within 64 tokens without a
-max_tokens; instructor's TOOLS mode, openai's `parse` with max_tokens 96 and json_object with max_tokens 48 get
+clients: the forced tool call with a number that ran until the context was full ends, valid, within 64 tokens
+without a max_tokens (and pydantic-ai's `output_type` gets its object); instructor's TOOLS mode, openai's `parse` with max_tokens 96 and json_object with max_tokens 48 get
 complete JSON that matches, closed within the budget (finish_reason then still "stop" / "tool_calls")."""
 import json
 
@@ -40,14 +40,29 @@ class Facts(BaseModel):
 ASK = "Tell me about Paris: its country, its population and many facts and landmarks."
 
 
-def test_pydantic_ais_output_type_with_a_number_ends_within_64_tokens(server):
+CITY_TOOL = {"type": "function", "function": {"name": "final_result", "parameters": {"type": "object", "properties": {
+  "name": {"type": "string"}, "country": {"type": "string"}, "population_millions": {"type": "number"}},
+  "required": ["name", "country", "population_millions"], "additionalProperties": False}}}
+RUNS_AWAY = "Tell me about Paris."  # without bounds SmolLM2 writes population_millions 1000000... until the context is full
+
+
+def test_the_forced_call_with_a_number_is_valid_within_64_tokens(client):
+  reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": RUNS_AWAY}], tools=[CITY_TOOL], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0)
+  assert reply.choices[0].finish_reason == "tool_calls" and reply.usage.completion_tokens < 64
+  City.model_validate_json(reply.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_pydantic_ais_output_type_with_a_number_ends(server):
   from pydantic_ai import Agent
   from pydantic_ai.models.openai import OpenAIChatModel
   from pydantic_ai.providers.openai import OpenAIProvider
   agent = Agent(OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key="exo")), output_type=City, retries=0)
-  result = agent.run_sync("What is the capital of France, and its population in millions?", model_settings={"temperature": 0})
+  result = agent.run_sync(RUNS_AWAY, model_settings={"temperature": 0})
   assert isinstance(result.output, City)
-  assert result.usage.output_tokens < 64, (result.usage, result.output)
+  # pydantic-ai allows parallel calls: the model repeats its call, at most MAX_CALLS times, each bounded.
+  from exo.api.tool_formats import MAX_CALLS
+  assert result.usage.output_tokens < 64 * MAX_CALLS, (result.usage, result.output)
 
 
 def test_instructors_tools_mode_gets_its_object_within_a_small_budget(server):
