@@ -146,16 +146,22 @@ def ring_formed(views: Dict[str, object]) -> bool:
   return len({json.dumps({k: v.to_dict() for k, v in sorted(t.nodes.items())}) for t in views.values()}) == 1
 
 
-async def wait_for_ring(ports: Dict[str, int], timeout: float, processes: Iterable[ExoProcess] = ()) -> Dict[str, object]:
+async def wait_until_views(collect, holds, timeout: float, processes: Iterable[ExoProcess], what: str, brief) -> Dict[str, object]:
+  """Collect every node's view (`collect()`: node id -> view) until `holds(views)`; a process that exits meanwhile
+  fails the wait at once. `brief(view)` is what a failure shows of each view."""
   views: Dict[str, object] = {}
 
-  async def formed():
+  async def held():
     for p in processes:
-      p.check_running("the ring formed")
-    views.update(await collect_topologies(ports))
-    return views if ring_formed(views) else None
-  seen = lambda: f"ring {sorted(ports)} formed; seen {[(k, v and sorted(v.nodes)) for k, v in views.items()]}"
-  return await eventually(formed, timeout, seen, interval=0.25)
+      p.check_running(what)
+    views.update(await collect())
+    return views if holds(views) else None
+  return await eventually(held, timeout, lambda: f"{what}; seen {[(k, v and brief(v)) for k, v in views.items()]}", interval=0.25)
+
+
+async def wait_for_ring(ports: Dict[str, int], timeout: float, processes: Iterable[ExoProcess] = ()) -> Dict[str, object]:
+  return await wait_until_views(lambda: collect_topologies(ports), ring_formed, timeout, processes, f"ring {sorted(ports)} formed",
+                                lambda topology: sorted(topology.nodes))
 
 
 async def placement_views(urls: Dict[str, str]) -> Dict[str, Optional[dict]]:
@@ -181,15 +187,8 @@ def placement_agreed(views: Dict[str, Optional[dict]]) -> bool:
 async def wait_for_placement(urls: Dict[str, str], timeout: float, processes: Iterable[ExoProcess] = ()) -> Dict[str, dict]:
   """Until every node's placement counts every node in `urls`. A node answers its API (and forms the ring) before it
   has heard the others' placement facts; until then it places a request over itself alone."""
-  views: Dict[str, Optional[dict]] = {}
-
-  async def agreed():
-    for p in processes:
-      p.check_running("the placement agreed")
-    views.update(await placement_views(urls))
-    return views if placement_agreed(views) else None
-  seen = lambda: f"placement over {sorted(urls)} agreed; seen {[(k, v and (v['version'], sorted(v['members']))) for k, v in views.items()]}"
-  return await eventually(agreed, timeout, seen, interval=0.25)
+  return await wait_until_views(lambda: placement_views(urls), placement_agreed, timeout, processes, f"placement over {sorted(urls)} agreed",
+                                lambda view: (view["version"], sorted(view["members"])))
 
 
 def node_args(port: int, api_port: int, config, engine: str) -> list:
