@@ -215,6 +215,7 @@ async def main(args) -> int:
   from exo.download.errors import DownloadError
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
+  from exo.inference.models import UnsupportedModel
   from exo.local_checkpoints import serve as serve_local_checkpoints
   from exo.models import DEFAULT_MODEL, build_base_shard, get_supported_models, model_cards
   from exo.orchestration.node import Node
@@ -330,7 +331,7 @@ async def main(args) -> int:
         return 130
       try:
         runner.result()
-      except DownloadError as e:
+      except (DownloadError, UnsupportedModel) as e:
         print(f"exo: error: {e}", file=sys.stderr)  # one line that says what failed and why; no traceback
         return 1
       if args.wait_for_peers > 0:

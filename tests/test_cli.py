@@ -3,6 +3,7 @@ streaming, a node binding its API where told, and every bad argument or setting 
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -111,3 +112,21 @@ def test_manual_module_without_a_path_fails_at_startup():
   result = subprocess.run([sys.executable, "-m", "exo.main", "--inference-engine", "dummy", "--discovery-module", "manual", "--disable-tui"],
                           capture_output=True, text=True, timeout=60)
   assert result.returncode != 0 and "--discovery-config-path" in result.stderr
+
+
+def test_exo_run_answers_from_a_qwen_shaped_checkpoint_and_refuses_an_unimplemented_rope_in_one_line(tmp_path):
+  from tests.support.checkpoints import fixture_checkpoint, random_qwen2, write_hf_dir
+  from tests.test_qwen_chat import QWEN_TEMPLATE
+  config, weights, tokenizer = random_qwen2(2)
+  qwen = write_hf_dir(tmp_path / "qwen", config, weights, tokenizer, split=False, model_type="qwen2", chat_template=QWEN_TEMPLATE)
+  yarn = fixture_checkpoint("llama", tmp_path / "yarn")
+  yarn_config = json.loads((yarn / "config.json").read_text())
+  (yarn / "config.json").write_text(json.dumps({**yarn_config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+  env = {**os.environ, "EXO_HOME": str(tmp_path / "home")}
+  for path in (qwen, yarn):
+    run = subprocess.run([sys.executable, "-m", "exo.main", "run", str(path), "--inference-engine", "numpy", "--prompt", "Hi", "--max-generate-tokens", "4"],
+                         cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    if path == qwen:
+      assert run.returncode == 0 and re.search(r"1 prompt\(s\), [1-4] tokens", run.stdout + run.stderr), run.stderr
+    else:
+      assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == "exo: error: rope_scaling.rope_type: 'yarn' is not implemented by exo's engines", run.stderr

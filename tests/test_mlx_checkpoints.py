@@ -28,7 +28,7 @@ from exo.networking.grpc import node_service_pb2 as pb  # noqa: E402
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc  # noqa: E402
 from tests.support.api_server import ApiServer  # noqa: E402
 from tests.support.checkpoints import served_checkpoints  # noqa: E402
-from tests.support.cluster import REPO, ExoProcess, free_port, wait_for_ring, write_manual_config  # noqa: E402
+from tests.support.cluster import REPO, ExoProcess, free_port, run_answers, wait_for_ring, write_manual_config  # noqa: E402
 from tests.support.models import SMOLLM2_LAYERS  # noqa: E402
 
 pytestmark = pytest.mark.cluster
@@ -64,13 +64,7 @@ def reference(smollm2_checkpoints):
 
 
 def answers_printed(output: str):
-  """`exo run` with several prompts prints '>>> PROMPT' then the answer, for each, then a summary line."""
-  found = []
-  for i, prompt in enumerate(PROMPTS):
-    after = output.split(f"\n>>> {prompt}\n", 1)[1]
-    end = f"\n\n>>> {PROMPTS[i + 1]}\n" if i + 1 < len(PROMPTS) else f"\n{len(PROMPTS)} prompt(s), "
-    found.append(after.split(end, 1)[0])
-  return found
+  return run_answers(output, PROMPTS)
 
 
 def run_args(path) -> list:

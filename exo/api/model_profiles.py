@@ -6,9 +6,12 @@ import asyncio
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
 
+from exo.api.errors import BadRequest
 from exo.api.model_limits import ModelLimits
 from exo.download.shard_download import local_model_path
 from exo.inference.tokenizers import resolve_tokenizer
+from exo.inference.models import ModelConfig, UnsupportedModel
+from exo.inference.models.config import check_engine
 from exo.inference.weights import load_config
 from exo.models import build_base_shard, get_repo
 
@@ -22,6 +25,17 @@ def local_files(repo: Optional[str]) -> Union[Path, str, None]:
   if repo == "dummy":
     return "dummy"
   return local_model_path(repo)
+
+
+def model_config_of(model_id: str, local: Path, engine_classname: str) -> ModelConfig:
+  """The model's configuration; a model whose config asks for what this node's engine does not compute is the
+  request's mistake in choosing it: a 400 naming the config field."""
+  try:
+    config = load_config(local)
+    check_engine(config, engine_classname)
+    return config
+  except UnsupportedModel as e:
+    raise BadRequest(f"model {model_id!r} cannot run here: its config.json {e}", param="model", code="model_not_supported") from None
 
 
 class ModelProfiles:
@@ -43,6 +57,7 @@ class ModelProfiles:
           if local is None:  # this node's shard of its files, downloaded
             base = build_base_shard(model_id, self.engine_classname)
             local = await self.node.shard_downloader.ensure_shard(self.node.own_shard(base), self.engine_classname)
-          profile = (await asyncio.to_thread(resolve_tokenizer, local), ModelLimits.of(await asyncio.to_thread(load_config, local)))
+          limits = ModelLimits.of(await asyncio.to_thread(model_config_of, model_id, local, self.engine_classname))  # first: a refused model needs no tokenizer
+          profile = (await asyncio.to_thread(resolve_tokenizer, local), limits)
         self._profiles[model_id] = profile
     return self._profiles[model_id]

@@ -17,10 +17,12 @@ from exo.inference.weights import LlamaConfig
 Weight = Union[np.ndarray, QuantizedWeight]
 
 
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-  """Inverse RoPE frequencies (head_dim // 2,), with Llama-3 frequency scaling when the model asks for it."""
-  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim))
-  scaling = config.rope_scaling or {}
+def rope_inv_freq(config: LlamaConfig, theta: Optional[float] = None, scaling: Optional[dict] = None) -> np.ndarray:
+  """Inverse RoPE frequencies (head_dim // 2,), scaled as the model asks (llama3's by wavelength, or linear); `theta`
+  and `scaling` in place of the model's own (a sliding layer's, ModelConfig.rope_of)."""
+  theta, scaling = (config.rope_theta, config.rope_scaling) if theta is None else (theta, scaling)
+  inv_freq = 1.0 / (theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim))
+  scaling = scaling or {}
   if scaling.get("rope_type", scaling.get("type")) == "llama3":
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -30,6 +32,8 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
     medium = (wavelen <= old_context / low) & (wavelen >= old_context / high)
     inv_freq = np.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+  elif scaling.get("rope_type") == "linear":  # positions divided by the factor
+    inv_freq = inv_freq / scaling["factor"]
   elif "freq_factors" in scaling:  # GGUF stores Llama-3 scaling as per-frequency divisors
     inv_freq = inv_freq / np.asarray(scaling["freq_factors"], dtype=np.float64)
   return inv_freq.astype(np.float32)
@@ -50,23 +54,67 @@ def fused(parts: Sequence[Weight]) -> Union[Weight, Tuple[Weight, ...]]:
 
 @dataclass
 class LayerWeights:
-  """One decoder layer, in Hugging Face orientation (out, in)."""
+  """One decoder layer, in Hugging Face orientation (out, in). Norm weights are as the layer multiplies by them
+  (a Gemma checkpoint's offset added); a norm the family does not have is None (ModelConfig.layer_norms)."""
   qkv: Union[Weight, Tuple[Weight, ...]]  # q, k and v projections fused: rows n_heads * head_dim, then n_kv_heads * head_dim twice
   o: Weight
-  gate_up: Union[Weight, Tuple[Weight, ...]]  # gate and up projections fused: intermediate_size rows each
-  down: Weight
-  attn_norm: np.ndarray
-  mlp_norm: np.ndarray
+  gate_up: Optional[Union[Weight, Tuple[Weight, ...]]]  # gate and up projections fused: intermediate_size rows each (None: experts)
+  down: Optional[Weight]
+  attn_norm: Optional[np.ndarray] = None  # before attention
+  mlp_norm: Optional[np.ndarray] = None  # before the MLP
+  post_attn_norm: Optional[np.ndarray] = None  # of attention's output, before the residual add
+  post_mlp_norm: Optional[np.ndarray] = None  # of the MLP's output, before the residual add
+  qkv_bias: Optional[np.ndarray] = None  # (q + 2 kv rows,) where the model has them (ModelConfig.qkv_bias)
+  o_bias: Optional[np.ndarray] = None  # (hidden,)
+  q_norm: Optional[np.ndarray] = None  # RMS norm weights before RoPE (ModelConfig.qk_norm): (head_dim,) over each
+  k_norm: Optional[np.ndarray] = None  # head, or (n_heads * head_dim,) / (n_kv_heads * head_dim,) over the projection
+  router: Optional[np.ndarray] = None  # (n_experts, hidden), in a mixture-of-experts layer (ModelConfig.is_moe)
+  experts: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # each expert's fused gate/up (2 * inter, hidden) and down
 
 
-def layer_weights(weights: Dict[str, Weight], shard: Shard) -> Iterator[LayerWeights]:
+def layer_weights(weights: Dict[str, Weight], shard: Shard, config: LlamaConfig) -> Iterator[LayerWeights]:
   """The shard's layers, one at a time: an engine converts each before the next is fused, so a large model's fused
-  copies never all exist at once beside the loaded weights."""
+  copies never all exist at once beside the loaded weights. `config` says which optional parts the layers have."""
+  norm = lambda w: w + np.float32(config.norm_weight_offset) if config.norm_weight_offset else w
   for i in range(shard.start_layer, shard.end_layer + 1):
-    w = lambda name: weights[f"model.layers.{i}.{name}"]
-    yield LayerWeights(qkv=fused([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]),
-                       o=w("self_attn.o_proj.weight"), gate_up=fused([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
-                       down=w("mlp.down_proj.weight"), attn_norm=w("input_layernorm.weight"), mlp_norm=w("post_attention_layernorm.weight"))
+    prefix = f"model.layers.{i}."
+    w = lambda name: weights[prefix + name]
+    parts = {role: norm(w(f"{name}.weight")) for role, name in config.layer_norms}
+    if config.qkv_bias:
+      parts["qkv_bias"] = np.concatenate([w(f"self_attn.{p}_proj.bias") for p in "qkv"])
+    if config.o_bias:
+      parts["o_bias"] = w("self_attn.o_proj.bias")
+    if config.qk_norm:
+      parts.update(q_norm=norm(w("self_attn.q_norm.weight")), k_norm=norm(w("self_attn.k_norm.weight")))
+    # Phi-3 stores each fusion as one matrix already
+    qkv = w("self_attn.qkv_proj.weight") if prefix + "self_attn.qkv_proj.weight" in weights else \
+        fused([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+    if config.is_moe(i):
+      block, gate, up, down = config.expert_names
+      if any(isinstance(w(name), QuantizedWeight) for name in (f"{block}.gate.weight", f"{block}.experts.0.{gate}.weight")):
+        raise ValueError(f"{prefix}{block}: quantized experts are not implemented (use a float checkpoint)")
+      parts["router"] = w(f"{block}.gate.weight")
+      parts["experts"] = [(np.concatenate([w(f"{block}.experts.{e}.{gate}.weight"), w(f"{block}.experts.{e}.{up}.weight")]),
+                           w(f"{block}.experts.{e}.{down}.weight")) for e in range(config.n_experts)]
+      yield LayerWeights(qkv=qkv, o=w("self_attn.o_proj.weight"), gate_up=None, down=None, **parts)
+      continue
+    gate_up = w("mlp.gate_up_proj.weight") if prefix + "mlp.gate_up_proj.weight" in weights else fused([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+    yield LayerWeights(qkv=qkv, o=w("self_attn.o_proj.weight"), gate_up=gate_up, down=w("mlp.down_proj.weight"), **parts)
+
+
+def rope_tables(config: LlamaConfig, layers: Sequence[int]) -> Tuple[List[np.ndarray], List[int]]:
+  """The RoPE frequencies the layers use, each set once, and which set each layer uses: a model whose sliding
+  layers rotate at their own base (Gemma 3) has two."""
+  tables: List[np.ndarray] = []
+  keys: List = []
+  which = []
+  for layer in layers:
+    key = config.rope_of(layer)
+    if key not in keys:
+      keys.append(key)
+      tables.append(rope_inv_freq(config, *key))
+    which.append(keys.index(key))
+  return tables, which
 
 
 @dataclass
@@ -84,11 +132,12 @@ class Ends:
     return self.head is not None and self.head is self.embed
 
 
-def shard_ends(weights: Dict[str, Weight], shard: Shard) -> Ends:
+def shard_ends(weights: Dict[str, Weight], shard: Shard, config: LlamaConfig) -> Ends:
   embed = weights.get("model.embed_tokens.weight")  # the loader reads it for a tied head's last shard too
   if not shard.is_last_layer():
     return Ends(embed=embed if shard.is_first_layer() else None, norm=None, head=None)
-  return Ends(embed=embed if shard.is_first_layer() else None, norm=weights["model.norm.weight"], head=weights.get("lm_head.weight", embed))
+  norm = weights["model.norm.weight"] + np.float32(config.norm_weight_offset) if config.norm_weight_offset else weights["model.norm.weight"]
+  return Ends(embed=embed if shard.is_first_layer() else None, norm=norm, head=weights.get("lm_head.weight", embed))
 
 
 # --- a step ---
@@ -136,3 +185,18 @@ def in_caller_order(order: Sequence[int], outputs: Sequence) -> List:
   for i, r in enumerate(order):
     unsorted[r] = outputs[i]
   return unsorted
+
+
+# --- mixtures of experts ---
+
+def route(router_logits: np.ndarray, config: LlamaConfig) -> Tuple[np.ndarray, np.ndarray]:
+  """Each row's experts and their weights, (rows, k) each: softmax over every expert, the k most probable (ties to
+  the lower index, as torch.topk on the CPU), renormalised over those k where the model says so."""
+  logits = router_logits.astype(np.float32)
+  probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+  probs /= probs.sum(axis=-1, keepdims=True)
+  chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :config.experts_per_token]
+  weights = np.take_along_axis(probs, chosen, axis=-1)
+  if config.normalize_expert_weights:
+    weights /= weights.sum(axis=-1, keepdims=True)
+  return chosen, weights

@@ -1,4 +1,4 @@
-"""Llama-family weights for one shard, from a GGUF file or a Hugging Face / MLX directory, as float32 numpy arrays.
+"""A model's weights for one shard, from a GGUF file or a Hugging Face / MLX directory, as float32 numpy arrays.
 
 Every engine reads its weights through `load_shard_weights`, so they all see the same tensors under the same
 (Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout. MLX
@@ -6,7 +6,6 @@ quantized checkpoints and GGUF's 4- to 8-bit tensors (gguf_quants.py) are dequan
 (exo/inference/quantized.py) for an engine that runs them; GGUF's other types are always dequantised."""
 import json
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
@@ -14,25 +13,12 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 
 from exo.inference.gguf_quants import GGUF_AFFINE_TYPES, from_gguf_blocks
+from exo.inference.models import ModelConfig, UnsupportedModel, model_config
 from exo.inference.quantized import QuantizedWeight, group_quantized, take_rows
 from exo.inference.shard import Shard
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-  hidden_size: int
-  intermediate_size: int
-  n_layers: int
-  n_heads: int
-  n_kv_heads: int
-  vocab_size: int
-  head_dim: int
-  rms_norm_eps: float = 1e-5
-  rope_theta: float = 10000.0
-  rope_scaling: Optional[dict] = None  # Hugging Face form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
-  tie_word_embeddings: bool = False
-  max_position_embeddings: int = 4096
-  dtype: str = "float32"  # the checkpoint's own float precision ("bfloat16", "float16"), for devices that compute in it
+LlamaConfig = ModelConfig  # the name engines and tests have used; every family shares it
 
 
 def _layer_index(name: str) -> Optional[int]:
@@ -82,7 +68,7 @@ def gguf_config(reader) -> LlamaConfig:
     return default if f is None else f.contents()
   arch = get("general.architecture")
   if arch != "llama":
-    raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    raise UnsupportedModel("general.architecture", f"GGUF architecture {arch!r} is not supported (only 'llama')")
   hidden = get("llama.embedding_length")
   n_heads = get("llama.attention.head_count")
   vocab = get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -146,18 +132,9 @@ def load_gguf(path: Union[str, Path], shard: Shard, keep_quantized: bool = False
 
 
 def hf_config(config_json: dict) -> LlamaConfig:
-  archs = config_json.get("architectures") or []
-  if config_json.get("model_type") not in (None, "llama") and not any(a.startswith("Llama") for a in archs):
-    raise ValueError(f"model type {config_json.get('model_type')!r} is not supported (Llama family only)")
-  hidden, n_heads = config_json["hidden_size"], config_json["num_attention_heads"]
-  return LlamaConfig(
-    hidden_size=hidden, intermediate_size=config_json["intermediate_size"], n_layers=config_json["num_hidden_layers"],
-    n_heads=n_heads, n_kv_heads=config_json.get("num_key_value_heads", n_heads), vocab_size=config_json["vocab_size"],
-    head_dim=config_json.get("head_dim") or hidden // n_heads, rms_norm_eps=config_json.get("rms_norm_eps", 1e-5),
-    rope_theta=config_json.get("rope_theta", 10000.0), rope_scaling=config_json.get("rope_scaling"),
-    tie_word_embeddings=config_json.get("tie_word_embeddings", False),
-    max_position_embeddings=config_json.get("max_position_embeddings", 4096),
-    dtype=str(config_json.get("torch_dtype") or config_json.get("dtype") or "float32"))
+  """The model a config.json describes, in either transformers form; UnsupportedModel (a ValueError) naming the
+  field when it needs math no engine here computes."""
+  return model_config(config_json)
 
 
 def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:

@@ -77,7 +77,9 @@ def _checkpoint_shape(path: str) -> Optional[ModelShape]:
     c = load_config(path)
   except (OSError, ValueError, KeyError):
     return None
-  return ModelShape(c.hidden_size, c.intermediate_size, c.vocab_size, c.n_kv_heads * c.head_dim, c.tie_word_embeddings)
+  # the MLP width that weighs what the layers' MLPs do on average: a mixture of experts' every expert counts
+  intermediate = c.mlp_parameters() // (3 * c.hidden_size * c.n_layers)
+  return ModelShape(c.hidden_size, intermediate, c.vocab_size, c.n_kv_heads * c.head_dim, c.tie_word_embeddings)
 
 
 # Bytes a weight of each GGUF type takes held quantized (exo/inference/gguf_quants.py: 16-bit scale and bias a block

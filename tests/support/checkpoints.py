@@ -2,6 +2,7 @@
 format mlx-community publishes), and small random-weight stand-ins for other model cards. The network reaches no model
 hub, so tests make what users download."""
 import json
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
@@ -17,12 +18,14 @@ from exo.models import get_repo, model_cards
 SMOLLM2_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: bool = True, file_of: Optional[Callable[[str], str]] = None) -> Path:
+def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: bool = True, file_of: Optional[Callable[[str], str]] = None,
+                 model_type: str = "llama", chat_template: Optional[str] = None) -> Path:
   """A Hugging Face style model directory holding the same model (split: over two files with an index; file_of: in
-  the file it names for each tensor, with an index)."""
+  the file it names for each tensor, with an index); `chat_template` in place of SmolLM2's."""
   path.mkdir(exist_ok=True)
+  architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
   (path / "config.json").write_text(json.dumps({
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
+    "architectures": [architecture], "model_type": model_type, "hidden_size": config.hidden_size,
     "intermediate_size": config.intermediate_size, "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
     "num_key_value_heads": config.n_kv_heads, "vocab_size": config.vocab_size, "rms_norm_eps": config.rms_norm_eps,
     "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_word_embeddings,
@@ -37,9 +40,40 @@ def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: boo
     for file in sorted(set(weight_map.values())):
       save_file({n: w for n, w in weights.items() if weight_map[n] == file}, str(path / file))
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  return write_tokenizer(path, tokenizer, chat_template)
+
+
+def write_tokenizer(path: Path, tokenizer, chat_template: Optional[str] = None) -> Path:
+  """SmolLM2's tokenizer and chat template (or `chat_template`), as a Hugging Face directory holds them."""
   tokenizer.backend.save(str(path / "tokenizer.json"))
-  (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tokenizer.chat_template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}))
+  (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template or tokenizer.chat_template, "eos_token": "<|im_end|>",
+                                                          "bos_token": "<|im_start|>"}))
   return path
+
+
+def random_qwen2(n_layers: int, hidden: int = 64):
+  """random_llama's model with Qwen2's biases on q, k and v."""
+  config, weights, tokenizer = random_llama(n_layers, hidden)
+  rng = np.random.default_rng(1)
+  for i in range(n_layers):
+    for part, rows in (("q", config.n_heads * config.head_dim), ("k", config.n_kv_heads * config.head_dim), ("v", config.n_kv_heads * config.head_dim)):
+      weights[f"model.layers.{i}.self_attn.{part}_proj.bias"] = (rng.standard_normal(rows) * 0.05).astype(np.float32)
+  return config, weights, tokenizer
+
+
+FIXTURE_MODELS = Path(__file__).parent.parent / "fixtures" / "models"
+
+
+# A chat template that adds nothing to the messages' text: the fixtures know only SmolLM2's first 512 tokens, which
+# SmolLM2's own template's system prompt goes beyond.
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def fixture_checkpoint(name: str, dest: Path, chat_template: Optional[str] = None) -> Path:
+  """The small checkpoint tests/fixtures/make_models.py made for `name`, copied to `dest` with SmolLM2's tokenizer
+  (the checkpoints' 512 token ids are its first 512 tokens)."""
+  shutil.copytree(FIXTURE_MODELS / name, dest)
+  return write_tokenizer(dest, tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO)), chat_template)
 
 
 def random_llama(n_layers: int, hidden: int = 64):

@@ -261,3 +261,13 @@ def record_inference_states(node) -> list:
     return await process_tensor(base_shard, tensor, request_id, inference_state, accepted=accepted)
   node.process_tensor = recording
   return states
+
+
+def run_answers(output: str, prompts: List[str]) -> List[str]:
+  """The answers in `exo run`'s output for several prompts: '>>> PROMPT' then the answer, for each, then a summary line."""
+  found = []
+  for i, prompt in enumerate(prompts):
+    after = output.split(f"\n>>> {prompt}\n", 1)[1]
+    end = f"\n\n>>> {prompts[i + 1]}\n" if i + 1 < len(prompts) else f"\n{len(prompts)} prompt(s), "
+    found.append(after.split(end, 1)[0])
+  return found

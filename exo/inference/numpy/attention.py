@@ -5,7 +5,7 @@ masked to its own length (DecodeRun); a prompt chunk attends on its own with a c
 (PromptChunk). Softmax is taken unshifted where that is exact (see exact_enough). The cores share attention by
 requests, cut so that each has about as much of it to compute (share)."""
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -21,6 +21,13 @@ PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest
 PROMPT_POSITION_COST = 0.3  # a prompt row's attention per position it sees, as a share of a decode row's (its rows
 # share each key read, in products: 30 against 110 ns a position on one core of this VM)
 MIN_TOTAL = 1e-18  # a row's sum of exp(score) below this may have lost terms to underflow: it is computed again, shifted
+
+
+def soft_cap(x: np.ndarray, cap: float) -> None:
+  """cap * tanh(x / cap), in place (Gemma 2's scores and logits)."""
+  x /= np.float32(cap)
+  np.tanh(x, out=x)
+  x *= np.float32(cap)
 
 
 def exact_enough(total: np.ndarray, out: np.ndarray) -> bool:
@@ -44,6 +51,17 @@ class DecodeRun:
     self.width = int(ends.max())
     hidden = np.arange(self.width)[None, :] >= ends[:, None]
     self.mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, :]  # over (query head, row, KV head, position)
+    self.window_masks = {}
+
+  def mask_for(self, window: Optional[int]) -> np.ndarray:
+    """The mask of a layer whose queries see only the last `window` positions (None: all)."""
+    if window is None or window >= self.width:
+      return self.mask
+    if window not in self.window_masks:
+      positions = np.arange(self.width)[None, :]
+      hidden = (positions >= self.ends[:, None]) | (positions < self.ends[:, None] - window)
+      self.window_masks[window] = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, :]
+    return self.window_masks[window]
 
   @property
   def cost(self) -> int:  # cached positions read
@@ -53,7 +71,10 @@ class DecodeRun:
     return (DecodeRun(self.slab, self.slot, self.first, self.ends[:n]),
             DecodeRun(self.slab, self.slot + n, self.first + n, self.ends[n:]))
 
-  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, shifted: bool = False) -> None:
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, window: Optional[int] = None, softcap: Optional[float] = None,
+             shifted: bool = False) -> None:
+    """Layer li's attention of these rows into attn; `window`: the layer's sliding window; `softcap`: scores become
+    softcap * tanh(scores / softcap)."""
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
     keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
@@ -62,7 +83,9 @@ class DecodeRun:
     # attention took 3.8 ms on one core that way, 2.5 ms as matrix-vector products.
     queries = q[rows].reshape(n, n_kv, n_heads // n_kv, hd).transpose(2, 0, 1, 3)[..., None]  # (group, n, kv heads, head dim, 1)
     scores = np.matmul(keys, queries)[..., 0]  # (group, n, kv heads, width)
-    scores += self.mask
+    if softcap is not None:
+      soft_cap(scores, softcap)
+    scores += self.mask_for(window)
     if shifted:
       scores -= scores.max(axis=-1, keepdims=True)
     with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
@@ -70,7 +93,7 @@ class DecodeRun:
       total = scores.sum(axis=-1, keepdims=True)
       out = np.matmul(values.swapaxes(-1, -2), scores[..., None])[..., 0]  # (group, n, kv heads, head dim)
     if not shifted and not exact_enough(total, out):
-      return self.attend(li, q, attn, n_kv, shifted=True)
+      return self.attend(li, q, attn, n_kv, window, softcap, shifted=True)
     out /= total
     attn[rows] = out.transpose(1, 2, 0, 3).reshape(n, n_heads * hd)
 
@@ -102,15 +125,17 @@ class PromptChunk:
     return (PromptChunk(self.slab, self.slot, self.first, self.start, n),
             PromptChunk(self.slab, self.slot, self.first + n, self.start + n, self.n - n))
 
-  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, window: Optional[int] = None, softcap: Optional[float] = None) -> None:
+    """As DecodeRun.attend."""
     for a in range(0, self.n, PROMPT_TILE_ROWS):
       b = min(a + PROMPT_TILE_ROWS, self.n)
-      if not self._attend(li, q, attn, n_kv, a, b):
-        self._attend(li, q, attn, n_kv, a, b, shift=self._row_max(li, q, n_kv, a, b))
+      if not self._attend(li, q, attn, n_kv, a, b, window, softcap):
+        self._attend(li, q, attn, n_kv, a, b, window, softcap, shift=self._row_max(li, q, n_kv, a, b, window, softcap))
 
-  def _blocks(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int):
+  def _blocks(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int, window: Optional[int], softcap: Optional[float]):
     """(keys from, to, masked scores) for rows a..b, their keys taken in blocks whose scores fit the core's cache:
-    rows a..b see positions up to start + b - 1, and only positions from `start` on are hidden from some of them."""
+    rows a..b see positions up to start + b - 1, and only positions from `start` on are hidden from some of them
+    (and, in a sliding layer, those `window` or more before a row's own)."""
     n, width, (_, n_heads, hd) = b - a, self.start + b, q.shape
     keys = self.slab[self.slot, li, 0]  # (kv heads, positions, head dim)
     queries = q[self.first + a:self.first + b].reshape(n, n_kv, n_heads // n_kv, hd).transpose(1, 2, 0, 3).reshape(n_kv, -1, hd)
@@ -118,21 +143,27 @@ class PromptChunk:
     for k0 in range(0, width, block):
       k1 = min(k0 + block, width)
       scores = np.matmul(queries, keys[:, k0:k1].swapaxes(-1, -2))  # (kv heads, group * n, k1 - k0)
+      if softcap is not None:
+        soft_cap(scores, softcap)
       lo = max(k0, self.start)
       if lo < k1:
         scores.reshape(n_kv, -1, n, k1 - k0)[..., lo - k0:] += self.mask[a:b, lo - self.start:k1 - self.start]
+      if window is not None and k0 <= self.start + b - 1 - window:  # some row of these sees a key no more
+        hidden = np.arange(k0, k1)[None, :] <= (self.start + np.arange(a, b))[:, None] - window
+        scores.reshape(n_kv, -1, n, k1 - k0)[...] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
       yield k0, k1, scores
 
-  def _row_max(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int) -> np.ndarray:
-    return np.max([scores.max(axis=-1, keepdims=True) for _, _, scores in self._blocks(li, q, n_kv, a, b)], axis=0)
+  def _row_max(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int, window: Optional[int], softcap: Optional[float]) -> np.ndarray:
+    return np.max([scores.max(axis=-1, keepdims=True) for _, _, scores in self._blocks(li, q, n_kv, a, b, window, softcap)], axis=0)
 
-  def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int, shift=None) -> bool:
+  def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int, window: Optional[int], softcap: Optional[float],
+              shift=None) -> bool:
     """Rows a..b's attention into attn; False, writing nothing, if unshifted exp was not exact enough (exact_enough)."""
     n, (_, n_heads, hd) = b - a, q.shape
     values = self.slab[self.slot, li, 1]
     out, total = np.zeros((n_kv, n_heads // n_kv * n, hd), dtype=np.float32), np.zeros((n_kv, n_heads // n_kv * n, 1), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
-      for k0, k1, scores in self._blocks(li, q, n_kv, a, b):
+      for k0, k1, scores in self._blocks(li, q, n_kv, a, b, window, softcap):
         if shift is not None:
           scores -= shift
         np.exp(scores, out=scores)

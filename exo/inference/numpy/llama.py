@@ -1,4 +1,5 @@
-"""Llama in numpy, float32: one step runs many requests at once.
+"""The dense decoder (Llama and the families exo/inference/models describes as it) in numpy, float32: one step
+runs many requests at once.
 
 All rows of all requests go through each weight product together, the product's columns shared among the cores
 (kernels.py); attention reads each request's slot of the KV pool (cache.py, attention.py).
@@ -12,8 +13,8 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from exo.inference.llama_layout import in_caller_order, layer_weights, rope_inv_freq, shard_ends, step_input
-from exo.inference.numpy.attention import Step
+from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tables, route, shard_ends, step_input
+from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.shard import Shard
@@ -37,6 +38,28 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
+  """GELU's tanh approximation (Gemma's GeGLU), into out."""
+  np.multiply(x, x, out=out)
+  out *= np.float32(0.044715)
+  out += 1.0
+  out *= x
+  out *= np.float32(math.sqrt(2 / math.pi))
+  np.tanh(out, out=out)
+  out += 1.0
+  out *= x
+  out *= 0.5
+
+
+def gelu_tanh_of(x: np.ndarray) -> np.ndarray:
+  out = np.empty_like(x)
+  gelu_tanh(x, out)
+  return out
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 def interleaved_pairs(outputs: int) -> np.ndarray:
   """The order of fused gate/up's 2 * inter outputs as the engine computes them: PAIR gate outputs, then the PAIR up
   outputs of the same units, and so on."""
@@ -49,16 +72,22 @@ class Llama:
     c = config
     if c.intermediate_size % PAIR:
       raise ValueError(f"intermediate size {c.intermediate_size} is not a multiple of {PAIR}")
+    if c.activation not in ACTIVATIONS:
+      raise ValueError(f"activation {c.activation!r} is not implemented by the numpy engine")
     # A product's output columns are what the cores share (kernels.weight_matrix: float (in, out), or kept quantized).
-    self.layers = [{"attn_norm": layer.attn_norm, "mlp_norm": layer.mlp_norm, "qkv": weight_matrix(layer.qkv),
-                    "o": weight_matrix(layer.o), "gate_up": weight_matrix(layer.gate_up, interleaved_pairs(2 * c.intermediate_size)),
-                    "down": weight_matrix(layer.down)}
-                   for layer in layer_weights(weights, shard)]
-    ends = shard_ends(weights, shard)
+    # The rest as the layout gives it (None where the family has no such part).
+    self.layers = [{**layer.__dict__, "qkv": weight_matrix(layer.qkv), "o": weight_matrix(layer.o),
+                    "gate_up": None if layer.gate_up is None else weight_matrix(layer.gate_up, interleaved_pairs(2 * c.intermediate_size)),
+                    "down": None if layer.down is None else weight_matrix(layer.down),
+                    "router": None if layer.router is None else np.ascontiguousarray(layer.router.T),
+                    "experts": None if layer.experts is None else [(np.ascontiguousarray(gu.T), np.ascontiguousarray(d.T)) for gu, d in layer.experts]}
+                   for layer in layer_weights(weights, shard, config)]
+    ends = shard_ends(weights, shard, config)
     self.norm = ends.norm
     self.head = None if ends.head is None else weight_matrix(ends.head)
     self.embed = None if ends.shared or ends.embed is None else weight_matrix(ends.embed)  # shared: tokens are looked up in the head
-    self.inv_freq = rope_inv_freq(config)
+    self.layer_ids = list(range(shard.start_layer, shard.end_layer + 1))
+    self.rope_tables, self.rope_of_layer = rope_tables(config, self.layer_ids)
     self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings)
 
   def new_cache(self) -> KVCache:
@@ -81,6 +110,8 @@ class Llama:
     h = step_input(inputs, self.shard.is_first_layer(), c.hidden_size)
     if self.shard.is_first_layer():
       h = self._embed(h)
+      if c.embedding_scale != 1.0:
+        h *= np.float32(c.embedding_scale)
     step = Step(self.pool, caches, lengths)
     h = self._layers(h, step)
     for cache, n in zip(caches, lengths):
@@ -95,6 +126,10 @@ class Llama:
       def head(a: int, b: int) -> None:
         product(last, self.head, a, b, out=logits[:, a:b])
       split_columns(head, c.vocab_size, 256, step.rows)
+      if c.logits_scale != 1.0:
+        logits *= np.float32(c.logits_scale)
+      if c.final_softcap is not None:
+        soft_cap(logits, c.final_softcap)
       outputs = [logits[i:i + 1] for i in range(len(inputs))]
     return in_caller_order(order, outputs)
 
@@ -102,22 +137,35 @@ class Llama:
     c = self.config
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     rows = step.rows
-    cos, sin = step.layout.angles(self.inv_freq)
-    scale = np.float32(1.0 / math.sqrt(hd))
+    angles = [step.layout.angles(table) for table in self.rope_tables]
+    scale = np.float32(c.attention_scale if c.attention_scale is not None else 1.0 / math.sqrt(hd))
+    residual_scale = None if c.residual_scale == 1.0 else np.float32(c.residual_scale)
     q = np.empty((rows, n_heads, hd), dtype=np.float32)  # scaled, turned queries
     attn = np.empty((rows, n_heads * hd), dtype=np.float32)
     act = np.empty((rows, c.intermediate_size), dtype=np.float32)
+    qkv_width = (n_heads + 2 * n_kv) * hd
+    # a whole projection to normalise (OLMo 2), or a branch's output to normalise before the residual add (Gemma)
+    projected = np.empty((rows, qkv_width), dtype=np.float32) if c.qk_norm == "projection" else None
+    branch = np.empty_like(h) if any(role.startswith("post_") for role, _ in c.layer_norms) else None
+    gelu = c.activation == "gelu_tanh"
     x = None
 
     for li, layer in enumerate(self.layers):
-      def qkv(a: int, b: int) -> None:  # whole heads: queries, then keys, then values
-        out = product(x, layer["qkv"], a, b).reshape(rows, -1, hd)
+      cos, sin = angles[self.rope_of_layer[li]]
+      window = c.sliding_window if c.slides(self.layer_ids[li]) else None
+
+      def rope_and_write(out: np.ndarray, a: int, b: int) -> None:
+        """Columns a..b of the q/k/v projection (whole heads, biases added): queries turned and scaled into q,
+        keys turned and values into the cache."""
+        out = out.reshape(rows, -1, hd)
         ha, hb = a // hd, b // hd
         for head0, head1, kind in ((0, n_heads, "q"), (n_heads, n_heads + n_kv, "k"), (n_heads + n_kv, n_heads + 2 * n_kv, "v")):
           lo, hi = max(ha, head0), min(hb, head1)
           if lo >= hi:
             continue
           part = out[:, lo - ha:hi - ha]
+          if kind != "v" and c.qk_norm == "head":
+            part = rms_norm(part.reshape(-1, hd), layer[f"{kind}_norm"], c.rms_norm_eps).reshape(part.shape)
           if kind == "q":
             q[:, lo:hi] = rope(part, cos, sin) * scale
             continue
@@ -125,35 +173,92 @@ class Llama:
           for slab, row_range, slots, positions in step.writes:
             slab[slots, li, int(kind == "v"), lo - head0:hi - head0, positions] = values[row_range]
 
+      def qkv(a: int, b: int) -> None:  # whole heads: queries, then keys, then values
+        out = product(x, layer["qkv"], a, b)
+        if layer["qkv_bias"] is not None:
+          out += layer["qkv_bias"][a:b]
+        if projected is None:
+          rope_and_write(out, a, b)
+        else:
+          projected[:, a:b] = out
+
       def attend(lo: int, hi: int) -> None:
         for g in range(lo, hi):
           for job in step.job_groups[g]:
-            job.attend(li, q, attn, n_kv)
+            job.attend(li, q, attn, n_kv, window=window, softcap=c.attn_softcap)
 
       def o_proj(a: int, b: int) -> None:
-        h[:, a:b] += product(attn, layer["o"], a, b)
+        out = product(attn, layer["o"], a, b)
+        if layer["o_bias"] is not None:
+          out += layer["o_bias"][a:b]
+        add_branch(out, a, b, layer["post_attn_norm"])
 
       def gate_up(a: int, b: int) -> None:
         pairs = product(x, layer["gate_up"], a, b).reshape(rows, -1, 2, PAIR)
         gate, up = pairs[:, :, 0], pairs[:, :, 1]
         out = act[:, a // 2:b // 2].reshape(rows, -1, PAIR)
-        np.negative(gate, out=out)  # silu(gate) * up, in place: these are the layer's largest elementwise arrays
-        np.exp(out, out=out)
-        out += 1.0
-        np.divide(gate, out, out=out)
+        if gelu:
+          gelu_tanh(gate, out)
+        else:  # silu(gate), in place: these are the layer's largest elementwise arrays
+          np.negative(gate, out=out)
+          np.exp(out, out=out)
+          out += 1.0
+          np.divide(gate, out, out=out)
         out *= up
 
       def down(a: int, b: int) -> None:
-        h[:, a:b] += product(act, layer["down"], a, b)
+        add_branch(product(act, layer["down"], a, b), a, b, layer["post_mlp_norm"])
 
-      x = rms_norm(h, layer["attn_norm"], c.rms_norm_eps)
-      split_columns(qkv, (n_heads + 2 * n_kv) * hd, hd, rows)
+      def add_branch(out: np.ndarray, a: int, b: int, post_norm) -> None:
+        """A branch's columns a..b into the residual stream, or kept whole for its post-norm (finish_branch)."""
+        if post_norm is not None:
+          branch[:, a:b] = out
+          return
+        if residual_scale is not None:
+          out *= residual_scale
+        h[:, a:b] += out
+
+      def finish_branch(post_norm) -> None:
+        if post_norm is not None:
+          out = rms_norm(branch, post_norm, c.rms_norm_eps)
+          if residual_scale is not None:
+            out *= residual_scale
+          h[:] += out
+
+      x = h if layer["attn_norm"] is None else rms_norm(h, layer["attn_norm"], c.rms_norm_eps)
+      split_columns(qkv, qkv_width, hd, rows)
+      if projected is not None:  # the norms span heads: after the whole product
+        q_width, kv_width = n_heads * hd, n_kv * hd
+        projected[:, :q_width] = rms_norm(projected[:, :q_width], layer["q_norm"], c.rms_norm_eps)
+        projected[:, q_width:q_width + kv_width] = rms_norm(projected[:, q_width:q_width + kv_width], layer["k_norm"], c.rms_norm_eps)
+        rope_and_write(projected, 0, qkv_width)
       if len(step.job_groups) > 1:
         split_over_cores(attend, len(step.job_groups))
       else:
         attend(0, len(step.job_groups))
       split_columns(o_proj, c.hidden_size, 32, rows)
-      x = rms_norm(h, layer["mlp_norm"], c.rms_norm_eps)
-      split_columns(gate_up, 2 * c.intermediate_size, 2 * PAIR, rows)
-      split_columns(down, c.hidden_size, 32, rows)
+      finish_branch(layer["post_attn_norm"])
+      x = h if layer["mlp_norm"] is None else rms_norm(h, layer["mlp_norm"], c.rms_norm_eps)
+      if layer["experts"] is not None:
+        add_branch(self._experts(x, layer), 0, c.hidden_size, layer["post_mlp_norm"])
+      else:
+        split_columns(gate_up, 2 * c.intermediate_size, 2 * PAIR, rows)
+        split_columns(down, c.hidden_size, 32, rows)
+      finish_branch(layer["post_mlp_norm"])
     return h
+
+  def _experts(self, x: np.ndarray, layer: dict) -> np.ndarray:
+    """A mixture-of-experts MLP: each expert computes only the rows routed to it (one core; the experts' products
+    are small and many)."""
+    c = self.config
+    chosen, weights = route(x @ layer["router"], c)
+    out = np.zeros_like(x)
+    inter = c.expert_intermediate_size
+    for e in np.unique(chosen):
+      rows, slot = np.nonzero(chosen == e)  # a row picks an expert at most once
+      gate_up, down = layer["experts"][e]
+      projected = x[rows] @ gate_up
+      gate = projected[:, :inter]
+      act = gelu_tanh_of(gate) if c.activation == "gelu_tanh" else gate / (1.0 + np.exp(-gate))
+      out[rows] += ((act * projected[:, inter:]) @ down) * weights[rows, slot][:, None]
+    return out

@@ -1,4 +1,5 @@
-"""Llama in tinygrad: one step runs many requests at once. Float32 on CPU devices; half precision on GPUs (their
+"""The dense decoder (Llama and the families exo/inference/models describes as it) in tinygrad: one step runs many
+requests at once. Float32 on CPU devices; half precision on GPUs (their
 fast path, and half the memory), with norms and softmax in float32 as tinygrad's own Llama does. EXO_TINYGRAD_DTYPE
 (float16 or float32) overrides the choice. The half-precision path has not run on a GPU in this project's tests.
 
@@ -20,7 +21,8 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, Variable
 
-from exo.inference.llama_layout import StepRows, in_caller_order, layer_weights, rope_inv_freq, shard_ends, step_input
+from exo.inference.llama_layout import StepRows, in_caller_order, layer_weights, rope_tables, shard_ends, step_input
+from exo.inference.models.config import check_engine
 from exo.inference.shard import Shard
 from exo.inference.tinygrad.cache import KVCache, bucket
 from exo.inference.weights import LlamaConfig
@@ -50,21 +52,27 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Llama:
   def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
     self.config, self.shard = config, shard
+    check_engine(config, "TinygradDynamicShardInferenceEngine")
+    if config.activation not in ("silu", "gelu_tanh"):
+      raise ValueError(f"activation {config.activation!r} is not implemented by the tinygrad engine")
     self.dtype = dtype = float_dtype()
     # Each layer's weights live in one flat tensor (the jit reads views of it): a jit's per-call cost grows with its
     # number of inputs. Matrices are kept (out, in), so every output reduces over contiguous memory: x @ W.T.
     self.layers: List[Tensor] = []
-    self.weight_shapes: List[Tuple[int, ...]] = []
-    for layer in layer_weights(weights, shard):
-      parts = (layer.qkv, layer.o, layer.gate_up, layer.down, layer.attn_norm, layer.mlp_norm)
-      self.weight_shapes = [a.shape for a in parts]
-      self.layers.append(Tensor(np.concatenate([a.reshape(-1) for a in parts]).astype(dtype)).realize())
-    ends = shard_ends(weights, shard)
+    self.weight_shapes: List[Tuple[str, Tuple[int, ...]]] = []  # each part's name and shape, in the flat tensor's order
+    for layer in layer_weights(weights, shard, config):
+      parts = [(name, getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm",
+                                                         "qkv_bias", "o_bias", "q_norm", "k_norm")
+               if getattr(layer, name) is not None]  # the family's optional parts where it has them
+      self.weight_shapes = [(name, a.shape) for name, a in parts]
+      self.layers.append(Tensor(np.concatenate([a.reshape(-1) for _, a in parts]).astype(dtype)).realize())
+    ends = shard_ends(weights, shard, config)
     # Token lookup is a gather: done on the host, so only the (rows, hidden) result travels to the device.
     self.embed = None if ends.embed is None else ends.embed.astype(dtype, copy=False)
     self.norm = None if ends.norm is None else Tensor(ends.norm.astype(dtype, copy=False)).realize()
     self.head = None if ends.head is None else Tensor(ends.head.astype(dtype, copy=False)).realize()
-    self.inv_freq = rope_inv_freq(config)
+    self.layer_ids = list(range(shard.start_layer, shard.end_layer + 1))
+    self.rope_tables, self.rope_of_layer = rope_tables(config, self.layer_ids)
     self.jits: "OrderedDict[tuple, List[TinyJit]]" = OrderedDict()
 
   def new_cache(self) -> KVCache:
@@ -78,10 +86,10 @@ class Llama:
     self.jits.move_to_end(key)
     return self.jits[key]
 
-  def _weights(self, flat: Tensor) -> List[Tensor]:
-    out, offset = [], 0
-    for shape in self.weight_shapes:
-      out.append(flat[offset:offset + math.prod(shape)].reshape(shape))
+  def _weights(self, flat: Tensor) -> Dict[str, Tensor]:
+    out, offset = {}, 0
+    for name, shape in self.weight_shapes:
+      out[name] = flat[offset:offset + math.prod(shape)].reshape(shape)
       offset += math.prod(shape)
     return out
 
@@ -90,15 +98,25 @@ class Llama:
     per row; masks = every request's (rows, capacity) mask, flattened and concatenated; args = one KV cache per
     request, then one start position (a bound Variable) per request."""
     c, n_req = self.config, len(sig) - 1
-    qkv_w, o_w, gate_up_w, down_w, attn_norm, mlp_norm = self._weights(flat_weights)
+    w = self._weights(flat_weights)
+    scale = c.attention_scale if c.attention_scale is not None else 1.0 / math.sqrt(c.head_dim)
+    norm = lambda x, weight: x if weight is None else rms_norm(x, weight, c.rms_norm_eps)
+    residual = lambda x: x if c.residual_scale == 1.0 else x * c.residual_scale
     kv, starts = args[:n_req], args[n_req:]
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     group, q_size, kv_size = n_heads // n_kv, n_heads * hd, n_kv * hd
     rows = h.shape[0]
     cos, sin = rope_cs[0], rope_cs[1]
-    qkv = rms_norm(h, attn_norm, c.rms_norm_eps) @ qkv_w.T
-    q = rope(qkv[:, :q_size].reshape(rows, n_heads, hd), cos, sin)
-    k = rope(qkv[:, q_size:q_size + kv_size].reshape(rows, n_kv, hd), cos, sin)
+    qkv = norm(h, w.get("attn_norm")) @ w["qkv"].T
+    if "qkv_bias" in w:
+      qkv = qkv + w["qkv_bias"]
+    q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+    if c.qk_norm == "projection":
+      q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+    q, k = q.reshape(rows, n_heads, hd), k.reshape(rows, n_kv, hd)
+    if c.qk_norm == "head":
+      q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     v = qkv[:, q_size + kv_size:].reshape(rows, n_kv, hd)
     outs, offset, mask_offset = [], 0, 0
     for r, (n, capacity) in enumerate(sig[1:]):
@@ -107,19 +125,32 @@ class Llama:
       keys, values = cache[0], cache[1]
       mask = masks[mask_offset:mask_offset + n * capacity].reshape(n, capacity)
       qr = q[offset:offset + n].reshape(n, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * n, hd)
-      scores = (qr @ keys.transpose(1, 2)).reshape(n_kv, group, n, capacity) * (1.0 / math.sqrt(hd)) + mask
+      scores = (qr @ keys.transpose(1, 2)).reshape(n_kv, group, n, capacity) * scale
+      if c.attn_softcap is not None:
+        scores = (scores / c.attn_softcap).tanh() * c.attn_softcap
+      scores = scores + mask
       out = scores.float().softmax(-1).cast(values.dtype).reshape(n_kv, group * n, capacity) @ values  # (n_kv, group*n, hd)
       outs.append(out.reshape(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, q_size))
       offset, mask_offset = offset + n, mask_offset + n * capacity
     if offset < rows:  # rows padding the step to its bucket belong to no request
       outs.append(Tensor.zeros(rows - offset, q_size, dtype=h.dtype))
-    h = h + (outs[0].cat(*outs[1:]) if len(outs) > 1 else outs[0]) @ o_w.T
-    gate_up = rms_norm(h, mlp_norm, c.rms_norm_eps) @ gate_up_w.T
-    act = (gate_up[:, :c.intermediate_size].silu() * gate_up[:, c.intermediate_size:]).contiguous()  # once, not per output
-    return (h + act @ down_w.T).realize()
+    attn = (outs[0].cat(*outs[1:]) if len(outs) > 1 else outs[0]) @ w["o"].T
+    if "o_bias" in w:
+      attn = attn + w["o_bias"]
+    h = h + residual(norm(attn, w.get("post_attn_norm")))
+    gate_up = norm(h, w.get("mlp_norm")) @ w["gate_up"].T
+    gate = gate_up[:, :c.intermediate_size]
+    act = ((gate.gelu() if c.activation == "gelu_tanh" else gate.silu()) * gate_up[:, c.intermediate_size:]).contiguous()  # once, not per output
+    return (h + residual(norm(act @ w["down"].T, w.get("post_mlp_norm")))).realize()
 
   def _head(self, select: Tensor, h: Tensor, norm: Tensor, head: Tensor) -> Tensor:
-    return (rms_norm(select @ h, norm, self.config.rms_norm_eps) @ head.T).realize()
+    c = self.config
+    logits = rms_norm(select @ h, norm, c.rms_norm_eps) @ head.T
+    if c.logits_scale != 1.0:
+      logits = logits * c.logits_scale
+    if c.final_softcap is not None:
+      logits = (logits / c.final_softcap).tanh() * c.final_softcap
+    return logits.realize()
 
   def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
@@ -138,21 +169,29 @@ class Llama:
 
     h = np.zeros((rows, c.hidden_size), dtype=self.dtype)  # padding rows stay zero
     given = step_input(inputs, self.shard.is_first_layer(), c.hidden_size)
-    h[step.input_rows] = self.embed[given] if self.embed is not None else given
-    masks, starts = [], []
+    h[step.input_rows] = self.embed[given] * self.dtype(c.embedding_scale) if self.embed is not None else given
+    # One set of masks per window the shard's layers use (None: causal only), one RoPE table per base; each layer
+    # passes its own to the jit, which takes them as inputs like the weights.
+    windows = [c.sliding_window if c.slides(layer) else None for layer in self.layer_ids]
+    masks = {window: [] for window in windows}
+    starts = []
     for slot, (cache, s, p) in enumerate(zip(caches, step.starts, sizes)):
-      # causal: query i (at position s+i) sees keys up to s+i; later slots hold old padding or nothing yet
-      masks.append(np.where(np.arange(cache.capacity)[None, :] > (s + np.arange(p))[:, None], -np.inf, 0.0).astype(self.dtype).reshape(-1))
+      keys, queries = np.arange(cache.capacity)[None, :], (s + np.arange(p))[:, None]
+      for window in masks:
+        # causal: query i (at position s+i) sees keys up to s+i, in a sliding layer no more than `window` back;
+        # later slots hold old padding or nothing yet
+        hidden = (keys > queries) | (keys <= queries - window) if window is not None else keys > queries
+        masks[window].append(np.where(hidden, -np.inf, 0.0).astype(self.dtype).reshape(-1))
       starts.append(Variable(f"start{slot}", 0, cache.capacity - p).bind(s))
-    rope_cs = Tensor(np.stack(step.angles(self.inv_freq, rows)).astype(self.dtype))
-    masks = Tensor(np.concatenate(masks))
+    rope_cs = [Tensor(np.stack(step.angles(table, rows)).astype(self.dtype)) for table in self.rope_tables]
+    masks = {window: Tensor(np.concatenate(parts)) for window, parts in masks.items()}
 
     # Two jits per signature, alternating by layer: a jit's output buffer is rewritten on its next replay, so it
     # is never fed back into the jit that owns it.
     jits = self._jit(("layer", sig), lambda *a: self._layer(sig, *a), 2)
     x = Tensor(h)
     for li, layer in enumerate(self.layers):
-      x = jits[li % 2](x, rope_cs, masks, layer, *[cache.kv[li] for cache in caches], *starts)
+      x = jits[li % 2](x, rope_cs[self.rope_of_layer[li]], masks[windows[li]], layer, *[cache.kv[li] for cache in caches], *starts)
     for cache, n in zip(caches, step.lengths):
       cache.length += n
 

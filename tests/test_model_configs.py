@@ -1,0 +1,122 @@
+"""config.json as each family and each transformers version writes it: read to the same decoder, and a field that
+changes the math without an implementation refused by name (never ignored)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from exo.inference.models import UnsupportedModel, model_config
+from exo.inference.models.config import rope_parameters
+
+pytestmark = pytest.mark.unit
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def config_json(**fields) -> dict:
+  return {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 512, **fields}
+
+
+def test_both_config_forms_give_the_same_rope():
+  v4 = config_json(rope_theta=500000.0, rope_scaling=LLAMA3)
+  v5 = config_json(rope_parameters={**LLAMA3, "rope_theta": 500000.0})
+  assert rope_parameters(v4) == rope_parameters(v5) == (500000.0, LLAMA3)
+  assert model_config(v5).rope_theta == model_config(v4).rope_theta == 500000.0
+  assert model_config(v5).rope_scaling["factor"] == model_config(v4).rope_scaling["factor"] == 8.0
+  assert model_config(config_json(rope_parameters={"rope_type": "default", "rope_theta": 1e6})).rope_scaling is None
+  assert model_config(config_json(rope_parameters={"rope_type": "default", "rope_theta": 1e6})).rope_theta == 1e6
+  assert model_config(config_json(rope_scaling={"type": "linear", "factor": 2.0})).rope_scaling["rope_type"] == "linear"
+
+
+def test_the_fixtures_in_both_forms_read_alike():
+  v4, v5 = (model_config(json.loads((FIXTURES / name / "config.json").read_text())) for name in ("llama_rope_llama3_v4", "llama_rope_llama3"))
+  assert "rope_parameters" in (FIXTURES / "llama_rope_llama3" / "config.json").read_text()
+  assert "rope_parameters" not in (FIXTURES / "llama_rope_llama3_v4" / "config.json").read_text()
+  assert (v4.rope_theta, v4.rope_scaling) == (v5.rope_theta, v5.rope_scaling)
+
+
+@pytest.mark.parametrize("fields, field", [
+  (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "rope_parameters.rope_type"),
+  (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type"),
+  (dict(rope_scaling={"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}), "rope_scaling.type"),
+  (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "rope_parameters.partial_rotary_factor"),
+  (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+  (dict(rope_parameters={"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}), "rope_parameters"),
+  (dict(hidden_act="gelu"), "hidden_act"),
+  (dict(mlp_bias=True), "mlp_bias"),
+  (dict(model_type="gpt_oss"), "model_type"),
+])
+def test_a_field_that_changes_the_math_is_refused_by_name(fields, field):
+  with pytest.raises(UnsupportedModel) as refused:
+    model_config(config_json(**fields))
+  assert refused.value.field == field and str(refused.value).startswith(field + ":")
+
+
+def test_a_sliding_window_narrower_than_the_context_limits_the_context():
+  assert model_config(config_json(model_type="mistral", max_position_embeddings=32768, sliding_window=4096)).max_position_embeddings == 4096
+  assert model_config(config_json(model_type="mistral", max_position_embeddings=32768, sliding_window=None)).max_position_embeddings == 32768
+  qwen = config_json(model_type="qwen2", max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False)
+  assert model_config(qwen).max_position_embeddings == 32768
+  all_full = config_json(model_type="qwen3", max_position_embeddings=32768, sliding_window=4096, layer_types=["full_attention"] * 2)
+  assert model_config(all_full).max_position_embeddings == 32768
+
+
+def test_each_family_declares_its_parts():
+  assert model_config(config_json(model_type="qwen2")).qkv_bias and not model_config(config_json(model_type="qwen2")).o_bias
+  assert model_config(config_json(model_type="qwen3")).qk_norm
+  biased = model_config(config_json(attention_bias=True))
+  assert biased.qkv_bias and biased.o_bias
+  plain = model_config(config_json(model_type="mistral"))
+  assert not (plain.qkv_bias or plain.o_bias or plain.qk_norm)
+
+
+def test_a_mixture_of_experts_weighs_every_expert():
+  from exo.api.ollama.models import parameter_count
+  from exo.topology.model_size import _checkpoint_shape
+  mixtral = json.loads((FIXTURES / "mixtral" / "config.json").read_text())
+  config = model_config(mixtral)
+  assert config.moe_layers == (0, 1) and config.n_experts == 4 and config.experts_per_token == 2
+  experts = 2 * 4 * (3 * 64 * 64 + 64)  # two layers of four experts of width 64, and their routers
+  assert config.mlp_parameters() == experts
+  dense = model_config({**mixtral, "model_type": "mistral"})
+  assert parameter_count(config) - parameter_count(dense) == experts - dense.mlp_parameters()
+  assert _checkpoint_shape(str(FIXTURES / "mixtral")).intermediate == experts // (3 * 64 * 2)
+  qwen = model_config(json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text()))
+  assert qwen.moe_layers == (0, 2) and not qwen.normalize_expert_weights  # layer 1 is in mlp_only_layers
+
+
+@pytest.mark.parametrize("name, engine, field", [("mixtral", "TinygradDynamicShardInferenceEngine", "num_experts_per_tok")])
+def test_the_api_refuses_a_model_its_engine_does_not_compute_with_a_400_naming_the_field(name, engine, field):
+  from exo.api.errors import BadRequest
+  from exo.api.model_profiles import model_config_of
+  with pytest.raises(BadRequest) as refused:
+    model_config_of("/models/" + name, FIXTURES / name, engine)
+  assert refused.value.status == 400 and refused.value.param == "model" and f"{field}: " in refused.value.message
+  for runs_it in ("NumpyDynamicShardInferenceEngine", "MLXDynamicShardInferenceEngine"):
+    assert model_config_of("/models/" + name, FIXTURES / name, runs_it).model_type == name
+
+
+def test_gemma_ties_its_head_unless_told_otherwise():
+  gemma = json.loads((FIXTURES / "gemma2" / "config.json").read_text())
+  gemma.pop("tie_word_embeddings")
+  assert model_config(gemma).tie_word_embeddings
+  assert not model_config({**gemma, "tie_word_embeddings": False}).tie_word_embeddings
+
+
+def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path):
+  import gguf
+
+  from exo.inference.weights import gguf_reader, load_config
+  writer = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), "qwen2")
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  try:
+    with pytest.raises(UnsupportedModel) as refused:
+      load_config(tmp_path / "qwen.gguf")
+  finally:
+    gguf_reader.cache_clear()
+  assert refused.value.field == "general.architecture" and "'qwen2'" in str(refused.value)
