@@ -162,8 +162,10 @@ def test_mlx_equals_mlx_lm(name):
 
 
 @pytest.mark.parametrize("name", [n for n in MLX_LM_READS if n not in MOE])  # quantized experts: not yet (the loader refuses them)
-def test_mlx_on_mlx_lms_4_bit_conversion_equals_mlx_lm(name, tmp_path):
-  """mlx-lm's own 4-bit conversion of the checkpoint, kept quantized by exo's MLX engine, answers as mlx-lm does."""
+@pytest.mark.parametrize("engine", ["mlx", "numpy"])
+def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name, tmp_path):
+  """mlx-lm's own 4-bit conversion of the checkpoint, kept quantized by exo's MLX and numpy engines, answers as
+  mlx-lm does."""
   from tests.support.checkpoints import fixture_checkpoint, mlx_convert
   quantized = mlx_convert(fixture_checkpoint(name, tmp_path / "float"), tmp_path / "q4")
   expected_tokens, expected_logits = mlx_lm_greedy(name, len(EXPECTED[name]["tokens"]), quantized)
@@ -171,7 +173,7 @@ def test_mlx_on_mlx_lms_4_bit_conversion_equals_mlx_lm(name, tmp_path):
   shard = Shard(name, 0, n_layers - 1, n_layers)
   config, weights = load_shard_weights(quantized, shard, keep_quantized=True)
   assert any(type(w).__name__ == "QuantizedWeight" for w in weights.values())
-  tokens, logits = greedy([model_class("mlx")(config, shard, weights)], [EXPECTED[name]["prompt"]], len(expected_tokens))
+  tokens, logits = greedy([model_class(engine)(config, shard, weights)], [EXPECTED[name]["prompt"]], len(expected_tokens))
   np.testing.assert_allclose(logits[0], expected_logits, atol=LOGITS_ATOL)
   assert tokens[0] == expected_tokens
 
