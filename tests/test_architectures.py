@@ -101,14 +101,21 @@ def test_chunked_batched_and_pipelined_steps_give_the_same_tokens(engine, name):
   check(engine, name, chunk=3, batched=True, cuts=[0])
 
 
+def check_on_tinygrads_thread(name: str, **variant) -> None:
+  """As the engine runs it: on tinygrad's one thread, whose SQLite kernel cache refuses any other (a test module of
+  the same process may have opened it there first)."""
+  from exo.inference.tinygrad.engine import tinygrad_thread
+  tinygrad_thread().submit(check, "tinygrad", name, **variant).result()
+
+
 @pytest.mark.parametrize("name", DENSE + SLIDING)
 def test_tinygrad_greedy_tokens_equal_transformers(name):
-  check("tinygrad", name)
+  check_on_tinygrads_thread(name)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])  # tinygrad compiles every new step shape: two models stand for the rest
 def test_tinygrad_chunked_batched_and_pipelined_steps_give_the_same_tokens(name):
-  check("tinygrad", name, chunk=3, batched=True, cuts=[0])
+  check_on_tinygrads_thread(name, chunk=3, batched=True, cuts=[0])
 
 
 @pytest.mark.parametrize("name, field", [("mixtral", "num_experts_per_tok")])
