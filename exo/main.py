@@ -213,6 +213,7 @@ def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
 
 async def main(args) -> int:
   from exo.download.errors import DownloadError
+  from exo.download.cluster_files import ClusterFiles
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
   from exo.inference.models import UnsupportedModel
@@ -258,11 +259,13 @@ async def main(args) -> int:
   try:
     prefix_budget = prefix_cache_budget(args, os.environ)
     placement, memory_mb = placement_settings(args, os.environ)
+    peer_files_port = port_setting(os.environ, "EXO_PEER_FILES_PORT")
   except ValueError as e:
     fail(str(e))
 
   node_id = args.node_id or get_or_create_node_id()
-  shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads, node_id)
+  cluster_files = ClusterFiles(node_id)  # the models the cluster's nodes hold: each fetches from the others before the hub
+  shard_downloader = NoopShardDownloader() if engine_name == "dummy" else HFShardDownloader(args.max_parallel_downloads, node_id, cluster_files)
   try:
     engine = get_inference_engine(engine_name, shard_downloader)
   except ImportError as e:
@@ -317,6 +320,13 @@ async def main(args) -> int:
 
   await node.start(wait_for_peers=args.wait_for_peers)
   try:
+    if isinstance(shard_downloader, HFShardDownloader) and not isinstance(discovery, NoDiscovery):
+      try:
+        await cluster_files.attach(node, args.node_host, peer_files_port)
+      except ValueError as e:
+        fail(str(e))
+      except OSError as e:
+        fail(f"cannot serve model files to peers on {args.node_host}:{peer_files_port} (EXO_PEER_FILES_PORT): {e}")
     if is_run:
       if args.wait_for_peers > 0:
         from exo.topology.ring import wait_for_agreement
@@ -351,7 +361,18 @@ async def main(args) -> int:
   finally:
     if topology_viz is not None:
       topology_viz.stop()
+    await cluster_files.stop()
     await node.stop()
+
+
+def port_setting(environ, name: str) -> int:
+  """A TCP port from the environment: 0 (any free one) when unset."""
+  raw = environ.get(name, "").strip()
+  if not raw:
+    return 0
+  if not raw.isdigit() or not 0 <= int(raw) <= 65535:
+    raise ValueError(f"{name} must be a port number from 0 to 65535, got {raw!r}")
+  return int(raw)
 
 
 def run_event_loop(coro):

@@ -100,6 +100,7 @@ class DownloadProgress:
     self.files = {path: _FileState(size, on_disk.get(path, 0)) for path, size in sizes.items()}
     self.clock, self.wall_clock = clock, wall_clock
     self.rate = _Rate()
+    self.sources: Dict[str, object] = {}  # path -> the hub.Source its bytes come from now (not in the events: upstream's format)
 
   def add(self, path: str, n: int) -> None:
     """n bytes of `path` arrived (n < 0: that many were thrown away, the file starts again)."""

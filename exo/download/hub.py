@@ -76,10 +76,11 @@ def _is_timeout(e: BaseException) -> bool:
   return isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "Timeout" in type(e).__name__
 
 
-def _transport_failure(e: BaseException) -> DownloadFailure:
+def _transport_failure(e: BaseException, name: Optional[str] = None) -> DownloadFailure:
+  name = name or endpoint()
   if _is_timeout(e):
-    return DownloadFailure("hub_timeout", f"{endpoint()} sent nothing within {HUB_TIMEOUT_S:g} s")
-  return DownloadFailure("hub_unreachable", f"{endpoint()} did not answer ({type(e).__name__}: {e})")
+    return DownloadFailure("hub_timeout", f"{name} sent nothing within {HUB_TIMEOUT_S:g} s")
+  return DownloadFailure("hub_unreachable", f"{name} did not answer ({type(e).__name__}: {e})")
 
 
 def _gated(repo_id: str) -> DownloadFailure:
@@ -204,29 +205,46 @@ class _Transient(Exception):
     self.start_again = start_again
 
 
-def _check_status(response: aiohttp.ClientResponse, repo_id: str, commit: str, file: HubFile) -> None:
+@dataclass(frozen=True)
+class Source:
+  """Where a file's bytes come from: the hub, or a peer that holds the file verified (exo/download/peer_files.py).
+  `name` stands for it in messages; a stream that brings nothing `attempts` times in a row fails."""
+  name: str
+  url: str
+  headers: Dict[str, str]
+  attempts: int = ATTEMPTS
+  peer: Optional[str] = None  # the peer's node id, or None for the hub
+
+
+def hub_source(repo_id: str, commit: str, path: str) -> Source:
+  from huggingface_hub import hf_hub_url
+  from huggingface_hub.utils import build_hf_headers
+  return Source(endpoint(), hf_hub_url(repo_id, path, revision=commit, endpoint=endpoint()), dict(build_hf_headers()))
+
+
+def _check_status(response: aiohttp.ClientResponse, source: Source, repo_id: str, commit: str, file: HubFile) -> None:
   status = response.status
   if status in (200, 206):
     return
   if status == 404:
-    raise DownloadFailure("file_not_found", f"{endpoint()} has no {file.path} in {repo_id} at commit {commit[:12]} although it listed it")
+    raise DownloadFailure("file_not_found", f"{source.name} has no {file.path} in {repo_id} at commit {commit[:12]} although it listed it")
   if status in (401, 403):
+    if source.peer is not None:
+      raise DownloadFailure("hub_unreachable", f"{source.name} refused to serve {file.path} (HTTP {status})")
     raise _gated(repo_id)
   if status in TRANSIENT_STATUSES or status == 416:  # 416: the partial file is not a prefix the hub knows
-    raise _Transient(f"{endpoint()} answered HTTP {status} for {file.path}", start_again=status == 416)
-  raise DownloadFailure("hub_unreachable", f"{endpoint()} answered HTTP {status} for {file.path}")
+    raise _Transient(f"{source.name} answered HTTP {status} for {file.path}", start_again=status == 416)
+  raise DownloadFailure("hub_unreachable", f"{source.name} answered HTTP {status} for {file.path}")
 
 
-async def fetch_file(session: aiohttp.ClientSession, repo_id: str, commit: str, file: HubFile, folder: Path,
+async def fetch_file(session: aiohttp.ClientSession, source: Source, repo_id: str, commit: str, file: HubFile, folder: Path,
                      on_bytes: Callable[[int], None]) -> None:
-  """Make `folder/<file.path>` the file the hub announced: resume its partial file, check the hash, rename it into
-  place. `on_bytes(n)` hears of every n bytes that arrive (n < 0 when the hub ignored a Range and it starts again)."""
-  from huggingface_hub import hf_hub_url
-  from huggingface_hub.utils import build_hf_headers
+  """Make `folder/<file.path>` the file the hub announced, from `source`: resume its partial file (whoever brought
+  its bytes so far), check the hash, rename it into place. `on_bytes(n)` hears of every n bytes that arrive (n < 0
+  when the source ignored a Range and it starts again)."""
   final = folder / file.path
   partial = _Partial(final.with_name(final.name + ".partial"), file)
-  url = hf_hub_url(repo_id, file.path, revision=commit, endpoint=endpoint())
-  headers = {**build_hf_headers(), "Accept-Encoding": "identity"}  # sizes and Ranges in the file's own bytes, not gzip's
+  headers = {**source.headers, "Accept-Encoding": "identity"}  # sizes and Ranges in the file's own bytes, not gzip's
   timeout = aiohttp.ClientTimeout(total=None, sock_connect=HUB_TIMEOUT_S, sock_read=HUB_TIMEOUT_S)
   try:
     have = await asyncio.to_thread(partial.open)
@@ -238,25 +256,25 @@ async def fetch_file(session: aiohttp.ClientSession, repo_id: str, commit: str, 
     while have < file.size:
       arrived = 0
       try:
-        async with session.get(url, headers={**headers, "Range": f"bytes={have}-"} if have else headers, timeout=timeout) as response:
-          _check_status(response, repo_id, commit, file)
-          if have and response.status == 200:  # the hub ignored the Range: the whole file comes again
+        async with session.get(source.url, headers={**headers, "Range": f"bytes={have}-"} if have else headers, timeout=timeout) as response:
+          _check_status(response, source, repo_id, commit, file)
+          if have and response.status == 200:  # the source ignored the Range: the whole file comes again
             await asyncio.to_thread(partial.restart)
             on_bytes(-have)
             have = 0
           if response.content_length is not None and have + response.content_length != file.size:
-            raise DownloadFailure("corrupt", f"{file.path}: the hub listed {file.size:,} bytes but sends {have + response.content_length:,}")
+            raise DownloadFailure("corrupt", f"{file.path}: the hub listed {file.size:,} bytes but {source.name} sends {have + response.content_length:,}")
           async for chunk in response.content.iter_chunked(CHUNK):
             if have + len(chunk) > file.size:
-              raise DownloadFailure("corrupt", f"{file.path}: the hub sends more than the {file.size:,} bytes it listed")
+              raise DownloadFailure("corrupt", f"{file.path}: {source.name} sends more than the {file.size:,} bytes the hub listed")
             await asyncio.to_thread(partial.write, chunk)
             have, arrived = have + len(chunk), arrived + len(chunk)
             on_bytes(len(chunk))
       except (aiohttp.ClientError, asyncio.TimeoutError, _Transient) as e:
         fruitless = 0 if arrived else fruitless + 1
-        if fruitless >= ATTEMPTS:
-          failure = DownloadFailure("hub_unreachable", str(e)) if isinstance(e, _Transient) else _transport_failure(e)
-          raise DownloadFailure(failure.kind, f"{failure.detail} while fetching {file.path}; {ATTEMPTS} tries over {time.monotonic() - started:.1f} s") from e
+        if fruitless >= source.attempts:
+          failure = DownloadFailure("hub_unreachable", str(e)) if isinstance(e, _Transient) else _transport_failure(e, source.name)
+          raise DownloadFailure(failure.kind, f"{failure.detail} while fetching {file.path}; {source.attempts} tries over {time.monotonic() - started:.1f} s") from e
         if not arrived:
           await asyncio.sleep(BACKOFF_S * 2**(fruitless - 1))
         if getattr(e, "start_again", False):

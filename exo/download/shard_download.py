@@ -10,17 +10,20 @@ PROGRESS_INTERVAL_S. Nothing is remembered between attempts but what the folder'
 (record.py): a failure ends the waiting requests with a DownloadError and the next request starts afresh."""
 import asyncio
 import shutil
+import time
 from abc import ABC, abstractmethod
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncIterator, Dict, List, Optional, Set, Tuple
 
 import aiohttp
 
-from exo.download import hub
+from exo.download import cluster_files, hub
+from exo.download.cluster_files import ClusterFiles
 from exo.download.download_progress import DownloadProgress, RepoProgressEvent
 from exo.download.errors import DownloadError, DownloadFailure
+from exo.download.hub import HubFile
 from exo.download.record import DownloadRecord
 from exo.download.shard_files import INDEX, has_shard_files, local_model_path, matching_files, needed_files, read_weight_map, repo_dir
 from exo.download.shard_files import embedded_model_path  # noqa: F401 (imported from here by the tests and benches)
@@ -78,9 +81,10 @@ class HFShardDownloader(ShardDownloader):
   """Downloads through the hub into $EXO_HOME/downloads/<org>--<repo>, reporting progress per shard. `node_id` names
   this node in error messages (a ring's requests fail with the error of whichever node it happened on)."""
 
-  def __init__(self, max_parallel_downloads: int = 8, node_id: Optional[str] = None):
+  def __init__(self, max_parallel_downloads: int = 8, node_id: Optional[str] = None, cluster: Optional[ClusterFiles] = None):
     self.max_parallel_downloads = max_parallel_downloads
     self.node_id = node_id
+    self.cluster = cluster or ClusterFiles(node_id or "")  # unattached: no peers, every file from the hub
     self._on_progress = AsyncCallbackSystem[str, Tuple[Shard, RepoProgressEvent]]()
     self._running: Dict[str, _Download] = {}  # repo id -> its download
     self._outcomes: Dict[str, dict] = {}  # model id -> how its latest download went (see `downloads`)
@@ -132,29 +136,59 @@ class HFShardDownloader(ShardDownloader):
     return folder
 
   async def _fetch_shard(self, repo_id: str, shard: Shard, folder: Path) -> None:
-    if hub.offline():
-      raise DownloadFailure("offline", _offline_detail(folder, shard))
-    listing = await hub.list_repo(repo_id)
-    record = (DownloadRecord.load(folder) or DownloadRecord(repo_id, listing.commit, {})).relisted(listing)
-    record.save(folder)
-    async with aiohttp.ClientSession(trust_env=True) as session:
-      if INDEX in listing.files:  # which weight files hold the shard's layers
-        await self._fetch(session, record, folder, INDEX, None)
-      needed = needed_files(listing.files, shard, read_weight_map(folder) if INDEX in listing.files else None)
-      missing = record.missing(folder, needed)
-      _check_space(folder, record, missing)
-      progress = DownloadProgress(shard, repo_id, hub.REVISION, {p: listing.files[p].size for p in needed},
-                                  {p: record.bytes_on_disk(folder, p) for p in needed})
-      self._running[repo_id].progress = progress
-      reporter = asyncio.ensure_future(self._report(shard, progress))
-      try:
-        await _all_or_none([self._fetch(session, record, folder, path, progress) for path in missing], self.max_parallel_downloads)
-      finally:
-        reporter.cancel()
+    with self.cluster.wanting(repo_id):
+      listing, use_hub = await self._listing(repo_id, folder, shard)
+      record = (DownloadRecord.load(folder) or DownloadRecord(repo_id, listing.commit, {})).relisted(listing)
+      record.save(folder)
+      if use_hub and self.cluster.has_peers():
+        await asyncio.sleep(cluster_files.SETTLE_S)  # nodes asked at once hear that the others want it too
+      async with aiohttp.ClientSession(trust_env=True) as session:
+        if INDEX in listing.files:  # which weight files hold the shard's layers
+          await self._fetch(session, record, folder, INDEX, None, use_hub)
+        needed = needed_files(listing.files, shard, read_weight_map(folder) if INDEX in listing.files else None)
+        missing = record.missing(folder, needed)
+        _check_space(folder, record, missing)
+        progress = DownloadProgress(shard, repo_id, hub.REVISION, {p: listing.files[p].size for p in needed},
+                                    {p: record.bytes_on_disk(folder, p) for p in needed})
+        self._running[repo_id].progress = progress
+        reporter = asyncio.ensure_future(self._report(shard, progress))
+        try:
+          await _all_or_none([self._fetch(session, record, folder, path, progress, use_hub) for path in missing], self.max_parallel_downloads)
+        finally:
+          reporter.cancel()
     self._outcomes[shard.model_id]["progress"] = progress.event("complete").to_dict()
+    self._outcomes[shard.model_id]["files"] = _files_view(progress, progress.event("complete"))
     self._on_progress.trigger_all(shard, progress.event("complete"))
 
-  async def _fetch(self, session: aiohttp.ClientSession, record: DownloadRecord, folder: Path, path: str, progress: Optional[DownloadProgress]) -> None:
+  async def _listing(self, repo_id: str, folder: Path, shard: Shard) -> Tuple[hub.RepoListing, bool]:
+    """(the repository's file list, whether the hub may be asked for files): the hub's, or, offline or when the hub
+    does not answer, that of a peer that holds the repository."""
+    if hub.offline():
+      listing = await self._peer_listing(repo_id)
+      if listing is None:
+        raise DownloadFailure("offline", _offline_detail(folder, shard))
+      print(f"exo: HF_HUB_OFFLINE=1: fetching {repo_id} from peers", flush=True)
+      return listing, False
+    try:
+      return await hub.list_repo(repo_id), True
+    except DownloadFailure as e:
+      if e.kind not in ("hub_unreachable", "hub_timeout"):
+        raise
+      listing = await self._peer_listing(repo_id)
+      if listing is None:
+        raise
+      print(f"exo: {e}; fetching {repo_id} from peers", flush=True)
+      return listing, False
+
+  async def _peer_listing(self, repo_id: str) -> Optional[hub.RepoListing]:
+    listing = self.cluster.listing(repo_id)
+    if listing is None and self.cluster.has_peers():  # a node just started may not have heard its peers yet
+      await self.cluster.changed(2 * cluster_files.ANNOUNCE_INTERVAL_S)
+      listing = self.cluster.listing(repo_id)
+    return listing
+
+  async def _fetch(self, session: aiohttp.ClientSession, record: DownloadRecord, folder: Path, path: str, progress: Optional[DownloadProgress],
+                   use_hub: bool) -> None:
     """One file made verified: one already in place (an older exo, or a node killed before it noted it) is checked,
     anything else fetched."""
     file, final = record.files[path], folder / path
@@ -162,17 +196,66 @@ class HFShardDownloader(ShardDownloader):
       return
     if not (final.exists() and await asyncio.to_thread(hub.file_matches, final, file)):
       final.unlink(missing_ok=True)
-      await hub.fetch_file(session, record.repo_id, record.commit, file, folder, (lambda n: progress.add(path, n)) if progress else (lambda n: None))
+      await self._obtain(session, record, folder, file, progress, use_hub)
     record.verified[path] = file.size
     record.save(folder)
+    self.cluster.announce_now()  # peers waiting for it may fetch it from here now
     if progress is not None:
       progress.finish(path)
+
+  async def _obtain(self, session: aiohttp.ClientSession, record: DownloadRecord, folder: Path, file: HubFile, progress: Optional[DownloadProgress],
+                    use_hub: bool) -> None:
+    """The file's bytes from the cheapest peer holding it verified, else from the hub, as cluster_files.py lays out."""
+    cluster, repo_id, path = self.cluster, record.repo_id, file.path
+    on_bytes = (lambda n: progress.add(path, n)) if progress else (lambda n: None)
+    failed: Set[str] = set()  # peers that failed this file
+    waiting_since: Optional[float] = None
+    while True:
+      for source in cluster.holders(repo_id, file, failed):
+        if progress is not None:
+          progress.sources[path] = source
+        try:
+          started, before = time.monotonic(), record.bytes_on_disk(folder, path)
+          await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_bytes)
+          seconds = max(time.monotonic() - started, 1e-6)
+          print(f"exo: {path} from {source.name}: {(file.size - before) / 1e6:.1f} MB in {seconds:.2f} s ({(file.size - before) / 1e6 / seconds:.0f} MB/s)",
+                flush=True)
+          return
+        except DownloadFailure as e:
+          if e.kind == "disk_full":
+            raise
+          failed.add(source.peer)
+          if e.kind == "corrupt":
+            print(f"exo: {source.name} sent {path} with bytes that do not match ({e.detail}); discarded them, fetching it elsewhere", flush=True)
+          else:
+            print(f"exo: {source.name} failed to send {path} ({e.detail}); fetching the rest elsewhere", flush=True)
+      if use_hub:
+        fetcher = cluster.hub_fetcher(repo_id, path)
+        chosen = cluster.chosen_hub_fetcher(repo_id, path)
+        waiting_since = waiting_since or time.monotonic()
+        if (fetcher is not None and fetcher not in failed) or (
+            chosen != self.node_id and chosen not in failed and time.monotonic() - waiting_since < cluster_files.HUB_GRACE_S):
+          await cluster.changed(cluster_files.ANNOUNCE_INTERVAL_S)  # until it holds the file (or gives up)
+          continue
+        source = hub.hub_source(repo_id, record.commit, path)
+        if progress is not None:
+          progress.sources[path] = source
+        with cluster.fetching_from_hub(repo_id, path):
+          await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_bytes)
+        return
+      if cluster.may_bring(repo_id) or cluster.hub_fetcher(repo_id, path) is not None:
+        await cluster.changed(cluster_files.ANNOUNCE_INTERVAL_S)
+        continue
+      why = "HF_HUB_OFFLINE=1" if hub.offline() else f"{hub.endpoint()} did not answer"
+      tried = f" ({', '.join(sorted(failed))} failed to send it)" if failed else ""
+      raise DownloadFailure("offline" if hub.offline() else "hub_unreachable", f"{why}, and no peer holds {path} verified{tried}")
 
   async def _report(self, shard: Shard, progress: DownloadProgress) -> None:
     """The progress at a steady rate while bytes arrive (never one event per chunk)."""
     while True:
       event = progress.event("in_progress")
       self._outcomes[shard.model_id]["progress"] = event.to_dict()
+      self._outcomes[shard.model_id]["files"] = _files_view(progress, event)
       self._on_progress.trigger_all(shard, event)
       await asyncio.sleep(PROGRESS_INTERVAL_S)
 
@@ -234,6 +317,16 @@ async def _all_or_none(jobs: List, limit: int) -> None:
     for task in tasks:
       task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _files_view(progress: DownloadProgress, event: RepoProgressEvent) -> Dict[str, dict]:
+  """Each file of a download with where its bytes come from (`source`: peer or hub, and which), its speed and status."""
+  view = {}
+  for path, file in event.file_progress.items():
+    source = progress.sources.get(path)
+    view[path] = {"source": None if source is None else "hub" if source.peer is None else "peer", "peer": source and source.peer,
+                  "from": source and source.name, "speed": file.speed, "downloaded": file.downloaded, "total": file.total, "status": file.status}
+  return view
 
 
 def _complete_on_disk(folder: Path, shard: Shard) -> bool:

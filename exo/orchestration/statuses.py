@@ -28,12 +28,16 @@ PLACEMENT_MEMBER = "placement_member"  # a node follows routes: the facts placem
 GROUP_LOAD = "group_load"  # a group's first node: how much of its work (prompt tokens waiting, requests running and waiting) each origin sent
 TOKENS = "tokens"  # the tokens one step sampled for the requests of one origin (and the last token of the others on their routes)
 STRUCTURED_OUTPUT = "structured_output"  # a node announces that it samples requests' grammars (params.grammar), and with what
+PEER_FILES = "peer_files"  # a node announces the model files it holds verified, those it wants and fetches, and its file server's port
 
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 2000
 MAX_ENGINES = 16
 MAX_ROWS = 4096  # rows of one tokens status
 MAX_ORIGINS = 1024  # origins of one group_load status
+MAX_REPOS = 256  # repositories of one peer_files status
+MAX_REPO_FILES = 4096  # files of one repository in a peer_files status
+MAX_PATH_CHARS = 1024
 
 
 class InvalidStatus(ValueError):
@@ -93,6 +97,12 @@ def tokens(node_id: str, rows: List[list]) -> str:
 
 def structured_output(node_id: str, engine: str) -> str:
   return json.dumps({"type": STRUCTURED_OUTPUT, "node_id": node_id, "engine": engine})
+
+
+def peer_files(node_id: str, port: int, offline: bool, repos: dict) -> str:
+  """repos: repository -> {commit, files: {path: [size, sha256 or null, blob id or null]}, verified: [paths],
+  fetching: [paths it fetches from the hub now], wants: whether it downloads the repository now}"""
+  return json.dumps({"type": PEER_FILES, "node_id": node_id, "port": port, "offline": offline, "repos": repos})
 
 
 def parse(raw: str) -> Tuple[Optional[str], dict]:
@@ -299,6 +309,39 @@ def _check_tokens(status: dict) -> None:
                              "top": row[3][1] if isinstance(row[3], list) and len(row[3]) == 2 else None})
 
 
+def _hex(value: Any) -> bool:
+  return value is None or (isinstance(value, str) and 0 < len(value) <= 128 and all(c in "0123456789abcdefABCDEF" for c in value))
+
+
+def _path_list(value: Any, files: dict, key: str) -> None:
+  if not isinstance(value, list) or len(value) > MAX_REPO_FILES or not all(isinstance(p, str) and p in files for p in value):
+    raise InvalidStatus(f"{key} must list at most {MAX_REPO_FILES} of the repository's files")
+
+
+def _check_peer_files(status: dict) -> None:
+  _string(status, "node_id")
+  if not _is_int(status.get("port")) or not 1 <= status["port"] <= 65535:
+    raise InvalidStatus("port must be an integer from 1 to 65535")
+  if not isinstance(status.get("offline"), bool):
+    raise InvalidStatus("offline must be true or false")
+  repos = status.get("repos")
+  if not isinstance(repos, dict) or len(repos) > MAX_REPOS:
+    raise InvalidStatus(f"repos must map at most {MAX_REPOS} repositories to what is held of them")
+  for repo_id, repo in repos.items():
+    if not isinstance(repo_id, str) or not 0 < len(repo_id) <= MAX_ID_CHARS or not isinstance(repo, dict):
+      raise InvalidStatus("each repository must be named and described by an object")
+    _string(repo, "commit", limit=128)
+    files = repo.get("files")
+    if (not isinstance(files, dict) or len(files) > MAX_REPO_FILES
+        or not all(isinstance(p, str) and 0 < len(p) <= MAX_PATH_CHARS and isinstance(f, list) and len(f) == 3 and _is_int(f[0]) and f[0] >= 0
+                   and _hex(f[1]) and _hex(f[2]) for p, f in files.items())):
+      raise InvalidStatus(f"files of {repo_id[:MAX_ID_CHARS]} must map at most {MAX_REPO_FILES} paths to [size, sha256, blob id]")
+    _path_list(repo.get("verified"), files, "verified")
+    _path_list(repo.get("fetching"), files, "fetching")
+    if not isinstance(repo.get("wants"), bool):
+      raise InvalidStatus("wants must be true or false")
+
+
 _CHECKS = {
   NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
   REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
@@ -306,5 +349,5 @@ _CHECKS = {
   TOKEN_LOGPROBS: _check_token_logprobs,
   PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss, PREFIX_EXTEND: _check_prefix_extend,
   PLACEMENT_MEMBER: _check_placement_member, GROUP_LOAD: _check_group_load, TOKENS: _check_tokens,
-  STRUCTURED_OUTPUT: _check_structured_output,
+  STRUCTURED_OUTPUT: _check_structured_output, PEER_FILES: _check_peer_files,
 }

@@ -1,0 +1,234 @@
+"""What the cluster holds of each model, and who fetches what from whom, so that a model crosses the internet once.
+
+Every node announces, in a `peer_files` status (statuses.py; nodes that do not know the type ignore it), the files
+it holds verified (with the size and hash its record has for them), the repositories it is downloading, the files
+it is fetching from the hub right now, and the port of its file server (peer_files.py). It announces when any of
+that changes and every ANNOUNCE_INTERVAL_S besides (a peer may have missed one).
+
+A node that needs a file (`source_for`):
+1. fetches it from a peer that holds it verified with the same hash, the cheapest first (same machine, then the
+   rest; among equals spread by file, so different files come from different peers);
+2. else, if a peer is fetching it from the hub now, waits for that peer to hold it and fetches it from the peer;
+3. else, of the nodes downloading the repository now that can reach the hub, one is its hub fetcher (the same choice
+   on every node, spread by file); if that is this node, or the chosen one has not started within HUB_GRACE_S, this
+   node fetches it from the hub.
+The others fetch a file once its hub fetcher holds it whole, not as its bytes arrive: a peer serves only verified
+files (a file whose bytes turn out wrong never spreads), and on a LAN a peer sends a file far faster than the hub
+sent it, so what this costs is one LAN transfer of the last file.
+
+A peer that fails a transfer, or sends bytes that do not match, is not asked for that file again by this download;
+the file resumes from the next peer or the hub. A node offline (HF_HUB_OFFLINE=1) or unable to reach the hub takes
+the repository's file list from a peer that holds it, and checks what it fetches against that peer's hashes."""
+import asyncio
+import hashlib
+import ipaddress
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+from exo.download import hub
+from exo.download.hub import HubFile, RepoListing, Source
+from exo.download.peer_files import FILES_PREFIX, PeerFileServer, held_repos
+from exo.orchestration import statuses
+
+ANNOUNCE_INTERVAL_S = 2.0
+STALE_S = 15.0  # a peer's announcement not renewed for this long no longer counts
+SETTLE_S = 0.5  # a download's first pause, so that nodes asked at once hear of each other before choosing hub fetchers
+HUB_GRACE_S = 5.0  # how long a node waits for the hub fetcher chosen for a file to start it
+PEER_ATTEMPTS = 2  # a peer that brings nothing twice in a row has failed
+
+
+@dataclass
+class PeerHoldings:
+  node_id: str
+  port: int
+  offline: bool
+  repos: dict
+  heard: float  # monotonic time
+
+
+def _spread(key: str, choices: List[str]) -> str:
+  """One of `choices`, the same on every node for the same key and choices."""
+  return choices[int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(choices)]
+
+
+def _file_entry(file: HubFile) -> list:
+  return [file.size, file.sha256, file.blob_id]
+
+
+class ClusterFiles:
+  """This node's side of the cluster's files: its file server, its announcements, and the peers' (see the module's
+  doc). `attach(node)` joins it to a running node; until then (and without peers) every file comes from the hub."""
+
+  def __init__(self, node_id: str):
+    self.node_id = node_id
+    self.node = None
+    self.server: Optional[PeerFileServer] = None
+    self.peers: Dict[str, PeerHoldings] = {}
+    self.wanted: Dict[str, int] = {}  # repository -> downloads of it running here
+    self.fetching: Dict[str, Set[str]] = {}  # repository -> files this node fetches from the hub now
+    self._changed = asyncio.Event()
+    self._task: Optional[asyncio.Task] = None
+    self._announce_soon: Optional[asyncio.Handle] = None
+
+  # --- joining the node ---
+
+  async def attach(self, node, host: str, port: int = 0) -> None:
+    self.node = node
+    self.server = PeerFileServer(node.is_member_host, host, port)
+    await self.server.start()
+    print(f"exo: serving verified model files to ring members on {host}:{self.server.port}", file=sys.stderr, flush=True)
+    node.inbox.observe(statuses.PEER_FILES, self._heard)
+    self._task = asyncio.create_task(self._announce_periodically())
+
+  async def stop(self) -> None:
+    if self._task is not None:
+      self._task.cancel()
+      await asyncio.gather(self._task, return_exceptions=True)
+    if self.server is not None:
+      await self.server.stop()
+
+  async def _announce_periodically(self) -> None:
+    while True:
+      try:
+        await self.announce()
+      except Exception as e:  # noqa: BLE001 (a failed announcement must not end the loop; the next one may pass)
+        print(f"exo: could not announce this node's model files: {e!r}", flush=True)
+      await asyncio.sleep(ANNOUNCE_INTERVAL_S)
+
+  async def announce(self) -> None:
+    if self.node is None or self.server is None:
+      return
+    repos = {}
+    for repo_id, record in (await asyncio.to_thread(held_repos)).items():
+      repos[repo_id] = {"commit": record.commit, "files": {p: _file_entry(f) for p, f in record.files.items()},
+                        "verified": sorted(record.verified), "fetching": sorted(self.fetching.get(repo_id, ()) & set(record.files)),
+                        "wants": self.wanted.get(repo_id, 0) > 0}
+    status = statuses.peer_files(self.node_id, self.server.port, hub.offline(), repos)
+    await self.node.broadcast_opaque_status("", status, to={p.id() for p in self.node.peers})
+
+  def announce_now(self) -> None:
+    """Announce on the next loop turn (changes made together go out as one announcement)."""
+    if self.node is None or self._announce_soon is not None:
+      return
+
+    def send():
+      self._announce_soon = None
+      self.node.spawn(self.announce())
+    self._announce_soon = asyncio.get_running_loop().call_soon(send)
+
+  def _heard(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+    node_id = status["node_id"]
+    if sender_host is None or node_id == self.node_id or sender_host not in self.node.peer_hosts.get(node_id, ()):
+      return  # only a member speaks for itself
+    self.peers[node_id] = PeerHoldings(node_id, status["port"], status["offline"], status["repos"], time.monotonic())
+    self._changed.set()
+    self._changed = asyncio.Event()
+
+  # --- the peers' holdings ---
+
+  def _live(self) -> List[PeerHoldings]:
+    if self.node is None:
+      return []
+    now = time.monotonic()
+    return [p for p in self.peers.values() if p.node_id in self.node.peer_hosts and now - p.heard < STALE_S]
+
+  def _url(self, peer: PeerHoldings, repo_id: str, path: str) -> Optional[Tuple[str, int]]:
+    """(the file's URL at the peer, its cost: 0 on this machine, 1 elsewhere), or None if the peer has no address."""
+    hosts = sorted(self.node.peer_hosts.get(peer.node_id, ()))
+    if not hosts:
+      return None
+    host = hosts[0]
+    try:
+      cost = 0 if ipaddress.ip_address(host).is_loopback or host in _own_addresses() else 1
+    except ValueError:
+      cost = 1
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{peer.port}{FILES_PREFIX}/{repo_id}/{path}", cost
+
+  def listing(self, repo_id: str) -> Optional[RepoListing]:
+    """The repository's file list as the peer holding most of it has it (for a node that cannot ask the hub)."""
+    holders = [p for p in self._live() if p.repos.get(repo_id, {}).get("verified")]
+    if not holders:
+      return None
+    best = max(holders, key=lambda p: (len(p.repos[repo_id]["verified"]), p.node_id))
+    repo = best.repos[repo_id]
+    return RepoListing(repo["commit"], {path: HubFile(path, entry[0], entry[1], entry[2]) for path, entry in repo["files"].items()})
+
+  def holders(self, repo_id: str, file: HubFile, excluded: Set[str]) -> List[Source]:
+    """Peers holding the file verified with the same size and hash, cheapest first (equals spread by file)."""
+    found = []
+    for peer in self._live():
+      repo = peer.repos.get(repo_id)
+      if peer.node_id in excluded or repo is None or file.path not in repo["verified"] or repo["files"].get(file.path) != _file_entry(file):
+        continue
+      where = self._url(peer, repo_id, file.path)
+      if where is not None:
+        found.append((where[1], peer.node_id, where[0]))
+    if not found:
+      return []
+    cheapest = min(cost for cost, _, _ in found)
+    first = _spread(file.path, sorted(node_id for cost, node_id, _ in found if cost == cheapest))
+    found.sort(key=lambda f: (f[0], f[1] != first, f[1]))
+    return [Source(f"peer {node_id} ({url.split('/exo/')[0]})", url, {}, PEER_ATTEMPTS, node_id) for _, node_id, url in found]
+
+  def hub_fetcher(self, repo_id: str, path: str) -> Optional[str]:
+    """A live peer fetching the file from the hub now, if any."""
+    return next((p.node_id for p in self._live() if path in p.repos.get(repo_id, {}).get("fetching", ())), None)
+
+  def chosen_hub_fetcher(self, repo_id: str, path: str) -> str:
+    """Of the nodes downloading the repository now that can reach the hub (this one among them), the one that
+    fetches this file from it."""
+    wanting = [p.node_id for p in self._live() if p.repos.get(repo_id, {}).get("wants") and not p.offline]
+    return _spread(f"{repo_id}/{path}", sorted({self.node_id, *wanting}))
+
+  def may_bring(self, repo_id: str) -> bool:
+    """Whether a live peer is downloading the repository and can reach the hub (a file may yet appear there)."""
+    return any(p.repos.get(repo_id, {}).get("wants") and not p.offline for p in self._live())
+
+  def has_peers(self) -> bool:
+    return bool(self._live()) or bool(self.node is not None and self.node.peers)
+
+  async def changed(self, timeout: float) -> None:
+    """Until a peer's next announcement, or `timeout` seconds."""
+    try:
+      await asyncio.wait_for(self._changed.wait(), timeout)
+    except asyncio.TimeoutError:
+      pass
+
+  # --- this node's downloads ---
+
+  @contextmanager
+  def wanting(self, repo_id: str) -> Iterator[None]:
+    self.wanted[repo_id] = self.wanted.get(repo_id, 0) + 1
+    self.announce_now()
+    try:
+      yield
+    finally:
+      self.wanted[repo_id] -= 1
+      if not self.wanted[repo_id]:
+        del self.wanted[repo_id]
+      self.announce_now()
+
+  @contextmanager
+  def fetching_from_hub(self, repo_id: str, path: str) -> Iterator[None]:
+    self.fetching.setdefault(repo_id, set()).add(path)
+    self.announce_now()
+    try:
+      yield
+    finally:
+      self.fetching[repo_id].discard(path)
+      self.announce_now()
+
+
+_OWN: Tuple[float, Set[str]] = (0.0, set())
+
+
+def _own_addresses() -> Set[str]:
+  global _OWN
+  if time.monotonic() - _OWN[0] > 30:
+    from exo.api.access import own_hosts
+    _OWN = (time.monotonic(), own_hosts())
+  return _OWN[1]
