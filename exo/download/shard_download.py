@@ -142,18 +142,20 @@ class HFShardDownloader(ShardDownloader):
       record.save(folder)
       if use_hub and self.cluster.has_peers():
         await asyncio.sleep(cluster_files.SETTLE_S)  # nodes asked at once hear that the others want it too
+      sources: Dict[str, hub.Source] = {}  # path -> where its bytes come from
       async with aiohttp.ClientSession(trust_env=True) as session:
         if INDEX in listing.files:  # which weight files hold the shard's layers
-          await self._fetch(session, record, folder, INDEX, None, use_hub)
+          await self._fetch(session, record, folder, INDEX, None, use_hub, sources)
         needed = needed_files(listing.files, shard, read_weight_map(folder) if INDEX in listing.files else None)
         missing = record.missing(folder, needed)
         _check_space(folder, record, missing)
         progress = DownloadProgress(shard, repo_id, hub.REVISION, {p: listing.files[p].size for p in needed},
                                     {p: record.bytes_on_disk(folder, p) for p in needed})
+        progress.sources = sources
         self._running[repo_id].progress = progress
         reporter = asyncio.ensure_future(self._report(shard, progress))
         try:
-          await _all_or_none([self._fetch(session, record, folder, path, progress, use_hub) for path in missing], self.max_parallel_downloads)
+          await _all_or_none([self._fetch(session, record, folder, path, progress, use_hub, sources) for path in missing], self.max_parallel_downloads)
         finally:
           reporter.cancel()
     self._outcomes[shard.model_id]["progress"] = progress.event("complete").to_dict()
@@ -188,7 +190,7 @@ class HFShardDownloader(ShardDownloader):
     return listing
 
   async def _fetch(self, session: aiohttp.ClientSession, record: DownloadRecord, folder: Path, path: str, progress: Optional[DownloadProgress],
-                   use_hub: bool) -> None:
+                   use_hub: bool, sources: Dict[str, hub.Source]) -> None:
     """One file made verified: one already in place (an older exo, or a node killed before it noted it) is checked,
     anything else fetched."""
     file, final = record.files[path], folder / path
@@ -196,7 +198,7 @@ class HFShardDownloader(ShardDownloader):
       return
     if not (final.exists() and await asyncio.to_thread(hub.file_matches, final, file)):
       final.unlink(missing_ok=True)
-      await self._obtain(session, record, folder, file, progress, use_hub)
+      await self._obtain(session, record, folder, file, progress, use_hub, sources)
     record.verified[path] = file.size
     record.save(folder)
     self.cluster.announce_now()  # peers waiting for it may fetch it from here now
@@ -204,7 +206,7 @@ class HFShardDownloader(ShardDownloader):
       progress.finish(path)
 
   async def _obtain(self, session: aiohttp.ClientSession, record: DownloadRecord, folder: Path, file: HubFile, progress: Optional[DownloadProgress],
-                    use_hub: bool) -> None:
+                    use_hub: bool, sources: Dict[str, hub.Source]) -> None:
     """The file's bytes from the cheapest peer holding it verified, else from the hub, as cluster_files.py lays out."""
     cluster, repo_id, path = self.cluster, record.repo_id, file.path
     on_bytes = (lambda n: progress.add(path, n)) if progress else (lambda n: None)
@@ -212,8 +214,7 @@ class HFShardDownloader(ShardDownloader):
     waiting_since: Optional[float] = None
     while True:
       for source in cluster.holders(repo_id, file, failed):
-        if progress is not None:
-          progress.sources[path] = source
+        sources[path] = source
         try:
           started, before = time.monotonic(), record.bytes_on_disk(folder, path)
           await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_bytes)
@@ -238,8 +239,7 @@ class HFShardDownloader(ShardDownloader):
           await cluster.changed(cluster_files.ANNOUNCE_INTERVAL_S)  # until it holds the file (or gives up)
           continue
         source = hub.hub_source(repo_id, record.commit, path)
-        if progress is not None:
-          progress.sources[path] = source
+        sources[path] = source
         with cluster.fetching_from_hub(repo_id, path):
           await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_bytes)
         return
