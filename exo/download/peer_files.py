@@ -41,7 +41,7 @@ def held_repos() -> Dict[str, DownloadRecord]:
     record = DownloadRecord.load(folder)
     if record is None or repo_dir(record.repo_id) != folder:
       continue
-    record.verified = {p: size for p, size in record.verified.items() if p in record.files and record.is_verified(folder, p)}
+    record.verified = {p: size for p, size in record.verified.items() if p in record.files and _servable(folder, record, p) is not None}
     held[record.repo_id] = record
   return held
 
@@ -52,7 +52,13 @@ def verified_file(repo_id: str, path: str) -> Optional[Path]:
     return None
   folder = repo_dir(repo_id)
   record = DownloadRecord.load(folder)
-  if record is None or record.repo_id != repo_id or path not in record.verified or not record.is_verified(folder, path):
+  if record is None or record.repo_id != repo_id:
+    return None
+  return _servable(folder, record, path)
+
+
+def _servable(folder: Path, record: DownloadRecord, path: str) -> Optional[Path]:
+  if path not in record.verified or not record.is_verified(folder, path):
     return None
   target = (folder / path).resolve()
   if not target.is_relative_to(folder.resolve()) or target.name.endswith(".partial") or target.name == RECORD_NAME:
