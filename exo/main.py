@@ -214,6 +214,7 @@ def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
 async def main(args) -> int:
   from exo.download.errors import DownloadError
   from exo.download.cluster_files import ClusterFiles
+  from exo.download.peer_files import upload_rate
   from exo.download.shard_download import HFShardDownloader, NoopShardDownloader
   from exo.inference.engines import get_inference_engine
   from exo.inference.models import UnsupportedModel
@@ -259,7 +260,7 @@ async def main(args) -> int:
   try:
     prefix_budget = prefix_cache_budget(args, os.environ)
     placement, memory_mb = placement_settings(args, os.environ)
-    peer_files_port = port_setting(os.environ, "EXO_PEER_FILES_PORT")
+    peer_upload_rate = upload_rate(os.environ)
   except ValueError as e:
     fail(str(e))
 
@@ -320,13 +321,6 @@ async def main(args) -> int:
 
   await node.start(wait_for_peers=args.wait_for_peers)
   try:
-    if isinstance(shard_downloader, HFShardDownloader) and not isinstance(discovery, NoDiscovery):
-      try:
-        await cluster_files.attach(node, args.node_host, peer_files_port)
-      except ValueError as e:
-        fail(str(e))
-      except OSError as e:
-        fail(f"cannot serve model files to peers on {args.node_host}:{peer_files_port} (EXO_PEER_FILES_PORT): {e}")
     if is_run:
       if args.wait_for_peers > 0:
         from exo.topology.ring import wait_for_agreement
@@ -351,6 +345,8 @@ async def main(args) -> int:
     node.placements.expected = build_base_shard(args.default_model or DEFAULT_MODEL, engine_classname)  # loaded once placed
     api = ChatGPTAPI(node, engine_classname, response_timeout=args.chatgpt_api_response_timeout, default_model=args.default_model or DEFAULT_MODEL,
                      system_prompt=args.system_prompt, on_quit=stop_event.set, settings=api_settings)
+    if isinstance(shard_downloader, HFShardDownloader) and not isinstance(discovery, NoDiscovery):
+      cluster_files.attach(node, api.app, args.chatgpt_api_port, peer_upload_rate)  # peers fetch this node's verified model files from its API
     if topology_viz is not None:
       topology_viz.start()
     print(f"exo {VERSION}: node {node_id}, engine {engine_name}, chat at http://localhost:{args.chatgpt_api_port}", flush=True)
@@ -363,16 +359,6 @@ async def main(args) -> int:
       topology_viz.stop()
     await cluster_files.stop()
     await node.stop()
-
-
-def port_setting(environ, name: str) -> int:
-  """A TCP port from the environment: 0 (any free one) when unset."""
-  raw = environ.get(name, "").strip()
-  if not raw:
-    return 0
-  if not raw.isdigit() or not 0 <= int(raw) <= 65535:
-    raise ValueError(f"{name} must be a port number from 0 to 65535, got {raw!r}")
-  return int(raw)
 
 
 def run_event_loop(coro):

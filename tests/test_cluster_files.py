@@ -2,6 +2,7 @@
 asks for a file (only holders of the same bytes, the cheapest first, different files from different peers, never
 one that failed), which node fetches a file from the hub, the file list an offline node takes from its peers, and
 which files a node's file server may hand out (only verified ones inside their download folder)."""
+import asyncio
 import json
 
 import pytest
@@ -38,11 +39,18 @@ class Peer:
 
 
 class FakeNode:
-  """What ClusterFiles reads of a node: its peers and the addresses they are reached at."""
+  """What ClusterFiles reads of a node: its peers and the addresses they are reached at; what it broadcasts."""
 
   def __init__(self, hosts):
     self.peer_hosts = hosts
     self.peers = [Peer(p) for p in hosts]
+    self.sent = []
+
+  def spawn(self, coro):
+    return asyncio.ensure_future(coro)
+
+  async def broadcast_opaque_status(self, request_id, status, to=None):
+    self.sent.append((json.loads(status), to))
 
 
 def cluster_of(hosts) -> ClusterFiles:
@@ -163,9 +171,22 @@ def test_the_file_server_hands_out_only_verified_files_inside_their_folder(tmp_p
   assert set(held_repos()) == {REPO}  # a record not in its repository's own folder is not served
 
 
-def test_announcements_say_what_is_wanted_and_fetched_while_it_is(monkeypatch, tmp_path):
+async def test_announcements_say_what_is_held_wanted_and_fetched_while_it_is(monkeypatch, tmp_path):
   monkeypatch.setenv("EXO_HOME", str(tmp_path))
+  folder = tmp_path / "downloads" / "org--model"
+  folder.mkdir(parents=True)
+  (folder / "config.json").write_bytes(b"{}")
+  DownloadRecord(REPO, "c1", {"config.json": CONFIG, "w.safetensors": WEIGHTS}, {"config.json": 2}).save(folder)
   cluster = ClusterFiles("me")
+  cluster.node, cluster.port = FakeNode({"a": {"127.0.0.1"}}), 52415
+  await cluster.announce()
+  (status, to), = cluster.node.sent
+  assert statuses.parse(json.dumps(status))[0] == statuses.PEER_FILES and to == {"a"}
+  assert (status["node_id"], status["port"], status["offline"]) == ("me", 52415, False)
+  assert status["repos"][REPO] == {"commit": "c1", "files": {"config.json": entry(CONFIG), "w.safetensors": entry(WEIGHTS)}, "verified": ["config.json"],
+                                   "fetching": [], "wants": False}
   with cluster.wanting(REPO), cluster.fetching_from_hub(REPO, "w.safetensors"):
-    assert cluster.wanted == {REPO: 1} and cluster.fetching[REPO] == {"w.safetensors"}
-  assert cluster.wanted == {} and cluster.fetching[REPO] == set()
+    await cluster.announce()
+    assert cluster.node.sent[-1][0]["repos"][REPO]["fetching"] == ["w.safetensors"] and cluster.node.sent[-1][0]["repos"][REPO]["wants"]
+  await cluster.announce()
+  assert cluster.node.sent[-1][0]["repos"][REPO]["fetching"] == [] and not cluster.node.sent[-1][0]["repos"][REPO]["wants"]

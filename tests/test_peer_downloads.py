@@ -2,7 +2,7 @@
 hub (tests/support/stand_in_hub.py), whose log says which files it served. A node fetches what a peer holds verified
 from that peer; nodes downloading at once fetch each file from the hub once between them; a node offline or cut off
 from the hub is served by its peers; a peer that dies mid-transfer or sends bad bytes costs a resume elsewhere; and a
-client that is not a ring member gets 403 from a node's file server, whatever it asks."""
+client that is not a ring member gets 403 from a node's files (under /exo/files on its API server), whatever it asks."""
 import asyncio
 import re
 
@@ -16,7 +16,6 @@ from tests.test_downloads import BIG, FOLDER, MODEL, REPO, call, checkpoint, hub
 
 pytestmark = pytest.mark.cluster
 
-SERVING = r"serving verified model files to ring members on [^:]+:(\d+)"
 
 
 def all_files(checkpoint) -> list:
@@ -38,11 +37,6 @@ async def downloaded(cluster: Cluster, node_id: str, timeout: float = 180) -> No
 async def download(cluster: Cluster, node_id: str) -> None:
   status, body = await call("POST", f"{cluster.url(node_id)}/download", {"model": MODEL})
   assert status == 200, body
-
-
-async def file_server(cluster: Cluster, node_id: str) -> str:
-  port = (await cluster.nodes[node_id].wait_for_log(SERVING, 60))[1]
-  return f"http://127.0.0.1:{port}"
 
 
 def files_from(downloads: dict) -> dict:
@@ -159,11 +153,11 @@ async def test_only_ring_members_may_list_or_read_and_only_verified_files(hub, c
     await cluster.start()
     await download(cluster, "a")
     await downloaded(cluster, "a")
-    server = await file_server(cluster, "a")
+    server = cluster.url("a")  # a node's files are on its API server
     folder = cluster.nodes["a"].home / "downloads" / FOLDER
     (folder / "half.safetensors.partial").write_bytes(b"x" * 100)
     (folder.parent / "secret.txt").write_text("not a model file")
-    paths = ["/exo/files", f"/exo/files/{REPO}/{BIG}", f"/exo/files/{REPO}/nothing-here", "/anything"]
+    paths = ["/exo/files", f"/exo/files/{REPO}/{BIG}", f"/exo/files/{REPO}/nothing-here", "/exo/files/", "/exo/files/anything"]
     # A stranger: any address but the ring's (the nodes are at 127.0.0.1). The same 403 whatever it asks.
     stranger = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
     async with aiohttp.ClientSession(connector=stranger) as session:

@@ -26,6 +26,7 @@ from exo.api.serving import ServingCore
 from exo.api.settings import ApiSettings
 from exo.api.static_routes import add_static_routes, is_static
 from exo.download.errors import DownloadError
+from exo.download.peer_files import FILES_PREFIX
 
 PUBLIC_PATHS = {"/healthcheck", "/health"}  # answered without the API key (load balancers, liveness probes)
 
@@ -134,7 +135,8 @@ class ChatGPTAPI:
 
   @web.middleware
   async def _guard(self, request: web.Request, handler):
-    self.access.check(request, public=request.path in PUBLIC_PATHS or is_static(request))
+    # A node's model files answer ring members only, with or without an API key (exo/download/peer_files.py).
+    self.access.check(request, public=request.path in PUBLIC_PATHS or is_static(request) or request.path.startswith(FILES_PREFIX))
     return await handler(request)
 
   @web.middleware

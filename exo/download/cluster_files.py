@@ -2,7 +2,7 @@
 
 Every node announces, in a `peer_files` status (statuses.py; nodes that do not know the type ignore it), the files
 it holds verified (with the size and hash its record has for them), the repositories it is downloading, the files
-it is fetching from the hub right now, and the port of its file server (peer_files.py). It announces when any of
+it is fetching from the hub right now, and the port of its API server, which serves them (peer_files.py). It announces when any of
 that changes and every ANNOUNCE_INTERVAL_S besides (a peer may have missed one).
 
 A node that needs a file (`source_for`):
@@ -22,7 +22,6 @@ the repository's file list from a peer that holds it, and checks what it fetches
 import asyncio
 import hashlib
 import ipaddress
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from exo.download import hub
 from exo.download.hub import HubFile, RepoListing, Source
-from exo.download.peer_files import FILES_PREFIX, PeerFileServer, held_repos
+from exo.download.peer_files import FILES_PREFIX, PeerFileRoutes, held_repos
 from exo.orchestration import statuses
 
 ANNOUNCE_INTERVAL_S = 2.0
@@ -65,7 +64,7 @@ class ClusterFiles:
   def __init__(self, node_id: str):
     self.node_id = node_id
     self.node = None
-    self.server: Optional[PeerFileServer] = None
+    self.port: Optional[int] = None  # the API port peers fetch this node's files from
     self.peers: Dict[str, PeerHoldings] = {}
     self.wanted: Dict[str, int] = {}  # repository -> downloads of it running here
     self.fetching: Dict[str, Set[str]] = {}  # repository -> files this node fetches from the hub now
@@ -75,11 +74,11 @@ class ClusterFiles:
 
   # --- joining the node ---
 
-  async def attach(self, node, host: str, port: int = 0) -> None:
-    self.node = node
-    self.server = PeerFileServer(node.is_member_host, host, port)
-    await self.server.start()
-    print(f"exo: serving verified model files to ring members on {host}:{self.server.port}", file=sys.stderr, flush=True)
+  def attach(self, node, app, port: int, upload_rate: Optional[float] = None) -> None:
+    """Serve this node's files on the API app (before it starts) that listens on `port`, at most `upload_rate`
+    bytes/s per transfer; hear and make announcements."""
+    self.node, self.port = node, port
+    PeerFileRoutes(node.is_member_host, upload_rate).add_to(app)
     node.inbox.observe(statuses.PEER_FILES, self._heard)
     self._task = asyncio.create_task(self._announce_periodically())
 
@@ -87,8 +86,6 @@ class ClusterFiles:
     if self._task is not None:
       self._task.cancel()
       await asyncio.gather(self._task, return_exceptions=True)
-    if self.server is not None:
-      await self.server.stop()
 
   async def _announce_periodically(self) -> None:
     while True:
@@ -99,14 +96,14 @@ class ClusterFiles:
       await asyncio.sleep(ANNOUNCE_INTERVAL_S)
 
   async def announce(self) -> None:
-    if self.node is None or self.server is None:
+    if self.node is None:
       return
     repos = {}
     for repo_id, record in (await asyncio.to_thread(held_repos)).items():
       repos[repo_id] = {"commit": record.commit, "files": {p: _file_entry(f) for p, f in record.files.items()},
-                        "verified": sorted(record.verified), "fetching": sorted(self.fetching.get(repo_id, ()) & set(record.files)),
+                        "verified": sorted(record.verified), "fetching": sorted(self.fetching.get(repo_id, set()) & set(record.files)),
                         "wants": self.wanted.get(repo_id, 0) > 0}
-    status = statuses.peer_files(self.node_id, self.server.port, hub.offline(), repos)
+    status = statuses.peer_files(self.node_id, self.port, hub.offline(), repos)
     await self.node.broadcast_opaque_status("", status, to={p.id() for p in self.node.peers})
 
   def announce_now(self) -> None:

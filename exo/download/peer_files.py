@@ -1,4 +1,4 @@
-"""A node's file server for the other nodes of its cluster: the model files it holds verified, so that a model
+"""A node's files for the other nodes of its cluster, served on its API server: the model files it holds verified, so that a model
 crosses the internet once per cluster (exo/download/cluster_files.py decides who fetches what from whom).
 
 Trusted peers only. A caller whose address is not a ring member's (the rule the gRPC server applies, see
@@ -10,9 +10,9 @@ $EXO_HOME/downloads/<org>--<repo>, nothing a symlink leads out of it.
   GET /exo/files                          what this node holds verified: repository -> {commit, verified paths}
   GET /exo/files/{org}/{name}/{path}      one verified file's bytes (Range requests get 206)
 
+A node serves its files this way only while its API server runs (`exo run` does not serve).
 EXO_PEER_UPLOAD_BYTES_PER_S caps what this node sends its peers per transfer (unset: as fast as the link goes)."""
 import asyncio
-import os
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -66,8 +66,9 @@ def _servable(folder: Path, record: DownloadRecord, path: str) -> Optional[Path]
   return target
 
 
-def _upload_rate() -> Optional[float]:
-  raw = os.environ.get("EXO_PEER_UPLOAD_BYTES_PER_S", "").strip()
+def upload_rate(environ) -> Optional[float]:
+  """EXO_PEER_UPLOAD_BYTES_PER_S: None when unset; ValueError when it is not a positive number."""
+  raw = environ.get("EXO_PEER_UPLOAD_BYTES_PER_S", "").strip()
   if not raw:
     return None
   try:
@@ -79,43 +80,25 @@ def _upload_rate() -> Optional[float]:
   return rate
 
 
-class PeerFileServer:
-  """Serves verified files to callers `is_member(ip)` accepts. `port` 0: any free one (`port` is set once it listens)."""
+class PeerFileRoutes:
+  """The routes, on the node's API server: GETs under FILES_PREFIX answer callers `is_member(ip)` accepts, and 403
+  anyone else, whatever the path (the API key does not apply to them: ring membership does)."""
 
-  def __init__(self, is_member: Callable[[Optional[str]], bool], host: str, port: int = 0):
-    self.is_member, self.host, self.port = is_member, host, port
-    self.rate = _upload_rate()
-    self.runner: Optional[web.AppRunner] = None
-    app = web.Application(middlewares=[self._members_only])
-    app.router.add_get(FILES_PREFIX, self._list)
-    app.router.add_get(FILES_PREFIX + "/{org}/{name}/{path:.+}", self._file)
-    self.app = app
+  def __init__(self, is_member: Callable[[Optional[str]], bool], rate: Optional[float] = None):
+    self.is_member, self.rate = is_member, rate
 
-  async def start(self) -> None:
-    self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
-    await self.runner.setup()
-    site = web.TCPSite(self.runner, self.host, self.port)
-    await site.start()
-    self.port = site._server.sockets[0].getsockname()[1]
+  def add_to(self, app: web.Application) -> None:
+    app.router.add_get(FILES_PREFIX + "{tail:(/.*)?}", self._handle)
 
-  async def stop(self) -> None:
-    if self.runner is not None:
-      await self.runner.cleanup()
-      self.runner = None
-
-  @web.middleware
-  async def _members_only(self, request: web.Request, handler):
+  async def _handle(self, request: web.Request) -> web.StreamResponse:
     if not self.is_member(request.remote):
       return web.json_response({"error": "forbidden"}, status=403)  # the same answer for every path: nothing learned
-    return await handler(request)
-
-  async def _list(self, request: web.Request) -> web.Response:
-    held = await asyncio.to_thread(held_repos)
-    return web.json_response({repo_id: {"commit": r.commit, "verified": sorted(r.verified)} for repo_id, r in held.items()})
-
-  async def _file(self, request: web.Request) -> web.StreamResponse:
-    repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
-    target = await asyncio.to_thread(verified_file, repo_id, request.match_info["path"])
+    tail = request.match_info["tail"].strip("/")
+    if not tail:
+      held = await asyncio.to_thread(held_repos)
+      return web.json_response({repo_id: {"commit": r.commit, "verified": sorted(r.verified)} for repo_id, r in held.items()})
+    parts = tail.split("/", 2)
+    target = None if len(parts) < 3 else await asyncio.to_thread(verified_file, f"{parts[0]}/{parts[1]}", parts[2])
     if target is None:
       return web.json_response({"error": "not held verified here"}, status=404)
     if self.rate is None:

@@ -105,11 +105,11 @@ def install_random_model(model_id: str, engine_classname: str = "NumpyDynamicSha
   return write_hf_dir(path, config, weights, tokenizer, split=False)
 
 
-def write_layer_split_llama(path: Path, n_layers: int, halves: int = 2) -> Path:
+def write_layer_split_llama(path: Path, n_layers: int, halves: int = 2, hidden: int = 64) -> Path:
   """A random-weight Llama as a hub repository holds a large one: its layers in `halves` weight files by layer range,
   embeddings and final norm in a file of their own, and an index naming the file of every tensor. A ring node that
   holds some of the layers needs only their files and the last one."""
-  config, weights, tokenizer = random_llama(n_layers)
+  config, weights, tokenizer = random_llama(n_layers, hidden)
   per_file = -(-n_layers // halves)
   files = [f"model-{i + 1:05d}-of-{halves + 1:05d}.safetensors" for i in range(halves + 1)]
 

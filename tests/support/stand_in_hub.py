@@ -14,7 +14,8 @@ Errors carry the hub's X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFou
 `rev` may be "main" or the commit. The faults tests need: `go_down` (connections refused, or every answer a 503) and
 `come_back`; a byte rate (a slow hub); a connection dropped once after so many bytes of a file; a file that is
 listed but not served, or served with other bytes than announced; a gated repository that only a token opens.
-Every request is logged (`requests`), so tests can see which files were fetched and from which byte."""
+Every request is logged (`requests`), so tests can see which files were fetched and from which byte, and the bytes
+sent of each file are counted (`bytes_sent`)."""
 import asyncio
 import hashlib
 import threading
@@ -81,6 +82,7 @@ class StandInHub:
     self.answer_503 = False
     self.refusing = False
     self.drops: Dict[str, int] = {}  # file path -> drop the connection once after this many bytes of it
+    self.bytes_sent: Dict[str, int] = {}  # file path -> the bytes of it sent, all fetches together
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.loop = asyncio.new_event_loop()
@@ -213,9 +215,11 @@ class StandInHub:
       piece = data[position:position + CHUNK]
       if drop_at is not None and sent + len(piece) > drop_at:
         await response.write(piece[:drop_at - sent])
+        self.bytes_sent[path] = self.bytes_sent.get(path, 0) + drop_at - sent
         request.transport.close()  # the connection drops mid-file
         return response
       await response.write(piece)
+      self.bytes_sent[path] = self.bytes_sent.get(path, 0) + len(piece)
       sent, position = sent + len(piece), position + len(piece)
       if self.bytes_per_second:
         await asyncio.sleep(len(piece) / self.bytes_per_second)
