@@ -69,6 +69,11 @@ class NoopShardDownloader(ShardDownloader):
       yield
 
 
+class _GiveWay(Exception):
+  """Another node fetches the same file from the hub: this one stops (its partial file stays) and fetches the rest
+  from that node. args[0]: the other node's id."""
+
+
 @dataclass
 class _Download:
   """A download under way: the shard it is for, its task, and its progress once the file list is known."""
@@ -240,9 +245,18 @@ class HFShardDownloader(ShardDownloader):
           continue
         source = hub.hub_source(repo_id, record.commit, path)
         sources[path] = source
-        with cluster.fetching_from_hub(repo_id, path):
-          await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_bytes)
-        return
+
+        def on_hub_bytes(n: int) -> None:
+          on_bytes(n)
+          rival = cluster.hub_fetcher(repo_id, path)
+          if rival is not None and rival < self.node_id:  # two chose it at once: the first id goes on, the other takes it from there
+            raise _GiveWay(rival)
+        try:
+          with cluster.fetching_from_hub(repo_id, path):
+            await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_hub_bytes)
+          return
+        except _GiveWay as e:
+          print(f"exo: peer {e.args[0]} fetches {path} from the hub too; this node takes the rest from it", flush=True)
       if cluster.may_bring(repo_id) or cluster.hub_fetcher(repo_id, path) is not None:
         await cluster.changed(cluster_files.ANNOUNCE_INTERVAL_S)
         continue
