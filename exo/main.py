@@ -306,7 +306,8 @@ async def main(args) -> int:
   def broadcast_download_progress(shard, event) -> None:
     # The ring (and /v1/download/progress, tinychat's download view) learns how this node's downloads go. The
     # downloader sends "not_started" only for a download that failed: peers then stop listing it as under way.
-    status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict()}
+    # `sources` (this fork's; upstream nodes read `progress` only): where each file arriving now comes from.
+    status = {"type": "download_progress", "node_id": node.id, "progress": event.to_dict(), "sources": shard_downloader.arriving_from(shard.model_id)}
     node.spawn(node.broadcast_opaque_status("", json.dumps(status)))
   shard_downloader.on_progress.register("broadcast").on_next(broadcast_download_progress)
   from exo.networking.discovery import NoDiscovery

@@ -13,6 +13,7 @@ from exo.download.hub import FileHash, HubFile, RepoListing
 from exo.download.record import DownloadRecord
 from exo.download.shard_files import needed_files
 from exo.inference.shard import Shard
+from exo.orchestration import statuses
 from exo.topology.topology import Topology
 from exo.viz.topology_viz import TopologyViz, download_summary
 
@@ -111,6 +112,15 @@ def test_a_download_error_keeps_its_kind_across_the_ring(kind):
   assert DownloadError.from_message(f"node x failed: {error.message}") is None  # only a download error's own text
 
 
+def test_download_progress_may_say_where_each_file_comes_from():
+  status = {"type": "download_progress", "node_id": "a", "progress": {}}
+  assert statuses.parse(json.dumps({**status, "sources": {"w.safetensors": "peer b", "config.json": "hub"}}))[0] == "download_progress"
+  assert statuses.parse(json.dumps(status))[0] == "download_progress"  # an upstream node's: none
+  for sources in ({"w": 3}, ["hub"], {"w": "x" * 1000}):
+    with pytest.raises(statuses.InvalidStatus):
+      statuses.parse(json.dumps({**status, "sources": sources}))
+
+
 def test_the_tui_shows_a_download_file_by_file():
   viz = TopologyViz()
   viz.update_visualization(Topology(), [], "node-b")
@@ -118,10 +128,10 @@ def test_the_tui_shows_a_download_file_by_file():
   progress = DownloadProgress(SHARD, "org/repo", "main", {"big.safetensors": 4 << 20, "config.json": 100}, {"config.json": 100}, clock=Clock())
   progress.add("big.safetensors", 1 << 20)
   event = progress.event("in_progress").to_dict()
-  viz.update_status({"type": "download_progress", "node_id": "node-b", "progress": event})
+  viz.update_status({"type": "download_progress", "node_id": "node-b", "progress": event, "sources": {"big.safetensors": "peer node-a"}})
   console = Console(record=True, width=160)
   console.print(viz.render())
   screen = console.export_text()
-  assert "Downloads" in screen and "org/repo" in screen and "big.safetensors" in screen and "25% · 1.00 MB / 4.00 MB" in screen
+  assert "Downloads" in screen and "org/repo" in screen and "big.safetensors from peer node-a" in screen and "25% · 1.00 MB / 4.00 MB" in screen
   assert download_summary(RepoProgressEvent.from_dict({**event, "status": "not_started"})) == "stopped at 25%"
   assert download_summary(RepoProgressEvent.from_dict({**event, "status": "complete"})) == "done"

@@ -78,7 +78,8 @@ class AdminRoutes:
     return stream.response
 
   async def handle_download_progress(self, request: web.Request) -> web.Response:
-    return json_reply({node_id: event.to_dict() for node_id, event in self.node.node_download_progress.items() if event.status == "in_progress"})
+    return json_reply({node_id: {**event.to_dict(), "file_sources": self.node.node_download_sources.get(node_id, {})}
+                       for node_id, event in self.node.node_download_progress.items() if event.status == "in_progress"})
 
   async def handle_downloads(self, request: web.Request) -> web.Response:
     return json_reply(downloads_view(self.node.shard_downloader))

@@ -52,6 +52,10 @@ class ShardDownloader(ABC):
     """Whether a download of the repository is under way here (its files must not be deleted meanwhile)."""
     return False
 
+  def arriving_from(self, model_id: str) -> Dict[str, str]:
+    """The model's files arriving now, each with where from: "hub" or "peer <node id>"."""
+    return {}
+
 
 class NoopShardDownloader(ShardDownloader):
   def __init__(self):
@@ -272,6 +276,10 @@ class HFShardDownloader(ShardDownloader):
       self._outcomes[shard.model_id]["files"] = _files_view(progress, event)
       self._on_progress.trigger_all(shard, event)
       await asyncio.sleep(PROGRESS_INTERVAL_S)
+
+  def arriving_from(self, model_id: str) -> Dict[str, str]:
+    files = self._outcomes.get(model_id, {}).get("files") or {}
+    return {path: "hub" if f["source"] == "hub" else f"peer {f['peer']}" for path, f in files.items() if f["source"] and f["status"] == "in_progress"}
 
   def downloads(self) -> Dict[str, dict]:
     """This node's downloads since it started, by model: status (in_progress, complete, failed), repository, the

@@ -83,6 +83,7 @@ class Node(RingMember):
     self.max_generate_tokens = max_generate_tokens
     self.default_sample_temperature = default_sample_temperature
     self.node_download_progress: Dict[str, RepoProgressEvent] = {}
+    self.node_download_sources: Dict[str, Dict[str, str]] = {}  # node id -> its files arriving now -> "hub" or "peer <id>"
     self.memory_offered_mb: Optional[int] = None  # what this node offers the cluster instead of the machine's memory
     self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()

@@ -71,6 +71,7 @@ class StatusHandlers:
     if status["node_id"] in {self.node.id, *self.node.peer_hosts}:
       try:
         self.node.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
+        self.node.node_download_sources[status["node_id"]] = status.get("sources", {})
       except (KeyError, TypeError, ValueError) as e:
         if DEBUG >= 1:
           print(f"Ignoring malformed download progress: {e!r}")

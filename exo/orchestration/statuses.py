@@ -204,6 +204,10 @@ def _check_download_progress(status: dict) -> None:
   _string(status, "node_id")
   if not isinstance(status.get("progress"), dict):
     raise InvalidStatus("progress must be an object")
+  sources = status.get("sources", {})  # this fork's: where each file arriving now comes from ("hub" or "peer <id>")
+  if (not isinstance(sources, dict) or len(sources) > MAX_REPO_FILES
+      or not all(isinstance(p, str) and len(p) <= MAX_PATH_CHARS and isinstance(s, str) and len(s) <= MAX_ID_CHARS + 5 for p, s in sources.items())):
+    raise InvalidStatus(f"sources must map at most {MAX_REPO_FILES} files to where they come from")
 
 
 def _check_engines(status: dict) -> None:

@@ -423,12 +423,13 @@ async function pollDownloads() {
 function downloadNode(nodeId, p) {
   const percent = p.total_bytes ? (100 * p.downloaded_bytes) / p.total_bytes : 0;
   const arriving = Object.values(p.file_progress || {}).filter((f) => f.status === "in_progress");
+  const sources = p.file_sources || {}; // where each file comes from: "hub" or "peer <node id>"
   return el("div", { class: "download" },
     el("div", {}, `${p.repo_id || (p.shard && p.shard.model_id) || "model"} on ${nodeId}`),
     el("div", { class: "bar" }, el("div", { style: `width: ${percent.toFixed(1)}%` })),
     el("div", { class: "muted" }, `${formatBytes(p.downloaded_bytes)} / ${formatBytes(p.total_bytes)} · ${formatBytes(p.overall_speed)}/s · ETA ${formatDuration(p.overall_eta)} · ${p.completed_files} of ${p.total_files} files`),
     el("ul", { class: "files" }, ...arriving.map((f) => el("li", { class: "muted" },
-      `${f.file_path} · ${f.total ? ((100 * f.downloaded) / f.total).toFixed(0) : 0}% · ${formatBytes(f.speed)}/s`))));
+      `${f.file_path}${sources[f.file_path] ? ` from ${sources[f.file_path]}` : ""} · ${f.total ? ((100 * f.downloaded) / f.total).toFixed(0) : 0}% · ${formatBytes(f.speed)}/s`))));
 }
 
 function failedDownloadNode(model, d) {

@@ -41,6 +41,7 @@ class TopologyViz:
     self.partitions: List[Partition] = []
     self.node_id: Optional[str] = None
     self.node_download_progress: Dict[str, object] = {}
+    self.node_download_sources: Dict[str, Dict[str, str]] = {}  # node id -> its files arriving now -> "hub" or "peer <id>"
     self.requests: "OrderedDict[str, RequestView]" = OrderedDict()
     self.model: Optional[tuple] = None  # (model_id, n_layers) of the latest request, to show layer ranges
     self.placement: dict = {}  # the node's placement view: each model's groups and their layers, where routes are on
@@ -91,6 +92,7 @@ class TopologyViz:
       elif kind == "download_progress" and status.get("node_id") in (self.node_id, *self.topology.nodes):
         try:  # at once, not only at the next topology round; from this ring's nodes only
           self.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
+          self.node_download_sources[status["node_id"]] = dict(status.get("sources") or {})
         except (KeyError, TypeError, ValueError):
           pass
 
@@ -160,7 +162,8 @@ class TopologyViz:
       table.add_row(node_id, progress.repo_id, download_summary(progress))
       arriving = [f for f in progress.file_progress.values() if f.status == "in_progress"]
       for file in sorted(arriving, key=lambda f: -f.total)[:MAX_FILES_SHOWN]:
-        table.add_row("", f"  {file.file_path}", transfer(file.downloaded, file.total, file.speed, file.eta))
+        source = self.node_download_sources.get(node_id, {}).get(file.file_path)
+        table.add_row("", f"  {file.file_path}" + (f" from {source}" if source else ""), transfer(file.downloaded, file.total, file.speed, file.eta))
     return table
 
   def _requests_table(self) -> Table:
