@@ -138,6 +138,10 @@ def test_one_node_fetches_each_file_from_the_hub_and_every_node_agrees_which():
   assert "b" not in {views["a"].chosen_hub_fetcher(REPO, p) for p in paths}  # an offline node never fetches from the hub
   hear(views["a"], announcement("c", wants=True, fetching=["config.json"]), "127.0.0.1")
   assert views["a"].hub_fetcher(REPO, "config.json") == "c" and views["a"].hub_fetcher(REPO, "w.safetensors") is None
+  # Two claimed one file at once: the lower id goes on, the other gives way to it.
+  assert views["a"].rival_fetcher(REPO, "config.json") is None
+  hear(views["c"], announcement("a", wants=True, fetching=["config.json"]), "127.0.0.1")
+  assert views["c"].rival_fetcher(REPO, "config.json") == "a" and views["c"].rival_fetcher(REPO, "w.safetensors") is None
 
 
 def test_a_node_that_cannot_ask_the_hub_lists_the_repository_as_the_peer_holding_most_of_it():

@@ -11,7 +11,10 @@ A node that needs a file (`source_for`):
 2. else, if a peer is fetching it from the hub now, waits for that peer to hold it and fetches it from the peer;
 3. else, of the nodes downloading the repository now that can reach the hub, one is its hub fetcher (the same choice
    on every node, spread by file); if that is this node, or the chosen one has not started within HUB_GRACE_S, this
-   node fetches it from the hub.
+   node claims it (announces it as fetching) and, CLAIM_S later, fetches it from the hub, unless a node with a lower
+   id claimed it too: then it gives way and waits for that node, as in 2. (Nodes asked at once may choose before they
+   hear of each other; the claim settles it before bytes come twice, and a node still fetching when it hears of a
+   lower id's claim stops, keeping its partial file for the rest from that node.)
 The others fetch a file once its hub fetcher holds it whole, not as its bytes arrive: a peer serves only verified
 files (a file whose bytes turn out wrong never spreads), and on a LAN a peer sends a file far faster than the hub
 sent it, so what this costs is one LAN transfer of the last file.
@@ -34,7 +37,7 @@ from exo.orchestration import statuses
 
 ANNOUNCE_INTERVAL_S = 2.0
 STALE_S = 15.0  # a peer's announcement not renewed for this long no longer counts
-SETTLE_S = 0.5  # a download's first pause, so that nodes asked at once hear of each other before choosing hub fetchers
+CLAIM_S = 0.5  # a hub fetch starts this long after it is announced, so that nodes that chose one file at once find out first
 HUB_GRACE_S = 5.0  # how long a node waits for the hub fetcher chosen for a file to start it
 PEER_ATTEMPTS = 2  # a peer that brings nothing twice in a row has failed
 
@@ -174,6 +177,10 @@ class ClusterFiles:
   def hub_fetcher(self, repo_id: str, path: str) -> Optional[str]:
     """A live peer fetching the file from the hub now, if any."""
     return next((p.node_id for p in self._live() if path in p.repos.get(repo_id, {}).get("fetching", ())), None)
+
+  def rival_fetcher(self, repo_id: str, path: str) -> Optional[str]:
+    """A live peer with a lower node id that fetches (or has claimed) the file from the hub too: it goes first."""
+    return min((p.node_id for p in self._live() if p.node_id < self.node_id and path in p.repos.get(repo_id, {}).get("fetching", ())), default=None)
 
   def chosen_hub_fetcher(self, repo_id: str, path: str) -> str:
     """Of the nodes downloading the repository now that can reach the hub (this one among them), the one that

@@ -78,6 +78,11 @@ class _GiveWay(Exception):
   from that node. args[0]: the other node's id."""
 
 
+def _give_way_to(rival: Optional[str]) -> None:
+  if rival is not None:
+    raise _GiveWay(rival)
+
+
 @dataclass
 class _Download:
   """A download under way: the shard it is for, its task, and its progress once the file list is known."""
@@ -149,8 +154,6 @@ class HFShardDownloader(ShardDownloader):
       listing, use_hub = await self._listing(repo_id, folder, shard)
       record = (DownloadRecord.load(folder) or DownloadRecord(repo_id, listing.commit, {})).relisted(listing)
       record.save(folder)
-      if use_hub and self.cluster.has_peers():
-        await asyncio.sleep(cluster_files.SETTLE_S)  # nodes asked at once hear that the others want it too
       sources: Dict[str, hub.Source] = {}  # path -> where its bytes come from
       async with aiohttp.ClientSession(trust_env=True) as session:
         if INDEX in listing.files:  # which weight files hold the shard's layers
@@ -252,11 +255,10 @@ class HFShardDownloader(ShardDownloader):
 
         def on_hub_bytes(n: int) -> None:
           on_bytes(n)
-          rival = cluster.hub_fetcher(repo_id, path)
-          if rival is not None and rival < self.node_id:  # two chose it at once: the first id goes on, the other takes it from there
-            raise _GiveWay(rival)
+          _give_way_to(cluster.rival_fetcher(repo_id, path))
         try:
           with cluster.fetching_from_hub(repo_id, path):
+            await self._claim(repo_id, path)
             await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_hub_bytes)
           return
         except _GiveWay as e:
@@ -267,6 +269,18 @@ class HFShardDownloader(ShardDownloader):
       why = "HF_HUB_OFFLINE=1" if hub.offline() else f"{hub.endpoint()} did not answer"
       tried = f" ({', '.join(sorted(failed))} failed to send it)" if failed else ""
       raise DownloadFailure("offline" if hub.offline() else "hub_unreachable", f"{why}, and no peer holds {path} verified{tried}")
+
+  async def _claim(self, repo_id: str, path: str) -> None:
+    """Before a hub fetch: the claim is announced (fetching_from_hub); CLAIM_S later, unless a node with a lower id
+    claimed the file too (then _GiveWay), it is this node's. Nodes that chose the same file at once, before they heard
+    of each other, settle who fetches it before any byte comes twice."""
+    if not self.cluster.has_peers():
+      return
+    deadline = time.monotonic() + cluster_files.CLAIM_S
+    while (left := deadline - time.monotonic()) > 0:
+      _give_way_to(self.cluster.rival_fetcher(repo_id, path))
+      await self.cluster.changed(left)
+    _give_way_to(self.cluster.rival_fetcher(repo_id, path))
 
   async def _report(self, shard: Shard, progress: DownloadProgress) -> None:
     """The progress at a steady rate while bytes arrive (never one event per chunk)."""
