@@ -287,11 +287,13 @@ async def test_download_progress_lists_only_in_progress(server):
   running = RepoProgressEvent(shard, "dummy", "main", 1, 4, 50, 50, 200, 10.0, 15.0, {}, "in_progress")
   done = RepoProgressEvent(shard, "dummy", "main", 4, 4, 200, 200, 200, 0.0, 0.0, {}, "complete")
   server.node.node_download_progress.update({"peer-a": running, "peer-b": done})
+  server.node.node_download_sources["peer-a"] = {"w.safetensors": "peer peer-b"}
   try:
     status, _, text = await get(f"{server.url}/v1/download/progress")
-    assert status == 200 and json.loads(text) == {"peer-a": running.to_dict()}
+    assert status == 200 and json.loads(text) == {"peer-a": {**running.to_dict(), "file_sources": {"w.safetensors": "peer peer-b"}}}
   finally:
     server.node.node_download_progress.clear()
+    server.node.node_download_sources.clear()
 
 
 @pytest.mark.asyncio
