@@ -10,7 +10,7 @@ import pytest
 from exo.download import cluster_files
 from exo.download.cluster_files import ClusterFiles
 from exo.download.hub import HubFile
-from exo.download.peer_files import held_repos, verified_file
+from exo.download.peer_files import caller_address, held_repos, verified_file
 from exo.download.record import DownloadRecord
 from exo.orchestration import statuses
 
@@ -194,3 +194,9 @@ async def test_announcements_say_what_is_held_wanted_and_fetched_while_it_is(mon
     assert cluster.node.sent[-1][0]["repos"][REPO]["fetching"] == ["w.safetensors"] and cluster.node.sent[-1][0]["repos"][REPO]["wants"]
   await cluster.announce()
   assert cluster.node.sent[-1][0]["repos"][REPO]["fetching"] == [] and not cluster.node.sent[-1][0]["repos"][REPO]["wants"]
+
+
+def test_a_caller_is_known_by_the_address_members_are_known_by():
+  assert caller_address("::ffff:10.0.0.2") == "10.0.0.2"  # IPv4 through an IPv6 socket
+  assert caller_address("10.0.0.2") == "10.0.0.2" and caller_address("fe80::1%eth0") == "fe80::1"
+  assert caller_address(None) is None and caller_address("unix socket") is None

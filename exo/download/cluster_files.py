@@ -40,6 +40,7 @@ STALE_S = 15.0  # a peer's announcement not renewed for this long no longer coun
 CLAIM_S = 0.5  # a hub fetch starts this long after it is announced, so that nodes that chose one file at once find out first
 HUB_GRACE_S = 5.0  # how long a node waits for the hub fetcher chosen for a file to start it
 PEER_ATTEMPTS = 2  # a peer that brings nothing twice in a row has failed
+ANNOUNCED_REPOS = 64  # at most this many repositories in one announcement (each lists its files)
 
 
 @dataclass
@@ -102,7 +103,12 @@ class ClusterFiles:
     if self.node is None:
       return
     repos = {}
-    for repo_id, record in (await asyncio.to_thread(held_repos)).items():
+    held = await asyncio.to_thread(held_repos)
+    # What fits one status (statuses.py's bounds): the repositories this node downloads first, none too large.
+    for repo_id in sorted(held, key=lambda r: (r not in self.wanted, r))[:ANNOUNCED_REPOS]:
+      record = held[repo_id]
+      if len(record.files) > statuses.MAX_REPO_FILES:
+        continue
       repos[repo_id] = {"commit": record.commit, "files": {p: _file_entry(f) for p, f in record.files.items()},
                         "verified": sorted(record.verified), "fetching": sorted(self.fetching.get(repo_id, set()) & set(record.files)),
                         "wants": self.wanted.get(repo_id, 0) > 0}

@@ -13,6 +13,7 @@ $EXO_HOME/downloads/<org>--<repo>, nothing a symlink leads out of it.
 A node serves its files this way only while its API server runs (`exo run` does not serve).
 EXO_PEER_UPLOAD_BYTES_PER_S caps what this node sends its peers per transfer (unset: as fast as the link goes)."""
 import asyncio
+import ipaddress
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -80,6 +81,16 @@ def upload_rate(environ) -> Optional[float]:
   return rate
 
 
+def caller_address(remote: Optional[str]) -> Optional[str]:
+  """The caller's IP address as ring members are known by: an IPv4 address that reached an IPv6 socket as
+  ::ffff:a.b.c.d is a.b.c.d."""
+  try:
+    address = ipaddress.ip_address((remote or "").split("%")[0])
+  except ValueError:
+    return None
+  return str(address.ipv4_mapped or address) if isinstance(address, ipaddress.IPv6Address) else str(address)
+
+
 class PeerFileRoutes:
   """The routes, on the node's API server: GETs under FILES_PREFIX answer callers `is_member(ip)` accepts, and 403
   anyone else, whatever the path (the API key does not apply to them: ring membership does)."""
@@ -91,7 +102,7 @@ class PeerFileRoutes:
     app.router.add_get(FILES_PREFIX + "{tail:(/.*)?}", self._handle)
 
   async def _handle(self, request: web.Request) -> web.StreamResponse:
-    if not self.is_member(request.remote):
+    if not self.is_member(caller_address(request.remote)):
       return web.json_response({"error": "forbidden"}, status=403)  # the same answer for every path: nothing learned
     tail = request.match_info["tail"].strip("/")
     if not tail:
