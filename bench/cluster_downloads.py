@@ -122,6 +122,8 @@ async def peer_speed(args, work: Path) -> None:
       await cluster.start()
       await download_all(cluster, ["holder"])
       hub.bytes_per_second = args.hub_rate  # the hub's rate bounds nothing that follows
+      hub.requests.clear()
+      hub.bytes_sent.clear()
       seconds = await download_all(cluster, ["fetcher"])
       lines = [m for m in PEER_LINE.finditer(cluster.nodes["fetcher"].current_log())]
       biggest = max(lines, key=lambda m: float(m["mb"]), default=None)
@@ -139,7 +141,8 @@ async def main(args) -> None:
     work = Path(tmp)
     (work / "model").mkdir()
     model = write_layer_split_llama(work / "model" / REPO.split("/")[1], 16, hidden=args.hidden)
-    await one_model(args, work, model)
+    if not args.peer_speed_only:
+      await one_model(args, work, model)
     if args.big_hidden:
       await peer_speed(args, work)
 
@@ -149,6 +152,7 @@ if __name__ == "__main__":
   parser.add_argument("--hub-rate", type=float, default=3e6, help="bytes/s the hub sends each connection")
   parser.add_argument("--hidden", type=int, default=128, help="the model's hidden size (128: about 34 MB)")
   parser.add_argument("--big-hidden", type=int, default=512, help="hidden size of the peer-speed model (512: about 240 MB); 0 skips it")
+  parser.add_argument("--peer-speed-only", action="store_true", help="only the peer-speed case")
   parser.add_argument("--exo-checkout", default=None, help="run the nodes from this checkout (PYTHONPATH) instead of this one")
   arguments = parser.parse_args()
   os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))

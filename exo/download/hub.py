@@ -240,14 +240,15 @@ def _check_status(response: aiohttp.ClientResponse, source: Source, repo_id: str
 async def _pieces(stream: aiohttp.StreamReader):
   """The stream's bytes in pieces of about CHUNK: what has arrived, gathered, so that a fast source (a peer on the
   LAN) costs one trip to the writing thread per CHUNK, not one per network read."""
-  piece = bytearray()
+  parts, size = [], 0
   async for data in stream.iter_any():
-    piece += data
-    if len(piece) >= CHUNK:
-      yield bytes(piece)
-      piece = bytearray()
-  if piece:
-    yield bytes(piece)
+    parts.append(data)
+    size += len(data)
+    if size >= CHUNK:
+      yield b"".join(parts)
+      parts, size = [], 0
+  if parts:
+    yield b"".join(parts)
 
 
 async def fetch_file(session: aiohttp.ClientSession, source: Source, repo_id: str, commit: str, file: HubFile, folder: Path,

@@ -24,6 +24,7 @@ from exo.download.shard_files import repo_dir
 from exo.helpers import exo_home
 
 CHUNK = 1 << 20
+SEND_PIECE = 4 << 20
 FILES_PREFIX = "/exo/files"
 
 
@@ -113,7 +114,9 @@ class PeerFileRoutes:
     if target is None:
       return web.json_response({"error": "not held verified here"}, status=404)
     if self.rate is None:
-      return web.FileResponse(target, headers={"Content-Type": "application/octet-stream"})
+      # Large pieces: where the loop has no sendfile (uvloop, which nodes run on), aiohttp reads the file in pieces
+      # of this size on a worker thread, one trip per piece.
+      return web.FileResponse(target, chunk_size=SEND_PIECE, headers={"Content-Type": "application/octet-stream"})
     return await self._paced(request, target)
 
   async def _paced(self, request: web.Request, target: Path) -> web.StreamResponse:
