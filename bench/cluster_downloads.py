@@ -41,6 +41,14 @@ def node_env(hub: StandInHub, home: Path, checkout) -> dict:
   return env
 
 
+def cluster(work: Path, ids, hub: StandInHub, checkout) -> Cluster:
+  nodes = Cluster(work, ids, "numpy", node_env(hub, work, checkout))
+  if checkout:  # `python -m exo.main` imports exo from its working directory first
+    for process in nodes.nodes.values():
+      process.prefix = ["env", "-C", checkout]
+  return nodes
+
+
 async def download_all(cluster: Cluster, ids) -> float:
   """Seconds from asking every node at once until every one holds the model verified."""
   started = time.monotonic()
@@ -79,7 +87,7 @@ async def one_model(args, work: Path, model: Path) -> None:
   hub.bytes_per_second = args.hub_rate
   try:
     (work / "alone").mkdir()
-    solo = Cluster(work / "alone", ["solo"], "numpy", node_env(hub, work / "alone", args.exo_checkout))
+    solo = cluster(work / "alone", ["solo"], hub, args.exo_checkout)
     try:
       await solo.start()
       alone = await download_all(solo, ["solo"])
@@ -90,22 +98,22 @@ async def one_model(args, work: Path, model: Path) -> None:
     hub.bytes_sent.clear()
     (work / "together").mkdir()
     ids = ["a", "b", "c", "d"]
-    cluster = Cluster(work / "together", ids, "numpy", node_env(hub, work / "together", args.exo_checkout))
-    d = cluster.nodes["d"]
+    together_cluster = cluster(work / "together", ids, hub, args.exo_checkout)
+    d = together_cluster.nodes["d"]
     d.extra_env = {**d.extra_env, "HF_HUB_OFFLINE": "1"}
     try:
-      await cluster.start()  # d idle meanwhile (started late, its preassigned ports may have been taken by then)
-      together = await download_all(cluster, ids[:3])
+      await together_cluster.start()  # d idle meanwhile (started late, its preassigned ports may have been taken by then)
+      together = await download_all(together_cluster, ids[:3])
       print(f"together (3 nodes asked at once): {together:.2f} s = {together / alone:.2f}x alone; hub {hub_report(hub)}")
       asked = len(hub.requests)
       try:
-        offline = await download_all(cluster, ["d"])
+        offline = await download_all(together_cluster, ["d"])
         same = digests(d.home / "downloads" / FOLDER) == digests(model)
         print(f"offline 4th node joins: {offline:.2f} s; bytes equal to the hub's: {same}; hub requests meanwhile: {len(hub.requests) - asked}")
       except (SystemExit, AssertionError) as e:
-        print(f"offline 4th node: {e}")
+        print(f"offline 4th node: {e}"[:300])
     finally:
-      cluster.stop()
+      together_cluster.stop()
   finally:
     hub.stop()
 
@@ -117,21 +125,21 @@ async def peer_speed(args, work: Path) -> None:
   hub = StandInHub().start()
   hub.add_repo(REPO, model)
   try:
-    cluster = Cluster(work / "big", ["holder", "fetcher"], "numpy", node_env(hub, work / "big", args.exo_checkout))
+    nodes = cluster(work / "big", ["holder", "fetcher"], hub, args.exo_checkout)
     try:
-      await cluster.start()
-      await download_all(cluster, ["holder"])
+      await nodes.start()
+      await download_all(nodes, ["holder"])
       hub.bytes_per_second = args.hub_rate  # the hub's rate bounds nothing that follows
       hub.requests.clear()
       hub.bytes_sent.clear()
-      seconds = await download_all(cluster, ["fetcher"])
-      lines = [m for m in PEER_LINE.finditer(cluster.nodes["fetcher"].current_log())]
+      seconds = await download_all(nodes, ["fetcher"])
+      lines = [m for m in PEER_LINE.finditer(nodes.nodes["fetcher"].current_log())]
       biggest = max(lines, key=lambda m: float(m["mb"]), default=None)
       shown = f"{biggest['file']}: {biggest['mb']} MB in {biggest['s']} s = {biggest['rate']} MB/s" if biggest else "no peer transfer logged"
       print(f"peer speed ({size:.0f} MB model): whole download {seconds:.2f} s ({size / seconds:.0f} MB/s incl. listing and checks); "
             f"largest file {shown}; hub sent the fetcher {hub_report(hub)}")
     finally:
-      cluster.stop()
+      nodes.stop()
   finally:
     hub.stop()
 
