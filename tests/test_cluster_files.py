@@ -25,9 +25,12 @@ def entry(file: HubFile) -> list:
   return [file.size, file.sha256, file.blob_id]
 
 
-def announcement(node_id: str, verified=(), fetching=(), wants=False, offline=False, files=(WEIGHTS, CONFIG), port=5000) -> str:
+VERSIONS = iter(range(1, 1 << 30))
+
+
+def announcement(node_id: str, verified=(), fetching=(), wants=False, offline=False, files=(WEIGHTS, CONFIG), port=5000, version=None) -> str:
   repo = {"commit": "c1", "files": {f.path: entry(f) for f in files}, "verified": list(verified), "fetching": list(fetching), "wants": wants}
-  return statuses.peer_files(node_id, port, offline, {REPO: repo})
+  return statuses.peer_files(node_id, next(VERSIONS) if version is None else version, port, offline, {REPO: repo})
 
 
 class Peer:
@@ -70,6 +73,8 @@ def test_a_peer_files_status_is_checked_before_it_is_used():
   good = json.loads(announcement("a"))
   bad = [
     {**good, "port": 0},
+    {**good, "version": -1},
+    {k: v for k, v in good.items() if k != "version"},
     {**good, "offline": "no"},
     {**good, "repos": {REPO: {**good["repos"][REPO], "verified": ["../../etc/passwd"]}}},  # not one of its files
     {**good, "repos": {REPO: {**good["repos"][REPO], "files": {"w": [4, "not hex!", None]}}}},
@@ -119,6 +124,15 @@ def test_only_a_member_speaks_for_itself_and_a_silent_or_departed_peer_stops_cou
   hear(cluster, announcement("a", verified=["w.safetensors"]), "127.0.0.1")
   cluster.node.peer_hosts = {}
   assert cluster.holders(REPO, WEIGHTS, set()) == []
+
+
+def test_an_announcement_that_arrives_after_a_later_one_is_dropped():
+  cluster = cluster_of({"a": {"127.0.0.1"}})
+  hear(cluster, announcement("a", fetching=["w.safetensors"], version=20), "127.0.0.1")
+  hear(cluster, announcement("a", version=10), "127.0.0.1")  # sent earlier, overtaken on the way
+  assert cluster.hub_fetcher(REPO, "w.safetensors") == "a"
+  hear(cluster, announcement("a", verified=["w.safetensors"], version=30), "127.0.0.1")
+  assert cluster.hub_fetcher(REPO, "w.safetensors") is None and [s.peer for s in cluster.holders(REPO, WEIGHTS, set())] == ["a"]
 
 
 def test_one_node_fetches_each_file_from_the_hub_and_every_node_agrees_which():
@@ -186,7 +200,7 @@ async def test_announcements_say_what_is_held_wanted_and_fetched_while_it_is(mon
   await cluster.announce()
   (status, to), = cluster.node.sent
   assert statuses.parse(json.dumps(status))[0] == statuses.PEER_FILES and to == {"a"}
-  assert (status["node_id"], status["port"], status["offline"]) == ("me", 52415, False)
+  assert (status["node_id"], status["port"], status["offline"]) == ("me", 52415, False) and status["version"] > 0
   assert status["repos"][REPO] == {"commit": "c1", "files": {"config.json": entry(CONFIG), "w.safetensors": entry(WEIGHTS)}, "verified": ["config.json"],
                                    "fetching": [], "wants": False}
   with cluster.wanting(REPO), cluster.fetching_from_hub(REPO, "w.safetensors"):

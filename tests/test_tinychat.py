@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from exo.api.settings import ApiSettings
-from exo.download.download_progress import RepoProgressEvent
+from exo.download.download_progress import RepoFileProgressEvent, RepoProgressEvent
 from exo.inference.shard import Shard
 from tests.support.api_server import ApiServer, FailingEngine, shared_server
 from tests.support.browser import find_browser
@@ -134,17 +134,22 @@ def test_length_finish_keeps_last_token_and_errors_show(open_page):
 def test_download_progress_view(open_page):
   server = shared_server("dummy")
   page = open_page(server.url)
-  event = RepoProgressEvent(Shard("dummy", 0, 7, 8), "org/some-model", "main", 1, 3, 300 * 2**20, 300 * 2**20, 1200 * 2**20, 25 * 2**20, 36.0, {}, "in_progress")
+  arriving = RepoFileProgressEvent("org/some-model", "main", "w.safetensors", 100 * 2**20, 100 * 2**20, 400 * 2**20, 25 * 2**20, 12.0, "in_progress", 0.0)
+  event = RepoProgressEvent(Shard("dummy", 0, 7, 8), "org/some-model", "main", 1, 3, 300 * 2**20, 300 * 2**20, 1200 * 2**20, 25 * 2**20, 36.0,
+                            {"w.safetensors": arriving}, "in_progress")
   server.node.node_download_progress["peer-b"] = event
+  server.node.node_download_sources["peer-b"] = {"w.safetensors": "peer peer-a"}  # where its file comes from
   try:
     page.wait_for_selector(".download", timeout=5000)
     text = page.inner_text("#downloads")
     assert "org/some-model on peer-b" in text and "300.0 MB / 1.2 GB" in text and "25.0 MB/s" in text and "36 s" in text
+    assert "w.safetensors from peer peer-a · 25%" in text, text
     assert page.get_attribute(".download .bar > div", "style").rstrip(";") == "width: 25.0%"
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "tinychat-downloads.png"))
   finally:
     server.node.node_download_progress.clear()
+    server.node.node_download_sources.clear()
   page.wait_for_selector(".download", state="detached", timeout=5000)
 
 

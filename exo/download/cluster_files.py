@@ -46,6 +46,7 @@ ANNOUNCED_REPOS = 64  # at most this many repositories in one announcement (each
 @dataclass
 class PeerHoldings:
   node_id: str
+  version: int
   port: int
   offline: bool
   repos: dict
@@ -75,6 +76,7 @@ class ClusterFiles:
     self._changed = asyncio.Event()
     self._task: Optional[asyncio.Task] = None
     self._announce_soon: Optional[asyncio.Handle] = None
+    self._version = 0
 
   # --- joining the node ---
 
@@ -112,7 +114,9 @@ class ClusterFiles:
       repos[repo_id] = {"commit": record.commit, "files": {p: _file_entry(f) for p, f in record.files.items()},
                         "verified": sorted(record.verified), "fetching": sorted(self.fetching.get(repo_id, set()) & set(record.files)),
                         "wants": self.wanted.get(repo_id, 0) > 0}
-    status = statuses.peer_files(self.node_id, self.port, hub.offline(), repos)
+    # The state as of now, stamped so: an announcement that overtakes an older one on the way is not undone by it.
+    self._version = max(self._version + 1, time.time_ns())
+    status = statuses.peer_files(self.node_id, self._version, self.port, hub.offline(), repos)
     await self.node.broadcast_opaque_status("", status, to={p.id() for p in self.node.peers})
 
   def announce_now(self) -> None:
@@ -129,7 +133,10 @@ class ClusterFiles:
     node_id = status["node_id"]
     if sender_host is None or node_id == self.node_id or sender_host not in self.node.peer_hosts.get(node_id, ()):
       return  # only a member speaks for itself
-    self.peers[node_id] = PeerHoldings(node_id, status["port"], status["offline"], status["repos"], time.monotonic())
+    known = self.peers.get(node_id)
+    if known is not None and status["version"] < known.version:
+      return  # sent before the one already heard
+    self.peers[node_id] = PeerHoldings(node_id, status["version"], status["port"], status["offline"], status["repos"], time.monotonic())
     self._changed.set()
     self._changed = asyncio.Event()
 

@@ -99,10 +99,11 @@ def structured_output(node_id: str, engine: str) -> str:
   return json.dumps({"type": STRUCTURED_OUTPUT, "node_id": node_id, "engine": engine})
 
 
-def peer_files(node_id: str, port: int, offline: bool, repos: dict) -> str:
-  """repos: repository -> {commit, files: {path: [size, sha256 or null, blob id or null]}, verified: [paths],
+def peer_files(node_id: str, version: int, port: int, offline: bool, repos: dict) -> str:
+  """version: grows with each announcement of the node (one sent later may arrive earlier: the older is dropped);
+  repos: repository -> {commit, files: {path: [size, sha256 or null, blob id or null]}, verified: [paths],
   fetching: [paths it fetches from the hub now], wants: whether it downloads the repository now}"""
-  return json.dumps({"type": PEER_FILES, "node_id": node_id, "port": port, "offline": offline, "repos": repos})
+  return json.dumps({"type": PEER_FILES, "node_id": node_id, "version": version, "port": port, "offline": offline, "repos": repos})
 
 
 def parse(raw: str) -> Tuple[Optional[str], dict]:
@@ -324,6 +325,8 @@ def _path_list(value: Any, files: dict, key: str) -> None:
 
 def _check_peer_files(status: dict) -> None:
   _string(status, "node_id")
+  if not _is_int(status.get("version")) or status["version"] < 0:
+    raise InvalidStatus("version must be an integer >= 0")
   if not _is_int(status.get("port")) or not 1 <= status["port"] <= 65535:
     raise InvalidStatus("port must be an integer from 1 to 65535")
   if not isinstance(status.get("offline"), bool):
