@@ -258,11 +258,11 @@ class HFShardDownloader(ShardDownloader):
           _give_way_to(cluster.rival_fetcher(repo_id, path))
         try:
           with cluster.fetching_from_hub(repo_id, path):
-            await self._claim(repo_id, path)
+            await self._claim(repo_id, file, failed)
             await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_hub_bytes)
           return
         except _GiveWay as e:
-          print(f"exo: peer {e.args[0]} fetches {path} from the hub too; this node takes the rest from it", flush=True)
+          print(f"exo: peer {e.args[0]} fetches or holds {path} too; this node takes it from there", flush=True)
       if cluster.may_bring(repo_id) or cluster.hub_fetcher(repo_id, path) is not None:
         await cluster.changed(cluster_files.ANNOUNCE_INTERVAL_S)
         continue
@@ -270,17 +270,21 @@ class HFShardDownloader(ShardDownloader):
       tried = f" ({', '.join(sorted(failed))} failed to send it)" if failed else ""
       raise DownloadFailure("offline" if hub.offline() else "hub_unreachable", f"{why}, and no peer holds {path} verified{tried}")
 
-  async def _claim(self, repo_id: str, path: str) -> None:
+  async def _claim(self, repo_id: str, file: HubFile, failed: Set[str]) -> None:
     """Before a hub fetch: the claim is announced (fetching_from_hub); CLAIM_S later, unless a node with a lower id
-    claimed the file too (then _GiveWay), it is this node's. Nodes that chose the same file at once, before they heard
-    of each other, settle who fetches it before any byte comes twice."""
+    claimed the file too, or a peer holds it by then (then _GiveWay), it is this node's. Nodes that chose the same
+    file at once, before they heard of each other, settle who fetches it before any byte comes twice."""
     if not self.cluster.has_peers():
       return
+
+    def give_way_if_another_has_it() -> None:
+      holders = self.cluster.holders(repo_id, file, failed)
+      _give_way_to(self.cluster.rival_fetcher(repo_id, file.path) or (holders[0].peer if holders else None))
     deadline = time.monotonic() + cluster_files.CLAIM_S
     while (left := deadline - time.monotonic()) > 0:
-      _give_way_to(self.cluster.rival_fetcher(repo_id, path))
+      give_way_if_another_has_it()
       await self.cluster.changed(left)
-    _give_way_to(self.cluster.rival_fetcher(repo_id, path))
+    give_way_if_another_has_it()
 
   async def _report(self, shard: Shard, progress: DownloadProgress) -> None:
     """The progress at a steady rate while bytes arrive (never one event per chunk)."""
