@@ -191,9 +191,11 @@ class ClusterFiles:
     """A live peer fetching the file from the hub now, if any."""
     return next((p.node_id for p in self._live() if path in p.repos.get(repo_id, {}).get("fetching", ())), None)
 
-  def rival_fetcher(self, repo_id: str, path: str) -> Optional[str]:
-    """A live peer with a lower node id that fetches (or has claimed) the file from the hub too: it goes first."""
-    return min((p.node_id for p in self._live() if p.node_id < self.node_id and path in p.repos.get(repo_id, {}).get("fetching", ())), default=None)
+  def rival_fetcher(self, repo_id: str, path: str, excluded: Set[str] = frozenset()) -> Optional[str]:
+    """A live peer (not excluded) with a lower node id that fetches (or has claimed) the file from the hub too: it
+    goes first."""
+    return min((p.node_id for p in self._live() if p.node_id < self.node_id and p.node_id not in excluded
+                and path in p.repos.get(repo_id, {}).get("fetching", ())), default=None)
 
   def chosen_hub_fetcher(self, repo_id: str, path: str) -> str:
     """Of the nodes downloading the repository now that can reach the hub (this one among them), the one that

@@ -255,7 +255,7 @@ class HFShardDownloader(ShardDownloader):
 
         def on_hub_bytes(n: int) -> None:
           on_bytes(n)
-          _give_way_to(cluster.rival_fetcher(repo_id, path))
+          _give_way_to(cluster.rival_fetcher(repo_id, path, failed))
         try:
           with cluster.fetching_from_hub(repo_id, path):
             await self._claim(repo_id, file, failed)
@@ -263,6 +263,7 @@ class HFShardDownloader(ShardDownloader):
           return
         except _GiveWay as e:
           print(f"exo: peer {e.args[0]} fetches or holds {path} too; this node takes it from there", flush=True)
+          continue
       if cluster.may_bring(repo_id) or cluster.hub_fetcher(repo_id, path) is not None:
         await cluster.changed(cluster_files.ANNOUNCE_INTERVAL_S)
         continue
@@ -279,7 +280,7 @@ class HFShardDownloader(ShardDownloader):
 
     def give_way_if_another_has_it() -> None:
       holders = self.cluster.holders(repo_id, file, failed)
-      _give_way_to(self.cluster.rival_fetcher(repo_id, file.path) or (holders[0].peer if holders else None))
+      _give_way_to(self.cluster.rival_fetcher(repo_id, file.path, failed) or (holders[0].peer if holders else None))
     deadline = time.monotonic() + cluster_files.CLAIM_S
     while (left := deadline - time.monotonic()) > 0:
       give_way_if_another_has_it()
