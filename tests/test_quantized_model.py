@@ -31,8 +31,9 @@ def engines(downloader):
 
 
 def weights_of(model):
+  """Every array the model holds (a layer's parts this architecture lacks, such as biases, are None)."""
   for layer in model.layers:
-    yield from layer.values()
+    yield from (w for w in layer.values() if w is not None)
   yield from (w for w in (model.head, model.embed, model.norm) if w is not None)
 
 
