@@ -11,6 +11,7 @@ import pytest
 from exo.api.embeddings import shortened
 from exo.embeddings.batcher import BUSY_BATCH_TOKENS, EmbeddingBatcher, EmbeddingQueueFull
 from exo.inference.numpy import kernels
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -45,8 +46,13 @@ async def held_first_pass(batcher: EmbeddingBatcher, model: StandIn, first_id: i
   return first
 
 
-async def release(model: StandIn, first: asyncio.Future) -> None:
-  await asyncio.sleep(0)  # let every request sent meanwhile reach the queue
+async def queued(batcher: EmbeddingBatcher, inputs: int) -> None:
+  """Until the requests sent meanwhile have queued this many inputs."""
+  await eventually(lambda: batcher.queued_inputs == inputs, 10, f"{inputs} inputs queued")
+
+
+async def release(batcher: EmbeddingBatcher, model: StandIn, first: asyncio.Future, inputs: int) -> None:
+  await queued(batcher, inputs)
   model.gate.set()
   await first
 
@@ -55,7 +61,7 @@ async def test_requests_queued_during_a_pass_run_together_in_the_next():
   batcher, model = EmbeddingBatcher(), StandIn()
   first = await held_first_pass(batcher, model)
   others = [asyncio.ensure_future(batcher.embed(model, [[i], [i, i]])) for i in range(2, 33)]
-  await release(model, first)
+  await release(batcher, model, first, 62)
   results = await asyncio.gather(first, *others)
   assert len(model.passes) == 2 and len(model.passes[1]) == 62  # 31 requests, two inputs each, in one pass
   assert results[0].tolist() == [[1, 1]]
@@ -69,7 +75,7 @@ async def test_a_pass_holds_at_most_batch_tokens_padded_tokens_shortest_first():
   first = await held_first_pass(batcher, model, 9)
   lengths = [4, 1, 2, 1, 3]
   rest = asyncio.ensure_future(batcher.embed(model, [[n] * n for n in lengths]))
-  await release(model, first)
+  await release(batcher, model, first, len(lengths))
   assert [v[1] for v in (await rest).tolist()] == lengths
   later = model.passes[1:]
   assert [[len(i) for i in p] for p in later] == [[1, 1, 2], [3], [4]]  # rows x longest <= 7
@@ -80,7 +86,7 @@ async def test_a_failing_pass_fails_its_requests_only():
   batcher, model = EmbeddingBatcher(batch_tokens=1), StandIn(fail_on=7)
   first = await held_first_pass(batcher, model)
   bad, good = asyncio.ensure_future(batcher.embed(model, [[7], [8]])), asyncio.ensure_future(batcher.embed(model, [[5]]))
-  await release(model, first)
+  await release(batcher, model, first, 3)
   with pytest.raises(ValueError):
     await bad
   assert (await good).tolist() == [[5, 1]]
@@ -93,11 +99,11 @@ async def test_a_cancelled_request_is_not_run_and_a_full_queue_refuses():
   batcher, model = EmbeddingBatcher(max_queued_inputs=3), StandIn()
   first = await held_first_pass(batcher, model)
   cancelled = asyncio.ensure_future(batcher.embed(model, [[2], [3]]))
-  await asyncio.sleep(0)
+  await queued(batcher, 2)
   with pytest.raises(EmbeddingQueueFull):
     await batcher.embed(model, [[4], [5]])  # 1 running + 2 queued + 2 > 3
   cancelled.cancel()
-  await release(model, first)
+  await release(batcher, model, first, 0)  # the cancelled request's inputs leave the queue
   assert (await batcher.embed(model, [[4], [5]])).tolist() == [[4, 1], [5, 1]]  # room again
   assert all([2] not in p for p in model.passes)
   batcher.close()
@@ -118,9 +124,10 @@ async def test_closing_ends_what_waits_with_an_error():
   batcher, model = EmbeddingBatcher(), StandIn()
   first = await held_first_pass(batcher, model)
   waiting = asyncio.ensure_future(batcher.embed(model, [[2]]))
-  await asyncio.sleep(0)
+  await queued(batcher, 1)
   batcher.close()
-  await release(model, first)
+  model.gate.set()
+  await first
   with pytest.raises(RuntimeError, match="stopping"):
     await waiting
 

@@ -74,15 +74,15 @@ async def test_concurrent_first_uses_share_one_load_and_a_failed_load_is_tried_a
   with pytest.raises(OSError):
     async with pool.use("m"):
       pass
-  release = threading.Event()
+  loading, release = threading.Event(), threading.Event()
   original = pool.load
-  pool.load = lambda model_id: (release.wait(30), original(model_id))[1]
+  pool.load = lambda model_id: (loading.set(), release.wait(30), original(model_id))[2]
 
   async def use():
     async with pool.use("m") as model:
       return model
   users = [asyncio.ensure_future(use()) for _ in range(5)]
-  await asyncio.sleep(0)
+  assert await asyncio.to_thread(loading.wait, 30)  # the first user's load is under way; the others join it
   release.set()
   models = await asyncio.gather(*users)
   assert loads == ["m", "m"] and all(m is models[0] for m in models) and pool.loads == 1
