@@ -214,3 +214,17 @@ def test_a_caller_is_known_by_the_address_members_are_known_by():
   assert caller_address("::ffff:10.0.0.2") == "10.0.0.2"  # IPv4 through an IPv6 socket
   assert caller_address("10.0.0.2") == "10.0.0.2" and caller_address("fe80::1%eth0") == "fe80::1"
   assert caller_address(None) is None and caller_address("unix socket") is None
+
+
+async def test_a_node_asks_for_files_only_once_every_peer_has_announced_its_own_or_stayed_silent_too_long(monkeypatch):
+  cluster = cluster_of({"a": {"127.0.0.1"}, "upstream": {"127.0.0.1"}})
+  waiting = asyncio.ensure_future(cluster.heard_every_peer())
+  await asyncio.sleep(0)  # (one loop turn: it has looked and waits on the next announcement)
+  hear(cluster, announcement("a", verified=["w.safetensors"]), "127.0.0.1")
+  await asyncio.sleep(0)
+  assert not waiting.done()  # "upstream" has not spoken yet
+  monkeypatch.setattr(cluster_files, "FIRST_WORD_S", 0.0)  # as if it had been silent for longer than a new peer may be
+  hear(cluster, announcement("a", verified=["w.safetensors"]), "127.0.0.1")
+  await asyncio.wait_for(waiting, 5)
+  assert [s.peer for s in cluster.holders(REPO, WEIGHTS, set())] == ["a"]
+  await asyncio.wait_for(cluster.heard_every_peer(), 5)  # and it does not wait for that peer again

@@ -5,7 +5,9 @@ it holds verified (with the size and hash its record has for them), the reposito
 it is fetching from the hub right now, and the port of its API server, which serves them (peer_files.py). It announces when any of
 that changes and every ANNOUNCE_INTERVAL_S besides (a peer may have missed one).
 
-A node that needs a file (`source_for`):
+A node that needs a file (shard_download.py, `_obtain`) first waits until every peer has announced (a node that
+just joined would otherwise take from the hub what a peer holds; a peer silent for FIRST_WORD_S, as an upstream node
+is, is not waited for), then:
 1. fetches it from a peer that holds it verified with the same hash, the cheapest first (same machine, then the
    rest; among equals spread by file, so different files come from different peers);
 2. else, if a peer is fetching it from the hub now, waits for that peer to hold it and fetches it from the peer;
@@ -39,6 +41,7 @@ ANNOUNCE_INTERVAL_S = 2.0
 STALE_S = 15.0  # a peer's announcement not renewed for this long no longer counts
 CLAIM_S = 0.5  # a hub fetch starts this long after it is announced, so that nodes that chose one file at once find out first
 HUB_GRACE_S = 5.0  # how long a node waits for the hub fetcher chosen for a file to start it
+FIRST_WORD_S = 2 * ANNOUNCE_INTERVAL_S  # how long a new peer may take to announce its files (an upstream node never does)
 PEER_ATTEMPTS = 2  # a peer that brings nothing twice in a row has failed
 ANNOUNCED_REPOS = 64  # at most this many repositories in one announcement (each lists its files)
 
@@ -77,6 +80,7 @@ class ClusterFiles:
     self._task: Optional[asyncio.Task] = None
     self._announce_soon: Optional[asyncio.Handle] = None
     self._version = 0
+    self._met: Dict[str, float] = {}  # peer -> when this node first looked for its announcement
 
   # --- joining the node ---
 
@@ -209,6 +213,17 @@ class ClusterFiles:
 
   def has_peers(self) -> bool:
     return bool(self._live()) or bool(self.node is not None and self.node.peers)
+
+  async def heard_every_peer(self) -> None:
+    """Until every peer has announced its files, or has been a peer for FIRST_WORD_S without a word. A node that
+    (re)joins a ring asks for its files at once; without this it would take from the hub a file its peer holds."""
+    while self.node is not None:
+      now = time.monotonic()
+      unheard = [self._met.setdefault(p.id(), now) for p in self.node.peers if p.id() not in self.peers]
+      left = max((met + FIRST_WORD_S - now for met in unheard), default=0.0)
+      if left <= 0:
+        return
+      await self.changed(left)
 
   async def changed(self, timeout: float) -> None:
     """Until a peer's next announcement, or `timeout` seconds."""

@@ -195,11 +195,8 @@ class HFShardDownloader(ShardDownloader):
       return listing, False
 
   async def _peer_listing(self, repo_id: str) -> Optional[hub.RepoListing]:
-    listing = self.cluster.listing(repo_id)
-    if listing is None and self.cluster.has_peers():  # a node just started may not have heard its peers yet
-      await self.cluster.changed(2 * cluster_files.ANNOUNCE_INTERVAL_S)
-      listing = self.cluster.listing(repo_id)
-    return listing
+    await self.cluster.heard_every_peer()  # a node just started may not have heard its peers yet
+    return self.cluster.listing(repo_id)
 
   async def _fetch(self, session: aiohttp.ClientSession, record: DownloadRecord, folder: Path, path: str, progress: Optional[DownloadProgress],
                    use_hub: bool, sources: Dict[str, hub.Source]) -> None:
@@ -224,6 +221,7 @@ class HFShardDownloader(ShardDownloader):
     on_bytes = (lambda n: progress.add(path, n)) if progress else (lambda n: None)
     failed: Set[str] = set()  # peers that failed this file
     waiting_since: Optional[float] = None
+    await cluster.heard_every_peer()
     while True:
       for source in cluster.holders(repo_id, file, failed):
         sources[path] = source
