@@ -86,7 +86,7 @@ async def test_the_origin_joins_a_peers_logprobs_with_its_tokens():
 def test_a_token_logprobs_status_is_checked_before_anything_uses_it():
   good = statuses.token_logprobs("r", 3, TokenLogprobs(-1.0, [(4, -1.0), (2, -2.0)]))
   kind, status = statuses.parse(good)
-  assert kind == statuses.TOKEN_LOGPROBS and statuses.logprobs_of(status) == TokenLogprobs(-1.0, [(4, -1.0), (2, -2.0)])
+  assert kind == statuses.TOKEN_LOGPROBS and status.logprobs == TokenLogprobs(-1.0, [(4, -1.0), (2, -2.0)])
   base = json.loads(good)
   for change in ({"position": -1}, {"position": "3"}, {"logprob": 0.1}, {"logprob": float("nan")}, {"top": [[4, 1.0]]}, {"top": [[-4, -1.0]]},
                  {"top": [[4]]}, {"top": [[i, -1.0] for i in range(21)]}, {"request_id": ""}):

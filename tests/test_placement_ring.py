@@ -131,7 +131,7 @@ async def test_two_replicas_serve_one_burst_each_request_on_its_route(tmp_path, 
     assert a.placements.heard_all_peers() and b.placements.heard_all_peers()  # what `exo run --wait-for-peers` waits for
     sampled_on_b, rows_per_status, groups = set(), [], set()
     b.on_token.register("test").on_next(lambda request_id, tokens, finished: sampled_on_b.add(request_id))
-    a.inbox.on_peer(statuses.TOKENS, lambda request_id, status, host: rows_per_status.append(len(status["rows"])))
+    a.inbox.on_peer(statuses.TOKENS, lambda request_id, status, host: rows_per_status.append(len(status.rows)))
     # At each token a receives, what its state says of that request's group.
     a.on_token.register("groups").on_next(lambda request_id, tokens, finished: groups.update(
       r["group"] for r in a.state()["requests"] if r["id"] == request_id))

@@ -52,7 +52,7 @@ class PeerHoldings:
   version: int
   port: int
   offline: bool
-  repos: dict
+  repos: Dict[str, statuses.RepoHoldings]
   heard: float  # monotonic time
 
 
@@ -61,8 +61,11 @@ def _spread(key: str, choices: List[str]) -> str:
   return choices[int(hashlib.sha256(key.encode()).hexdigest(), 16) % len(choices)]
 
 
-def _file_entry(file: HubFile) -> list:
-  return [file.size, file.sha256, file.blob_id]
+_NOTHING_HELD = statuses.RepoHoldings(commit="-", files={}, verified=[], fetching=[], wants=False)
+
+
+def _file_entry(file: HubFile) -> tuple:
+  return (file.size, file.sha256, file.blob_id)
 
 
 class ClusterFiles:
@@ -133,14 +136,14 @@ class ClusterFiles:
       self.node.spawn(self.announce())
     self._announce_soon = asyncio.get_running_loop().call_soon(send)
 
-  def _heard(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    node_id = status["node_id"]
+  def _heard(self, request_id: str, status: statuses.PeerFiles, sender_host: Optional[str]) -> None:
+    node_id = status.node_id
     if sender_host is None or node_id == self.node_id or sender_host not in self.node.peer_hosts.get(node_id, ()):
       return  # only a member speaks for itself
     known = self.peers.get(node_id)
-    if known is not None and status["version"] < known.version:
+    if known is not None and status.version < known.version:
       return  # sent before the one already heard
-    self.peers[node_id] = PeerHoldings(node_id, status["version"], status["port"], status["offline"], status["repos"], time.monotonic())
+    self.peers[node_id] = PeerHoldings(node_id, status.version, status.port, status.offline, status.repos, time.monotonic())
     self._changed.set()
     self._changed = asyncio.Event()
 
@@ -151,6 +154,10 @@ class ClusterFiles:
       return []
     now = time.monotonic()
     return [p for p in self.peers.values() if p.node_id in self.node.peer_hosts and now - p.heard < STALE_S]
+
+  @staticmethod
+  def _repo(peer: PeerHoldings, repo_id: str) -> statuses.RepoHoldings:
+    return peer.repos.get(repo_id, _NOTHING_HELD)
 
   def _url(self, peer: PeerHoldings, repo_id: str, path: str) -> Optional[Tuple[str, int]]:
     """(the file's URL at the peer, its cost: 0 on this machine, 1 elsewhere), or None if the peer has no address."""
@@ -167,19 +174,19 @@ class ClusterFiles:
 
   def listing(self, repo_id: str) -> Optional[RepoListing]:
     """The repository's file list as the peer holding most of it has it (for a node that cannot ask the hub)."""
-    holders = [p for p in self._live() if p.repos.get(repo_id, {}).get("verified")]
+    holders = [p for p in self._live() if self._repo(p, repo_id).verified]
     if not holders:
       return None
-    best = max(holders, key=lambda p: (len(p.repos[repo_id]["verified"]), p.node_id))
+    best = max(holders, key=lambda p: (len(p.repos[repo_id].verified), p.node_id))
     repo = best.repos[repo_id]
-    return RepoListing(repo["commit"], {path: HubFile(path, entry[0], entry[1], entry[2]) for path, entry in repo["files"].items()})
+    return RepoListing(repo.commit, {path: HubFile(path, *entry) for path, entry in repo.files.items()})
 
   def holders(self, repo_id: str, file: HubFile, excluded: Set[str]) -> List[Source]:
     """Peers holding the file verified with the same size and hash, cheapest first (equals spread by file)."""
     found = []
     for peer in self._live():
       repo = peer.repos.get(repo_id)
-      if peer.node_id in excluded or repo is None or file.path not in repo["verified"] or repo["files"].get(file.path) != _file_entry(file):
+      if peer.node_id in excluded or repo is None or file.path not in repo.verified or repo.files.get(file.path) != _file_entry(file):
         continue
       where = self._url(peer, repo_id, file.path)
       if where is not None:
@@ -193,23 +200,23 @@ class ClusterFiles:
 
   def hub_fetcher(self, repo_id: str, path: str) -> Optional[str]:
     """A live peer fetching the file from the hub now, if any."""
-    return next((p.node_id for p in self._live() if path in p.repos.get(repo_id, {}).get("fetching", ())), None)
+    return next((p.node_id for p in self._live() if path in self._repo(p, repo_id).fetching), None)
 
   def rival_fetcher(self, repo_id: str, path: str, excluded: Set[str] = frozenset()) -> Optional[str]:
     """A live peer (not excluded) with a lower node id that fetches (or has claimed) the file from the hub too: it
     goes first."""
     return min((p.node_id for p in self._live() if p.node_id < self.node_id and p.node_id not in excluded
-                and path in p.repos.get(repo_id, {}).get("fetching", ())), default=None)
+                and path in self._repo(p, repo_id).fetching), default=None)
 
   def chosen_hub_fetcher(self, repo_id: str, path: str) -> str:
     """Of the nodes downloading the repository now that can reach the hub (this one among them), the one that
     fetches this file from it."""
-    wanting = [p.node_id for p in self._live() if p.repos.get(repo_id, {}).get("wants") and not p.offline]
+    wanting = [p.node_id for p in self._live() if self._repo(p, repo_id).wants and not p.offline]
     return _spread(f"{repo_id}/{path}", sorted({self.node_id, *wanting}))
 
   def may_bring(self, repo_id: str) -> bool:
     """Whether a live peer is downloading the repository and can reach the hub (a file may yet appear there)."""
-    return any(p.repos.get(repo_id, {}).get("wants") and not p.offline for p in self._live())
+    return any(self._repo(p, repo_id).wants and not p.offline for p in self._live())
 
   def has_peers(self) -> bool:
     return bool(self._live()) or bool(self.node is not None and self.node.peers)

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from exo.orchestration import statuses
 
 # (request id, the checked status, the sender's address or None for this node) -> False to drop it
-Handler = Callable[[str, dict, Optional[str]], Optional[bool]]
+Handler = Callable[[str, statuses.Status, Optional[str]], Optional[bool]]
 
 
 class Inbox:
@@ -43,12 +43,12 @@ class Inbox:
     if parsed is not None:
       self._notify(parsed[0], request_id, parsed[1], None)
 
-  def _notify(self, kind: str, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+  def _notify(self, kind: str, request_id: str, status: statuses.Status, sender_host: Optional[str]) -> None:
     for handler in self._observers.get(kind, ()):
       handler(request_id, status, sender_host)
 
   @staticmethod
-  def _parse(raw: str, sender_host: Optional[str], quiet: bool = False) -> Optional[Tuple[Optional[str], dict]]:
+  def _parse(raw: str, sender_host: Optional[str], quiet: bool = False) -> Optional[Tuple[Optional[str], statuses.Status]]:
     try:
       return statuses.parse(raw)
     except statuses.InvalidStatus as e:

@@ -132,8 +132,8 @@ class Placements:
     self._announced = repr(loaded)
     await self.node.broadcast_opaque_status("", status)
 
-  def _heard(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    node_id = status["node_id"]
+  def _heard(self, request_id: str, status: statuses.PlacementMember, sender_host: Optional[str]) -> None:
+    node_id = status.node_id
     if sender_host is None or node_id == self.node.id:
       return
     if node_id not in self.node.peer_hosts:  # a newcomer announces when it finds us, maybe before we find it
@@ -143,10 +143,9 @@ class Placements:
       return
     if sender_host not in self.node.peer_hosts[node_id]:
       return  # only a peer speaks for itself
-    self.peer_facts[node_id] = MemberFacts(node_id, status["engine"], int(status["float_bytes"]), int(status["memory_mb"]), float(status["speed"]),
-                                           status["placement"])
-    self.peer_loaded[node_id] = statuses.shard(status["loaded"]) if status["loaded"] else None
-    if status["loaded"] and self.node.inference_engine.shard is None:
+    self.peer_facts[node_id] = MemberFacts(node_id, status.engine, int(status.float_bytes), int(status.memory_mb), status.speed, status.placement)
+    self.peer_loaded[node_id] = status.loaded
+    if status.loaded and self.node.inference_engine.shard is None:
       self.settle()  # a node that joins loads its layers of the model the others serve
 
   def peers_changed(self, added: List, removed: List) -> None:

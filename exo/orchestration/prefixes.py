@@ -87,8 +87,8 @@ class PrefixProtocol:
     await asyncio.gather(*[asyncio.wait_for(p.send_opaque_status(request.id, status), FILING_TIMEOUT_S) for p in peers], return_exceptions=True)
     self.engine.extend_prefix(request.id, keys)
 
-  def _heard_miss(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    request = self.node.requests.get(status["request_id"])
+  def _heard_miss(self, request_id: str, status: statuses.PrefixMiss, sender_host: Optional[str]) -> None:
+    request = self.node.requests.get(status.request_id)
     if request is not None and request.prompt is not None and (sender_host is None or self.node.on_path(request, sender_host)):
       self.node.spawn(self._prefill_again(request))
 
@@ -130,10 +130,10 @@ class PrefixProtocol:
     self.engine.remember_prefix(request.id, prefix["keys"])
     return {k: v for k, v in state.items() if k != "prefix"} if shard.is_last_layer() else state
 
-  def _heard_extend(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+  def _heard_extend(self, request_id: str, status: statuses.PrefixExtend, sender_host: Optional[str]) -> None:
     if sender_host is None or self.node.peers_at(sender_host):
-      self.engine.extend_prefix(status["request_id"], status["keys"])
+      self.engine.extend_prefix(status.request_id, status.keys)
 
-  def _heard_cache(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["node_id"] in self.node.peer_hosts:
-      self.node.peer_prefix_blocks[status["node_id"]] = status["block"]
+  def _heard_cache(self, request_id: str, status: statuses.PrefixCache, sender_host: Optional[str]) -> None:
+    if status.node_id in self.node.peer_hosts:
+      self.node.peer_prefix_blocks[status.node_id] = status.block

@@ -2,7 +2,7 @@
 once and hands it here by kind): a request's sampling parameters, its end (cancelled by its origin, or failed on its
 path), a token's logprobs sent ahead of it; who is working, download progress, the peers' engines and grammar engines. The other kinds
 belong to the parts that act on them (placements, routing, prefixes, the batching plugin)."""
-from typing import Optional
+from typing import Optional, Union
 
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG
@@ -26,15 +26,15 @@ class StatusHandlers:
     inbox.observe(statuses.STRUCTURED_OUTPUT, self._heard_grammar_engine)
     if node.topology_viz:
       for kind in (statuses.NODE_STATUS, statuses.REQUEST_ERROR, statuses.DOWNLOAD_PROGRESS):
-        inbox.observe(kind, lambda request_id, status, host: node.topology_viz.update_status(status))
+        inbox.observe(kind, lambda request_id, status, host: node.topology_viz.update_status(status.model_dump()))
 
-  def _heard_params(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    request = self.node._open(status["request_id"])
+  def _heard_params(self, request_id: str, status: statuses.RequestParams, sender_host: Optional[str]) -> None:
+    request = self.node._open(status.request_id)
     if request is not None and request.model is None:  # parameters can no longer change once it runs here
-      request.params, request.origin = statuses.sampling_params(status["params"]), status.get("origin")
+      request.params, request.origin = status.params, status.origin
 
-  def _heard_end(self, request_id: str, status: dict, sender_host: Optional[str]) -> Optional[bool]:
-    kind, request_id_ = status["type"], status["request_id"]
+  def _heard_end(self, request_id: str, status: Union[statuses.CancelRequest, statuses.RequestError], sender_host: Optional[str]) -> Optional[bool]:
+    kind, request_id_ = status.type, status.request_id
     request = self.node.requests.get(request_id_)
     if request is not None and sender_host is not None and not self.node.on_path(request, sender_host, origin_only=kind == statuses.CANCEL_REQUEST):
       print(f"exo: dropped a {kind} for {request_id_} from {sender_host}, which is not its origin or on its path", flush=True)
@@ -44,42 +44,42 @@ class StatusHandlers:
     elif kind == statuses.CANCEL_REQUEST:
       self.node.end_request(request_id_, Status.CANCELLED)
     else:
-      self.node.end_request(request_id_, Status.FAILED, status["error"])
+      self.node.end_request(request_id_, Status.FAILED, status.error)
     return None
 
-  def _heard_logprobs(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+  def _heard_logprobs(self, request_id: str, status: statuses.TokenLogprobsStatus, sender_host: Optional[str]) -> None:
     """Keep a token's logprobs until the token itself arrives: only for a request of ours that asked for them, from a
     node on its path, for a token not yet received and at most PEER_LOGPROBS_AHEAD tokens ahead."""
-    request, position = self.node.requests.get(status["request_id"]), status["position"]
-    if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status["top"]) > request.params.logprobs
+    request, position = self.node.requests.get(status.request_id), status.position
+    if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status.top) > request.params.logprobs
         or not request.tokens_received <= position < request.tokens_received + PEER_LOGPROBS_AHEAD
         or (sender_host is not None and not self.node.on_path(request, sender_host))):
       if DEBUG >= 1:
-        print(f"Ignoring token logprobs for {status['request_id']} (position {position}) from {sender_host}")
+        print(f"Ignoring token logprobs for {status.request_id} (position {position}) from {sender_host}")
       return
-    request.peer_logprobs[position] = statuses.logprobs_of(status)
+    request.peer_logprobs[position] = status.logprobs
 
-  def _heard_node_status(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["status"].startswith("start_"):
-      self.node.topology.active_node_id = status["node_id"]
-      if status["status"] == "start_process_prompt" and status["node_id"] != self.node.id and self.node.partitioning_strategy:
-        self.node.spawn(self.node._preload(statuses.shard(status["shard"])))
-    elif status["status"].startswith("end_") and status["node_id"] == self.node.topology.active_node_id:
+  def _heard_node_status(self, request_id: str, status: statuses.NodeStatus, sender_host: Optional[str]) -> None:
+    if status.status.startswith("start_"):
+      self.node.topology.active_node_id = status.node_id
+      if status.status == "start_process_prompt" and status.node_id != self.node.id and self.node.partitioning_strategy:
+        self.node.spawn(self.node._preload(status.shard))
+    elif status.status.startswith("end_") and status.node_id == self.node.topology.active_node_id:
       self.node.topology.active_node_id = None
 
-  def _heard_download_progress(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["node_id"] in {self.node.id, *self.node.peer_hosts}:
+  def _heard_download_progress(self, request_id: str, status: statuses.DownloadProgress, sender_host: Optional[str]) -> None:
+    if status.node_id in {self.node.id, *self.node.peer_hosts}:
       try:
-        self.node.node_download_progress[status["node_id"]] = RepoProgressEvent.from_dict(status["progress"])
-        self.node.node_download_sources[status["node_id"]] = status.get("sources", {})
+        self.node.node_download_progress[status.node_id] = RepoProgressEvent.from_dict(status.progress)
+        self.node.node_download_sources[status.node_id] = status.sources
       except (KeyError, TypeError, ValueError) as e:
         if DEBUG >= 1:
           print(f"Ignoring malformed download progress: {e!r}")
 
-  def _heard_engines(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["node_id"] in self.node.peer_hosts:
-      self.node.peer_engines[status["node_id"]] = status["engines"]
+  def _heard_engines(self, request_id: str, status: statuses.SupportedEngines, sender_host: Optional[str]) -> None:
+    if status.node_id in self.node.peer_hosts:
+      self.node.peer_engines[status.node_id] = status.engines
 
-  def _heard_grammar_engine(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["node_id"] in self.node.peer_hosts:
-      self.node.peer_grammar_engines[status["node_id"]] = status["engine"]
+  def _heard_grammar_engine(self, request_id: str, status: statuses.StructuredOutput, sender_host: Optional[str]) -> None:
+    if status.node_id in self.node.peer_hosts:
+      self.node.peer_grammar_engines[status.node_id] = status.engine

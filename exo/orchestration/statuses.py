@@ -1,8 +1,12 @@
 """The opaque statuses nodes exchange (SendOpaqueStatus carries one JSON object; upstream nodes ignore types they do
-not know): building ours, and checking every one a peer sends before anything acts on it."""
+not know): one pydantic model per type this node acts on, which builds ours and checks every one a peer sends
+before anything acts on it. `parse` gives the typed status; a type this node does not know passes through as
+`Unknown`."""
 import json
-import math
-from typing import Any, List, Optional, Tuple
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
+
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PlainSerializer, PlainValidator, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      StringConstraints, Tag, TypeAdapter, ValidationError, model_validator)
 
 from exo.inference.grammar import MAX_GRAMMAR_CHARS
 from exo.inference.prefix_cache import checked_keys
@@ -44,82 +48,56 @@ class InvalidStatus(ValueError):
   """A status that cannot be acted on; str(self) says why."""
 
 
-def request_params(request_id: str, params: SamplingParams, origin: str) -> str:
-  return json.dumps({"type": REQUEST_PARAMS, "request_id": request_id, "params": params.to_dict(), "origin": origin})
+def _text(limit: int = MAX_ID_CHARS, min_length: int = 1):
+  return Annotated[StrictStr, StringConstraints(min_length=min_length, max_length=limit)]
 
 
-def cancel_request(request_id: str) -> str:
-  return json.dumps({"type": CANCEL_REQUEST, "request_id": request_id})
+def _number(low: float, high: float):
+  """A finite JSON number (never a boolean) in [low, high]."""
+  return Annotated[StrictFloat, Field(ge=low, le=high, allow_inf_nan=False)]
 
 
-def request_error(request_id: str, error: str) -> str:
-  return json.dumps({"type": REQUEST_ERROR, "request_id": request_id, "error": error[:MAX_ERROR_CHARS]})
+def _int(low: int, high: Optional[int] = None):
+  return Annotated[StrictInt, Field(ge=low, le=high)]
 
 
-def stage_timing(node_id: str, shard: Shard, fixed_s: float, per_row_s: float, busy: float) -> str:
-  return json.dumps({"type": STAGE_TIMING, "node_id": node_id, "shard": shard.to_dict(), "fixed_s": fixed_s, "per_row_s": per_row_s, "busy": busy})
+Id = _text()
+LogProb = Annotated[StrictFloat, Field(le=0, allow_inf_nan=False)]
+TokenId = _int(0)
+Top = Annotated[List[Tuple[TokenId, LogProb]], Field(max_length=MAX_TOP_LOGPROBS)]  # [[token id, logprob], ...]
+Hex = Annotated[StrictStr, StringConstraints(min_length=1, max_length=128, pattern=r"^[0-9a-fA-F]+$")]
 
 
-def token_logprobs(request_id: str, position: int, logprobs: TokenLogprobs) -> str:
-  return json.dumps({"type": TOKEN_LOGPROBS, "request_id": request_id, "position": position, "logprob": logprobs.logprob,
-                     "top": [list(pair) for pair in logprobs.top]})
+def shard(data: Any) -> Shard:
+  if not isinstance(data, dict) or set(data) != {"model_id", "start_layer", "end_layer", "n_layers"}:
+    raise InvalidStatus("shard must be an object with model_id, start_layer, end_layer and n_layers")
+  layers = [data[k] for k in ("start_layer", "end_layer", "n_layers")]
+  if (not isinstance(data["model_id"], str) or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
+      or not 0 <= layers[0] <= layers[1] < layers[2]):
+    raise InvalidStatus(f"shard is not a valid layer range: {data!r}"[:MAX_ID_CHARS])
+  return Shard(**data)
 
 
-def logprobs_of(status: dict) -> TokenLogprobs:
-  """The TokenLogprobs of a checked token_logprobs status."""
-  return TokenLogprobs(float(status["logprob"]), [(int(t), float(lp)) for t, lp in status["top"]])
-
-
-def prefix_cache(node_id: str, block: int) -> str:
-  return json.dumps({"type": PREFIX_CACHE, "node_id": node_id, "block": block})
-
-
-def prefix_miss(request_id: str, node_id: str) -> str:
-  return json.dumps({"type": PREFIX_MISS, "request_id": request_id, "node_id": node_id})
-
-
-def prefix_extend(request_id: str, keys: List[str]) -> str:
-  return json.dumps({"type": PREFIX_EXTEND, "request_id": request_id, "keys": keys})
-
-
-def placement_member(node_id: str, facts: dict, loaded: Optional[Shard]) -> str:
-  return json.dumps({"type": PLACEMENT_MEMBER, "node_id": node_id, **facts, "loaded": loaded.to_dict() if loaded else None})
-
-
-def group_load(node_id: str, group: str, loads: dict) -> str:
-  return json.dumps({"type": GROUP_LOAD, "node_id": node_id, "group": group, "loads": loads})
-
-
-def tokens(node_id: str, rows: List[list]) -> str:
-  """rows: [request id, [token ids], finished, logprobs as [logprob, [[token, logprob], ...]] or None]"""
-  return json.dumps({"type": TOKENS, "node_id": node_id, "rows": rows})
-
-
-def structured_output(node_id: str, engine: str) -> str:
-  return json.dumps({"type": STRUCTURED_OUTPUT, "node_id": node_id, "engine": engine})
-
-
-def peer_files(node_id: str, version: int, port: int, offline: bool, repos: dict) -> str:
-  """version: grows with each announcement of the node (one sent later may arrive earlier: the older is dropped);
-  repos: repository -> {commit, files: {path: [size, sha256 or null, blob id or null]}, verified: [paths],
-  fetching: [paths it fetches from the hub now], wants: whether it downloads the repository now}"""
-  return json.dumps({"type": PEER_FILES, "node_id": node_id, "version": version, "port": port, "offline": offline, "repos": repos})
-
-
-def parse(raw: str) -> Tuple[Optional[str], dict]:
-  """(type, the status as a dict), checked for the types this node acts on; InvalidStatus if it cannot be used.
-  (`shard` and `sampling_params` turn a checked status's parts into objects.)"""
-  try:
-    status = json.loads(raw)
-  except (ValueError, RecursionError) as e:
-    raise InvalidStatus(f"not JSON: {e}") from None
-  if not isinstance(status, dict):
-    raise InvalidStatus("not a JSON object")
-  kind = status.get("type")
-  check = _CHECKS.get(kind)
-  if check is not None:
-    check(status)
-  return kind, status
+class _ParamBounds(BaseModel):
+  """The ranges the API allows for a request's sampling parameters (and its logit processors', exo/inference/penalties.py)."""
+  model_config = ConfigDict(extra="ignore")
+  temperature: _number(0.0, 100.0)
+  top_p: _number(0.0, 1.0)
+  min_p: _number(0.0, 1.0)
+  top_k: _int(0)
+  seed: Optional[_int(0, 2**64 - 1)]
+  max_tokens: Optional[_int(1)]
+  ignore_eos: StrictBool
+  bounded_numbers: StrictBool
+  logprobs: Optional[_int(0, MAX_TOP_LOGPROBS)]
+  grammar: Optional[_text(MAX_GRAMMAR_CHARS)]
+  frequency_penalty: _number(-2.0, 2.0)
+  presence_penalty: _number(-2.0, 2.0)
+  repetition_penalty: _number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+  penalty_window: Optional[_int(0)]
+  min_tokens: _int(0)
+  penalty_prompt: Annotated[Tuple[_int(0, 2**31 - 1), ...], Field(max_length=MAX_PENALTY_PROMPT)]
+  logit_bias: Annotated[Tuple[Tuple[_int(0, 2**31 - 1), _number(-100, 100)], ...], Field(max_length=MAX_LOGIT_BIAS)]
 
 
 def sampling_params(data: Any) -> SamplingParams:
@@ -127,234 +105,275 @@ def sampling_params(data: Any) -> SamplingParams:
   if not isinstance(data, dict):
     raise InvalidStatus("params must be an object")
   params = SamplingParams.from_dict(data)
-  numbers = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0)}
-  for name, (low, high) in numbers.items():
-    value = getattr(params, name)
-    if not _is_number(value) or not low <= value <= high:
-      raise InvalidStatus(f"params.{name} must be a number in [{low}, {high}], got {value!r}")
-  if not _is_int(params.top_k) or params.top_k < 0:
-    raise InvalidStatus(f"params.top_k must be an integer >= 0, got {params.top_k!r}")
-  if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed < 2**64):
-    raise InvalidStatus(f"params.seed must be an unsigned 64-bit integer, got {params.seed!r}")
-  if params.max_tokens is not None and (not _is_int(params.max_tokens) or params.max_tokens < 1):
-    raise InvalidStatus(f"params.max_tokens must be an integer >= 1, got {params.max_tokens!r}")
-  for flag in ("ignore_eos", "bounded_numbers"):
-    if not isinstance(getattr(params, flag), bool):
-      raise InvalidStatus(f"params.{flag} must be true or false")
-  if params.logprobs is not None and (not _is_int(params.logprobs) or not 0 <= params.logprobs <= MAX_TOP_LOGPROBS):
-    raise InvalidStatus(f"params.logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs!r}")
-  _check_processors(params)
-  if params.grammar is not None and (not isinstance(params.grammar, str) or not params.grammar or len(params.grammar) > MAX_GRAMMAR_CHARS):
-    raise InvalidStatus(f"params.grammar must be null or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+  try:
+    _ParamBounds.model_validate(vars(params))
+  except ValidationError as e:
+    raise InvalidStatus(_reason(e, "params.")) from None
   return params
 
 
-def _check_processors(params: SamplingParams) -> None:
-  """The logit processors' parameters (exo/inference/penalties.py), in the ranges the API allows."""
-  for name, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0), ("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)):
-    value = getattr(params, name)
-    if not _is_number(value) or not low <= value <= high:
-      raise InvalidStatus(f"params.{name} must be a number in [{low}, {high}], got {value!r}")
-  if params.penalty_window is not None and (not _is_int(params.penalty_window) or params.penalty_window < 0):
-    raise InvalidStatus(f"params.penalty_window must be null or an integer >= 0, got {params.penalty_window!r}")
-  if not _is_int(params.min_tokens) or params.min_tokens < 0:
-    raise InvalidStatus(f"params.min_tokens must be an integer >= 0, got {params.min_tokens!r}")
-  prompt = params.penalty_prompt
-  if not isinstance(prompt, tuple) or len(prompt) > MAX_PENALTY_PROMPT or not all(_is_int(t) and 0 <= t < 2**31 for t in prompt):
-    raise InvalidStatus(f"params.penalty_prompt must be a list of at most {MAX_PENALTY_PROMPT} token ids")
-  bias = params.logit_bias
-  if (not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS
-      or not all(len(pair) == 2 and _is_int(pair[0]) and 0 <= pair[0] < 2**31 and _is_number(pair[1]) and -100 <= pair[1] <= 100 for pair in bias)):
-    raise InvalidStatus(f"params.logit_bias must be a list of at most {MAX_LOGIT_BIAS} [token id, bias in [-100, 100]] pairs")
+ShardField = Annotated[Shard, PlainValidator(shard), PlainSerializer(Shard.to_dict)]
+ParamsField = Annotated[SamplingParams, PlainValidator(sampling_params), PlainSerializer(SamplingParams.to_dict)]
 
 
-def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+class Status(BaseModel):
+  """A status of a known type: extra keys are ignored (upstream's types keep them, for observers that show them)."""
+  model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+  def encode(self) -> str:
+    """The JSON the status travels as: its fields in order, `type` first."""
+    return json.dumps({name: value for name, value in self}, default=lambda value: value.to_dict())
+
+  @classmethod
+  def build(cls, **fields) -> str:
+    """Our own status, as is (what we send is what we made; peers check it as they check every status)."""
+    return cls.model_construct(**fields).encode()
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+class Unknown(Status):
+  """A type this node does not act on (or none): passed through unchecked."""
+  model_config = ConfigDict(extra="allow")
+  type: Any = None
 
 
-def _string(status: dict, key: str, optional: bool = False, limit: int = MAX_ID_CHARS) -> None:
-  value = status.get(key)
-  if value is None and optional:
-    return
-  if not isinstance(value, str) or not value or len(value) > limit:
-    raise InvalidStatus(f"{key} must be a non-empty string of at most {limit} characters")
+class NodeStatus(Status):
+  model_config = ConfigDict(extra="allow")
+  type: Literal[NODE_STATUS] = NODE_STATUS
+  node_id: Id
+  status: Id
+  request_id: Optional[Id] = None
+  shard: Optional[ShardField] = None  # start_process_prompt's: the layers to preload (checked for that status only)
+
+  @model_validator(mode="before")
+  @classmethod
+  def _shard_of_start_only(cls, data: Any) -> Any:
+    if isinstance(data, dict) and data.get("status") != "start_process_prompt":
+      return {k: v for k, v in data.items() if k != "shard"}
+    if isinstance(data, dict) and data.get("shard") is None:
+      raise InvalidStatus("shard must be an object with model_id, start_layer, end_layer and n_layers")
+    return data
 
 
-def _check_node_status(status: dict) -> None:
-  _string(status, "node_id")
-  _string(status, "status")
-  _string(status, "request_id", optional=True)
-  if status["status"] == "start_process_prompt":
-    shard(status.get("shard"))
+class DownloadProgress(Status):
+  model_config = ConfigDict(extra="allow")
+  type: Literal[DOWNLOAD_PROGRESS] = DOWNLOAD_PROGRESS
+  node_id: Id
+  progress: Dict[str, Any]
+  # this fork's: where each file arriving now comes from ("hub" or "peer <id>")
+  sources: Annotated[Dict[_text(MAX_PATH_CHARS, 0), _text(MAX_ID_CHARS + 5, 0)], Field(max_length=MAX_REPO_FILES)] = {}
 
 
-def shard(data: Any) -> Shard:
-  if not isinstance(data, dict) or set(data) != {"model_id", "start_layer", "end_layer", "n_layers"}:
-    raise InvalidStatus("shard must be an object with model_id, start_layer, end_layer and n_layers")
-  layers = [data[k] for k in ("start_layer", "end_layer", "n_layers")]
-  if not isinstance(data["model_id"], str) or not all(_is_int(v) for v in layers) or not 0 <= layers[0] <= layers[1] < layers[2]:
-    raise InvalidStatus(f"shard is not a valid layer range: {data!r}"[:MAX_ID_CHARS])
-  return Shard(**data)
+class SupportedEngines(Status):
+  type: Literal[SUPPORTED_ENGINES] = SUPPORTED_ENGINES
+  node_id: Id
+  engines: Annotated[List[_text(64, 0)], Field(max_length=MAX_ENGINES)]
 
 
-def _check_download_progress(status: dict) -> None:
-  _string(status, "node_id")
-  if not isinstance(status.get("progress"), dict):
-    raise InvalidStatus("progress must be an object")
-  sources = status.get("sources", {})  # this fork's: where each file arriving now comes from ("hub" or "peer <id>")
-  if (not isinstance(sources, dict) or len(sources) > MAX_REPO_FILES
-      or not all(isinstance(p, str) and len(p) <= MAX_PATH_CHARS and isinstance(s, str) and len(s) <= MAX_ID_CHARS + 5 for p, s in sources.items())):
-    raise InvalidStatus(f"sources must map at most {MAX_REPO_FILES} files to where they come from")
+class RequestParams(Status):
+  type: Literal[REQUEST_PARAMS] = REQUEST_PARAMS
+  request_id: Id
+  params: ParamsField
+  origin: Optional[Id] = None
 
 
-def _check_engines(status: dict) -> None:
-  _string(status, "node_id")
-  engines = status.get("engines")
-  if not isinstance(engines, list) or len(engines) > MAX_ENGINES or not all(isinstance(e, str) and len(e) <= 64 for e in engines):
-    raise InvalidStatus(f"engines must be a list of at most {MAX_ENGINES} names")
+class CancelRequest(Status):
+  type: Literal[CANCEL_REQUEST] = CANCEL_REQUEST
+  request_id: Id
 
 
-def _check_request_params(status: dict) -> None:
-  _string(status, "request_id")
-  _string(status, "origin", optional=True)
-  sampling_params(status.get("params"))
+class RequestError(Status):
+  type: Literal[REQUEST_ERROR] = REQUEST_ERROR
+  request_id: Id
+  error: _text(10 * MAX_ERROR_CHARS)
 
 
-def _check_request_end(status: dict) -> None:
-  _string(status, "request_id")
-  if status["type"] == REQUEST_ERROR:
-    _string(status, "error", limit=10 * MAX_ERROR_CHARS)
+class StageTiming(Status):
+  type: Literal[STAGE_TIMING] = STAGE_TIMING
+  node_id: Id
+  shard: ShardField
+  fixed_s: _number(0, 3600.0)
+  per_row_s: _number(0, 3600.0)
+  busy: _number(0, 1.0)
 
 
-def _check_stage_timing(status: dict) -> None:
-  _string(status, "node_id")
-  shard(status.get("shard"))
-  for key, high in (("fixed_s", 3600.0), ("per_row_s", 3600.0), ("busy", 1.0)):
-    if not _is_number(status.get(key)) or not 0 <= status[key] <= high:
-      raise InvalidStatus(f"{key} must be a number in [0, {high:g}]")
+class TokenLogprobsStatus(Status):
+  type: Literal[TOKEN_LOGPROBS] = TOKEN_LOGPROBS
+  request_id: Id
+  position: _int(0)
+  logprob: LogProb
+  top: Top
+
+  @property
+  def logprobs(self) -> TokenLogprobs:
+    return TokenLogprobs(float(self.logprob), [(t, float(lp)) for t, lp in self.top])
 
 
-def _logprob(value: Any) -> bool:
-  return _is_number(value) and value <= 0
+class PrefixCache(Status):
+  type: Literal[PREFIX_CACHE] = PREFIX_CACHE
+  node_id: Id
+  block: _int(0, 4096)
 
 
-def _check_token_logprobs(status: dict) -> None:
-  _string(status, "request_id")
-  position, top = status.get("position"), status.get("top")
-  if not _is_int(position) or position < 0:
-    raise InvalidStatus("position must be an integer >= 0")
-  if not _logprob(status.get("logprob")):
-    raise InvalidStatus("logprob must be a number <= 0")
-  if (not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS
-      or not all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _logprob(p[1]) for p in top)):
-    raise InvalidStatus(f"top must be a list of at most {MAX_TOP_LOGPROBS} [token id, logprob <= 0] pairs")
+class PrefixMiss(Status):
+  type: Literal[PREFIX_MISS] = PREFIX_MISS
+  request_id: Id
+  node_id: Id
 
 
-def _check_prefix_cache(status: dict) -> None:
-  _string(status, "node_id")
-  if not _is_int(status.get("block")) or not 0 <= status["block"] <= 4096:
-    raise InvalidStatus("block must be an integer from 0 to 4096")
+class PrefixExtend(Status):
+  type: Literal[PREFIX_EXTEND] = PREFIX_EXTEND
+  request_id: Id
+  keys: Annotated[List[str], PlainValidator(lambda keys: checked_keys(keys, "keys"))]
 
 
-def _check_prefix_miss(status: dict) -> None:
-  _string(status, "request_id")
-  _string(status, "node_id")
+class PlacementMember(Status):
+  type: Literal[PLACEMENT_MEMBER] = PLACEMENT_MEMBER
+  node_id: Id
+  engine: Id
+  float_bytes: _number(0, 16)
+  memory_mb: _number(0, 1 << 40)
+  speed: _number(0, 1e9)
+  placement: Literal["auto", "pipeline", "replicas"]
+  loaded: Optional[ShardField] = None
 
 
-def _check_structured_output(status: dict) -> None:
-  _string(status, "node_id")
-  _string(status, "engine", limit=64)
+class GroupLoad(Status):
+  type: Literal[GROUP_LOAD] = GROUP_LOAD
+  node_id: Id
+  group: _text(64 * MAX_ID_CHARS)
+  # origin -> (prompt tokens waiting, requests running, requests waiting)
+  loads: Annotated[Dict[StrictStr, Tuple[_int(0), _int(0), _int(0)]], Field(max_length=MAX_ORIGINS)]
 
 
-def _check_prefix_extend(status: dict) -> None:
-  _string(status, "request_id")
+# (request id, its token ids, finished, its last token's logprobs as (logprob, [(token, logprob), ...]) or None)
+TokenRow = Tuple[Id, Annotated[List[TokenId], Field(min_length=1, max_length=64)], StrictBool, Optional[Tuple[LogProb, Top]]]
+
+
+class Tokens(Status):
+  type: Literal[TOKENS] = TOKENS
+  node_id: Id
+  rows: Annotated[List[TokenRow], Field(min_length=1, max_length=MAX_ROWS)]
+
+
+class StructuredOutput(Status):
+  type: Literal[STRUCTURED_OUTPUT] = STRUCTURED_OUTPUT
+  node_id: Id
+  engine: _text(64)
+
+
+FileEntry = Tuple[_int(0), Optional[Hex], Optional[Hex]]  # (size, sha256 or None, blob id or None)
+PathList = Annotated[List[StrictStr], Field(max_length=MAX_REPO_FILES)]
+
+
+class RepoHoldings(BaseModel):
+  """What a node holds of one repository."""
+  commit: _text(128)
+  files: Annotated[Dict[_text(MAX_PATH_CHARS), FileEntry], Field(max_length=MAX_REPO_FILES)]
+  verified: PathList
+  fetching: PathList  # those it fetches from the hub now
+  wants: StrictBool  # whether it downloads the repository now
+
+  @model_validator(mode="after")
+  def _paths_are_its_files(self) -> "RepoHoldings":
+    if not all(p in self.files for p in (*self.verified, *self.fetching)):
+      raise ValueError(f"verified and fetching must list at most {MAX_REPO_FILES} of the repository's files")
+    return self
+
+
+class PeerFiles(Status):
+  type: Literal[PEER_FILES] = PEER_FILES
+  node_id: Id
+  version: _int(0)  # grows with each announcement of the node (one sent later may arrive earlier: the older is dropped)
+  port: _int(1, 65535)
+  offline: StrictBool
+  repos: Annotated[Dict[Id, RepoHoldings], Field(max_length=MAX_REPOS)]
+
+
+_KINDS = {model.model_fields["type"].default: model for model in (
+  NodeStatus, DownloadProgress, SupportedEngines, RequestParams, CancelRequest, RequestError, StageTiming, TokenLogprobsStatus,
+  PrefixCache, PrefixMiss, PrefixExtend, PlacementMember, GroupLoad, Tokens, StructuredOutput, PeerFiles)}
+
+
+def _kind_of(data: Any) -> str:
+  kind = data.get("type") if isinstance(data, dict) else getattr(data, "type", None)
+  return kind if isinstance(kind, str) and kind in _KINDS else "unknown"
+
+
+_ANY_STATUS = TypeAdapter(Annotated[Union[tuple(Annotated[model, Tag(kind)] for kind, model in _KINDS.items()) + (Annotated[Unknown, Tag("unknown")],)],
+                                    Discriminator(_kind_of)])
+
+
+def _reason(error: ValidationError, prefix: str = "", skip: int = 0) -> str:
+  first = error.errors(include_url=False)[0]
+  where = ".".join(str(part) for part in first["loc"][skip:])
+  return f"{prefix}{where}: {first['msg']}" if where else first["msg"]
+
+
+def parse(raw: str) -> Tuple[Optional[str], Status]:
+  """(type, the typed status), checked for the types this node acts on; InvalidStatus if it cannot be used."""
   try:
-    checked_keys(status.get("keys"), "keys")
-  except ValueError as e:
-    raise InvalidStatus(str(e)) from None
+    status = _ANY_STATUS.validate_json(raw)
+  except ValidationError as e:
+    first = e.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+      raise InvalidStatus(f"not JSON: {first['msg']}") from None
+    if first["type"] == "model_type" and len(first["loc"]) == 1:
+      raise InvalidStatus("not a JSON object") from None
+    raise InvalidStatus(_reason(e, skip=1)) from None
+  return status.type, status
 
 
-def _check_placement_member(status: dict) -> None:
-  _string(status, "node_id")
-  _string(status, "engine")
-  if status.get("placement") not in ("auto", "pipeline", "replicas"):
-    raise InvalidStatus("placement must be auto, pipeline or replicas")
-  for key, high in (("float_bytes", 16), ("memory_mb", 1 << 40), ("speed", 1e9)):
-    if not _is_number(status.get(key)) or not 0 <= status[key] <= high:
-      raise InvalidStatus(f"{key} must be a number in [0, {high:g}]")
-  if status.get("loaded") is not None:
-    shard(status["loaded"])
+def request_params(request_id: str, params: SamplingParams, origin: str) -> str:
+  return RequestParams.build(request_id=request_id, params=params, origin=origin)
 
 
-def _check_group_load(status: dict) -> None:
-  _string(status, "node_id")
-  _string(status, "group", limit=64 * MAX_ID_CHARS)
-  loads = status.get("loads")
-  if (not isinstance(loads, dict) or len(loads) > MAX_ORIGINS
-      or not all(isinstance(o, str) and isinstance(v, list) and len(v) == 3 and all(_is_int(x) and x >= 0 for x in v) for o, v in loads.items())):
-    raise InvalidStatus(f"loads must map at most {MAX_ORIGINS} origins to [prompt tokens waiting, requests running, requests waiting]")
+def cancel_request(request_id: str) -> str:
+  return CancelRequest.build(request_id=request_id)
 
 
-def _check_tokens(status: dict) -> None:
-  _string(status, "node_id")
-  rows = status.get("rows")
-  if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ROWS:
-    raise InvalidStatus(f"rows must list 1 to {MAX_ROWS} rows")
-  for row in rows:
-    if (not isinstance(row, list) or len(row) != 4 or not isinstance(row[0], str) or not row[0] or len(row[0]) > MAX_ID_CHARS
-        or not isinstance(row[1], list) or not 1 <= len(row[1]) <= 64 or not all(_is_int(t) and t >= 0 for t in row[1])
-        or not isinstance(row[2], bool)):
-      raise InvalidStatus("each row must be [request id, [token ids], finished, logprobs or null]")
-    if row[3] is not None:
-      _check_token_logprobs({"request_id": row[0], "position": 0, "logprob": row[3][0] if isinstance(row[3], list) and row[3] else None,
-                             "top": row[3][1] if isinstance(row[3], list) and len(row[3]) == 2 else None})
+def request_error(request_id: str, error: str) -> str:
+  return RequestError.build(request_id=request_id, error=error[:MAX_ERROR_CHARS])
 
 
-def _hex(value: Any) -> bool:
-  return value is None or (isinstance(value, str) and 0 < len(value) <= 128 and all(c in "0123456789abcdefABCDEF" for c in value))
+def stage_timing(node_id: str, shard: Shard, fixed_s: float, per_row_s: float, busy: float) -> str:
+  return StageTiming.build(node_id=node_id, shard=shard, fixed_s=fixed_s, per_row_s=per_row_s, busy=busy)
 
 
-def _path_list(value: Any, files: dict, key: str) -> None:
-  if not isinstance(value, list) or len(value) > MAX_REPO_FILES or not all(isinstance(p, str) and p in files for p in value):
-    raise InvalidStatus(f"{key} must list at most {MAX_REPO_FILES} of the repository's files")
+def token_logprobs(request_id: str, position: int, logprobs: TokenLogprobs) -> str:
+  return TokenLogprobsStatus.build(request_id=request_id, position=position, logprob=logprobs.logprob, top=[list(pair) for pair in logprobs.top])
 
 
-def _check_peer_files(status: dict) -> None:
-  _string(status, "node_id")
-  if not _is_int(status.get("version")) or status["version"] < 0:
-    raise InvalidStatus("version must be an integer >= 0")
-  if not _is_int(status.get("port")) or not 1 <= status["port"] <= 65535:
-    raise InvalidStatus("port must be an integer from 1 to 65535")
-  if not isinstance(status.get("offline"), bool):
-    raise InvalidStatus("offline must be true or false")
-  repos = status.get("repos")
-  if not isinstance(repos, dict) or len(repos) > MAX_REPOS:
-    raise InvalidStatus(f"repos must map at most {MAX_REPOS} repositories to what is held of them")
-  for repo_id, repo in repos.items():
-    if not isinstance(repo_id, str) or not 0 < len(repo_id) <= MAX_ID_CHARS or not isinstance(repo, dict):
-      raise InvalidStatus("each repository must be named and described by an object")
-    _string(repo, "commit", limit=128)
-    files = repo.get("files")
-    if (not isinstance(files, dict) or len(files) > MAX_REPO_FILES
-        or not all(isinstance(p, str) and 0 < len(p) <= MAX_PATH_CHARS and isinstance(f, list) and len(f) == 3 and _is_int(f[0]) and f[0] >= 0
-                   and _hex(f[1]) and _hex(f[2]) for p, f in files.items())):
-      raise InvalidStatus(f"files of {repo_id[:MAX_ID_CHARS]} must map at most {MAX_REPO_FILES} paths to [size, sha256, blob id]")
-    _path_list(repo.get("verified"), files, "verified")
-    _path_list(repo.get("fetching"), files, "fetching")
-    if not isinstance(repo.get("wants"), bool):
-      raise InvalidStatus("wants must be true or false")
+def prefix_cache(node_id: str, block: int) -> str:
+  return PrefixCache.build(node_id=node_id, block=block)
 
 
-_CHECKS = {
-  NODE_STATUS: _check_node_status, DOWNLOAD_PROGRESS: _check_download_progress, SUPPORTED_ENGINES: _check_engines,
-  REQUEST_PARAMS: _check_request_params, CANCEL_REQUEST: _check_request_end, REQUEST_ERROR: _check_request_end,
-  STAGE_TIMING: _check_stage_timing,
-  TOKEN_LOGPROBS: _check_token_logprobs,
-  PREFIX_CACHE: _check_prefix_cache, PREFIX_MISS: _check_prefix_miss, PREFIX_EXTEND: _check_prefix_extend,
-  PLACEMENT_MEMBER: _check_placement_member, GROUP_LOAD: _check_group_load, TOKENS: _check_tokens,
-  STRUCTURED_OUTPUT: _check_structured_output, PEER_FILES: _check_peer_files,
-}
+def prefix_miss(request_id: str, node_id: str) -> str:
+  return PrefixMiss.build(request_id=request_id, node_id=node_id)
+
+
+def prefix_extend(request_id: str, keys: List[str]) -> str:
+  return PrefixExtend.build(request_id=request_id, keys=keys)
+
+
+def placement_member(node_id: str, facts: dict, loaded: Optional[Shard]) -> str:
+  """facts: engine, float_bytes, memory_mb, speed, placement."""
+  return PlacementMember.build(node_id=node_id, **facts, loaded=loaded)
+
+
+def group_load(node_id: str, group: str, loads: dict) -> str:
+  return GroupLoad.build(node_id=node_id, group=group, loads=loads)
+
+
+def tokens(node_id: str, rows: List[list]) -> str:
+  """rows: [request id, [token ids], finished, logprobs as [logprob, [[token, logprob], ...]] or None]"""
+  return Tokens.build(node_id=node_id, rows=rows)
+
+
+def structured_output(node_id: str, engine: str) -> str:
+  return StructuredOutput.build(node_id=node_id, engine=engine)
+
+
+def peer_files(node_id: str, version: int, port: int, offline: bool, repos: dict) -> str:
+  """repos: repository -> {commit, files: {path: [size, sha256 or null, blob id or null]}, verified: [paths],
+  fetching: [paths], wants} (RepoHoldings)."""
+  return PeerFiles.build(node_id=node_id, version=version, port=port, offline=offline, repos=repos)

@@ -105,9 +105,9 @@ class BatchingPlugin:
     status = statuses.stage_timing(self.node.id, scheduler.shard, cost.fixed_s, cost.per_row_s, scheduler.times.busy_fraction(now))
     self.node.spawn(self.node.broadcast_opaque_status("", status))
 
-  def _heard_stage_timing(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if status["node_id"] != self.node.id:
-      self.stage_costs[(status["node_id"], status["shard"]["model_id"])] = (StepCost(status["fixed_s"], status["per_row_s"]), time.monotonic())
+  def _heard_stage_timing(self, request_id: str, status: statuses.StageTiming, sender_host: Optional[str]) -> None:
+    if status.node_id != self.node.id:
+      self.stage_costs[(status.node_id, status.shard.model_id)] = (StepCost(status.fixed_s, status.per_row_s), time.monotonic())
 
   def _other_stages(self, scheduler: Scheduler) -> List[StepCost]:
     """The other stages' step costs, heard within STAGE_TIMING_FRESH_S; [] unless every one of them is known."""

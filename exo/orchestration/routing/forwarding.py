@@ -241,9 +241,9 @@ class Forwarding:
       self._senders.pop(destination, None)
       self._outbox.pop(destination, None)
 
-  def _heard_tokens(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
+  def _heard_tokens(self, request_id: str, status: statuses.Tokens, sender_host: Optional[str]) -> None:
     node = self.node
-    for rid, tokens, finished, top in status["rows"]:
+    for rid, tokens, finished, top in status.rows:
       request = node.requests.get(rid)
       if top is not None and request is not None and request.origin == node.id and request.params.logprobs is not None:
         request.peer_logprobs[request.tokens_received] = TokenLogprobs(float(top[0]), [(int(t), float(lp)) for t, lp in top[1]])
@@ -303,9 +303,9 @@ class Forwarding:
       if not current:
         del self._reported[group]
 
-  def _heard_load(self, request_id: str, status: dict, sender_host: Optional[str]) -> None:
-    if sender_host is not None and status["node_id"] in self.node.peers_at(sender_host):
-      self.router.report(status["group"], {origin: tuple(share) for origin, share in status["loads"].items()})
+  def _heard_load(self, request_id: str, status: statuses.GroupLoad, sender_host: Optional[str]) -> None:
+    if sender_host is not None and status.node_id in self.node.peers_at(sender_host):
+      self.router.report(status.group, status.loads)
 
 
 def _layers(shard: Optional[Shard]) -> str:
