@@ -1,6 +1,5 @@
 """Small utilities shared across exo: log levels, callback fan-out, node id and port bookkeeping."""
 import asyncio
-import os
 import random
 import socket
 import tempfile
@@ -8,18 +7,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
+from exo import settings
+
 VERSION = "0.0.1"
-
-
-def _env_int(name: str) -> int:
-  try:
-    return int(os.getenv(name, "0"))
-  except ValueError:
-    return 0
-
-
-DEBUG = _env_int("DEBUG")
-DEBUG_DISCOVERY = _env_int("DEBUG_DISCOVERY")
+DEBUG = settings.env_int("DEBUG")
+DEBUG_DISCOVERY = settings.env_int("DEBUG_DISCOVERY")
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -130,7 +122,7 @@ def pretty_print_bytes(size_in_bytes: float) -> str:
 
 
 def exo_home() -> Path:
-  return Path(os.environ.get("EXO_HOME", Path.home() / ".cache" / "exo"))
+  return Path(settings.env("EXO_HOME", Path.home() / ".cache" / "exo"))
 
 
 def log(level: int, *args: Any) -> None:

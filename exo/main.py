@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from exo import settings
 from exo.helpers import VERSION, find_available_port, get_or_create_node_id
 from exo.inference.inference_engine import inference_engine_classes
 from exo.inference.prefix_cache import DEFAULT_BUDGET_BYTES
@@ -32,52 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="exo", description="Run one language model across several machines, serving many users at once.")
   p.add_argument("command", nargs="?", choices=["run", "eval", "train"], help="run: answer --prompt in the terminal (eval/train are not in this build)")
   p.add_argument("model_name", nargs="?", help="model id, e.g. smollm2-135m, or a local checkpoint: a Hugging Face or MLX directory, or a .gguf file")
-  p.add_argument("--default-model", type=str, default=None, help="API fallback model (default smollm2-135m); a model id or a local checkpoint's path")
-  p.add_argument("--models-dir", type=str, action="append", default=[],
-                 help="serve local checkpoints under this directory, named by absolute path in the API's `model` and by ring peers (repeatable)")
-  p.add_argument("--batch-size", type=int, default=None,
-                 help="largest number of requests batched together (1 = off; overrides EXO_BATCH_SIZE)")
-  p.add_argument("--batch-timeout-ms", type=float, default=None, help="longest a request waits for others to join its batch (overrides EXO_BATCH_TIMEOUT_MS)")
-  p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens one batched step takes while other streams are running, 0 = whole prompts (overrides EXO_PREFILL_CHUNK; default 24)")
-  p.add_argument("--placement", type=str, default=None, choices=["auto", "pipeline", "replicas"],
-                 help="how a model's layers are spread over the nodes: auto (default: a whole copy on each group of the fewest nodes that "
-                      "hold one), pipeline (one ring over every node), replicas (a whole copy on every node); overrides EXO_PLACEMENT")
-  p.add_argument("--memory-mb", type=int, default=None, help="memory (MiB) this node offers the cluster, instead of the machine's (overrides EXO_MEMORY_MB)")
-  p.add_argument("--node-id", type=str, default=None)
-  p.add_argument("--node-host", type=str, default="0.0.0.0")
-  p.add_argument("--node-port", type=int, default=None)
-  p.add_argument("--models-seed-dir", type=str, default=None)
-  p.add_argument("--listen-port", type=int, default=5678)
-  p.add_argument("--download-quick-check", action="store_true")
-  p.add_argument("--max-parallel-downloads", type=int, default=8)
-  p.add_argument("--broadcast-port", type=int, default=5678)
-  p.add_argument("--discovery-module", type=str, choices=["udp", "tailscale", "manual"], default=None, help="default udp; `exo run` alone uses none")
-  p.add_argument("--discovery-timeout", type=int, default=30)
-  p.add_argument("--discovery-config-path", type=str, default=None)
-  p.add_argument("--wait-for-peers", type=int, default=0)
-  p.add_argument("--chatgpt-api-port", type=int, default=52415)
-  p.add_argument("--chatgpt-api-host", type=str, default="0.0.0.0", help="address the HTTP API listens on (127.0.0.1: this machine only)")
-  p.add_argument("--chatgpt-api-response-timeout", type=int, default=900)
-  p.add_argument("--max-concurrent-requests", type=int, default=None, help="requests the API serves at once (overrides EXO_MAX_CONCURRENT_REQUESTS; default 256)")
-  p.add_argument("--max-queued-requests", type=int, default=None, help="requests that may wait for a place; beyond them 429 (overrides EXO_MAX_QUEUED_REQUESTS; default 1024)")
-  p.add_argument("--kv-budget-mb", type=float, default=None, help="KV cache the running requests may claim (overrides EXO_KV_BUDGET_MB; default half the memory available at start)")
-  p.add_argument("--prefix-cache-mb", type=float, default=None, help="KV memory kept for the prompts of ended requests, so later prompts that start the same way skip them (overrides EXO_PREFIX_CACHE_MB; default 1024; 0 = off)")
-  p.add_argument("--no-prefix-cache", action="store_true", help="never reuse prompt prefixes (as EXO_PREFIX_CACHE=0)")
-  p.add_argument("--max-request-body-mb", type=float, default=None, help="largest request body (overrides EXO_MAX_REQUEST_BODY_MB; default 8)")
-  p.add_argument("--allowed-origins", type=str, default=None, help="comma-separated web origins, besides the node's own, whose pages may use the API; * for any (overrides EXO_ALLOWED_ORIGINS)")
-  p.add_argument("--api-key", type=str, default=None, help="require this key as 'Authorization: Bearer <key>' (overrides EXO_API_KEY)")
-  p.add_argument("--max-generate-tokens", type=int, default=10000)
-  p.add_argument("--inference-engine", type=str, default=None, help=f"one of {', '.join(ENGINES)} (default: mlx on Apple silicon, else numpy)")
-  p.add_argument("--disable-tui", action=argparse.BooleanOptionalAction)
-  p.add_argument("--run-model", type=str, default=None)
-  p.add_argument("--prompt", type=str, action="append", default=None, help="prompt for `run`; repeat to run several concurrently")
-  p.add_argument("--prompts-file", type=str, default=None, help="`run`: one prompt a line, run concurrently")
-  p.add_argument("--default-temp", type=float, default=0.0)
-  p.add_argument("--tailscale-api-key", type=str, default=None)
-  p.add_argument("--tailnet-name", type=str, default=None)
-  p.add_argument("--node-id-filter", type=str, default=None)
-  p.add_argument("--interface-type-filter", type=str, default=None)
-  p.add_argument("--system-prompt", type=str, default=None)
+  settings.add_arguments(p)
   return p
 
 
@@ -177,13 +133,13 @@ def load_installed_plugins(node) -> List[str]:
 
 def prefix_cache_budget(args, environ) -> int:
   """Bytes of KV the prefix cache may keep for ended requests (0: off), from the flags, else the environment."""
-  switch = str(environ.get("EXO_PREFIX_CACHE", "")).strip().lower()
+  switch = str(settings.env("EXO_PREFIX_CACHE", "", environ)).strip().lower()
   if switch not in ("", "0", "1", "off", "on", "false", "true"):
     raise ValueError(f"EXO_PREFIX_CACHE must be 0 or 1 (off or on), got {environ['EXO_PREFIX_CACHE']!r}")
   if args.no_prefix_cache or switch in ("0", "off", "false"):
     return 0
-  raw, name = (args.prefix_cache_mb, "--prefix-cache-mb") if args.prefix_cache_mb is not None else (environ.get("EXO_PREFIX_CACHE_MB"), "EXO_PREFIX_CACHE_MB")
-  if raw is None or not str(raw).strip():
+  raw, name = settings.given(args, environ, "prefix_cache_mb")
+  if raw is None:
     return DEFAULT_BUDGET_BYTES
   try:
     mb = float(raw)
@@ -196,11 +152,12 @@ def prefix_cache_budget(args, environ) -> int:
 
 def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
   """(placement mode, memory offered in MiB or None for the machine's), from the flags, else the environment."""
-  mode = args.placement or str(environ.get("EXO_PLACEMENT", "")).strip().lower() or "auto"
+  raw_mode, _ = settings.given(args, environ, "placement")
+  mode = str(raw_mode).strip().lower() if raw_mode is not None else "auto"
   if mode not in ("auto", "pipeline", "replicas"):
     raise ValueError(f"EXO_PLACEMENT must be auto, pipeline or replicas, got {environ['EXO_PLACEMENT']!r}")
-  raw, name = (args.memory_mb, "--memory-mb") if args.memory_mb is not None else (environ.get("EXO_MEMORY_MB"), "EXO_MEMORY_MB")
-  if raw is None or not str(raw).strip():
+  raw, name = settings.given(args, environ, "memory_mb")
+  if raw is None:
     return mode, None
   try:
     memory = int(str(raw).strip())

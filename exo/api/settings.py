@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Tuple
 
 import psutil
 
+from exo import settings
 from exo.api.embedding_request import parse_duration
 from exo.api.errors import BadRequest
 from exo.embeddings.pool import DEFAULT_KEEP_ALIVE_S
@@ -45,17 +46,14 @@ class ApiSettings:
             f"API key {'required' if self.api_key else 'off'}")
 
 
-def _raw(args, flag: str, environ: Mapping[str, str], name: str) -> Tuple[Optional[str], str]:
-  value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-  if value is not None:
-    return str(value), flag
-  value = environ.get(name)
-  return (value, name) if value is not None and value.strip() else (None, name)
+def _raw(args, environ: Mapping[str, str], name: str) -> Tuple[Optional[str], str]:
+  value, source = settings.given(args, environ, name)
+  return (None if value is None else str(value)), source
 
 
-def _number(args, flag: str, environ: Mapping[str, str], name: str, low: float, integer: bool = True) -> Optional[float]:
+def _number(args, environ: Mapping[str, str], name: str, low: float, integer: bool = True) -> Optional[float]:
   """The setting's value, or None when it is not set."""
-  raw, source = _raw(args, flag, environ, name)
+  raw, source = _raw(args, environ, name)
   if raw is None:
     return None
   try:
@@ -69,22 +67,22 @@ def _number(args, flag: str, environ: Mapping[str, str], name: str, low: float, 
 
 def api_settings_from(args, environ: Mapping[str, str]) -> ApiSettings:
   """Raises ValueError (one line naming the setting) on a bad value."""
-  def number(flag, name, default, low, integer=True):
-    value = _number(args, flag, environ, name, low, integer)
+  def number(name, default, low, integer=True):
+    value = _number(args, environ, name, low, integer)
     return default if value is None else value
-  origins, _ = _raw(args, "--allowed-origins", environ, "EXO_ALLOWED_ORIGINS")
-  key, _ = _raw(args, "--api-key", environ, "EXO_API_KEY")
-  kv_mb = _number(args, "--kv-budget-mb", environ, "EXO_KV_BUDGET_MB", 1, integer=False)
-  keep_alive, _ = _raw(args, "--keep-alive", environ, "EXO_KEEP_ALIVE")
+  origins, _ = _raw(args, environ, "allowed_origins")
+  key, _ = _raw(args, environ, "api_key")
+  kv_mb = _number(args, environ, "kv_budget_mb", 1, integer=False)
+  keep_alive, _ = _raw(args, environ, "EXO_KEEP_ALIVE")
   try:
     keep_alive_s = DEFAULT_KEEP_ALIVE_S if keep_alive is None else parse_duration(keep_alive, "EXO_KEEP_ALIVE")
   except BadRequest as e:
     raise ValueError(e.message) from None
   return ApiSettings(
-    max_running=int(number("--max-concurrent-requests", "EXO_MAX_CONCURRENT_REQUESTS", DEFAULT_MAX_RUNNING, 1)),
-    max_queued=int(number("--max-queued-requests", "EXO_MAX_QUEUED_REQUESTS", DEFAULT_MAX_QUEUED, 0)),
+    max_running=int(number("max_concurrent_requests", DEFAULT_MAX_RUNNING, 1)),
+    max_queued=int(number("max_queued_requests", DEFAULT_MAX_QUEUED, 0)),
     kv_budget_bytes=default_kv_budget() if kv_mb is None else int(kv_mb * 2**20),
-    max_body_bytes=int(number("--max-request-body-mb", "EXO_MAX_REQUEST_BODY_MB", DEFAULT_MAX_BODY_MB, 0.001, integer=False) * 2**20),
+    max_body_bytes=int(number("max_request_body_mb", DEFAULT_MAX_BODY_MB, 0.001, integer=False) * 2**20),
     allowed_origins=tuple(o.strip().rstrip("/") for o in (origins or "").split(",") if o.strip()),
     api_key=key.strip() if key else None,
     keep_alive_s=keep_alive_s,

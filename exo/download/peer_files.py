@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional
 
 from aiohttp import web
 
+from exo import settings
 from exo.download.record import RECORD_NAME, DownloadRecord
 from exo.download.shard_files import repo_dir
 from exo.helpers import exo_home
@@ -70,7 +71,7 @@ def _servable(folder: Path, record: DownloadRecord, path: str) -> Optional[Path]
 
 def upload_rate(environ) -> Optional[float]:
   """EXO_PEER_UPLOAD_BYTES_PER_S: None when unset; ValueError when it is not a positive number."""
-  raw = environ.get("EXO_PEER_UPLOAD_BYTES_PER_S", "").strip()
+  raw = settings.env("EXO_PEER_UPLOAD_BYTES_PER_S", "", environ).strip()
   if not raw:
     return None
   try:

@@ -1,7 +1,6 @@
 """Building an engine by its short name (`--inference-engine`). Each engine is imported only when asked for, so a
 node needs only the packages of the engine it runs."""
-import os
-
+from exo import settings
 from exo.inference.inference_engine import InferenceEngine
 
 
@@ -15,7 +14,7 @@ def get_inference_engine(inference_engine_name: str, shard_downloader) -> Infere
   if inference_engine_name == "tinygrad":
     from exo.inference.tinygrad.engine import TinygradDynamicShardInferenceEngine
     import tinygrad.helpers
-    tinygrad.helpers.DEBUG.value = int(os.getenv("TINYGRAD_DEBUG", default="0"))
+    tinygrad.helpers.DEBUG.value = settings.env_int("TINYGRAD_DEBUG")
     return TinygradDynamicShardInferenceEngine(shard_downloader)
   if inference_engine_name == "dummy":
     from exo.inference.dummy_inference_engine import DummyInferenceEngine

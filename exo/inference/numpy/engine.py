@@ -1,10 +1,10 @@
 import ctypes
-import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from exo import settings
 from exo.inference.llama_engine import LlamaShardEngine
 from exo.inference.numpy.llama import Llama
 
@@ -16,7 +16,7 @@ def single_threaded_blas() -> None:
 
   The model's products are small on purpose (see llama.py); OpenBLAS would hand some of them to helper threads
   that spin-wait, and on a machine shared with other processes that made steps several times slower."""
-  if os.environ.get("OPENBLAS_NUM_THREADS"):
+  if settings.env("OPENBLAS_NUM_THREADS"):
     return
   try:
     libraries = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", Path("/proc/self/maps").read_text())))

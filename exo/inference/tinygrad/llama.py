@@ -14,13 +14,13 @@ earlier. A new signature costs one eager layer and one capture (plus code genera
 decoding replays. Attention reads the whole (bucketed) cache under a mask, so only the cache write needs a
 symbolic position."""
 import math
-import os
 from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, Variable
 
+from exo import settings
 from exo.inference.llama_layout import StepRows, in_caller_order, layer_weights, rope_tables, shard_ends, step_input
 from exo.inference.models.config import check_engine
 from exo.inference.shard import Shard
@@ -32,7 +32,7 @@ CPU_DEVICES = ("CPU", "CLANG", "LLVM", "PYTHON")
 
 
 def float_dtype() -> type:
-  choice = os.getenv("EXO_TINYGRAD_DTYPE") or ("float32" if Device.DEFAULT in CPU_DEVICES else "float16")
+  choice = settings.env("EXO_TINYGRAD_DTYPE") or ("float32" if Device.DEFAULT in CPU_DEVICES else "float16")
   if choice not in ("float16", "float32"):
     raise ValueError(f"EXO_TINYGRAD_DTYPE={choice!r}: use float16 or float32")
   return np.dtype(choice).type

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Tuple
 
+from exo import settings
+
 DEFAULT_TIMEOUT_MS = 5.0  # only paid while other requests of this node are about to join; a lone request pays nothing
 DEFAULT_PREFILL_CHUNK = 24  # bench: a 512-token prompt among 7 decoding streams stalls them at most ~2.5x their median gap (32: ~3x)
 MAX_BATCH_SIZE = 4096
@@ -35,15 +37,12 @@ def _parse_int(raw: str) -> float:
   return int(value)
 
 
-def _setting(args, flag: str, env: Mapping[str, str], name: str, parse: Callable[[str], float], low: float, high: float,
+def _setting(args, env: Mapping[str, str], name: str, parse: Callable[[str], float], low: float, high: float,
              what: str) -> Tuple[Optional[float], str]:
   """(value or None when unset, the name it came by). Raises ValueError naming the setting and its range."""
-  attr = flag.lstrip("-").replace("-", "_")
-  raw, source = getattr(args, attr, None), flag
+  raw, source = settings.given(args, env, name)
   if raw is None:
-    raw, source = env.get(name), name
-    if raw is None or not str(raw).strip():
-      return None, name
+    return None, source
   try:
     value = parse(str(raw).strip())
   except ValueError:
@@ -55,9 +54,9 @@ def _setting(args, flag: str, env: Mapping[str, str], name: str, parse: Callable
 
 def batching_config_from(args, environ: Mapping[str, str]) -> Optional[BatchingConfig]:
   """The batching settings for this node, or None when batching is off. Raises ValueError (one line) on bad values."""
-  size, _ = _setting(args, "--batch-size", environ, "EXO_BATCH_SIZE", _parse_int, 1, MAX_BATCH_SIZE, "an integer")
-  timeout, timeout_name = _setting(args, "--batch-timeout-ms", environ, "EXO_BATCH_TIMEOUT_MS", float, 0, MAX_TIMEOUT_MS, "a number of milliseconds")
-  chunk, chunk_name = _setting(args, "--prefill-chunk", environ, "EXO_PREFILL_CHUNK", _parse_int, 0, MAX_PREFILL_CHUNK, "a number of tokens")
+  size, _ = _setting(args, environ, "batch_size", _parse_int, 1, MAX_BATCH_SIZE, "an integer")
+  timeout, timeout_name = _setting(args, environ, "batch_timeout_ms", float, 0, MAX_TIMEOUT_MS, "a number of milliseconds")
+  chunk, chunk_name = _setting(args, environ, "prefill_chunk", _parse_int, 0, MAX_PREFILL_CHUNK, "a number of tokens")
   if size is None:
     for value, name in ((timeout, timeout_name), (chunk, chunk_name)):
       if value is not None:
