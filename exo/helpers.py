@@ -5,7 +5,7 @@ import socket
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 from exo import settings
 
@@ -124,7 +124,3 @@ def pretty_print_bytes(size_in_bytes: float) -> str:
 def exo_home() -> Path:
   return Path(settings.env("EXO_HOME", Path.home() / ".cache" / "exo"))
 
-
-def log(level: int, *args: Any) -> None:
-  if DEBUG >= level:
-    print(*args, flush=True)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from exo import settings
+from exo import logs, settings
 from exo.helpers import VERSION, find_available_port, get_or_create_node_id
 from exo.inference.inference_engine import inference_engine_classes
 from exo.inference.prefix_cache import DEFAULT_BUDGET_BYTES
@@ -331,6 +331,7 @@ def run_event_loop(coro):
 
 def run() -> None:
   args = build_parser().parse_args()
+  logs.configure()
   try:
     sys.exit(run_event_loop(main(args)))
   except KeyboardInterrupt:

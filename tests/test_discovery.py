@@ -2,15 +2,16 @@
 handling and expiry, Tailscale's settings. (With real peers answering: test_discovery_networked.py.)"""
 import asyncio
 import json
+import logging
 import os
 import re
 
 import pytest
 
+from exo.logs import DISCOVERY
 from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
 from exo.networking.manual.manual_discovery import ManualDiscovery
 from exo.networking.tailscale.tailscale_discovery import TailscaleDiscovery
-from exo.networking.udp import udp_discovery as udp_module
 from exo.networking.udp.interfaces import priority_by_name
 from exo.networking.udp.udp_discovery import UDPDiscovery, subnet_broadcast_address
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
@@ -77,7 +78,7 @@ def bump_mtime(path):
   os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
 
 
-async def test_manual_peers_are_the_healthy_others_and_the_file_reloads_by_mtime(tmp_path, capsys):
+async def test_manual_peers_are_the_healthy_others_and_the_file_reloads_by_mtime(tmp_path, caplog):
   config = write_manual_config(tmp_path / "peers.json", {"me": 1, "a": 2, "b": 3})
   FakePeer.healthy = {"127.0.0.1:3": False}
   discovery = ManualDiscovery(str(config), "me", FakePeer, poll_interval=3600)
@@ -100,12 +101,12 @@ async def test_manual_peers_are_the_healthy_others_and_the_file_reloads_by_mtime
     bump_mtime(config)
     await discovery.poll_once()
     assert sorted(discovery.known_peers) == ["a", "c"]
-    assert "Error validating network topology config" in capsys.readouterr().out
+    assert "Error validating network topology config" in caplog.text
 
     write_manual_config(config, {"a": 2, "c": 4})  # own id missing: logged, last good set kept
     bump_mtime(config)
     await discovery.poll_once()
-    assert sorted(discovery.known_peers) == ["a", "c"] and "Node ID me not found in config file" in capsys.readouterr().out
+    assert sorted(discovery.known_peers) == ["a", "c"] and "Node ID me not found in config file" in caplog.text
 
     FakePeer.healthy = {"127.0.0.1:2": False}
     await discovery.poll_once()
@@ -216,8 +217,8 @@ async def test_udp_requires_a_passing_health_check_and_prefers_better_interfaces
   assert discovery.known_peers == {}
 
 
-async def test_udp_cleanup_expires_quiet_or_unhealthy_peers_and_logs_statuses(monkeypatch, capsys):
-  monkeypatch.setattr(udp_module, "DEBUG_DISCOVERY", 2)
+async def test_udp_cleanup_expires_quiet_or_unhealthy_peers_and_logs_statuses(caplog):
+  caplog.set_level(logging.DEBUG, logger=DISCOVERY)  # as DEBUG_DISCOVERY=2
   discovery = udp(discovery_timeout=30)
   for name, address in (("quiet", "192.0.2.1"), ("sick", "192.0.2.2"), ("fine", "192.0.2.3")):
     await discovery.handle_datagram(datagram(node_id=name), (address, 5678))
@@ -227,7 +228,7 @@ async def test_udp_cleanup_expires_quiet_or_unhealthy_peers_and_logs_statuses(mo
   FakePeer.healthy = {"192.0.2.2:50001": False}
   await discovery.cleanup_once()
   assert sorted(discovery.known_peers) == ["fine"]
-  out = capsys.readouterr().out
+  out = "\n".join(r.getMessage() for r in caplog.records)
   assert re.search(r"^Peer statuses: \{.*'fine': 'is_connected=True, health_check=True", out, re.M)
 
 

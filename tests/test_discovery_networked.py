@@ -17,7 +17,6 @@ from exo.helpers import AsyncCallbackSystem
 from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.networking.grpc.grpc_peer_handle import GRPCPeerHandle
 from exo.networking.grpc.grpc_server import GRPCServer
-from exo.networking.tailscale import tailscale_discovery as tailscale_module
 from exo.networking.tailscale.tailscale_discovery import TailscaleDiscovery
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
 from exo.topology.topology import Topology
@@ -70,8 +69,7 @@ class HealthOnlyNode:
   current_topology = Topology()
 
 
-async def test_tailscale_publishes_itself_and_finds_healthy_recent_peers(monkeypatch):
-  monkeypatch.setattr(tailscale_module, "DEBUG_DISCOVERY", 0)
+async def test_tailscale_publishes_itself_and_finds_healthy_recent_peers():
   fake = FakeTailscale()
   base_url = await fake.start()
   peer_port = free_port()

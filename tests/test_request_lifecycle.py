@@ -265,13 +265,13 @@ async def test_peers_cannot_grow_the_nodes_tables():
                                     {"type": "cancel_request"}, "[1, 2", {"type": "node_status", "node_id": "n", "status": "start_process_prompt", "shard": [1]},
                                     {"type": "stage_timing", "node_id": "n", "shard": {"model_id": "m", "start_layer": 0, "end_layer": 1, "n_layers": 2},
                                      "fixed_s": -1.0, "per_row_s": 0.001, "busy": 0.5}])
-def test_an_invalid_status_is_dropped_with_one_log_line_and_the_next_one_still_works(status, capsys):
+def test_an_invalid_status_is_dropped_with_one_log_line_and_the_next_one_still_works(status, caplog):
   node = make_node()
   observed = []
   node.on_opaque_status.register("observer").on_next(lambda rid, raw: observed.append(raw))
   node.receive_status("m", status if isinstance(status, str) else json.dumps(status), "10.0.0.9")
   assert observed == [] and len(node.requests) == 0
-  assert capsys.readouterr().out.count("dropped an invalid status from 10.0.0.9") == 1
+  assert caplog.text.count("dropped an invalid status from 10.0.0.9") == 1
   good = json.dumps({"type": "request_params", "request_id": "m", "params": {"temperature": 0.5}})
   node.receive_status("m", good)
   assert observed == [good] and node.requests.get("m").params.temperature == 0.5

@@ -5,8 +5,8 @@ event loop that carries gRPC and every open stream) and its reply budgeted again
 waits for a running place and room for its KV cache, runs in the ring, and has its tokens detokenised and cut at
 stop strings (exo/api/choices.py). Every failure leaves as an ApiError; metrics are counted here."""
 import asyncio
+import logging
 import time
-import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -28,12 +28,14 @@ from exo.api.prompts import build_prompt, prompt_texts
 from exo.api.reply_text import ReplyText
 from exo.api.request_fields import parse_json_body
 from exo.api.settings import ApiSettings
-from exo.helpers import DEBUG
 from exo.inference.penalties import penalty_prompt
 from exo.inference.sampling import SamplingParams
 from exo.inference.tokenizers import eos_ids
+from exo.logs import VERBOSE
 from exo.models import build_base_shard
 from exo.orchestration.generation import generate_events
+
+log = logging.getLogger(__name__)
 
 PROMPT_THREADS = 2  # parsing, templating and tokenising: enough to keep up, few enough to leave the engine its cores
 
@@ -77,10 +79,7 @@ class ServingCore:
       self.metrics.rejected.inc()
 
   def log_error(self, where: str, error: BaseException) -> None:
-    if DEBUG >= 1:
-      print(f"{where}: {error!r}")
-    if DEBUG >= 2:
-      traceback.print_exception(error)
+    log.log(VERBOSE, "%s: %r", where, error, exc_info=error if log.isEnabledFor(logging.DEBUG) else None)
 
   def timeout_error(self) -> ApiError:
     return ApiError(504, f"the reply took longer than this node's response timeout of {self.response_timeout:g} s "
@@ -172,8 +171,7 @@ class ServingCore:
       raise self._generation_error(request_id, e) from None
 
   def _announce(self, request_id: str, request: GenerationRequest, prompt: str) -> None:
-    if DEBUG >= 2:
-      print(f"[{request_id}] generation: model={request.model} params={request.params} n={request.n} stop={request.stop} stream={request.stream}")
+    log.debug("[%s] generation: model=%s params=%s n=%s stop=%s stream=%s", request_id, request.model, request.params, request.n, request.stop, request.stream)
     if self.on_request is not None:
       try:
         self.on_request(request_id, request, prompt)

@@ -27,6 +27,7 @@ the repository's file list from a peer that holds it, and checks what it fetches
 import asyncio
 import hashlib
 import ipaddress
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from exo.download import hub
 from exo.download.hub import HubFile, RepoListing, Source
 from exo.download.peer_files import FILES_PREFIX, PeerFileRoutes, held_repos
 from exo.orchestration import statuses
+
+log = logging.getLogger(__name__)
 
 ANNOUNCE_INTERVAL_S = 2.0
 STALE_S = 15.0  # a peer's announcement not renewed for this long no longer counts
@@ -105,7 +108,7 @@ class ClusterFiles:
       try:
         await self.announce()
       except Exception as e:  # noqa: BLE001 (a failed announcement must not end the loop; the next one may pass)
-        print(f"exo: could not announce this node's model files: {e!r}", flush=True)
+        log.warning("exo: could not announce this node's model files: %r", e)
       await asyncio.sleep(ANNOUNCE_INTERVAL_S)
 
   async def announce(self) -> None:

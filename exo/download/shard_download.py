@@ -9,6 +9,7 @@ once, each resumed from whatever an earlier attempt left (hub.py), while its pro
 PROGRESS_INTERVAL_S. Nothing is remembered between attempts but what the folder's record says is verified on disk
 (record.py): a failure ends the waiting requests with a DownloadError and the next request starts afresh."""
 import asyncio
+import logging
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -30,6 +31,8 @@ from exo.download.shard_files import embedded_model_path  # noqa: F401 (imported
 from exo.helpers import AsyncCallbackSystem
 from exo.inference.shard import Shard
 from exo.models import get_repo
+
+log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
 
@@ -144,7 +147,7 @@ class HFShardDownloader(ShardDownloader):
       progress = self._running[repo_id].progress
       if progress is not None:  # ring peers stop showing it as under way (upstream nodes list only in_progress ones)
         self._on_progress.trigger_all(shard, progress.event("not_started"))
-      print(f"exo: {error!r}" if error is e else f"exo: {error}", flush=True)  # the node's operator hears of it too
+      log.error("exo: %r" if error is e else "exo: %s", error)  # the node's operator hears of it too
       raise error from None
     self._outcomes[shard.model_id]["status"] = "complete"
     return folder
@@ -181,7 +184,7 @@ class HFShardDownloader(ShardDownloader):
       listing = await self._peer_listing(repo_id)
       if listing is None:
         raise DownloadFailure("offline", _offline_detail(folder, shard))
-      print(f"exo: HF_HUB_OFFLINE=1: fetching {repo_id} from peers", flush=True)
+      log.info("exo: HF_HUB_OFFLINE=1: fetching %s from peers", repo_id)
       return listing, False
     try:
       return await hub.list_repo(repo_id), True
@@ -191,7 +194,7 @@ class HFShardDownloader(ShardDownloader):
       listing = await self._peer_listing(repo_id)
       if listing is None:
         raise
-      print(f"exo: {e}; fetching {repo_id} from peers", flush=True)
+      log.warning("exo: %s; fetching %s from peers", e, repo_id)
       return listing, False
 
   async def _peer_listing(self, repo_id: str) -> Optional[hub.RepoListing]:
@@ -229,17 +232,16 @@ class HFShardDownloader(ShardDownloader):
           started, before = time.monotonic(), record.bytes_on_disk(folder, path)
           await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_bytes)
           seconds = max(time.monotonic() - started, 1e-6)
-          print(f"exo: {path} from {source.name}: {(file.size - before) / 1e6:.1f} MB in {seconds:.2f} s ({(file.size - before) / 1e6 / seconds:.0f} MB/s)",
-                flush=True)
+          log.info("exo: %s from %s: %.1f MB in %.2f s (%.0f MB/s)", path, source.name, (file.size - before) / 1e6, seconds, (file.size - before) / 1e6 / seconds)
           return
         except DownloadFailure as e:
           if e.kind == "disk_full":
             raise
           failed.add(source.peer)
           if e.kind == "corrupt":
-            print(f"exo: {source.name} sent {path} with bytes that do not match ({e.detail}); discarded them, fetching it elsewhere", flush=True)
+            log.warning("exo: %s sent %s with bytes that do not match (%s); discarded them, fetching it elsewhere", source.name, path, e.detail)
           else:
-            print(f"exo: {source.name} failed to send {path} ({e.detail}); fetching the rest elsewhere", flush=True)
+            log.warning("exo: %s failed to send %s (%s); fetching the rest elsewhere", source.name, path, e.detail)
       if use_hub:
         fetcher = cluster.hub_fetcher(repo_id, path)
         chosen = cluster.chosen_hub_fetcher(repo_id, path)
@@ -260,7 +262,7 @@ class HFShardDownloader(ShardDownloader):
             await hub.fetch_file(session, source, repo_id, record.commit, file, folder, on_hub_bytes)
           return
         except _GiveWay as e:
-          print(f"exo: peer {e.args[0]} fetches or holds {path} too; this node takes it from there", flush=True)
+          log.info("exo: peer %s fetches or holds %s too; this node takes it from there", e.args[0], path)
           continue
       if cluster.may_bring(repo_id) or cluster.hub_fetcher(repo_id, path) is not None:
         await cluster.changed(cluster_files.ANNOUNCE_INTERVAL_S)

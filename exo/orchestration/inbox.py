@@ -6,9 +6,12 @@ miss, its tokens); a status from this node itself never reaches them, because th
 see every status of their kind, this node's own included (who is working, download progress, what each member
 announced). A peer handler that returns False drops the status: no other handler and no `on_opaque_status` observer
 sees it (a request's end from a node that is not on its path, say)."""
+import logging
 from typing import Callable, Dict, List, Optional, Tuple
 
 from exo.orchestration import statuses
+
+log = logging.getLogger(__name__)
 
 # (request id, the checked status, the sender's address or None for this node) -> False to drop it
 Handler = Callable[[str, statuses.Status, Optional[str]], Optional[bool]]
@@ -53,5 +56,5 @@ class Inbox:
       return statuses.parse(raw)
     except statuses.InvalidStatus as e:
       if not quiet:
-        print(f"exo: dropped an invalid status from {sender_host or 'a peer'}: {e}", flush=True)
+        log.warning("exo: dropped an invalid status from %s: %s", sender_host or "a peer", e)
       return None

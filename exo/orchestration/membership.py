@@ -5,13 +5,16 @@ checks, exactly the requests that need it end with an error naming it; the other
 nothing in flight where requests carry their routes; on a ring where each node derives its layers from its own view
 of the members (upstream nodes present, or routes off), every request in flight lost its place and ends too."""
 import asyncio
+import logging
 import time
 from typing import Dict, List, Tuple
 
-from exo.helpers import DEBUG
+from exo.logs import VERBOSE
 from exo.orchestration import statuses
 from exo.orchestration.requests import Status
 from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
+
+log = logging.getLogger(__name__)
 
 PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-checked
 # A check that fails sooner than this was answered: the peer's port refused the connection (its process is gone) or
@@ -57,8 +60,7 @@ class Membership:
       for request_id, status in errors:
         await asyncio.wait_for(peer.send_opaque_status(request_id, status), PEER_CALL_TIMEOUT_S)
     except Exception as e:
-      if DEBUG >= 1:
-        print(f"Could not tell departed node {peer.id()} that its requests failed: {e!r}")
+      log.log(VERBOSE, "Could not tell departed node %s that its requests failed: %r", peer.id(), e)
     finally:
       await peer.disconnect()
 
@@ -115,8 +117,7 @@ class Membership:
         node.forget_stale()
         node.placements.settle()
       except Exception as e:
-        if DEBUG >= 1:
-          print(f"Error collecting topology: {e!r}")
+        log.log(VERBOSE, "Error collecting topology: %r", e)
 
   def forget_stale(self, now=None) -> None:
     """Forget old ended ids, and parameters a peer sent for requests that never came here."""

@@ -17,16 +17,19 @@ ANNOUNCE_GRACE_S of joining (an upstream exo node) turns routing off: the ring i
 each deriving its layers from its own topology view, as exo always did (the node keeps announcing; upstream nodes
 ignore the status)."""
 import asyncio
+import logging
 import time
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
-from exo.helpers import DEBUG
 from exo.inference.shard import Shard
+from exo.logs import VERBOSE
 from exo.orchestration import statuses
 from exo.orchestration.model_gate import gate_key
 from exo.topology.model_size import shape_of
 from exo.topology.placement import MODES, Group, MemberFacts, Placement, facts_version, place
+
+log = logging.getLogger(__name__)
 
 ANNOUNCE_GRACE_S = 10.0  # a peer that has not announced this long after it joined is taken for an upstream node
 SUSPECT_S = 30.0  # a peer that failed a health check takes no new requests for this long, unless it answers again
@@ -94,8 +97,7 @@ class Placements:
       if len(self._placements) >= PLACEMENTS_KEPT:
         self._placements.clear()
       self._placements[key] = place(base.model_id, base.n_layers, members, shape_of(base.model_id))
-      if DEBUG >= 1:
-        print(f"Placement of {base.model_id} (version {key[2]}): {[g.name for g in self._placements[key].groups]}")
+      log.log(VERBOSE, "Placement of %s (version %s): %s", base.model_id, key[2], [g.name for g in self._placements[key].groups])
     return self._placements[key]
 
   def own_shard(self, base: Shard) -> Optional[Shard]:

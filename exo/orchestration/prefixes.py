@@ -10,6 +10,7 @@ status), then files them itself: a later request only names blocks that every no
 whether they reuse prefixes at all (a prefix_cache status); upstream nodes never do, and a route with one of them
 reuses nothing."""
 import asyncio
+import logging
 from typing import Optional, Set
 
 import numpy as np
@@ -18,6 +19,8 @@ from exo.inference.prefix_cache import BLOCK, block_keys, checked_prefix
 from exo.inference.shard import Shard
 from exo.orchestration import statuses
 from exo.orchestration.requests import Request, RequestEnded
+
+log = logging.getLogger(__name__)
 
 FILING_TIMEOUT_S = 2.0  # the longest a finished answer's blocks wait for a peer (a new prompt waits for them)
 
@@ -114,8 +117,7 @@ class PrefixProtocol:
     reuse = prefix["reuse"]
     held = await self.engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
     if held != reuse:
-      print(f"exo: request {request.id} was sent to reuse {reuse} cached positions that this node does not hold; "
-            "its prompt runs again, whole", flush=True)
+      log.warning("exo: request %s was sent to reuse %d cached positions that this node does not hold; its prompt runs again, whole", request.id, reuse)
       self.node.spawn(self.node.tell_route(request, statuses.prefix_miss(request.id, self.node.id)))
       return False
     request.positions = reuse

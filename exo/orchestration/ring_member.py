@@ -3,14 +3,18 @@
 Node builds on this (the request lifecycle); nothing here knows of requests."""
 import asyncio
 import ipaddress
+import logging
 from typing import Dict, List, Optional, Set, Tuple
 
-from exo.helpers import DEBUG, AsyncCallbackSystem
+from exo.helpers import AsyncCallbackSystem
 from exo.inference.shard import Shard
+from exo.logs import VERBOSE
 from exo.orchestration.inbox import Inbox
 from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities
 from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, map_partitions_to_shards
 from exo.topology.topology import Topology
+
+log = logging.getLogger(__name__)
 
 PEER_CALL_TIMEOUT_S = 15.0
 
@@ -114,8 +118,7 @@ class RingMember:
       try:
         await asyncio.wait_for(peer.disconnect(), 5)
       except Exception as e:
-        if DEBUG >= 1:
-          print(f"Failed to disconnect peer {peer.id()}: {e!r}")
+        log.log(VERBOSE, "Failed to disconnect peer %s: %r", peer.id(), e)
 
     async def connect(peer):
       try:
@@ -123,8 +126,7 @@ class RingMember:
           await asyncio.wait_for(peer.connect(), 5)
         return True
       except Exception as e:
-        if DEBUG >= 1:
-          print(f"Failed to connect peers: {peer.id()}@{peer.addr()}: {e!r}")
+        log.log(VERBOSE, "Failed to connect peers: %s@%s: %r", peer.id(), peer.addr(), e)
         return False
 
     self.peers = list(following.values())  # first: from here on, a call to a peer that left fails as one that left
@@ -135,8 +137,8 @@ class RingMember:
       self.peer_engines = {pid: engines for pid, engines in self.peer_engines.items() if pid in following}
       self.peer_prefix_blocks = {pid: block for pid, block in self.peer_prefix_blocks.items() if pid in following}
     changed = bool(removed or added or moved)
-    if changed and DEBUG >= 1:
-      print(f"Peers changed: added {[p.id() for p in added]}, removed {[p.id() for p in removed]}, moved {[p.id() for p in moved]}")
+    if changed:
+      log.log(VERBOSE, "Peers changed: added %s, removed %s, moved %s", [p.id() for p in added], [p.id() for p in removed], [p.id() for p in moved])
     return changed, added, removed, moved
 
   @staticmethod
@@ -167,8 +169,7 @@ class RingMember:
         other = await asyncio.wait_for(peer.collect_topology(visited, max_depth - 1), 5)
         next_topology.merge(peer.id(), other)
       except Exception as e:
-        if DEBUG >= 1:
-          print(f"Error collecting topology from {peer.id()}: {e!r}")
+        log.log(VERBOSE, "Error collecting topology from %s: %r", peer.id(), e)
 
     await asyncio.gather(*[collect(p) for p in self.peers])
     # Partition over exactly self + direct peers, as upstream does.
@@ -198,8 +199,7 @@ class RingMember:
           await asyncio.wait_for(peer.send_opaque_status(request_id, preface[peer.id()]), PEER_CALL_TIMEOUT_S)
         await asyncio.wait_for(peer.send_result(request_id, result, is_finished), PEER_CALL_TIMEOUT_S)
       except Exception as e:
-        if DEBUG >= 1:
-          print(f"Error sending result to {peer.id()}: {e!r}")
+        log.log(VERBOSE, "Error sending result to %s: %r", peer.id(), e)
     await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() == to])
 
   async def broadcast_opaque_status(self, request_id: str, status: str, to: Optional[Set[str]] = None) -> None:
@@ -209,8 +209,7 @@ class RingMember:
       try:
         await asyncio.wait_for(peer.send_opaque_status(request_id, status), PEER_CALL_TIMEOUT_S)
       except Exception as e:
-        if DEBUG >= 1:
-          print(f"Error sending opaque status to {peer.id()}: {e!r}")
+        log.log(VERBOSE, "Error sending opaque status to %s: %r", peer.id(), e)
     # Local observers first: a dead peer (up to a 10 s connect wait) must not delay, e.g., a request_error for our own client.
     self.inbox.from_self(request_id, status)
     self._on_opaque_status.trigger_all(request_id, status)

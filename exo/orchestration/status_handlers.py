@@ -2,12 +2,15 @@
 once and hands it here by kind): a request's sampling parameters, its end (cancelled by its origin, or failed on its
 path), a token's logprobs sent ahead of it; who is working, download progress, the peers' engines and grammar engines. The other kinds
 belong to the parts that act on them (placements, routing, prefixes, the batching plugin)."""
+import logging
 from typing import Optional, Union
 
 from exo.download.download_progress import RepoProgressEvent
-from exo.helpers import DEBUG
+from exo.logs import VERBOSE
 from exo.orchestration import statuses
 from exo.orchestration.requests import Status
+
+log = logging.getLogger(__name__)
 
 PEER_LOGPROBS_AHEAD = 64  # a token's logprobs may arrive at most this many tokens before the token itself
 
@@ -37,7 +40,7 @@ class StatusHandlers:
     kind, request_id_ = status.type, status.request_id
     request = self.node.requests.get(request_id_)
     if request is not None and sender_host is not None and not self.node.on_path(request, sender_host, origin_only=kind == statuses.CANCEL_REQUEST):
-      print(f"exo: dropped a {kind} for {request_id_} from {sender_host}, which is not its origin or on its path", flush=True)
+      log.warning("exo: dropped a %s for %s from %s, which is not its origin or on its path", kind, request_id_, sender_host)
       return False
     if request is None:
       self.node.requests.end(request_id_, Status.FAILED)  # not seen here yet: a late hop must not start it
@@ -54,8 +57,7 @@ class StatusHandlers:
     if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status.top) > request.params.logprobs
         or not request.tokens_received <= position < request.tokens_received + PEER_LOGPROBS_AHEAD
         or (sender_host is not None and not self.node.on_path(request, sender_host))):
-      if DEBUG >= 1:
-        print(f"Ignoring token logprobs for {status.request_id} (position {position}) from {sender_host}")
+      log.log(VERBOSE, "Ignoring token logprobs for %s (position %s) from %s", status.request_id, position, sender_host)
       return
     request.peer_logprobs[position] = status.logprobs
 
@@ -73,8 +75,7 @@ class StatusHandlers:
         self.node.node_download_progress[status.node_id] = RepoProgressEvent.from_dict(status.progress)
         self.node.node_download_sources[status.node_id] = status.sources
       except (KeyError, TypeError, ValueError) as e:
-        if DEBUG >= 1:
-          print(f"Ignoring malformed download progress: {e!r}")
+        log.log(VERBOSE, "Ignoring malformed download progress: %r", e)
 
   def _heard_engines(self, request_id: str, status: statuses.SupportedEngines, sender_host: Optional[str]) -> None:
     if status.node_id in self.node.peer_hosts:

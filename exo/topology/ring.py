@@ -4,10 +4,13 @@ Every node partitions layers over its own view (self + direct peers, with capabi
 request is only safe to start once every peer sees the same; right after a node joins, its peers may not know it
 yet, or still hold the capabilities discovery advertised for it rather than its own report."""
 import asyncio
+import logging
 import time
 
-from exo.helpers import DEBUG
+from exo.logs import VERBOSE
 from exo.topology.topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 def peers_agree(topology: Topology, node_id: str) -> bool:
@@ -36,8 +39,7 @@ async def wait_for_agreement(node, timeout: float, interval: float = 0.25) -> bo
   deadline = time.monotonic() + timeout
   while not (peers_agree(node.topology, node.id) and await views_agree(node) and node.placements.heard_all_peers()):
     if time.monotonic() > deadline:
-      if DEBUG >= 1:
-        print(f"Peers still disagree on the ring after {timeout} s: {node.topology}")
+      log.log(VERBOSE, "Peers still disagree on the ring after %s s: %s", timeout, node.topology)
       return False
     await asyncio.sleep(interval)
     await node.collect_topology(set())

@@ -1,18 +1,21 @@
 """Client side of the ring: one gRPC channel to one peer (docs/architecture.md, "The ring protocol")."""
 import asyncio
+import logging
 from typing import List, Optional
 
 import grpc
 import numpy as np
 
-from exo.helpers import DEBUG
 from exo.inference.shard import Shard
+from exo.logs import VERBOSE
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import decode_topology, encode_inference_state, encode_shard, encode_tensor
 from exo.networking.peer_handle import PeerHandle
 from exo.topology.device_capabilities import DeviceCapabilities
 from exo.topology.topology import Topology
+
+log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # prefill of long prompts exceeds gRPC's 4 MiB default
 
@@ -133,8 +136,8 @@ class GRPCPeerHandle(PeerHandle):
       raise
     except Exception as e:
       self.health_failure = repr(e)
-    if self.health_failure and DEBUG >= 1:
-      print(f"Health check of {self._id}@{self.address} failed: {self.health_failure}")
+    if self.health_failure:
+      log.log(VERBOSE, "Health check of %s@%s failed: %s", self._id, self.address, self.health_failure)
     return self.health_failure is None
 
   # --- ring traffic ---

@@ -1,12 +1,13 @@
 """Server side of the ring: NodeService handlers that hand work to the Node (docs/architecture.md, "The ring protocol")."""
 import asyncio
+import logging
 from typing import Optional, Set
 
 import grpc
 
-from exo.helpers import DEBUG
 from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
+from exo.logs import VERBOSE, level_of
 from exo.models import build_base_shard
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
@@ -15,6 +16,9 @@ from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS
 from exo.networking.server import Server
 from exo.orchestration.acceptance import accept
 from exo.orchestration.ring_member import caller_host
+
+log = logging.getLogger(__name__)
+MESSAGES, STATUSES = level_of(5), level_of(8)  # each message received; each status too
 
 # Upstream's server options: its client's, plus no HTTP/2 stream cap. keepalive_permit_without_calls=1 and a 5 s
 # minimum ping interval are what let upstream clients ping every 10 s while idle without being sent GOAWAY.
@@ -42,8 +46,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     if bound == 0:
       raise OSError(f"cannot listen for gRPC on {address}")
     await self.server.start()
-    if DEBUG >= 1:
-      print(f"Server started, listening on {address}")
+    log.log(VERBOSE, "Server started, listening on %s", address)
 
   async def stop(self) -> None:
     for task in list(self._work):
@@ -52,8 +55,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     if self.server is not None:
       await self.server.stop(grace=STOP_GRACE_S)
       self.server = None
-      if DEBUG >= 1:
-        print("Server stopped and all connections are closed")
+      log.log(VERBOSE, "Server stopped and all connections are closed")
 
   # --- helpers ---
 
@@ -103,8 +105,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       except asyncio.CancelledError:
         raise
       except Exception as e:
-        if DEBUG >= 1:
-          print(f"{what} failed: {e!r}")
+        log.log(VERBOSE, "%s failed: %r", what, e)
     task = asyncio.create_task(run())
     self._work.add(task)
     task.add_done_callback(self._work.discard)
@@ -128,8 +129,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       self.node.accepts_prompt(request.request_id)
     except ValueError as e:
       await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    if DEBUG >= 5:
-      print(f"Received SendPrompt {shard} {request.request_id!r}: {request.prompt!r}")
+    log.log(MESSAGES, "Received SendPrompt %s %r: %r", shard, request.request_id, request.prompt)
     await self._accept(lambda accepted: self.node.process_prompt(shard, request.prompt, request.request_id, state, accepted=accepted), f"prompt {request.request_id}")
     return pb.Tensor()
 
@@ -143,8 +143,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     except ValueError as e:
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     await self._from_member(context)
-    if DEBUG >= 5:
-      print(f"Received SendTensor {shard} {request.request_id!r}: {tensor.dtype} {tensor.shape}")
+    log.log(MESSAGES, "Received SendTensor %s %r: %s %s", shard, request.request_id, tensor.dtype, tensor.shape)
     await self._accept(lambda accepted: self.node.process_tensor(shard, tensor, request.request_id, state, accepted=accepted), f"tensor {request.request_id}")
     return pb.Tensor()
 
@@ -163,15 +162,13 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
         result = decode_tensor(request.tensor)
       except ValueError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    if DEBUG >= 5:
-      print(f"Received SendResult {request.request_id!r}: {result} finished={request.is_finished}")
+    log.log(MESSAGES, "Received SendResult %r: %s finished=%s", request.request_id, result, request.is_finished)
     self.node.on_result(request.request_id, result, request.is_finished, host)
     return pb.Empty()
 
   async def SendOpaqueStatus(self, request, context):
     host = await self._from_member(context)
-    if DEBUG >= 8:
-      print(f"Received SendOpaqueStatus {request.request_id!r}: {request.status}")
+    log.log(STATUSES, "Received SendOpaqueStatus %r: %s", request.request_id, request.status)
     self.node.receive_status(request.request_id, request.status, host)
     return pb.Empty()
 

@@ -6,14 +6,18 @@ keeps the last good peer set. Every listed peer is health-checked each round; a 
 peer leaves the set after failing FAILED_ROUNDS rounds in a row (one missed check on a busy host, a few seconds of
 a node loading a model, would otherwise end every request that crosses it)."""
 import asyncio
+import logging
 import os
 from typing import Callable, Dict, List, Optional
 
-from exo.helpers import DEBUG, DEBUG_DISCOVERY
+from exo.logs import DISCOVERY, VERBOSE
 from exo.networking.discovery import Discovery
 from exo.networking.manual.network_topology_config import NetworkTopology, PeerConfig
 from exo.networking.peer_handle import PeerHandle
 from exo.topology.device_capabilities import DeviceCapabilities
+
+log = logging.getLogger(__name__)
+discovery_log = logging.getLogger(DISCOVERY)
 
 DESCRIPTION = "MAN"
 FAILED_ROUNDS = 2
@@ -52,16 +56,15 @@ class ManualDiscovery(Discovery):
     except (FileNotFoundError, ValueError) as e:
       if raise_errors:
         raise
-      print(f"Manual discovery: {e}; keeping peers {sorted(self._peers_config)}")
+      log.warning("Manual discovery: %s; keeping peers %s", e, sorted(self._peers_config))
       return
     if self.node_id not in config.peers:
       error = NodeNotInConfigError(f"Node ID {self.node_id} not found in config file {self.network_config_path}. "
                                    f"Please run with `--node-id` set to one of the keys in the config file: {sorted(config.peers)}")
-      print(f"Manual discovery: {error}; keeping peers {sorted(self._peers_config)}")
+      log.warning("Manual discovery: %s; keeping peers %s", error, sorted(self._peers_config))
       return
     self._peers_config = {peer_id: peer for peer_id, peer in config.peers.items() if peer_id != self.node_id}
-    if DEBUG_DISCOVERY >= 2:
-      print(f"Loaded {self.network_config_path}: peers {sorted(self._peers_config)}")
+    discovery_log.debug("Loaded %s: peers %s", self.network_config_path, sorted(self._peers_config))
 
   def _handle_for(self, peer_id: str, peer: PeerConfig) -> PeerHandle:
     address = f"{peer.address}:{peer.port}"
@@ -85,12 +88,12 @@ class ManualDiscovery(Discovery):
     for peer_id in [p for p in self.known_peers if p not in next_peers]:
       # Gone unhealthy: the node disconnects the handle it was given; probe with a fresh one from now on.
       self._handles.pop(peer_id, None)
-    if DEBUG >= 1 and set(next_peers) != set(self.known_peers):
-      print(f"Manual discovery peers: {sorted(next_peers)} (were {sorted(self.known_peers)})")
+    if set(next_peers) != set(self.known_peers):
+      log.log(VERBOSE, "Manual discovery peers: %s (were %s)", sorted(next_peers), sorted(self.known_peers))
     self.known_peers = next_peers
-    if DEBUG_DISCOVERY >= 2:
+    if discovery_log.isEnabledFor(logging.DEBUG):
       connected = {p: await h.is_connected() for p, h in handles.items()}
-      print(f"Peer statuses: { {p: f'is_connected={connected[p]}, health_check={statuses[p]}' for p in handles} }", flush=True)
+      discovery_log.debug("Peer statuses: %s", {p: f"is_connected={connected[p]}, health_check={statuses[p]}" for p in handles})
 
   async def _poll(self) -> None:
     while True:
@@ -98,8 +101,7 @@ class ManualDiscovery(Discovery):
       try:
         await self.poll_once()
       except Exception as e:
-        if DEBUG_DISCOVERY >= 1:
-          print(f"Manual discovery round failed: {e!r}")
+        discovery_log.log(VERBOSE, "Manual discovery round failed: %r", e)
 
   async def start(self) -> None:
     await self.poll_once()  # peers known right away, not one interval later

@@ -1,15 +1,19 @@
 """Peers from a Tailscale tailnet: each node publishes its exo id, port and capabilities as custom
 device attributes, and reads everyone else's from the device list; peers are admitted after a health check."""
 import asyncio
+import logging
 import re
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from exo.helpers import DEBUG, DEBUG_DISCOVERY
+from exo.logs import DISCOVERY, VERBOSE
 from exo.networking.discovery import Discovery
 from exo.networking.peer_handle import PeerHandle
 from exo.networking.tailscale.tailscale_api import DEFAULT_BASE_URL, TailscaleAPI, own_device_id, seconds_since
 from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities, DeviceFlops
+
+log = logging.getLogger(__name__)
+discovery_log = logging.getLogger(DISCOVERY)
 
 DESCRIPTION = "TS"
 ATTR = "custom:exo_"
@@ -91,8 +95,7 @@ class TailscaleDiscovery(Discovery):
       except asyncio.CancelledError:
         raise
       except Exception as e:
-        if DEBUG_DISCOVERY >= 1:
-          print(f"Tailscale discovery: {step.__name__} failed: {e!r}")
+        discovery_log.log(VERBOSE, "Tailscale discovery: %s failed: %r", step.__name__, e)
       await asyncio.sleep(interval)
 
   async def publish(self) -> None:
@@ -118,13 +121,11 @@ class TailscaleDiscovery(Discovery):
     known = self.known_peers.get(peer_id)
     handle = known[0] if known is not None and known[0].addr() == address else self.create_peer_handle(peer_id, address, DESCRIPTION, caps)
     if not await handle.health_check():
-      if DEBUG_DISCOVERY >= 2:
-        print(f"Tailscale peer {peer_id} at {address} failed its health check")
+      discovery_log.debug("Tailscale peer %s at %s failed its health check", peer_id, address)
       return
     now = time.time()
     if known is None or known[0] is not handle:
-      if DEBUG >= 1:
-        print(f"Adding Tailscale peer {peer_id} at {address}")
+      log.log(VERBOSE, "Adding Tailscale peer %s at %s", peer_id, address)
       self.known_peers[peer_id] = (handle, now, now)
     else:
       self.known_peers[peer_id] = (handle, known[1], now)
@@ -135,8 +136,6 @@ class TailscaleDiscovery(Discovery):
     healthy = await asyncio.gather(*[handle.health_check() for _, (handle, _, _) in peers])
     for (peer_id, (handle, _, last_seen)), ok in zip(peers, healthy):
       if (not ok or now - last_seen > self.discovery_timeout) and self.known_peers.get(peer_id, (None,))[0] is handle:
-        if DEBUG_DISCOVERY >= 1:
-          print(f"Removing Tailscale peer {peer_id}: healthy={ok}, last seen {now - last_seen:.0f} s ago")
+        discovery_log.log(VERBOSE, "Removing Tailscale peer %s: healthy=%s, last seen %.0f s ago", peer_id, ok, now - last_seen)
         del self.known_peers[peer_id]
-    if DEBUG_DISCOVERY >= 2:
-      print(f"Peer statuses: { {p: f'health_check={ok}' for (p, _), ok in zip(peers, healthy)} }", flush=True)
+    discovery_log.debug("Peer statuses: %s", {p: f"health_check={ok}" for (p, _), ok in zip(peers, healthy)})

@@ -1,5 +1,6 @@
 """Local IPv4 addresses and how much a peer reached through each interface is preferred."""
 import json
+import logging
 import platform
 import socket
 import subprocess
@@ -8,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import psutil
 
-from exo.helpers import DEBUG_DISCOVERY
+from exo.logs import DISCOVERY
 
 CONTAINER_PREFIXES = ("docker", "br-", "veth", "cni", "flannel", "calico", "weave")
 VIRTUAL_PREFIXES = ("tun", "tap", "vtun", "utun", "gif", "stf", "awdl", "llw")
@@ -49,8 +50,7 @@ def _macos_network_profile() -> Dict[str, dict]:
     out = subprocess.run(["system_profiler", "SPNetworkDataType", "-json"], capture_output=True, text=True, timeout=10).stdout
     return {item["interface"]: item for item in json.loads(out).get("SPNetworkDataType", []) if "interface" in item}
   except Exception as e:
-    if DEBUG_DISCOVERY >= 2:
-      print(f"Could not read the macOS network profile: {e!r}")
+    logging.getLogger(DISCOVERY).debug("Could not read the macOS network profile: %r", e)
     return {}
 
 

@@ -4,16 +4,20 @@ Each node announces itself every `broadcast_interval` seconds on every local IPv
 as a peer only after a passing gRPC health check; a cleanup loop drops peers that go quiet or unhealthy."""
 import asyncio
 import json
+import logging
 import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set
 
-from exo.helpers import DEBUG, DEBUG_DISCOVERY
+from exo.logs import DISCOVERY, VERBOSE, level_of
 from exo.networking.discovery import Discovery
 from exo.networking.peer_handle import PeerHandle
 from exo.networking.udp.interfaces import interface_priority_and_type, local_ipv4_addresses
 from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities
+
+log = logging.getLogger(__name__)
+discovery_log = logging.getLogger(DISCOVERY)
 
 
 @dataclass
@@ -77,8 +81,7 @@ class UDPDiscovery(Discovery):
 
   async def discover_peers(self, wait_for_peers: int = 0) -> List[PeerHandle]:
     while len(self.known_peers) < wait_for_peers:
-      if DEBUG_DISCOVERY >= 2:
-        print(f"Waiting for peers: {len(self.known_peers)}/{wait_for_peers}")
+      discovery_log.debug("Waiting for peers: %d/%d", len(self.known_peers), wait_for_peers)
       await asyncio.sleep(0.1)
     return [peer.handle for peer in self.known_peers.values()]
 
@@ -107,11 +110,9 @@ class UDPDiscovery(Discovery):
             try:
               sock.sendto(message, (target, self.broadcast_port))
             except OSError as e:  # e.g. no route for the global broadcast on this interface
-              if DEBUG_DISCOVERY >= 3:
-                print(f"Broadcast from {ip} ({interface_name}) to {target} failed: {e!r}")
+              discovery_log.log(level_of(3), "Broadcast from %s (%s) to %s failed: %r", ip, interface_name, target, e)
       except OSError as e:
-        if DEBUG_DISCOVERY >= 2:
-          print(f"Cannot broadcast from {ip} ({interface_name}): {e!r}")
+        discovery_log.debug("Cannot broadcast from %s (%s): %r", ip, interface_name, e)
 
   async def _task_broadcast(self) -> None:
     while True:
@@ -126,8 +127,7 @@ class UDPDiscovery(Discovery):
     task.add_done_callback(self._datagram_tasks.discard)
 
   def _ignore(self, why: str, data) -> None:
-    if DEBUG_DISCOVERY >= 2:
-      print(f"Ignoring datagram ({why}): {data!r:.200}")
+    discovery_log.debug("Ignoring datagram (%s): %.200r", why, data)
 
   async def handle_datagram(self, data: bytes, addr: tuple) -> None:
     try:
@@ -163,12 +163,10 @@ class UDPDiscovery(Discovery):
       try:
         handle = self.create_peer_handle(peer_id, peer_address, description, caps)
         if not await handle.health_check():
-          if DEBUG_DISCOVERY >= 2:
-            print(f"Peer {peer_id} at {peer_address} failed its health check; not admitted")
+          discovery_log.debug("Peer %s at %s failed its health check; not admitted", peer_id, peer_address)
           return
         now = time.time()
-        if DEBUG >= 1:
-          print(f"Adding peer {peer_id} at {peer_address} ({description}), priority {priority}")
+        log.log(VERBOSE, "Adding peer %s at %s (%s), priority %s", peer_id, peer_address, description, priority)
         self.known_peers[peer_id] = KnownPeer(handle, now, now, priority)
       finally:
         self._admitting.discard(peer_id)
@@ -176,8 +174,7 @@ class UDPDiscovery(Discovery):
       if await known.handle.health_check():
         known.last_seen, known.priority = time.time(), priority
       elif self.known_peers.get(peer_id) is known:
-        if DEBUG_DISCOVERY >= 1:
-          print(f"Peer {peer_id} at {peer_address} is unhealthy; removed")
+        discovery_log.log(VERBOSE, "Peer %s at %s is unhealthy; removed", peer_id, peer_address)
         del self.known_peers[peer_id]
 
   # --- expiry ---
@@ -187,8 +184,7 @@ class UDPDiscovery(Discovery):
       try:
         await self.cleanup_once()
       except Exception as e:
-        if DEBUG_DISCOVERY >= 1:
-          print(f"Error in peer cleanup: {e!r}")
+        discovery_log.log(VERBOSE, "Error in peer cleanup: %r", e)
       await asyncio.sleep(self.broadcast_interval)
 
   async def cleanup_once(self) -> None:
@@ -203,8 +199,6 @@ class UDPDiscovery(Discovery):
       stale = now - peer.last_seen > self.discovery_timeout
       never_connected = not is_connected and now - peer.connected_at > self.discovery_timeout
       if (stale or never_connected or not health_ok) and self.known_peers.get(peer_id) is peer:
-        if DEBUG_DISCOVERY >= 1:
-          print(f"Removing peer {peer_id}@{peer.handle.addr()}: stale={stale}, never_connected={never_connected}, healthy={health_ok}")
+        discovery_log.log(VERBOSE, "Removing peer %s@%s: stale=%s, never_connected=%s, healthy=%s", peer_id, peer.handle.addr(), stale, never_connected, health_ok)
         del self.known_peers[peer_id]
-    if DEBUG_DISCOVERY >= 2:
-      print(f"Peer statuses: {statuses}", flush=True)
+    discovery_log.debug("Peer statuses: %s", statuses)
