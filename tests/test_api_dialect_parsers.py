@@ -73,7 +73,8 @@ def test_anthropic_tool_choices(choice, expected):
   ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema"),
   ({"tool_choice": {"type": "tool", "name": "g"}, "tools": [{"name": "f", "input_schema": SCHEMA}]}, "tool_choice"),
   ({"tool_choice": {"type": "any"}}, "tool_choice"),
-  ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+  ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens"),  # not below max_tokens
+  ({"thinking": {"type": "on"}}, "thinking"),
   ({"output_config": {"effort": "high"}}, "output_config.effort"),
   ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "strnig"}}}}, "output_config.format.schema"),
   ({"container": "c"}, "container"),
@@ -206,7 +207,7 @@ def test_ollama_generate_templates_the_prompt_unless_raw_and_loads_on_an_empty_o
   ({"options": {"warp": 1}}, "options.warp"),
   ({"format": "xml"}, "format"),
   ({"format": {"type": "strnig"}}, "format.schema"),
-  ({"think": True}, "think"),
+  ({"think": "high"}, "think"),  # (true is for the serving core to judge: whether the model reasons)
   ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
   ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
   ({"model": ""}, "model"),

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from exo.api.errors import BadRequest
+from exo.api.reasoning import Reasoning, ReasoningSplit, grammar_after_thinking
 from exo.api.structured import ResponseFormat
 from exo.api.tool_formats import ToolCallStream, ToolFormat, format_for
 from exo.api.tools import ToolUse
@@ -18,9 +19,24 @@ class AnswerPlan:
   grammar: Optional[str]  # Lark text (see exo/inference/grammar.py), None when the answer is free
   tool_format: Optional[ToolFormat]  # None when no tool may be called
   bounded_numbers: bool = True  # no schema asks for numbers wider than the grammar's bounds (grammar.asks_for_wide_numbers)
+  reasoning: Optional[Reasoning] = None  # how the model thinks, when it does and the answer is a conversation's
+  thinking_opened: bool = False  # the prompt left a thinking block open: the answer starts inside it
 
   def tool_stream(self) -> Optional[ToolCallStream]:
     return ToolCallStream(self.tool_format) if self.tool_format is not None else None
+
+  def think_first(self, tokenizer, reasoning: Optional[Reasoning], prompt: str) -> None:
+    """For a reasoning model (its templated `prompt` given): the answer is read apart from its thinking, and its
+    grammar, if it has one, holds from the end of the thinking on."""
+    if reasoning is None:
+      return
+    self.reasoning, self.thinking_opened = reasoning, reasoning.opened_by(prompt)
+    if self.grammar is not None:
+      field = "tools" if self.tool_format is not None else "response_format"
+      self.grammar = _compiled(tokenizer, grammar_after_thinking(self.grammar, self.thinking_opened, tokenizer), field)
+
+  def reasoning_split(self) -> Optional[ReasoningSplit]:
+    return ReasoningSplit(self.thinking_opened) if self.reasoning is not None else None
 
   def completed_by(self, tokenizer) -> Optional[Callable[[Sequence[int]], bool]]:
     """Whether an answer's tokens complete its grammar (it then ends without an end token, and that is a "stop")."""

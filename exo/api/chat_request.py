@@ -2,10 +2,11 @@
 sampling parameters, tools and response_format. Bad input raises BadRequest naming the field and saying why; a
 parameter this server does not implement is refused the same way, never silently ignored."""
 from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
+from exo.api.reasoning import SWITCH
 from exo.api.request_fields import (parse_flag, parse_logprobs_count, parse_n, parse_stop, parse_stream_options, parse_user, refuse_unimplemented,
                                     resolve_model, sampling_params)
 from exo.api.structured import parse_response_format
@@ -15,7 +16,10 @@ IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 IMPLEMENTED = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n", "ignore_eos", "user",
-               "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+               "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+               "chat_template_kwargs"}
+# What the template is given by the server itself, which chat_template_kwargs may not replace.
+TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 # OpenAI parameters this server does not implement, with the values that ask for nothing (null is always one).
 NEUTRAL_VALUES: Dict[str, list] = {}
 
@@ -74,6 +78,23 @@ def parse_tools(body: dict) -> Optional[List[Any]]:
   return None if body.get("tool_choice") == "none" else body.get("tools")
 
 
+def parse_template_kwargs(body: dict) -> Tuple[Optional[bool], Dict[str, Any]]:
+  """vLLM's `chat_template_kwargs`: variables for the chat template, `enable_thinking` (Qwen3's switch) among them.
+  Returns (whether to think, or None; the other variables)."""
+  value = body.get("chat_template_kwargs")
+  if value is None:
+    return None, {}
+  if not isinstance(value, dict):
+    raise BadRequest('chat_template_kwargs must be an object such as {"enable_thinking": false}', param="chat_template_kwargs")
+  reserved = sorted(set(value) & TEMPLATE_OWN)
+  if reserved:
+    raise BadRequest(f"chat_template_kwargs.{reserved[0]} is the request's own to set", param=f"chat_template_kwargs.{reserved[0]}")
+  thinking = value.get(SWITCH)
+  if thinking is not None and not isinstance(thinking, bool):
+    raise BadRequest(f"chat_template_kwargs.{SWITCH} must be true or false", param=f"chat_template_kwargs.{SWITCH}")
+  return thinking, {k: v for k, v in value.items() if k != SWITCH}
+
+
 def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
   refuse_unimplemented(body, IMPLEMENTED, NEUTRAL_VALUES)
   model = resolve_model(body.get("model"), default_model, engine_classname)
@@ -82,5 +103,7 @@ def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classnam
   stream = parse_flag(body, "stream")
   parse_user(body)
   params = replace(sampling_params(body, default_temperature), logprobs=_chat_logprobs(body))
+  thinking, template_kwargs = parse_template_kwargs(body)
   return GenerationRequest(model, messages=messages, params=params, stop=parse_stop(body), tool_use=parse_tool_use(body),
-                           response_format=parse_response_format(body), n=parse_n(body), stream=stream, stream_usage=parse_stream_options(body))
+                           response_format=parse_response_format(body), n=parse_n(body), stream=stream, stream_usage=parse_stream_options(body),
+                           thinking=thinking, template_kwargs=template_kwargs)

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable, List, Optional, Sequence
 
 from exo.api.admission import Ticket
 from exo.api.events import Delta, Finish, TokenLogprob, ToolCallFragment
+from exo.api.reasoning import ReasoningSplit
 from exo.api.reply_text import ReplyText
 from exo.api.tool_formats import ToolCallStream
 from exo.inference.sampling import SamplingParams, TokenLogprobs
@@ -31,6 +32,7 @@ class Choice:
   prefilled: asyncio.Event = field(default_factory=asyncio.Event)  # set at this choice's first event (or its end)
   tools: Optional[ToolCallStream] = None  # reads tool calls out of the reply, when the request allows them
   prompt_ids: Optional[List[int]] = None  # the prompt's token ids (the node routes by the blocks they make)
+  thinking: Optional[ReasoningSplit] = None  # reads a reasoning model's thinking apart from its answer
   offset: int = field(init=False)  # where the next token's own text starts, for logprobs
 
   def __post_init__(self) -> None:
@@ -98,12 +100,14 @@ async def _run(choice: Choice, events_of: Callable[[Choice], AsyncIterator[Reque
         texts = choice.reply.feed(event.tokens, event.finished)
         for i, text in enumerate(texts):
           last = choice.reply.finish_reason is not None and i == len(texts) - 1
-          calls = []
+          thinking, calls = "", []
+          if choice.thinking is not None:  # before the tool calls: a call is read from the answer, never the thinking
+            thinking, text = choice.thinking.feed(text, last)
           if choice.tools is not None:
             text, deltas = choice.tools.feed(text, last)
             calls = _fragments(deltas)
           # The event's logprobs go with its first delta.
-          queue.put_nowait(Delta(choice.index, text, logprobs if i == 0 or logprobs is None else [], calls, choice.finish if last else None))
+          queue.put_nowait(Delta(choice.index, text, logprobs if i == 0 or logprobs is None else [], calls, choice.finish if last else None, thinking))
         if choice.reply.finish_reason is not None:
           break  # leaving early (a stop string) cancels the rest of its generation
     queue.put_nowait(_DONE)

@@ -1,5 +1,5 @@
 """What the serving core gives back for a request, as an async stream: `Started` once the request holds its places
-and its prompt fits, then each choice's `Delta`s (new text, tool-call fragments, logprobs, and on its last one
+and its prompt fits, then each choice's `Delta`s (new text, a reasoning model's new thinking, tool-call fragments, logprobs, and on its last one
 why it finished), then `Usage`. A failure is raised from the stream as an ApiError (before `Started`: the request
 was refused; after it: the reply is cut short). Each dialect renders these in its own shapes; `collect` gathers
 them for a reply that is not streamed."""
@@ -47,6 +47,7 @@ class Delta:
   logprobs: Optional[List[TokenLogprob]]  # None: not asked for
   tool_calls: List[ToolCallFragment] = field(default_factory=list)
   finish: Optional[Finish] = None  # set on the choice's last delta
+  reasoning: str = ""  # new thinking of a reasoning model (exo/api/reasoning.py), apart from its answer's text
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,14 @@ class Answer:
   def __init__(self, index: int):
     self.index = index
     self.text = ""
+    self.reasoning = ""
     self.calls: List[CallSoFar] = []
     self.logprobs: Optional[List[TokenLogprob]] = None
     self.finish: Optional[Finish] = None
 
   def add(self, delta: Delta) -> None:
     self.text += delta.text
+    self.reasoning += delta.reasoning
     for fragment in delta.tool_calls:
       if fragment.call == len(self.calls):
         self.calls.append(CallSoFar(fragment.id, fragment.name))

@@ -16,6 +16,7 @@ class FieldNames:
   prompt: str = "messages"  # the conversation or prompt, when it does not fit the context
   max_tokens: str = "max_tokens"  # the reply's token budget
   context: str = "num_ctx"  # the client's own context size, where its dialect has one
+  thinking: Optional[str] = None  # the field that asked for thinking, where asking a model that does not think is refused
 
 
 @dataclass
@@ -35,6 +36,8 @@ class GenerationRequest:
   stream: bool = False
   stream_usage: bool = False  # OpenAI's stream_options.include_usage
   context: Optional[int] = None  # a context the client asks for (Ollama's num_ctx): prompt and reply must fit it too
+  thinking: Optional[bool] = None  # whether a reasoning model thinks first (None: as its chat template does by default)
+  template_kwargs: Dict[str, Any] = field(default_factory=dict)  # more variables for the chat template (chat_template_kwargs)
   fields: FieldNames = field(default_factory=FieldNames)
 
   @property

@@ -51,24 +51,26 @@ class ChatShape(_Shape):
     return {"content": token_logprobs(logprobs)}
 
   @staticmethod
-  def _message(text: Optional[str], tool_calls: Optional[List[dict]]) -> dict:
-    """OpenAI's assistant message: with tool calls, content is null unless the reply also has text."""
-    if not tool_calls:
-      return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+  def _message(text: Optional[str], tool_calls: Optional[List[dict]], reasoning: str = "") -> dict:
+    """OpenAI's assistant message: with tool calls, content is null unless the reply also has text; a reasoning
+    model's thinking in `reasoning_content`, as vLLM and llama.cpp's server return it (only where there is some)."""
+    message = {"role": "assistant", "content": text} if not tool_calls else {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    if reasoning:
+      message["reasoning_content"] = reasoning
+    return message
 
   def reply(self, answers: List[Answer], counts: Usage) -> dict:
     choices = []
     for a in answers:
       calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in a.calls] or None
-      choices.append({"index": a.index, "message": self._message(a.content, calls), "logprobs": self.logprobs(a.logprobs),
+      choices.append({"index": a.index, "message": self._message(a.content, calls, a.reasoning), "logprobs": self.logprobs(a.logprobs),
                       "finish_reason": _finish_reason(a)})
     body = _envelope(self.request_id, self.model, choices)
     body["usage"] = usage(counts)
     return body
 
   def chunk(self, delta: Delta) -> dict:
-    message = self._message(delta.text, tool_call_deltas(delta.tool_calls) or None)
+    message = self._message(delta.text, tool_call_deltas(delta.tool_calls) or None, delta.reasoning)
     return _envelope(self.request_id, self.model, [{"index": delta.index, "message": message, "logprobs": self.logprobs(delta.logprobs),
                                                    "finish_reason": _finish_reason(delta), "delta": dict(message)}])
 

@@ -6,11 +6,13 @@ from exo.api.errors import BadRequest
 from exo.api.generation_request import Prompt
 
 
-def build_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Any]] = None, system_prompt: Optional[str] = None) -> str:
-  """The templated prompt. A node-wide system prompt goes first unless the request brings its own."""
+def build_prompt(tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Any]] = None, system_prompt: Optional[str] = None,
+                 template_kwargs: Optional[Dict[str, Any]] = None) -> str:
+  """The templated prompt, with the template's extra variables `template_kwargs`. A node-wide system prompt goes first
+  unless the request brings its own."""
   if system_prompt and not any(m.get("role") == "system" for m in messages):
     messages = [{"role": "system", "content": system_prompt}] + messages
-  extra = {"tools": tools} if tools else {}
+  extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
   try:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
   except Exception as e:  # the template rejects this conversation (e.g. roles out of order)

@@ -25,6 +25,7 @@ from exo.api.metrics import ApiMetrics
 from exo.api.model_limits import ModelLimits
 from exo.api.model_profiles import ModelProfiles
 from exo.api.prompts import build_prompt, prompt_texts
+from exo.api.reasoning import reasoning_of, template_switches
 from exo.api.reply_text import ReplyText
 from exo.api.request_fields import parse_json_body
 from exo.api.settings import ApiSettings
@@ -112,7 +113,10 @@ class ServingCore:
     plan = plan_answer(tokenizer, request.messages or [], request.response_format, request.tool_use)
     if request.messages is None:
       return prompt_texts(tokenizer, request.prompts, request.fields.prompt), plan
-    prompt = build_prompt(tokenizer, plan.messages, plan.tools, self.system_prompt)
+    reasoning = reasoning_of(tokenizer)
+    switches = template_switches(reasoning, request.thinking, request.template_kwargs, request.fields.thinking)
+    prompt = build_prompt(tokenizer, plan.messages, plan.tools, self.system_prompt, switches)
+    plan.think_first(tokenizer, reasoning, prompt)
     return [(prompt, list(tokenizer.encode(prompt)))], plan
 
   def _prepare(self, tokenizer, limits: ModelLimits, request: GenerationRequest) -> Tuple[List[Run], AnswerPlan]:
@@ -195,7 +199,7 @@ class ServingCore:
         seeded = params if params.seed is None else replace(params, seed=(params.seed + index) % 2**64)
         choice = Choice(index, request_id if index == 0 else f"{request_id}-{index}", prompt, seeded, tickets[index], kv_bytes,
                         ReplyText(tokenizer.decode, eos, request.stop, complete), echo, first=first, tools=plan.tool_stream(),
-                        prompt_ids=prompt_ids)
+                        prompt_ids=prompt_ids, thinking=plan.reasoning_split())
         first = first or choice
         choices.append(choice)
     return choices

@@ -176,15 +176,8 @@ class HermesFormat(ToolFormat):
   name = "hermes"
   OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-  def _marker(self, text: str) -> str:
-    """A special token by reference (the model has it as one token), else the literal text."""
-    backend = getattr(self.tokenizer, "backend", None)
-    token = backend.token_to_id(text) if backend is not None else None
-    special = token is not None and any(t.content == text and t.special for t in backend.get_added_tokens_decoder().values())
-    return text if special else grammar.lark_string(text)
-
   def grammar(self, use: ToolUse, reply: Optional[ResponseFormat]) -> str:
-    opening, closing = self._marker(self.OPEN), self._marker(self.CLOSE)
+    opening, closing = grammar.marker(self.tokenizer, self.OPEN), grammar.marker(self.tokenizer, self.CLOSE)
     call = f'"\\n" {call_fragment(use, self.key)} "\\n" {closing}'
     more = f' ("\\n" {opening} call){{0,{MAX_CALLS - 1}}}' if use.several else ""
     lines = [f"call: {call}"]
@@ -195,8 +188,8 @@ class HermesFormat(ToolFormat):
       lines.append(f"answer: {reply.fragment()}")
     elif opening == grammar.lark_string(self.OPEN):  # plain text up to the marker: the lazy rule ends at its first occurrence
       lines.insert(0, f"start: TEXT | text_then_marker call{more}")
-      lines.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{_regex_literal(self.OPEN)}(.|\\n)*/")
-      lines.append(f"text_then_marker[lazy]: /(.|\\n)*{_regex_literal(self.OPEN)}/")
+      lines.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{grammar.regex_literal(self.OPEN)}(.|\\n)*/")
+      lines.append(f"text_then_marker[lazy]: /(.|\\n)*{grammar.regex_literal(self.OPEN)}/")
     else:
       lines.insert(0, f"start: TEXT? | TEXT? {opening} call{more}")
       lines.append("TEXT: /(.|\\n)+/")
@@ -313,10 +306,6 @@ class GenericFormat(ToolFormat):
         break
       pos += 2
     return "", calls
-
-
-def _regex_literal(text: str) -> str:
-  return "".join("\\" + c if c in ".^$*+?()[]{}|\\/" else c for c in text)
 
 
 def format_for(tokenizer, structured_reply: bool = False) -> ToolFormat:

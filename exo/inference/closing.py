@@ -3,8 +3,8 @@ to what the grammar needs to be complete, the answer is closed the shortest way 
 schema instead of stopping mid-string.
 
 `plan` finds a way to close from a matcher's state: the tokens the grammar forces, else the first allowed of a few
-closing tokens (in a string, a quote and what may follow it; outside one, a brace or bracket, then a comma, then
-the smallest values: 0, "", [], {}, null, false), else the allowed token with the shortest text. Where a string
+closing tokens (in a string, a quote and what may follow it; outside one, a reasoning model's `</think>`, a brace or
+bracket, then a comma, then the smallest values: 0, "", [], {}, null, false), else the allowed token with the shortest text. Where a string
 stands is read by exo/inference/json_numbers.py's lexer. It is greedy, not a search, so it may miss a shorter way in
 an odd grammar, but every token it takes is one the grammar allows.
 
@@ -20,7 +20,10 @@ from exo.inference.json_numbers import ESCAPE, STRING, NumberBounds, State
 # Inside a string only a quote can close anything (a brace there is text). Outside one: a brace or bracket, else a
 # comma (a number or value ends there, and required keys follow it), else the smallest value.
 IN_STRING = ('"}}', '"}]', '"}', '"]', '"')
-OUTSIDE = ('}}', ']}', '}]', ']]', '}', ']', ',', ', ', '0', '""', '[]', '{}', 'null', 'false', 'true')
+# A reasoning model's closing tag comes first: inside its thinking (free text) every other closer would be more
+# thinking, and after it no grammar allows the tag.
+CLOSING_MARKERS = ("</think>",)  # special tokens that close something
+OUTSIDE = CLOSING_MARKERS + ('}}', ']}', '}]', ']]', '}', ']', ',', ', ', '0', '""', '[]', '{}', 'null', 'false', 'true')
 MAX_PLAN = 256  # tokens: a plan longer than this is not looked for
 WATCH = 16  # tokens of margin over the last plan's length within which a row's every draw is checked
 REPLAN_EVERY = 32  # tokens between two plans of a row further from its budget (the plan's length moves as the answer grows)

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from exo.inference.closing import Budget, ClosingTokens
+from exo.inference.closing import CLOSING_MARKERS, Budget, ClosingTokens
 from exo.inference.json_numbers import START, NumberBounds, clear_bits
 
 try:
@@ -124,6 +124,20 @@ def lark_string(text: str) -> str:
   return json.dumps(text)
 
 
+def regex_literal(text: str) -> str:
+  """`text` inside a Lark /regex/, matching it exactly."""
+  return "".join("\\" + c if c in ".^$*+?()[]{}|\\/" else c for c in text)
+
+
+def marker(tokenizer, text: str) -> str:
+  """A marker the model writes (`<tool_call>`, `</think>`) in a grammar: the token by reference where the model has
+  it as a token the grammar engine holds special (every added token: Qwen's `<tool_call>` and `<think>` too, which
+  text never matches), else the literal text."""
+  backend = getattr(tokenizer, "backend", None)
+  token = backend.token_to_id(text) if backend is not None else None
+  return text if token is not None and vocabulary(tokenizer).is_special_token(token) else lark_string(text)
+
+
 def check(grammar: str) -> None:
   """GrammarError if the grammar does not compile (checked without a vocabulary)."""
   _require()
@@ -173,9 +187,11 @@ def vocabulary_tables(tokenizer) -> Tuple[NumberBounds, ClosingTokens]:
       # Bytes read as Latin-1: one character per byte, and the characters either looks for are ASCII.
       special = [i for i in range(vocab.vocab_size) if vocab.is_special_token(i)]
       texts = [vocab.decode_bytes([i]).decode("latin-1") for i in range(vocab.vocab_size)]
+      closers = list(texts)  # a special token that closes (a reasoning model's </think>) keeps its text there
       for i in special:
         texts[i] = ""
-      built = _tables[tokenizer] = (NumberBounds(texts), ClosingTokens(texts))
+        closers[i] = closers[i] if closers[i] in CLOSING_MARKERS else ""
+      built = _tables[tokenizer] = (NumberBounds(texts), ClosingTokens(closers))
     return built
 
 

@@ -76,6 +76,21 @@ def fixture_checkpoint(name: str, dest: Path, chat_template: Optional[str] = Non
   return write_tokenizer(dest, tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO)), chat_template)
 
 
+def with_think_tokens(path: Path) -> Path:
+  """The tokenizer in `path` given `<think>` and `</think>` as tokens of their own, as Qwen3's has them (added, not
+  special: they read as text), in the places of two of SmolLM2's unused special tokens (ids 3 and 4), so that a
+  fixture of 512 token ids can read and write them."""
+  file = path / "tokenizer.json"
+  data = json.loads(file.read_text())
+  names = {"<repo_name>": "<think>", "<reponame>": "</think>"}
+  for token in data["added_tokens"]:
+    if token["content"] in names:
+      token["content"], token["special"] = names[token["content"]], False
+  data["model"]["vocab"] = {names.get(k, k): v for k, v in data["model"]["vocab"].items()}
+  file.write_text(json.dumps(data))
+  return path
+
+
 def random_llama(n_layers: int, hidden: int = 64):
   """A Llama with random weights, `n_layers` layers and SmolLM2's tokenizer: (config, weights, tokenizer)."""
   tokenizer = tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO))

@@ -1,4 +1,4 @@
-"""The serving core's events in Anthropic's shapes: a message (content blocks text and tool_use, stop_reason,
+"""The serving core's events in Anthropic's shapes: a message (content blocks thinking, text and tool_use, stop_reason,
 usage), the stream's events (message_start, ping, content_block_start / _delta / _stop, message_delta,
 message_stop), and errors ({"type": "error", "error": {"type", "message"}})."""
 import json
@@ -38,8 +38,15 @@ def _envelope(request_id: str, model: str, content: List[dict], finish: Optional
           "stop_reason": stop_reason(finish), "stop_sequence": finish.stop_sequence if finish is not None else None, "usage": usage}
 
 
+def thinking_block(thinking: str) -> dict:
+  """A reasoning model's thinking (its signature is empty: the node signs nothing, and takes earlier turns' thinking
+  out of the prompt whatever their signature)."""
+  return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def message(request_id: str, model: str, answer: Answer, usage: Usage) -> dict:
-  content = [{"type": "text", "text": answer.text}] if answer.text.strip() or not answer.calls else []
+  content = [thinking_block(answer.reasoning)] if answer.reasoning else []
+  content += [{"type": "text", "text": answer.text}] if answer.text.strip() or not (answer.calls or answer.reasoning) else []
   for call in answer.calls:
     try:
       arguments = json.loads(call.arguments)
@@ -50,8 +57,8 @@ def message(request_id: str, model: str, answer: Answer, usage: Usage) -> dict:
 
 
 class MessageStream:
-  """Events to the stream's events: each run of text one text block, each tool call one tool_use block whose input
-  streams as JSON fragments."""
+  """Events to the stream's events: a reasoning model's thinking one thinking block (thinking_delta), each run of text
+  one text block, each tool call one tool_use block whose input streams as JSON fragments."""
 
   def __init__(self, model: str):
     self.model = model
@@ -72,6 +79,10 @@ class MessageStream:
 
   def _delta(self, delta: Delta) -> List[dict]:
     out = []
+    if delta.reasoning:
+      if self.open != "thinking":
+        out += self._start(thinking_block(""))
+      out.append(self._block_delta({"type": "thinking_delta", "thinking": delta.reasoning}))
     if delta.text:
       if self.open != "text":
         out += self._start({"type": "text", "text": ""})

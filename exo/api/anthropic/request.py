@@ -7,18 +7,18 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
-from exo.api.generation_request import GenerationRequest
+from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.request_fields import MAX_INT32, is_int, parse_flag, parse_stop, parse_string, refuse_unimplemented, resolve_model, sampling_params
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
 MAX_STOP_SEQUENCES = 16
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "output_config", "cache_control"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "output_config", "cache_control", "thinking"}
 # cache_control (here and on blocks) is a caching hint: this node reuses prompt prefixes by itself. user_profile_id and
 # workspace_id say whom a request is for, which changes nothing in its answer here.
 IMPLEMENTED = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "user_profile_id", "workspace_id"}
 # Fields that ask for nothing this server does not do, with those values (null is always one).
-NEUTRAL_VALUES = {"thinking": [{"type": "disabled"}], "service_tier": ["auto", "standard_only"], "speed": ["standard"]}
+NEUTRAL_VALUES = {"service_tier": ["auto", "standard_only"], "speed": ["standard"]}
 # Clients name Anthropic's models by habit (Claude Code asks for claude-* models): those mean the default model.
 FALLBACK_PREFIXES = ("claude-",)
 
@@ -77,8 +77,8 @@ def _user_turn(blocks: List[dict], where: str) -> List[Dict[str, Any]]:
 
 
 def _assistant_turn(blocks: List[dict], where: str) -> Dict[str, Any]:
-  """Text, and tool_use blocks as OpenAI-style tool_calls. Thinking blocks are left out: this server writes none,
-  and Anthropic's API too leaves earlier turns' thinking out of the prompt."""
+  """Text, and tool_use blocks as OpenAI-style tool_calls. Thinking blocks are left out, as Anthropic's API leaves
+  earlier turns' thinking out of the prompt (and reasoning models' templates drop it)."""
   texts, calls = [], []
   for j, block in enumerate(blocks):
     at = f"{where}[{j}]"
@@ -161,6 +161,23 @@ def _output_format(body: dict) -> Optional[ResponseFormat]:
   return format_of("json_schema", {"schema": spec["schema"]}, "output_config.format", "output_config.format")
 
 
+def _thinking(body: dict) -> Optional[bool]:
+  """`thinking`: {"type": "enabled", "budget_tokens"} or {"type": "adaptive"} (think first), {"type": "disabled"}
+  (answer at once, where the model's template can), or absent (as the model's template does by default). The budget
+  is checked as Anthropic checks it; the thinking is bounded by max_tokens with the answer, not cut at the budget."""
+  value = body.get("thinking")
+  if value is None:
+    return None
+  kinds = {"enabled": True, "adaptive": True, "disabled": False}
+  if not isinstance(value, dict) or value.get("type") not in kinds:
+    raise BadRequest('thinking must be {"type": "enabled", "budget_tokens": ...}, {"type": "adaptive"} or {"type": "disabled"}', param="thinking")
+  if value["type"] == "enabled":
+    budget, max_tokens = value.get("budget_tokens"), body.get("max_tokens")
+    if not is_int(budget) or budget < 1024 or (is_int(max_tokens) and budget >= max_tokens):
+      raise BadRequest("thinking.budget_tokens must be an integer of at least 1024, below max_tokens", param="thinking.budget_tokens")
+  return kinds[value["type"]]
+
+
 def _parse(body: dict, default_model: str, engine_classname: str, implemented) -> Dict[str, Any]:
   """The GenerationRequest's fields that a message and a token count share."""
   refuse_unimplemented(body, implemented, NEUTRAL_VALUES)
@@ -168,7 +185,8 @@ def _parse(body: dict, default_model: str, engine_classname: str, implemented) -
   messages = parse_conversation(body)
   choice, name, parallel = _tool_choice(body)
   tools = parse_tools(body, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name")
-  return {"model": model, "messages": messages, "tool_use": tool_use(tools, choice, name, parallel), "response_format": _output_format(body)}
+  return {"model": model, "messages": messages, "tool_use": tool_use(tools, choice, name, parallel), "response_format": _output_format(body),
+          "thinking": _thinking(body), "fields": FieldNames(thinking="thinking")}
 
 
 def parse_messages_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:

@@ -40,12 +40,16 @@ class OllamaReply:
     self.first: Optional[int] = None  # when the first token came
     self.answer = Answer(0)
 
-  def _part(self, text: str, calls: Optional[List[dict]] = None, lps: Optional[List[TokenLogprob]] = None, done: bool = False) -> dict:
+  def _part(self, text: str, calls: Optional[List[dict]] = None, lps: Optional[List[TokenLogprob]] = None, done: bool = False,
+            thinking: str = "") -> dict:
+    """One object of the reply; a reasoning model's thinking in `thinking` (the message's, in chat), where there is some."""
     body = {"model": self.model, "created_at": now()}
     if self.chat:
-      body["message"] = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+      body["message"] = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {}), **({"tool_calls": calls} if calls else {})}
     else:
       body["response"] = text
+      if thinking:
+        body["thinking"] = thinking
     if lps is not None:
       body["logprobs"] = token_logprobs(lps)
     body["done"] = done
@@ -70,7 +74,7 @@ class OllamaReply:
     """The stream's lines for one event."""
     self.note(event)
     if isinstance(event, Delta):
-      lines = [self._part(event.text, lps=event.logprobs)] if event.text or event.logprobs else []
+      lines = [self._part(event.text, lps=event.logprobs, thinking=event.reasoning)] if event.text or event.reasoning or event.logprobs else []
       if event.finish is not None and self.answer.calls:
         lines.append(self._part("", tool_calls(self.answer)))
       return lines
@@ -80,4 +84,4 @@ class OllamaReply:
 
   def whole(self, usage: Usage) -> dict:
     """The reply not streamed (every event already noted)."""
-    return self._done(self._part(self.answer.text, tool_calls(self.answer), self.answer.logprobs, done=True), usage)
+    return self._done(self._part(self.answer.text, tool_calls(self.answer), self.answer.logprobs, done=True, thinking=self.answer.reasoning), usage)

@@ -91,19 +91,22 @@ def _logprobs(body: dict) -> Optional[int]:
   return (top or 0) if parse_flag(body, "logprobs") else None
 
 
-def _refuse_thinking(body: dict) -> None:
-  if body.get("think") not in (None, False):
-    raise BadRequest("think: this model does not think (leave think out, or false)", param="think", code="unsupported_parameter")
+def _think(body: dict) -> Optional[bool]:
+  """`think`: true (a reasoning model thinks first; a model that does not is a 400), false (it answers at once, where
+  its template can), absent (as its template does by default). The levels gpt-oss takes ("low", ...) are refused."""
+  value = body.get("think")
+  if value is not None and not isinstance(value, bool):
+    raise BadRequest("think must be true or false", param="think", code="unsupported_parameter")
+  return value
 
 
 def _common(body: dict, default_temperature: float, fields: set, neutral: dict, prompt_field: str) -> Dict[str, Any]:
   """The GenerationRequest's fields that chat and generate share."""
   refuse_unimplemented(body, fields, neutral)
-  _refuse_thinking(body)
   params, stop, context = _options(body, default_temperature)
   return {"params": replace(params, logprobs=_logprobs(body)), "stop": stop, "response_format": _format(body), "context": context,
-          "stream": parse_flag(body, "stream", default=True),
-          "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict", context="options.num_ctx")}
+          "stream": parse_flag(body, "stream", default=True), "thinking": _think(body),
+          "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict", context="options.num_ctx", thinking="think")}
 
 
 def _images(message: dict, where: str) -> str:

@@ -15,6 +15,7 @@ from exo.api.ollama.models import (config_of, describe, describe_embedding, inst
                                    tagged)
 from exo.api.ollama.render import OllamaReply, error_body, now
 from exo.api.ollama.request import parse_chat, parse_generate, resolve_ollama_model
+from exo.api.reasoning import reasoning_of
 from exo.api.replies import NDJSON, json_reply
 from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
@@ -113,5 +114,6 @@ class OllamaRoutes:
     tokenizer, _ = await self.core.profiles.get(model)
     entry, config = await asyncio.to_thread(lambda: (describe(model, engine), config_of(model, engine)))
     return json_reply({"modelfile": f"FROM {model}\n", "parameters": "", "template": getattr(tokenizer, "chat_template", None) or "",
-                       "details": entry["details"], "model_info": model_info(config), "capabilities": ["completion", "tools"],
+                       "details": entry["details"], "model_info": model_info(config),
+                       "capabilities": ["completion", "tools"] + (["thinking"] if reasoning_of(tokenizer) is not None else []),
                        "modified_at": entry["modified_at"]})
