@@ -8,7 +8,8 @@ import pytest
 
 from exo.api.chat_request import parse_chat_request
 from exo.api.errors import BadRequest
-from exo.api.tool_formats import GenericFormat, HermesFormat, Llama3Format, ToolCallStream, json_string_so_far
+from exo.api.tool_formats import (GenericFormat, HermesFormat, Llama3Format, MistralArgsFormat, MistralFormat, ToolCallStream, format_for,
+                                  json_string_so_far, mistral_id)
 from exo.inference import constrained, grammar
 from exo.inference.sampling import SamplingParams, allowed, make_generator, masked
 from exo.orchestration import statuses
@@ -112,6 +113,41 @@ def test_each_format_is_read_as_it_streams():
   content, calls, _ = stream_all(GenericFormat(None), '{"response": "Caf\\u00e9 \\"ok\\"\\n"}', 1)
   assert content == 'Café "ok"\n' and calls == []
   assert json_string_so_far('"ab\\u00', 0) == "ab"  # an escape cut short waits
+
+
+def test_mistrals_formats_are_read_as_they_stream():
+  listed = 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": [1, "]"]}}]'
+  for step in (1, 3, 100):
+    content, calls, stream = stream_all(MistralFormat(None), listed, step)
+    assert content == "Sure. " and calls == [("get_weather", {"city": "Paris"}), ("add", {"a": [1, "]"]})]
+    assert stream.final_content() == "Sure." and all(len(i) == 9 and i.isalnum() for i in stream.ids)
+  content, calls, _ = stream_all(MistralArgsFormat(None), '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]{"a": 1}', 2)
+  assert content == "" and calls == [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+  content, calls, _ = stream_all(MistralFormat(None), "A plain [TOOL answer.")
+  assert content == "A plain [TOOL answer." and calls == []
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits_and_stay_matched():
+  assert mistral_id("abcDEF123") == "abcDEF123"
+  made = mistral_id("call_0123456789abcdef01234567")
+  assert len(made) == 9 and made.isalnum() and made == mistral_id("call_0123456789abcdef01234567") != mistral_id("call_other")
+  conversation = [{"role": "user", "content": "x"},
+                  {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+  messages, _ = MistralFormat(None).conversation(conversation, None)
+  assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == mistral_id("call_1")
+  assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1} and conversation[2]["tool_call_id"] == "call_1"
+
+
+class Templated:
+  def __init__(self, chat_template):
+    self.chat_template = chat_template
+
+
+def test_the_format_is_read_from_the_template():
+  assert type(format_for(Templated("{{ '[TOOL_CALLS] [' }}"))) is MistralFormat
+  assert type(format_for(Templated("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}"))) is MistralArgsFormat
+  assert type(format_for(Templated("<|start_header_id|>ipython"))) is Llama3Format
 
 
 CHAT = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}

@@ -5,6 +5,10 @@ the calls (and any plain text) back out of the answer as it streams.
 - hermes (templates that mention `<tool_call>`: Qwen, SmolLM3, Hermes): calls written as
   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, after optional text; with tool_choice auto only the
   calls are constrained, from the opening marker on (the text before it is free).
+- mistral (templates that mention `[TOOL_CALLS]`: Mistral 7B v0.3, Nemo, Small 3.x): after optional text,
+  `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or, where the template has `[ARGS]` (Small 3.2, Magistral,
+  Devstral), `[TOOL_CALLS]name[ARGS]{...}` per call; constrained from the marker on, as hermes; call ids of 9 letters
+  and digits, as its templates require.
 - llama3 (templates with `<|python_tag|>` or the ipython role: Llama 3.x): the whole answer is either text (not
   starting with "{") or one call `{"name": ..., "parameters": {...}}`.
 - generic (any other template, e.g. the embedded SmolLM2's): the tools are described in a system message and the
@@ -12,7 +16,11 @@ the calls (and any plain text) back out of the answer as it streams.
 
 Every format writes JSON in grammar.JSON_LAYOUT, so a call is read as soon as its name is complete and its
 arguments stream as they grow."""
+import hashlib
 import json
+import random
+import re
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -164,6 +172,10 @@ class ToolFormat:
       out.append(message)
     return out, ([{"type": "function", "function": t.describe()} for t in use.tools] if use else None)
 
+  def new_id(self) -> str:
+    """An id for a call the model made."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
   def grammar(self, use: ToolUse, reply: Optional[ResponseFormat]) -> str:
     """Lark text the answer must follow; `reply` is the format of a plain reply (None: free text)."""
     raise NotImplementedError
@@ -172,26 +184,29 @@ class ToolFormat:
     raise NotImplementedError
 
 
-class HermesFormat(ToolFormat):
-  name = "hermes"
-  OPEN, CLOSE = "<tool_call>", "</tool_call>"
+class MarkerFormat(ToolFormat):
+  """Calls that follow a marker the model writes (`<tool_call>`, `[TOOL_CALLS]`), after optional text; with tool_choice
+  auto only what follows the marker is constrained. Subclasses give the rule `calls` (what follows the first marker)
+  and read the calls back (`read_calls`)."""
+  OPEN = ""
+
+  def calls_rules(self, use: ToolUse, opening: str) -> List[str]:
+    raise NotImplementedError
 
   def grammar(self, use: ToolUse, reply: Optional[ResponseFormat]) -> str:
-    opening, closing = grammar.marker(self.tokenizer, self.OPEN), grammar.marker(self.tokenizer, self.CLOSE)
-    call = f'"\\n" {call_fragment(use, self.key)} "\\n" {closing}'
-    more = f' ("\\n" {opening} call){{0,{MAX_CALLS - 1}}}' if use.several else ""
-    lines = [f"call: {call}"]
+    opening = grammar.marker(self.tokenizer, self.OPEN)
+    lines = self.calls_rules(use, opening)
     if use.forced:
-      lines.insert(0, f"start: {opening} call{more}")
+      lines.insert(0, f"start: {opening} calls")
     elif reply is not None:
-      lines.insert(0, f"start: answer | {opening} call{more}")
+      lines.insert(0, f"start: answer | {opening} calls")
       lines.append(f"answer: {reply.fragment()}")
     elif opening == grammar.lark_string(self.OPEN):  # plain text up to the marker: the lazy rule ends at its first occurrence
-      lines.insert(0, f"start: TEXT | text_then_marker call{more}")
+      lines.insert(0, "start: TEXT | text_then_marker calls")
       lines.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{grammar.regex_literal(self.OPEN)}(.|\\n)*/")
       lines.append(f"text_then_marker[lazy]: /(.|\\n)*{grammar.regex_literal(self.OPEN)}/")
     else:
-      lines.insert(0, f"start: TEXT? | TEXT? {opening} call{more}")
+      lines.insert(0, f"start: TEXT? | TEXT? {opening} calls")
       lines.append("TEXT: /(.|\\n)+/")
     return "\n".join(lines)
 
@@ -199,14 +214,104 @@ class HermesFormat(ToolFormat):
     start = text.find(self.OPEN)
     if start < 0:
       return (text if final else _held_back(text, self.OPEN)), []
-    calls, pos = [], start
-    while pos >= 0:
-      call, end = read_call(text, pos + len(self.OPEN) + 1, self.key, final)
-      if call is None:
-        break
-      calls.append(call)
-      pos = text.find(self.OPEN, end) if call.complete else -1
-    return text[:start], calls
+    return text[:start], self.read_calls(text, start + len(self.OPEN), final)
+
+  def read_calls(self, text: str, pos: int, final: bool) -> List[CallText]:
+    """The calls written from text[pos] on (just after the first marker)."""
+    raise NotImplementedError
+
+
+def _listed_calls(text: str, pos: int, key: str, separator: str, final: bool) -> List[CallText]:
+  """Calls `{"name": ..., key: ...}` from text[pos] on, one after another with `separator` between them."""
+  calls = []
+  while True:
+    call, pos = read_call(text, pos, key, final)
+    if call is None:
+      return calls
+    calls.append(call)
+    if not call.complete or not text.startswith(separator, pos):
+      return calls
+    pos += len(separator)
+
+
+class HermesFormat(MarkerFormat):
+  name = "hermes"
+  OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+  def calls_rules(self, use, opening):
+    more = f' ("\\n" {opening} call){{0,{MAX_CALLS - 1}}}' if use.several else ""
+    return [f"calls: call{more}", f'call: "\\n" {call_fragment(use, self.key)} "\\n" {grammar.marker(self.tokenizer, self.CLOSE)}']
+
+  def read_calls(self, text, pos, final):
+    return _listed_calls(text, pos + 1, self.key, f"\n{self.CLOSE}\n{self.OPEN}\n", final)
+
+
+class MistralFormat(MarkerFormat):
+  """Mistral's (7B v0.3, Nemo, Small 3.x): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`. Its templates take
+  only call ids of 9 letters and digits, so those are the ids it gives, and other ids are mapped to such."""
+  name = "mistral"
+  OPEN = "[TOOL_CALLS]"
+  LIST = " ["
+
+  def new_id(self) -> str:
+    return "".join(random.choices(ALPHANUMERIC, k=9))
+
+  def conversation(self, messages, use):
+    messages, tools = super().conversation(messages, use)
+    out = []
+    for message in messages:
+      if message.get("tool_calls"):
+        message = {**message, "tool_calls": [{**call, "id": mistral_id(call.get("id"))} for call in message["tool_calls"]]}
+      if message["role"] == "tool" and "tool_call_id" in message:
+        message = {**message, "tool_call_id": mistral_id(message["tool_call_id"])}
+      out.append(message)
+    return out, tools
+
+  def calls_rules(self, use, opening):
+    more = f' (", " call){{0,{MAX_CALLS - 1}}}' if use.several else ""
+    return [f'calls: {grammar.lark_string(self.LIST)} call{more} "]"', f"call: {call_fragment(use, self.key)}"]
+
+  def read_calls(self, text, pos, final):
+    return _listed_calls(text, pos + len(self.LIST), self.key, ", ", final) if text.startswith(self.LIST, pos) else []
+
+
+class MistralArgsFormat(MistralFormat):
+  """Mistral's newer one (Small 3.2, Magistral, Devstral; templates with `[ARGS]`): each call
+  `[TOOL_CALLS]name[ARGS]{...}`."""
+  name = "mistral-args"
+  ARGS = "[ARGS]"
+
+  def calls_rules(self, use, opening):
+    more = f" ({opening} call){{0,{MAX_CALLS - 1}}}" if use.several else ""
+    args = grammar.marker(self.tokenizer, self.ARGS)
+    lenient = not all(t.strict for t in use.callable)
+    alternatives = " | ".join(f"{grammar.lark_string(t.name)} {args} {grammar.json_fragment(t.parameters, lenient=lenient)}" for t in use.callable)
+    return [f"calls: call{more}", f"call: {alternatives}"]
+
+  def read_calls(self, text, pos, final):
+    calls = []
+    while True:
+      name_end = text.find(self.ARGS, pos)
+      if name_end < 0:
+        return calls
+      start = name_end + len(self.ARGS)
+      end = json_value_end(text, start, final)
+      calls.append(CallText(text[pos:name_end], text[start:end] if end is not None else text[start:], end is not None))
+      if end is None or not text.startswith(self.OPEN, end):
+        return calls
+      pos = end + len(self.OPEN)
+
+
+ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def mistral_id(call_id: Optional[str]) -> str:
+  """A call id as Mistral's templates take it (9 letters and digits): kept if it is one, else one made from it, the
+  same each time (a call and the result that answers it keep matching)."""
+  if call_id and re.fullmatch(r"[a-zA-Z0-9]{9}", call_id):
+    return call_id
+  number = int.from_bytes(hashlib.sha256((call_id or "").encode()).digest()[:8], "big")
+  return "".join(ALPHANUMERIC[(number // 62 ** i) % 62] for i in range(9))
 
 
 class Llama3Format(ToolFormat):
@@ -313,6 +418,8 @@ def format_for(tokenizer, structured_reply: bool = False) -> ToolFormat:
   template = getattr(tokenizer, "chat_template", None) or ""
   if "<tool_call>" in template:
     return HermesFormat(tokenizer)
+  if "[TOOL_CALLS]" in template:
+    return MistralArgsFormat(tokenizer) if "[ARGS]" in template else MistralFormat(tokenizer)
   if "<|python_tag|>" in template or "ipython" in template:
     return Llama3Format(tokenizer)
   return GenericFormat(tokenizer, structured_reply)
@@ -337,7 +444,7 @@ class ToolCallStream:
     deltas = []
     for k, call in enumerate(calls):
       if k == len(self.calls):
-        self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        self.ids.append(self.format.new_id())
         self.calls.append(call)
         deltas.append({"index": k, "id": self.ids[k], "type": "function", "function": {"name": call.name, "arguments": call.arguments}})
         continue

@@ -130,12 +130,12 @@ def regex_literal(text: str) -> str:
 
 
 def marker(tokenizer, text: str) -> str:
-  """A marker the model writes (`<tool_call>`, `</think>`) in a grammar: the token by reference where the model has
-  it as a token the grammar engine holds special (every added token: Qwen's `<tool_call>` and `<think>` too, which
+  """A marker the model writes (`<tool_call>`, `</think>`, `[TOOL_CALLS]`) in a grammar: the token by its id
+  (`<[id]>`) where the model has it as a token the grammar engine holds special (every added token: Qwen's `<tool_call>` and `<think>` too, which
   text never matches), else the literal text."""
   backend = getattr(tokenizer, "backend", None)
   token = backend.token_to_id(text) if backend is not None else None
-  return text if token is not None and vocabulary(tokenizer).is_special_token(token) else lark_string(text)
+  return f"<[{token}]>" if token is not None and vocabulary(tokenizer).is_special_token(token) else lark_string(text)
 
 
 def check(grammar: str) -> None:

@@ -117,6 +117,13 @@ def openai_client(server: "ApiServer", timeout: float = 180) -> openai.OpenAI:
   return openai.OpenAI(base_url=f"{server.url}/v1", api_key="exo", timeout=timeout, max_retries=0)
 
 
+async def post_json(url: str, path: str, body: dict, timeout: float = 120):
+  """POST a JSON body to the server at `url`: (status, the reply's JSON)."""
+  async with aiohttp.ClientSession() as session:
+    async with session.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+      return response.status, await response.json()
+
+
 async def scrape(url: str) -> dict:
   """The node's /metrics, parsed by prometheus_client: {(sample name, labels as a sorted tuple): value}."""
   async with aiohttp.ClientSession() as session:

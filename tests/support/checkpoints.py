@@ -5,7 +5,7 @@ import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -23,7 +23,7 @@ def write_hf_dir(path: Path, config: LlamaConfig, weights, tokenizer, split: boo
   """A Hugging Face style model directory holding the same model (split: over two files with an index; file_of: in
   the file it names for each tensor, with an index); `chat_template` in place of SmolLM2's."""
   path.mkdir(exist_ok=True)
-  architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+  architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[model_type]
   (path / "config.json").write_text(json.dumps({
     "architectures": [architecture], "model_type": model_type, "hidden_size": config.hidden_size,
     "intermediate_size": config.intermediate_size, "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
@@ -76,19 +76,28 @@ def fixture_checkpoint(name: str, dest: Path, chat_template: Optional[str] = Non
   return write_tokenizer(dest, tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO)), chat_template)
 
 
-def with_think_tokens(path: Path) -> Path:
-  """The tokenizer in `path` given `<think>` and `</think>` as tokens of their own, as Qwen3's has them (added, not
-  special: they read as text), in the places of two of SmolLM2's unused special tokens (ids 3 and 4), so that a
-  fixture of 512 token ids can read and write them."""
+def renamed_tokens(path: Path, names: Dict[str, Tuple[str, bool]]) -> Path:
+  """The tokenizer in `path` with some of SmolLM2's unused special tokens renamed ({old: (new, special)}), so that a
+  checkpoint has a model family's markers as tokens of their own, at ids below 512 (the fixtures' vocabulary)."""
   file = path / "tokenizer.json"
   data = json.loads(file.read_text())
-  names = {"<repo_name>": "<think>", "<reponame>": "</think>"}
   for token in data["added_tokens"]:
     if token["content"] in names:
-      token["content"], token["special"] = names[token["content"]], False
-  data["model"]["vocab"] = {names.get(k, k): v for k, v in data["model"]["vocab"].items()}
+      token["content"], token["special"] = names[token["content"]]
+  data["model"]["vocab"] = {names[k][0] if k in names else k: v for k, v in data["model"]["vocab"].items()}
   file.write_text(json.dumps(data))
   return path
+
+
+def with_think_tokens(path: Path) -> Path:
+  """`<think>` and `</think>` as tokens of their own, as Qwen3's tokenizer has them (added, not special: they read as
+  text), in the places of ids 3 and 4."""
+  return renamed_tokens(path, {"<repo_name>": ("<think>", False), "<reponame>": ("</think>", False)})
+
+
+def with_mistral_tokens(path: Path) -> Path:
+  """`[TOOL_CALLS]` and `[ARGS]` as control tokens, as Mistral's tokenizers have them, in the places of ids 5 and 6."""
+  return renamed_tokens(path, {"<file_sep>": ("[TOOL_CALLS]", True), "<filename>": ("[ARGS]", True)})
 
 
 def random_llama(n_layers: int, hidden: int = 64):
