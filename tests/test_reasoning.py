@@ -8,6 +8,7 @@ from exo.api.chat_request import parse_chat_request
 from exo.api.errors import BadRequest
 from exo.api.ollama.request import parse_chat
 from exo.api.reasoning import Reasoning, ReasoningSplit, reasoning_of, template_switches
+from exo.inference.json_numbers import INTEGER, START, STRING, NumberBounds
 
 pytestmark = pytest.mark.unit
 
@@ -98,3 +99,13 @@ def test_ollama_think_and_anthropic_thinking_say_whether_to_think():
     with pytest.raises(BadRequest) as e:
       parse_messages_request({**anthropic, "thinking": thinking}, "dummy", "DummyInferenceEngine")
     assert e.value.param == param
+
+
+def test_the_json_lexer_starts_afresh_after_the_thinking():
+  """Thinking is free text: a quote in it must not leave the answer's JSON read as inside a string."""
+  bounds = NumberBounds(['"', "</think>", "1", "{"], restarts=[1])
+  state = START
+  for token in (0, 2):  # `"1`: inside a string
+    state = bounds.advance(state, token)
+  assert state[0] == STRING
+  assert bounds.advance(state, 1) == START and bounds.advance(bounds.advance(state, 1), 2)[0] == INTEGER

@@ -184,3 +184,17 @@ async def test_a_constrained_answer_follows_the_thinking(api, model):
   # The random model thinks until its budget is down to what the answer needs; then the thinking is closed for it.
   assert message["reasoning_content"] and raw_text(reply).endswith("</think>" + message["content"]), (raw_text(reply), message)
   assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openai_responses_return_a_reasoning_item_before_the_message(api):
+  server, models = api
+  client = openai_client(server)
+  with Script(server, models["qwen3"], QWEN3_TEXT):
+    response = client.responses.create(model=models["qwen3"], input="in the and of", max_output_tokens=30)
+  assert [item.type for item in response.output] == ["reasoning", "message"]
+  assert response.output[0].content[0].text == THOUGHT and response.output_text == ANSWER
+  with Script(server, models["qwen3"], QWEN3_TEXT):
+    events = list(client.responses.create(model=models["qwen3"], input="in the and of", max_output_tokens=30, stream=True))
+  thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+  final = events[-1].response
+  assert thinking == THOUGHT and final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER, events

@@ -191,7 +191,8 @@ def vocabulary_tables(tokenizer) -> Tuple[NumberBounds, ClosingTokens]:
       for i in special:
         texts[i] = ""
         closers[i] = closers[i] if closers[i] in CLOSING_MARKERS else ""
-      built = _tables[tokenizer] = (NumberBounds(texts), ClosingTokens(closers))
+      restarts = [i for i in special if closers[i]]
+      built = _tables[tokenizer] = (NumberBounds(texts, restarts), ClosingTokens(closers))
     return built
 
 

@@ -8,7 +8,7 @@ The bounds act on the sampler's grammar mask: each constrained answer's text is 
 (`NumberState`, advanced token by token), and where it stands in a number, the tokens that would break a bound, or
 leave a number that can only go on with a digit it may no longer write, are taken out of the mask. Which tokens that
 is depends only on the lexer's state, so each state's list is computed once per vocabulary."""
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -62,14 +62,17 @@ def over(state: State) -> bool:
 class NumberBounds:
   """One vocabulary's tables: which tokens each lexer state must not be followed by."""
 
-  def __init__(self, token_texts: List[str]):
+  def __init__(self, token_texts: List[str], restarts: Sequence[int] = ()):
     self.texts = token_texts
+    self.restarts = set(restarts)  # tokens after which the answer's JSON starts afresh (a reasoning model's </think>)
     # Only these tokens can break a bound: they hold a digit, or go on with a number already begun.
     self.with_digits = [i for i, t in enumerate(token_texts) if any(c in DIGITS for c in t)]
     self.continuing = [i for i, t in enumerate(token_texts) if t[:1] in (".", "e", "E", "+", "-") and not any(c in DIGITS for c in t)]
     self._banned: Dict[State, np.ndarray] = {}
 
   def advance(self, state: State, token: int) -> State:
+    if token in self.restarts:  # what came before (thinking: free text, with any quotes) is not the JSON
+      return START
     for char in self.texts[token]:
       state = step(state, char)
     return state

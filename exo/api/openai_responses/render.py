@@ -1,6 +1,7 @@
-"""The serving core's events in the Responses API's shapes: a response object whose output holds a message item
-(output_text) and function_call items, or its stream of events (response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta / .done,
+"""The serving core's events in the Responses API's shapes: a response object whose output holds a reasoning item (a
+reasoning model's thinking, as reasoning_text content), a message item (output_text) and function_call items, or its
+stream of events (response.created, response.in_progress, response.output_item.added, response.reasoning_text.delta /
+.done, response.content_part.added, response.output_text.delta / .done,
 response.function_call_arguments.delta / .done, response.content_part.done, response.output_item.done, then
 response.completed or, cut off by max_output_tokens, response.incomplete), each with its sequence_number."""
 import time
@@ -28,6 +29,11 @@ def message_item(request_id: str, text: str, status: str) -> dict:
           "content": [_text_part(text)] if status != "in_progress" else []}
 
 
+def reasoning_item(request_id: str, text: str, status: str) -> dict:
+  return {"id": _id("rs_", request_id), "type": "reasoning", "status": status, "summary": [],
+          "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+
+
 def call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
   return {"id": "fc_" + call_id.removeprefix("call_"), "type": "function_call", "status": status, "call_id": call_id, "name": name,
           "arguments": arguments}
@@ -49,7 +55,8 @@ class ResponseShape:
 
   def reply(self, request_id: str, answer: Answer, usage: Usage) -> dict:
     status = "incomplete" if answer.finish is not None and answer.finish.reason == "length" else "completed"
-    output = [message_item(request_id, answer.text, status)] if answer.text.strip() or not answer.calls else []
+    output = [reasoning_item(request_id, answer.reasoning, status)] if answer.reasoning else []
+    output += [message_item(request_id, answer.text, status)] if answer.text.strip() or not (answer.calls or answer.reasoning) else []
     output += [call_item(c.id, c.name, c.arguments, status) for c in answer.calls]
     return self.body(request_id, status, output, usage, answer.finish)
 
@@ -95,6 +102,15 @@ class ResponseStream:
 
   def _delta(self, delta: Delta) -> List[dict]:
     out = []
+    if delta.reasoning:
+      if self.open is None or self.open["type"] != "reasoning":
+        out += self._close()
+        item = reasoning_item(self.request_id, "", "in_progress")
+        self.open = {**item, "text": ""}
+        self.output.append(item)
+        out.append(self._event("response.output_item.added", output_index=self._index, item=item))
+      self.open["text"] += delta.reasoning
+      out.append(self._event("response.reasoning_text.delta", item_id=self.open["id"], output_index=self._index, content_index=0, delta=delta.reasoning))
     if delta.text:
       if self.open is None or self.open["type"] != "message":
         out += self._open_message()
@@ -128,6 +144,11 @@ class ResponseStream:
     if item is None:
       return []
     status = "incomplete" if self.finish is not None and self.finish.reason == "length" else "completed"
+    if item["type"] == "reasoning":
+      done = reasoning_item(self.request_id, item["text"], status)
+      self.output[self._index] = done
+      return [self._event("response.reasoning_text.done", item_id=done["id"], output_index=self._index, content_index=0, text=item["text"]),
+              self._event("response.output_item.done", output_index=self._index, item=done)]
     if item["type"] == "message":
       done = message_item(self.request_id, item["text"], status)
       self.output[self._index] = done
