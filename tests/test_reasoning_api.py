@@ -198,3 +198,14 @@ def test_openai_responses_return_a_reasoning_item_before_the_message(api):
   thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
   final = events[-1].response
   assert thinking == THOUGHT and final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER, events
+
+
+async def test_responses_reasoning_effort_none_turns_thinking_off_and_a_model_that_does_not_reason_refuses_an_effort(api):
+  server, models = api
+  body = {"model": models["qwen3"], "input": "in the and of", "max_output_tokens": 1}
+  status_on, on = await post_json(server.url, "/v1/responses", body)
+  status_off, off = await post_json(server.url, "/v1/responses", {**body, "reasoning": {"effort": "none"}})
+  assert status_on == status_off == 200, (on, off)
+  assert off["usage"]["input_tokens"] == on["usage"]["input_tokens"] + 4  # the closed thinking block in the prompt
+  status, reply = await post_json(server.url, "/v1/responses", {**body, "model": models["plain"], "reasoning": {"effort": "low"}})
+  assert status == 400 and reply["error"]["param"] == "reasoning.effort", reply

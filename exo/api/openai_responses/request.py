@@ -16,8 +16,10 @@ IMPLEMENTED = {"model", "input", "instructions", "max_output_tokens", "temperatu
                "text", "stream", "store", "metadata", "user", "safety_identifier", "prompt_cache_key", "include", "previous_response_id",
                "conversation", "reasoning"}
 NEUTRAL_VALUES = {"truncation": ["disabled"], "background": [False], "service_tier": ["auto", "default"], "top_logprobs": [0]}
-# What `include` may ask for: encrypted reasoning (Codex asks; this model writes no reasoning, so there is none to include).
+# What `include` may ask for: encrypted reasoning (Codex asks; nothing is encrypted: a reasoning model's thinking comes as
+# plain reasoning_text).
 INCLUDABLE = {"reasoning.encrypted_content"}
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 STATELESS = "this server stores no responses: send the whole conversation in `input`"
 TEXT_PARTS = {"input_text", "output_text", "text"}
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
@@ -85,7 +87,7 @@ def parse_input(value: Any, instructions: Optional[str]) -> List[Dict[str, Any]]
       out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content_text(item.get("output"), f"{where}.output")})
     elif kind == "item_reference":
       raise BadRequest(f"{where}: an item_reference needs a stored item; {STATELESS}", param=where, code="unsupported_parameter")
-    elif kind != "reasoning":  # (earlier reasoning: this model writes none, and it is not part of the prompt)
+    elif kind != "reasoning":  # (earlier reasoning is not part of the prompt, as reasoning models' templates drop it)
       raise BadRequest(f'{where}.type {kind!r} is not served here: input items are messages, "function_call" and "function_call_output"',
                        param=f"{where}.type")
   return out
@@ -130,11 +132,24 @@ def _refuse_state(body: dict) -> None:
   for name in ("previous_response_id", "conversation"):
     if body.get(name) is not None:
       raise BadRequest(f"{name}: {STATELESS}", param=name, code="unsupported_parameter")
-  if body.get("reasoning") is not None:
-    raise BadRequest("reasoning: this model does not reason (leave reasoning out)", param="reasoning", code="unsupported_parameter")
   include = body.get("include")
   if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) and i in INCLUDABLE for i in include)):
     raise BadRequest(f"include may only hold {sorted(INCLUDABLE)} here", param="include", code="unsupported_parameter")
+
+
+def _reasoning(body: dict) -> Optional[bool]:
+  """`reasoning`: its `effort` "none" makes a reasoning model answer at once (where its template can), another
+  effort makes it think (a model that does not reason: 400); the effort's degree does not change how long it
+  thinks. `summary` is accepted: no summary is written, the thinking itself comes back as reasoning_text."""
+  value = body.get("reasoning")
+  if value is None:
+    return None
+  if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
+    raise BadRequest('reasoning must be an object such as {"effort": "medium"}', param="reasoning")
+  effort = value.get("effort")
+  if effort is not None and effort not in EFFORTS:
+    raise BadRequest(f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort")
+  return None if effort is None else effort != "none"
 
 
 def parse_responses_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ResponsesRequest:
@@ -152,8 +167,8 @@ def parse_responses_request(body: Dict[str, Any], default_model: str, engine_cla
   params = sampling_params({k: body.get(k) for k in ("temperature", "top_p", "max_output_tokens")}, default_temperature, ("max_output_tokens",))
   use = _tool_use(body)
   response_format, text = _text_format(body)
-  generation = GenerationRequest(model, messages=messages, params=params, tool_use=use, response_format=response_format,
-                                 stream=parse_flag(body, "stream"), fields=FieldNames(prompt="input", max_tokens="max_output_tokens"))
+  generation = GenerationRequest(model, messages=messages, params=params, tool_use=use, response_format=response_format, thinking=_reasoning(body),
+                                 stream=parse_flag(body, "stream"), fields=FieldNames(prompt="input", max_tokens="max_output_tokens", thinking="reasoning.effort"))
   echo = {"instructions": instructions, "max_output_tokens": params.max_tokens, "metadata": metadata or {},
           "parallel_tool_calls": parse_flag(body, "parallel_tool_calls", default=True), "temperature": params.temperature, "text": text,
           "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [], "top_p": params.top_p, "user": body.get("user")}
