@@ -20,8 +20,10 @@ from tests.support.checkpoints import PLAIN_TEMPLATE, fixture_checkpoint, random
 pytestmark = pytest.mark.model
 
 # Written for these tests in the shape of Qwen3's templates, using only text the fixture's 512 token ids can hold
-# (no role names): earlier answers lose their thinking, and `enable_thinking` false closes an empty thinking block.
-QWEN3_SHAPED = (r"{%- for message in messages %}{{ '<|im_start|>' + (message['content'].split('</think>')[-1] if message['role'] == 'assistant' "
+# (no role names) unless tools are offered: earlier answers lose their thinking, `enable_thinking` false closes an empty
+# thinking block, and calls are asked for in `<tool_call>` tags.
+QWEN3_SHAPED = (r"{%- if tools %}{{ '<|im_start|>' + (tools | tojson) + ' <tool_call></tool_call><|im_end|>\n' }}{%- endif %}"
+                r"{%- for message in messages %}{{ '<|im_start|>' + (message['content'].split('</think>')[-1] if message['role'] == 'assistant' "
                 r"else message['content']) + '<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>' }}"
                 r"{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n</think>\n' }}{%- endif %}{%- endif %}")
 # The DeepSeek-R1 distills' shape: the prompt opens the thinking block itself, and nothing turns it off.
@@ -209,3 +211,22 @@ async def test_responses_reasoning_effort_none_turns_thinking_off_and_a_model_th
   assert off["usage"]["input_tokens"] == on["usage"]["input_tokens"] + 4  # the closed thinking block in the prompt
   status, reply = await post_json(server.url, "/v1/responses", {**body, "model": models["plain"], "reasoning": {"effort": "low"}})
   assert status == 400 and reply["error"]["param"] == "reasoning.effort", reply
+
+
+async def test_a_forced_tool_call_follows_the_thinking(api):
+  """The model's own tokens, Qwen3's way: the thinking (if the model opens it) first, then the `<tool_call>`."""
+  server, models = api
+  weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                                                                                       "required": ["city"]}}}
+  body = {"model": models["qwen3-full"], "messages": QUESTION, "max_tokens": 60, "logprobs": True, "tools": [weather],
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+  status, reply = await post_json(server.url, "/v1/chat/completions", body)
+  assert status == 200, reply
+  choice = reply["choices"][0]
+  calls = choice["message"]["tool_calls"]
+  assert choice["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_weather"], (raw_text(reply), choice)
+  assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+  raw = raw_text(reply)
+  thinking, closed, rest = raw.partition("</think>")
+  if closed:  # (greedy, these weights open a thinking block, which the budget closes)
+    assert choice["message"]["reasoning_content"] == thinking.removeprefix("<think>").strip() and rest.startswith("<tool_call>"), (raw, choice)
