@@ -87,6 +87,10 @@ def check(engine: str, name: str, **variant) -> None:
 DENSE = ["llama", "llama_rope_llama3", "llama_rope_llama3_v4", "llama_attention_bias", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2"]
 SLIDING = ["gemma2", "gemma3_text", "gemma3_text_v4"]  # sliding-window layers, soft-capping, Gemma's norms
 MOE = ["mixtral", "qwen3_moe"]  # mixtures of experts (Qwen3-MoE's layer 1 dense); the pipeline's cut lies between MoE layers
+# gpt-oss: sinks, a sliding layer then a full one (the pipeline cuts between them), biased clamped experts, yarn.
+# DeepSeek-V3: latent attention, a dense layer then two MoE layers with grouped routing and a shared expert, yarn;
+# in both config forms.
+MOE += ["gpt_oss", "deepseek_v3", "deepseek_v3_v4"]
 
 
 @pytest.mark.parametrize("name", DENSE + SLIDING + MOE)
@@ -118,29 +122,44 @@ def test_tinygrad_chunked_batched_and_pipelined_steps_give_the_same_tokens(name)
   check_on_tinygrads_thread(name, chunk=3, batched=True, cuts=[0])
 
 
-@pytest.mark.parametrize("name, field", [("mixtral", "num_experts_per_tok")])
+@pytest.mark.parametrize("name, field", [("mixtral", "num_experts_per_tok"), ("gpt_oss", "num_experts_per_tok"), ("deepseek_v3", "num_experts_per_tok")])
 def test_tinygrad_refuses_what_it_does_not_compute_by_name(name, field):
   with pytest.raises(UnsupportedModel, match="is not implemented by the tinygrad engine") as refused:
     shard_models("tinygrad", name)
   assert refused.value.field == field
 
 
-def test_the_rope_scaling_the_fixture_tests_changes_its_tokens():
-  """The llama3 fixture would catch an engine that ignored its RoPE scaling: without it the logits differ."""
+@pytest.mark.parametrize("name, change", [
+  ("llama_rope_llama3", {"rope_scaling": None}),
+  ("gpt_oss", {"rope_scaling": None}), ("gpt_oss", {"attention_sinks": False}), ("gpt_oss", {"swiglu_limit": 1e9}),
+  ("gpt_oss", {"sliding_layers": ()}), ("gpt_oss", "router.bias"), ("gpt_oss", "gate_up_proj_bias"),
+  ("deepseek_v3", {"rope_scaling": None}), ("deepseek_v3", {"rope_interleaved": False}), ("deepseek_v3", {"expert_groups_searched": 4}),
+  ("deepseek_v3", {"routed_scaling_factor": 1.0}), ("deepseek_v3", {"shared_expert_intermediate_size": 0}),
+  ("deepseek_v3", "e_score_correction_bias"),
+])
+def test_each_feature_a_fixture_tests_changes_its_logits(name, change):
+  """The fixture would catch an engine that left the feature out: computed without it, the logits differ from
+  transformers' by ten times what the other tests allow."""
   from exo.inference.numpy.llama import Llama
-  path = FIXTURES / "llama_rope_llama3"
-  shard = Shard("plain", 0, 1, 2)
+  path = FIXTURES / name
+  n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+  shard = Shard(name, 0, n_layers - 1, n_layers)
   config, weights = load_shard_weights(path, shard)
-  plain = Llama(config.__class__(**{**config.__dict__, "rope_scaling": None}), shard, weights)
-  _, logits = greedy([plain], [EXPECTED["llama_rope_llama3"]["prompt"]], 1)
-  assert np.abs(logits[0] - EXPECTED["llama_rope_llama3"]["last_prompt_logits"]).max() > 100 * LOGITS_ATOL
+  if isinstance(change, str):  # a tensor the checkpoint holds, zeroed
+    weights = {n: np.zeros_like(w) if n.endswith(change) else w for n, w in weights.items()}
+  else:
+    config = config.__class__(**{**config.__dict__, **change})
+  _, logits = greedy([Llama(config, shard, weights)], [EXPECTED[name]["prompt"]], 1)
+  assert np.abs(logits[0] - EXPECTED[name]["last_prompt_logits"]).max() > 10 * LOGITS_ATOL
 
 
 # mlx-lm (0.32) reads these checkpoints' configs as transformers does. The others it reads otherwise: it takes no
-# `rope_parameters` (the transformers 5 form) for Llama, Qwen2, Granite, Gemma 3 or Qwen3-MoE (whose `num_experts`
+# `rope_parameters` (the transformers 5 form) for Llama, Qwen2, Granite, Gemma 3, DeepSeek-V3 or Qwen3-MoE (whose `num_experts`
 # transformers 5 writes as `num_local_experts`, which mlx-lm does not read either), and its Gemma 2 attends every
-# layer over the whole context, where transformers (and exo) slide every other layer's window.
-MLX_LM_READS = ["llama", "llama_rope_llama3_v4", "mistral", "qwen3", "phi3", "olmo2", "gemma3_text_v4", "mixtral"]
+# layer over the whole context, where transformers (and exo) slide every other layer's window. Nor does it load
+# gpt-oss's experts as transformers 5 stores them (stacked, gate and up interleaved): its conversion leaves names
+# its model lacks.
+MLX_LM_READS = ["llama", "llama_rope_llama3_v4", "mistral", "qwen3", "phi3", "olmo2", "gemma3_text_v4", "mixtral", "deepseek_v3_v4"]
 
 
 def mlx_lm_greedy(name: str, new_tokens: int, path: Optional[Path] = None):

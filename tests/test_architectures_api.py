@@ -15,18 +15,18 @@ EXPECTED = json.loads((FIXTURE_MODELS / "expected.json").read_text())
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-  """A numpy node serving a transformers-5 Llama with llama3 RoPE scaling, and the same Llama with a yarn RoPE."""
+  """A numpy node serving a transformers-5 Llama with llama3 RoPE scaling, and the same Llama with a longrope RoPE (not implemented)."""
   root = tmp_path_factory.mktemp("checkpoints")
   scaled = fixture_checkpoint("llama_rope_llama3", root / "llama3")
-  yarn = fixture_checkpoint("llama_rope_llama3", root / "yarn")
-  config = json.loads((yarn / "config.json").read_text())
-  config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 32}
-  (yarn / "config.json").write_text(json.dumps(config))
+  longrope = fixture_checkpoint("llama_rope_llama3", root / "longrope")
+  config = json.loads((longrope / "config.json").read_text())
+  config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 500000.0, "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}
+  (longrope / "config.json").write_text(json.dumps(config))
   with served_checkpoints() as local:
-    scaled_id, yarn_id = local.serve([str(scaled), str(yarn)], [str(root)])
+    scaled_id, longrope_id = local.serve([str(scaled), str(longrope)], [str(root)])
     server = ApiServer("numpy", default_model=scaled_id).start()
     try:
-      yield server, scaled_id, yarn_id
+      yield server, scaled_id, longrope_id
     finally:
       server.stop()
 
@@ -51,7 +51,7 @@ async def test_a_transformers_5_llama_with_llama3_rope_answers_transformers_toke
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "Hi", "max_tokens": 3}),
                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})])
 async def test_an_unimplemented_rope_type_answers_400_naming_the_field(api, path, body):
-  server, _, yarn = api
-  status, reply = await post(server.url, path, {"model": yarn, **body})
+  server, _, longrope = api
+  status, reply = await post(server.url, path, {"model": longrope, **body})
   assert status == 400, reply
-  assert reply["error"]["param"] == "model" and "rope_parameters.rope_type" in reply["error"]["message"] and "yarn" in reply["error"]["message"], reply
+  assert reply["error"]["param"] == "model" and "rope_parameters.rope_type" in reply["error"]["message"] and "longrope" in reply["error"]["message"], reply

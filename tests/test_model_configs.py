@@ -1,6 +1,7 @@
 """config.json as each family and each transformers version writes it: read to the same decoder, and a field that
 changes the math without an implementation refused by name (never ignored)."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def test_the_fixtures_in_both_forms_read_alike():
 
 
 @pytest.mark.parametrize("fields, field", [
-  (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "rope_parameters.rope_type"),
+  (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "rope_parameters.original_max_position_embeddings"),
   (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type"),
   (dict(rope_scaling={"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}), "rope_scaling.type"),
   (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "rope_parameters.partial_rotary_factor"),
@@ -46,12 +47,49 @@ def test_the_fixtures_in_both_forms_read_alike():
   (dict(rope_parameters={"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}), "rope_parameters"),
   (dict(hidden_act="gelu"), "hidden_act"),
   (dict(mlp_bias=True), "mlp_bias"),
-  (dict(model_type="gpt_oss"), "model_type"),
+  (dict(model_type="jamba"), "model_type"),
 ])
 def test_a_field_that_changes_the_math_is_refused_by_name(fields, field):
   with pytest.raises(UnsupportedModel) as refused:
     model_config(config_json(**fields))
   assert refused.value.field == field and str(refused.value).startswith(field + ":")
+
+
+@pytest.mark.parametrize("name, fields, field", [
+  ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config.quant_method"),
+  ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func"),
+  ("deepseek_v3", dict(topk_method="greedy"), "topk_method"),
+  ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
+  ("deepseek_v3_v4", dict(rope_scaling={"type": "longrope", "factor": 4.0}), "rope_scaling.type"),
+])
+def test_a_mixture_of_experts_field_that_changes_the_math_is_refused_by_name(name, fields, field):
+  with pytest.raises(UnsupportedModel) as refused:
+    model_config({**json.loads((FIXTURES / name / "config.json").read_text()), **fields})
+  assert refused.value.field == field
+
+
+def test_yarn_reads_alike_in_both_forms_and_scales_the_scores():
+  """DeepSeek's yarn (mscale = mscale_all_dim) leaves cos and sin alone and scales the scores by mscale_all_dim's
+  temperature squared; gpt-oss's (neither given) multiplies cos and sin by the temperature: its scores by its square."""
+  v5, v4 = (model_config(json.loads((FIXTURES / name / "config.json").read_text())) for name in ("deepseek_v3", "deepseek_v3_v4"))
+  assert (v5.rope_theta, v5.rope_scaling) == (v4.rope_theta, v4.rope_scaling) and v5.rope_scaling["attention_factor"] == 1.0
+  temperature = 0.1 * math.log(4.0) + 1.0
+  assert v5.attention_scale == pytest.approx(temperature ** 2 / math.sqrt(24))
+  gpt_oss = model_config(json.loads((FIXTURES / "gpt_oss" / "config.json").read_text()))
+  temperature = 0.1 * math.log(8.0) + 1.0
+  assert gpt_oss.rope_scaling["attention_factor"] == pytest.approx(temperature)
+  assert gpt_oss.attention_scale == pytest.approx(temperature ** 2 / math.sqrt(16))
+
+
+def test_latent_attention_caches_the_latent_and_the_rope_key():
+  """DeepSeek-V3's cache per position and layer: its 512-wide latent and 64-wide RoPE key, not 128 heads' keys and values."""
+  from exo.api.model_limits import ModelLimits
+  config = model_config(json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text()))
+  assert config.kv_values_per_position == 32 + 8
+  assert ModelLimits.of(config).kv_bytes_per_position_per_layer == (32 + 8) * 4
+  full_size = {**json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text()), "num_attention_heads": 128, "num_key_value_heads": 128,
+               "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+  assert model_config(full_size).kv_values_per_position == 576
 
 
 def test_a_sliding_window_narrower_than_the_context_limits_the_context():

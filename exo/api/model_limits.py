@@ -16,7 +16,7 @@ class ModelLimits:
 
   @staticmethod
   def of(config: LlamaConfig) -> "ModelLimits":
-    return ModelLimits(config.max_position_embeddings, 2 * config.n_kv_heads * config.head_dim * KV_BYTES_PER_VALUE)  # K and V
+    return ModelLimits(config.max_position_embeddings, config.kv_values_per_position * KV_BYTES_PER_VALUE)  # K and V, or MLA's latent
 
   def kv_bytes(self, positions: int, layers: int) -> int:
     return positions * layers * self.kv_bytes_per_position_per_layer

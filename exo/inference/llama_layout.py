@@ -4,6 +4,7 @@ Weights: which a shard holds, each layer's grouped for its fused products (q/k/v
 rule for the output head. A step: where each request's rows sit among the step's rows, their positions and RoPE
 angles, and the row each request is sampled from. Everything here is numpy on the host; each engine's model class
 (exo/inference/<backend>/llama.py) turns it into its own arrays and holds only the computation."""
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -21,8 +22,11 @@ def rope_inv_freq(config: LlamaConfig, theta: Optional[float] = None, scaling: O
   """Inverse RoPE frequencies (head_dim // 2,), scaled as the model asks (llama3's by wavelength, or linear); `theta`
   and `scaling` in place of the model's own (a sliding layer's, ModelConfig.rope_of)."""
   theta, scaling = (config.rope_theta, config.rope_scaling) if theta is None else (theta, scaling)
-  inv_freq = 1.0 / (theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim))
+  dim = config.rope_dim
+  inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
   scaling = scaling or {}
+  if scaling.get("rope_type") == "yarn":
+    return yarn_inv_freq(inv_freq, theta, dim, scaling).astype(np.float32)
   if scaling.get("rope_type", scaling.get("type")) == "llama3":
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -37,6 +41,25 @@ def rope_inv_freq(config: LlamaConfig, theta: Optional[float] = None, scaling: O
   elif "freq_factors" in scaling:  # GGUF stores Llama-3 scaling as per-frequency divisors
     inv_freq = inv_freq / np.asarray(scaling["freq_factors"], dtype=np.float64)
   return inv_freq.astype(np.float32)
+
+
+def yarn_inv_freq(inv_freq: np.ndarray, theta: float, dim: int, scaling: dict) -> np.ndarray:
+  """Yarn's frequencies: those that turn fewer than beta_slow times over the original context divided by the
+  factor (interpolated), those that turn more than beta_fast times kept (extrapolated), a linear ramp between.
+  The cos and sin factor it also asks for is in the attention scale (models/config.py)."""
+  factor, old_context = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+  beta_fast, beta_slow = scaling.get("beta_fast") or 32.0, scaling.get("beta_slow") or 1.0
+
+  def dimension_turning(turns: float) -> float:  # the (fractional) dimension whose frequency turns `turns` times over the old context
+    return dim * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+  low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+  if scaling.get("truncate", True):
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001
+  interpolated = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+  return inv_freq / factor * interpolated + inv_freq * (1 - interpolated)
 
 
 # --- weights ---
@@ -70,6 +93,51 @@ class LayerWeights:
   k_norm: Optional[np.ndarray] = None  # head, or (n_heads * head_dim,) / (n_kv_heads * head_dim,) over the projection
   router: Optional[np.ndarray] = None  # (n_experts, hidden), in a mixture-of-experts layer (ModelConfig.is_moe)
   experts: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # each expert's fused gate/up (2 * inter, hidden) and down
+  router_bias: Optional[np.ndarray] = None  # (n_experts,) on the router's logits (gpt-oss)
+  score_correction: Optional[np.ndarray] = None  # (n_experts,) added to the scores to choose experts by (DeepSeek)
+  expert_biases: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # each expert's gate/up (2 * inter,) and down (hidden,)
+  shared_expert: Optional[Tuple[np.ndarray, np.ndarray]] = None  # gate/up and down of the MLP beside the experts (DeepSeek)
+  sinks: Optional[np.ndarray] = None  # (n_heads,) learned logits (ModelConfig.attention_sinks)
+  latent: Optional["LatentAttentionWeights"] = None  # multi-head latent attention's matrices, where qkv is None
+
+
+@dataclass
+class LatentAttentionWeights:
+  """Multi-head latent attention (ModelConfig.latent_attention), (out, in) as stored, the RoPE dimensions of q_b and
+  kv_a in rotate-half order (rope_half_order)."""
+  q_a: Optional[Weight]  # (q_lora_rank, hidden), or None where queries are one projection (q_b: (heads * qk_head, hidden))
+  q_a_norm: Optional[np.ndarray]
+  q_b: Weight  # (heads * (nope + rope), q_lora_rank)
+  kv_a: Weight  # (kv_lora_rank + rope, hidden): the latent, then the key's RoPE part shared by every head
+  kv_a_norm: np.ndarray  # (kv_lora_rank,)
+  kv_b: np.ndarray  # (heads * (nope + v), kv_lora_rank): each head's key (nope rows) and value (v rows) from the latent
+
+
+def rope_half_order(rows: int, rope: int) -> np.ndarray:
+  """The order of a projection's rows that puts each block of `rope` RoPE rows, stored as interleaved pairs (DeepSeek's
+  rope_interleave), in rotate-half order: pairs (x0, x1), (x2, x3)... become x0, x2, ..., x1, x3, ...; the rest stay.
+  Queries and keys move alike, so their products are unchanged."""
+  order = np.arange(rows).reshape(-1, rope)
+  return np.concatenate([order[:, 0::2], order[:, 1::2]], axis=1).reshape(-1)
+
+
+def latent_attention_weights(w, prefix: str, config: LlamaConfig) -> LatentAttentionWeights:
+  c = config
+  q_head, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_rope_head_dim
+  # each query head's RoPE part is its last `rope` rows; the key's, kv_a's last rows
+  q_order = np.concatenate([h * q_head + np.concatenate([np.arange(c.qk_nope_head_dim), c.qk_nope_head_dim + rope_half_order(rope, rope)])
+                            for h in range(c.n_heads)])
+  kv_order = np.concatenate([np.arange(c.kv_lora_rank), c.kv_lora_rank + rope_half_order(rope, rope)])
+  if not c.rope_interleaved:
+    q_order, kv_order = np.arange(len(q_order)), np.arange(len(kv_order))
+  for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+    if isinstance(w.get(f"self_attn.{name}.weight"), QuantizedWeight):
+      raise ValueError(f"{prefix}self_attn.{name}: quantized latent attention is not implemented (use a float checkpoint)")
+  one_projection = w.get("self_attn.q_proj.weight") is not None
+  return LatentAttentionWeights(
+    q_a=None if one_projection else w["self_attn.q_a_proj.weight"], q_a_norm=None if one_projection else w["self_attn.q_a_layernorm.weight"],
+    q_b=(w["self_attn.q_proj.weight"] if one_projection else w["self_attn.q_b_proj.weight"])[q_order],
+    kv_a=w["self_attn.kv_a_proj_with_mqa.weight"][kv_order], kv_a_norm=w["self_attn.kv_a_layernorm.weight"], kv_b=w["self_attn.kv_b_proj.weight"])
 
 
 def layer_weights(weights: Dict[str, Weight], shard: Shard, config: LlamaConfig) -> Iterator[LayerWeights]:
@@ -78,28 +146,71 @@ def layer_weights(weights: Dict[str, Weight], shard: Shard, config: LlamaConfig)
   norm = lambda w: w + np.float32(config.norm_weight_offset) if config.norm_weight_offset else w
   for i in range(shard.start_layer, shard.end_layer + 1):
     prefix = f"model.layers.{i}."
-    w = lambda name: weights[prefix + name]
-    parts = {role: norm(w(f"{name}.weight")) for role, name in config.layer_norms}
+    w = LayerTensors(weights, prefix)
+    parts = {role: norm(w[f"{name}.weight"]) for role, name in config.layer_norms}
     if config.qkv_bias:
-      parts["qkv_bias"] = np.concatenate([w(f"self_attn.{p}_proj.bias") for p in "qkv"])
+      parts["qkv_bias"] = np.concatenate([w[f"self_attn.{p}_proj.bias"] for p in "qkv"])
     if config.o_bias:
-      parts["o_bias"] = w("self_attn.o_proj.bias")
+      parts["o_bias"] = w["self_attn.o_proj.bias"]
     if config.qk_norm:
-      parts.update(q_norm=norm(w("self_attn.q_norm.weight")), k_norm=norm(w("self_attn.k_norm.weight")))
-    # Phi-3 stores each fusion as one matrix already
-    qkv = w("self_attn.qkv_proj.weight") if prefix + "self_attn.qkv_proj.weight" in weights else \
-        fused([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+      parts.update(q_norm=norm(w["self_attn.q_norm.weight"]), k_norm=norm(w["self_attn.k_norm.weight"]))
+    if config.attention_sinks:
+      parts["sinks"] = w["self_attn.sinks"]
+    if config.latent_attention:
+      qkv, parts["latent"] = None, latent_attention_weights(w, prefix, config)
+    elif w.get("self_attn.qkv_proj.weight") is not None:  # Phi-3 stores each fusion as one matrix already
+      qkv = w["self_attn.qkv_proj.weight"]
+    else:
+      qkv = fused([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]])
     if config.is_moe(i):
-      block, gate, up, down = config.expert_names
-      if any(isinstance(w(name), QuantizedWeight) for name in (f"{block}.gate.weight", f"{block}.experts.0.{gate}.weight")):
-        raise ValueError(f"{prefix}{block}: quantized experts are not implemented (use a float checkpoint)")
-      parts["router"] = w(f"{block}.gate.weight")
-      parts["experts"] = [(np.concatenate([w(f"{block}.experts.{e}.{gate}.weight"), w(f"{block}.experts.{e}.{up}.weight")]),
-                           w(f"{block}.experts.{e}.{down}.weight")) for e in range(config.n_experts)]
-      yield LayerWeights(qkv=qkv, o=w("self_attn.o_proj.weight"), gate_up=None, down=None, **parts)
+      parts.update(expert_weights(w, prefix, config))
+      yield LayerWeights(qkv=qkv, o=w["self_attn.o_proj.weight"], gate_up=None, down=None, **parts)
       continue
-    gate_up = w("mlp.gate_up_proj.weight") if prefix + "mlp.gate_up_proj.weight" in weights else fused([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
-    yield LayerWeights(qkv=qkv, o=w("self_attn.o_proj.weight"), gate_up=gate_up, down=w("mlp.down_proj.weight"), **parts)
+    gate_up = w.get("mlp.gate_up_proj.weight")
+    gate_up = fused([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]) if gate_up is None else gate_up
+    yield LayerWeights(qkv=qkv, o=w["self_attn.o_proj.weight"], gate_up=gate_up, down=w["mlp.down_proj.weight"], **parts)
+
+
+class LayerTensors:
+  """One layer's tensors by their names within it."""
+
+  def __init__(self, weights: Dict[str, Weight], prefix: str):
+    self.weights, self.prefix = weights, prefix
+
+  def __getitem__(self, name: str) -> Weight:
+    return self.weights[self.prefix + name]
+
+  def get(self, name: str) -> Optional[Weight]:
+    return self.weights.get(self.prefix + name)
+
+
+def expert_weights(w: LayerTensors, prefix: str, config: LlamaConfig) -> dict:
+  """A mixture-of-experts layer's router and experts (LayerWeights' fields), each expert's gate/up fused as
+  (2 * inter, hidden), gate rows first, from either layout checkpoints store them in: one matrix per expert
+  (`experts.<e>.<gate>.weight`...), or every expert's in one (in, out) tensor, gate and up columns interleaved
+  (gpt-oss: `experts.gate_up_proj`, `experts.down_proj` and their `_bias`)."""
+  block, gate, up, down = config.expert_names
+  router = "router" if w.get(f"{block}.router.weight") is not None else "gate"
+  if any(isinstance(w.get(name), QuantizedWeight) for name in (f"{block}.{router}.weight", f"{block}.experts.0.{gate}.weight", f"{block}.experts.gate_up_proj")):
+    raise ValueError(f"{prefix}{block}: quantized experts are not implemented (use a float checkpoint)")
+  parts = {"router": w[f"{block}.{router}.weight"]}
+  if config.router_bias:
+    parts["router_bias"] = w[f"{block}.router.bias"]
+  elif config.router == "sigmoid_grouped":
+    parts["score_correction"] = w[f"{block}.gate.e_score_correction_bias"]
+  if w.get(f"{block}.experts.gate_up_proj") is not None:
+    stacked_gate_up, stacked_down = w[f"{block}.experts.gate_up_proj"], w[f"{block}.experts.down_proj"]  # (experts, in, out)
+    gate_first = np.concatenate([np.arange(0, stacked_gate_up.shape[-1], 2), np.arange(1, stacked_gate_up.shape[-1], 2)])
+    parts["experts"] = [(np.ascontiguousarray(gu.T[gate_first]), np.ascontiguousarray(d.T)) for gu, d in zip(stacked_gate_up, stacked_down)]
+    if config.expert_bias:
+      parts["expert_biases"] = [(gu[gate_first], d) for gu, d in zip(w[f"{block}.experts.gate_up_proj_bias"], w[f"{block}.experts.down_proj_bias"])]
+  else:
+    parts["experts"] = [(np.concatenate([w[f"{block}.experts.{e}.{gate}.weight"], w[f"{block}.experts.{e}.{up}.weight"]]),
+                         w[f"{block}.experts.{e}.{down}.weight"]) for e in range(config.n_experts)]
+  if config.shared_expert_intermediate_size:
+    parts["shared_expert"] = (np.concatenate([w[f"{block}.shared_experts.{gate}.weight"], w[f"{block}.shared_experts.{up}.weight"]]),
+                              w[f"{block}.shared_experts.{down}.weight"])
+  return parts
 
 
 def rope_tables(config: LlamaConfig, layers: Sequence[int]) -> Tuple[List[np.ndarray], List[int]]:
@@ -189,14 +300,35 @@ def in_caller_order(order: Sequence[int], outputs: Sequence) -> List:
 
 # --- mixtures of experts ---
 
-def route(router_logits: np.ndarray, config: LlamaConfig) -> Tuple[np.ndarray, np.ndarray]:
-  """Each row's experts and their weights, (rows, k) each: softmax over every expert, the k most probable (ties to
-  the lower index, as torch.topk on the CPU), renormalised over those k where the model says so."""
-  logits = router_logits.astype(np.float32)
-  probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-  probs /= probs.sum(axis=-1, keepdims=True)
-  chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :config.experts_per_token]
+def route(router_logits: np.ndarray, config: LlamaConfig, score_correction: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+  """Each row's experts and their weights, (rows, k) each, by the model's rule (ModelConfig.router); ties go to the
+  lower index, as torch.topk's on the CPU."""
+  logits, k = router_logits.astype(np.float32), config.experts_per_token
+  top_k = lambda values: np.argsort(-values, axis=-1, kind="stable")[:, :k]
+  if config.router == "topk_softmax":
+    chosen = top_k(logits)
+    return chosen, softmax(np.take_along_axis(logits, chosen, axis=-1))
+  if config.router == "sigmoid_grouped":
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    choosing = scores if score_correction is None else scores + score_correction
+    groups = choosing.reshape(len(choosing), config.n_expert_groups, -1)
+    group_scores = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)  # each group by its two best
+    searched = np.argsort(-group_scores, axis=-1, kind="stable")[:, :config.expert_groups_searched]
+    hidden = np.ones(group_scores.shape, dtype=bool)
+    np.put_along_axis(hidden, searched, False, axis=-1)
+    chosen = top_k(np.where(hidden[..., None], -np.inf, groups).reshape(choosing.shape))
+    weights = np.take_along_axis(scores, chosen, axis=-1)
+    if config.normalize_expert_weights:
+      weights /= weights.sum(axis=-1, keepdims=True) + 1e-20
+    return chosen, weights * np.float32(config.routed_scaling_factor)
+  probs = softmax(logits)
+  chosen = top_k(probs)
   weights = np.take_along_axis(probs, chosen, axis=-1)
   if config.normalize_expert_weights:
     weights /= weights.sum(axis=-1, keepdims=True)
   return chosen, weights
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+  e = np.exp(x - x.max(axis=-1, keepdims=True))
+  return e / e.sum(axis=-1, keepdims=True)

@@ -8,11 +8,12 @@ MIN_CAPACITY = 64
 
 class KVCache:
   """One request's keys and values: per layer one (n_kv_heads, capacity, head_dim) array each; only the first
-  `length` positions are ever read."""
+  `length` positions are ever read. With one plane, keys alone (latent attention reads them as values too)."""
 
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32, capacity: int = MIN_CAPACITY):
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32, capacity: int = MIN_CAPACITY,
+               planes: int = 2):
     self.keys = [mx.zeros((n_kv_heads, capacity, head_dim), dtype=dtype) for _ in range(n_layers)]
-    self.values = [mx.zeros((n_kv_heads, capacity, head_dim), dtype=dtype) for _ in range(n_layers)]
+    self.values = [mx.zeros((n_kv_heads, capacity, head_dim), dtype=dtype) for _ in range(n_layers if planes == 2 else 0)]
     self.capacity, self.length = capacity, 0
 
   def reserve(self, length: int) -> None:

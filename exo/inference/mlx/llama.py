@@ -14,6 +14,7 @@ import numpy as np
 from exo.inference.llama_layout import StepRows, layer_weights, rope_tables, shard_ends, step_input
 from exo.inference.mlx.cache import KVCache
 from exo.inference.mlx.matrix import Matrix, compute_dtype, matrix
+from exo.inference.models.config import rope_attention_factor
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig
 
@@ -24,7 +25,8 @@ def rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
   return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-VECTORS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "qkv_bias", "o_bias", "q_norm", "k_norm")  # None where a family has none
+VECTORS = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "qkv_bias", "o_bias", "q_norm", "k_norm", "sinks", "router_bias",
+           "score_correction")  # None where a family has none
 
 
 def gelu_tanh(x: mx.array) -> mx.array:
@@ -52,16 +54,27 @@ class Llama:
     vector = lambda a: mx.array(a).astype(dtype)
     self.layers = []
     for layer in layer_weights(weights, shard, config):
-      matrices = {"qkv": matrix(layer.qkv, dtype), "o": Matrix(layer.o, dtype)}
+      matrices = {"o": Matrix(layer.o, dtype)}
+      if layer.latent is None:
+        matrices["qkv"] = matrix(layer.qkv, dtype)
+      else:
+        matrices.update(latent_matrices(layer.latent, dtype))
       if layer.experts is None:
         matrices.update(gate_up=matrix(layer.gate_up, dtype), down=Matrix(layer.down, dtype))
       vectors = {name: None if getattr(layer, name) is None else vector(getattr(layer, name)) for name in VECTORS}
       # a mixture of experts: the router (hidden, experts), and every expert's matrices stacked as (in, out) for gather_mm
-      vectors["router"] = None if layer.router is None else vector(layer.router.T)
-      vectors["experts_gate_up"] = None if layer.experts is None else vector(np.stack([gate_up.T for gate_up, _ in layer.experts]))
-      vectors["experts_down"] = None if layer.experts is None else vector(np.stack([down.T for _, down in layer.experts]))
+      stacked = lambda pairs, i: None if pairs is None else vector(np.stack([pair[i].T if pair[i].ndim == 2 else pair[i] for pair in pairs]))
+      vectors.update(router=None if layer.router is None else vector(layer.router.T), experts_gate_up=stacked(layer.experts, 0),
+                     experts_down=stacked(layer.experts, 1), experts_gate_up_bias=stacked(layer.expert_biases, 0),
+                     experts_down_bias=stacked(layer.expert_biases, 1))
+      if layer.shared_expert is not None:
+        matrices.update(shared_gate_up=Matrix(layer.shared_expert[0], dtype), shared_down=Matrix(layer.shared_expert[1], dtype))
+      if layer.latent is not None:
+        vectors.update({name: None if getattr(layer.latent, name) is None else vector(getattr(layer.latent, name)) for name in ("q_a_norm", "kv_a_norm")})
+        kv_b = layer.latent.kv_b.reshape(config.n_heads, config.qk_nope_head_dim + config.v_head_dim, config.kv_lora_rank)
+        vectors.update(key_up=vector(kv_b[:, :config.qk_nope_head_dim]), value_up=vector(kv_b[:, config.qk_nope_head_dim:].transpose(0, 2, 1)))
       mx.eval([m.arrays() for m in matrices.values()], [a for a in vectors.values() if a is not None])  # now, before the next layer is fused
-      self.layers.append({**matrices, **vectors})
+      self.layers.append({"latent": layer.latent is not None, "shared_gate_up": None, **matrices, **vectors})
     ends = shard_ends(weights, shard, config)
     self.embed = None if ends.embed is None else Matrix(ends.embed, dtype)
     self.head = self.embed if ends.shared else None if ends.head is None else Matrix(ends.head, dtype)
@@ -71,7 +84,10 @@ class Llama:
     self.rope_tables, self.rope_of_layer = rope_tables(config, self.layer_ids)
 
   def new_cache(self) -> KVCache:
-    return KVCache(len(self.layers), self.config.n_kv_heads, self.config.head_dim, self.dtype)
+    c = self.config
+    if c.latent_attention:  # the latent and the RoPE key, one head read as keys and values (latent_attention's docstring)
+      return KVCache(len(self.layers), 1, c.kv_values_per_position, self.dtype, planes=1)
+    return KVCache(len(self.layers), c.n_kv_heads, c.head_dim, self.dtype)
 
   def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
@@ -100,6 +116,11 @@ class Llama:
     for li, layer in enumerate(self.layers):
       cos, sin = angles[self.rope_of_layer[li]]
       window = c.sliding_window if c.slides(self.layer_ids[li]) else None
+      if layer["latent"]:
+        attn = layer["o"](self._latent_attention(rms_norm(h, layer["attn_norm"], c.rms_norm_eps), layer, li, caches, step, cos, sin, masks[window]))
+        h = h + residual(rms_norm(attn, layer["post_attn_norm"], c.rms_norm_eps), c.residual_scale)
+        h = self._mlp(h, layer)
+        continue
       qkv = layer["qkv"](rms_norm(h, layer["attn_norm"], c.rms_norm_eps))
       if layer["qkv_bias"] is not None:
         qkv = qkv + layer["qkv_bias"]
@@ -118,7 +139,7 @@ class Llama:
         keys, values = cache.keys[li][None, :, :s + n], cache.values[li][None, :, :s + n]
         queries = q[a:a + n].transpose(1, 0, 2)[None]
         if c.attn_softcap is None:
-          out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=masks[window][r])
+          out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=masks[window][r], sinks=layer["sinks"])
         else:
           out = softcapped_attention(queries, keys, values, scale, c.attn_softcap, masks[window][r])
         outs.append(out[0].transpose(1, 0, 2).reshape(n, q_size))
@@ -126,13 +147,7 @@ class Llama:
       if layer["o_bias"] is not None:
         attn = attn + layer["o_bias"]
       h = h + residual(rms_norm(attn, layer["post_attn_norm"], c.rms_norm_eps), c.residual_scale)
-      x = rms_norm(h, layer["mlp_norm"], c.rms_norm_eps)
-      if layer["router"] is not None:
-        mlp = self._experts(x, layer)
-      else:
-        gate_up = layer["gate_up"](x)
-        mlp = layer["down"](self._act(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:])
-      h = h + residual(rms_norm(mlp, layer["post_mlp_norm"], c.rms_norm_eps), c.residual_scale)
+      h = self._mlp(h, layer)
     for cache, s, n in zip(caches, step.starts, step.lengths):
       cache.length = s + n
 
@@ -147,21 +162,104 @@ class Llama:
     logits = np.array(logits)
     return [logits[r:r + 1] for r in range(len(inputs))]
 
+  def _mlp(self, h: mx.array, layer: dict) -> mx.array:
+    """The residual stream after the layer's MLP (dense, or a mixture of experts)."""
+    c = self.config
+    x = rms_norm(h, layer["mlp_norm"], c.rms_norm_eps)
+    if layer["router"] is not None:
+      mlp = self._experts(x, layer)
+    else:
+      gate_up = layer["gate_up"](x)
+      mlp = layer["down"](self._act(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:])
+    return h + residual(rms_norm(mlp, layer["post_mlp_norm"], c.rms_norm_eps), c.residual_scale)
+
   def _act(self, gate: mx.array) -> mx.array:
     return gelu_tanh(gate) if self.config.activation == "gelu_tanh" else gate * mx.sigmoid(gate)
 
+  def _gated(self, gate_up: mx.array) -> mx.array:
+    """An expert's activation from its gate and up outputs side by side (..., 2 * inter)."""
+    c = self.config
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    if c.swiglu_limit is not None:  # gpt-oss's clamped SwiGLU
+      gate, up = mx.minimum(gate, c.swiglu_limit), mx.clip(up, -c.swiglu_limit, c.swiglu_limit)
+      return (up + 1) * gate * mx.sigmoid(c.swiglu_alpha * gate)
+    return self._act(gate) * up
+
   def _experts(self, x: mx.array, layer: dict) -> mx.array:
     """A mixture-of-experts MLP: each row through its k experts only (gather_mm picks each row's expert matrices),
-    their outputs summed by the router's weights (llama_layout.route's rule)."""
-    c, k, inter = self.config, self.config.experts_per_token, self.config.expert_intermediate_size
-    probs = mx.softmax((x @ layer["router"]).astype(mx.float32), axis=-1)
-    chosen = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]
-    weights = mx.take_along_axis(probs, chosen, axis=-1)
-    if c.normalize_expert_weights:
-      weights = weights / weights.sum(axis=-1, keepdims=True)
+    their outputs summed by the router's weights (llama_layout.route's rule), and a shared expert where there is one."""
+    logits = (x @ layer["router"]).astype(mx.float32)
+    if layer["router_bias"] is not None:
+      logits = logits + layer["router_bias"].astype(mx.float32)
+    chosen, weights = route(logits, self.config, layer["score_correction"])
     gate_up = mx.gather_mm(mx.expand_dims(x, (-2, -3)), layer["experts_gate_up"], rhs_indices=chosen)  # (rows, k, 1, 2 inter)
-    out = mx.gather_mm(self._act(gate_up[..., :inter]) * gate_up[..., inter:], layer["experts_down"], rhs_indices=chosen)  # (rows, k, 1, hidden)
-    return (out.squeeze(-2) * weights[..., None].astype(out.dtype)).sum(axis=1)
+    if layer["experts_gate_up_bias"] is not None:
+      gate_up = gate_up + mx.expand_dims(layer["experts_gate_up_bias"][chosen], -2)
+    out = mx.gather_mm(self._gated(gate_up), layer["experts_down"], rhs_indices=chosen)  # (rows, k, 1, hidden)
+    if layer["experts_down_bias"] is not None:
+      out = out + mx.expand_dims(layer["experts_down_bias"][chosen], -2)
+    out = (out.squeeze(-2) * weights[..., None].astype(out.dtype)).sum(axis=1)
+    if layer["shared_gate_up"] is not None:
+      out = out + layer["shared_down"](self._gated(layer["shared_gate_up"](x)))
+    return out
+
+  def _latent_attention(self, x: mx.array, layer: dict, li: int, caches: Sequence[KVCache], step: StepRows, cos: mx.array, sin: mx.array,
+                        masks: list) -> mx.array:
+    """Multi-head latent attention in the latent space, as exo/inference/numpy/latent_attention.py computes it:
+    every head attends over the cached (latent, RoPE key) rows, one KV head whose keys are their own values. Before
+    the output projection: (rows, heads * v)."""
+    c = self.config
+    rows, n_heads, nope, rank = x.shape[0], c.n_heads, c.qk_nope_head_dim, c.kv_lora_rank
+    q_in = x if layer["q_a"] is None else mx.fast.rms_norm(layer["q_a"](x), layer["q_a_norm"], c.rms_norm_eps)
+    queries = layer["q_b"](q_in).reshape(rows, n_heads, nope + c.qk_rope_head_dim)
+    compressed = layer["kv_a"](x)
+    entry = mx.concatenate([mx.fast.rms_norm(compressed[:, :rank], layer["kv_a_norm"], c.rms_norm_eps),
+                            rope(compressed[:, None, rank:], cos, sin)[:, 0]], axis=-1)
+    factor = rope_attention_factor(c.rope_scaling)  # yarn's cos and sin factor, on the RoPE part alone
+    q = mx.concatenate([(queries[..., :nope].transpose(1, 0, 2) @ layer["key_up"]).transpose(1, 0, 2),
+                        rope(queries[..., nope:], cos, sin) * (factor * factor)], axis=-1)
+    outs = []
+    for r, (cache, s, n) in enumerate(zip(caches, step.starts, step.lengths)):
+      a = int(step.offsets[r])
+      cache.keys[li][:, s:s + n, :] = entry[a:a + n][None]
+      keys = cache.keys[li][None, :, :s + n]
+      out = mx.fast.scaled_dot_product_attention(q[a:a + n].transpose(1, 0, 2)[None], keys, keys[..., :rank], scale=c.attention_scale, mask=masks[r])
+      outs.append(out[0])  # (heads, n, latent)
+    latents = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    return (latents @ layer["value_up"]).transpose(1, 0, 2).reshape(rows, n_heads * c.v_head_dim)
+
+
+def latent_matrices(weights, dtype) -> dict:
+  return {"q_a": None if weights.q_a is None else Matrix(weights.q_a, dtype), "q_b": Matrix(weights.q_b, dtype), "kv_a": Matrix(weights.kv_a, dtype)}
+
+
+def route(logits: mx.array, c: LlamaConfig, score_correction: Optional[mx.array]):
+  """Each row's k experts and their weights, by llama_layout.route's rules (float32 logits)."""
+  k = c.experts_per_token
+  top_k = lambda values: mx.argpartition(-values, kth=k - 1, axis=-1)[:, :k]
+  if c.router == "topk_softmax":
+    chosen = top_k(logits)
+    return chosen, mx.softmax(mx.take_along_axis(logits, chosen, axis=-1), axis=-1)
+  if c.router == "sigmoid_grouped":
+    scores = mx.sigmoid(logits)
+    choosing = scores if score_correction is None else scores + score_correction.astype(mx.float32)
+    groups = choosing.reshape(choosing.shape[0], c.n_expert_groups, -1)
+    group_scores = mx.sort(groups, axis=-1)[..., -2:].sum(axis=-1)
+    n_hidden = c.n_expert_groups - c.expert_groups_searched
+    if n_hidden > 0:
+      hidden = mx.argpartition(group_scores, kth=n_hidden - 1, axis=-1)[:, :n_hidden]  # the groups not searched
+      groups = mx.put_along_axis(groups, mx.expand_dims(hidden, -1), mx.array(-mx.inf, dtype=groups.dtype), axis=1)
+    chosen = top_k(groups.reshape(choosing.shape))
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    if c.normalize_expert_weights:
+      weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return chosen, weights * c.routed_scaling_factor
+  probs = mx.softmax(logits, axis=-1)
+  chosen = top_k(probs)
+  weights = mx.take_along_axis(probs, chosen, axis=-1)
+  if c.normalize_expert_weights:
+    weights = weights / weights.sum(axis=-1, keepdims=True)
+  return chosen, weights
 
 
 def softcapped_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, cap: float, mask: Optional[mx.array]) -> mx.array:

@@ -3,6 +3,7 @@ several families share (RoPE, sliding windows, activations).
 
 A config.json field that changes the model's math is either honoured here or refused with UnsupportedModel naming
 it; none is silently ignored, since a model computed without it answers plausible but wrong tokens."""
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -59,6 +60,48 @@ class ModelConfig:
   normalize_expert_weights: bool = True
   moe_layers: Tuple[int, ...] = ()
   expert_names: Tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")  # the block; each expert's gate, up and down
+  # How the router's logits become each row's experts and weights (llama_layout.route): "softmax" as above;
+  # "topk_softmax" the k largest logits, softmax over those (gpt-oss); "sigmoid_grouped" (DeepSeek-V3) sigmoid
+  # scores, plus the checkpoint's correction bias for choosing only: the n_expert_groups groups ranked by their two
+  # best, the top expert_groups_searched searched for the k best, whose uncorrected scores are the weights
+  # (renormalised when normalize_expert_weights), times routed_scaling_factor.
+  router: str = "softmax"
+  router_bias: bool = False  # the router's logits carry a bias (gpt-oss)
+  expert_bias: bool = False  # each expert's gate/up and down carry biases (gpt-oss)
+  n_expert_groups: int = 1
+  expert_groups_searched: int = 1
+  routed_scaling_factor: float = 1.0
+  shared_expert_intermediate_size: int = 0  # a gated MLP every row goes through beside its experts (DeepSeek)
+  # gpt-oss's experts' SwiGLU: gate clamped above at swiglu_limit and up to +-swiglu_limit, then
+  # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+  swiglu_limit: Optional[float] = None
+  swiglu_alpha: float = 1.0
+  attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
+  # Multi-head latent attention (DeepSeek V2/V3), where kv_lora_rank > 0: queries through a rank q_lora_rank
+  # bottleneck (0: one projection), keys and values from a normalised latent of kv_lora_rank per position, each
+  # head's key its qk_nope_head_dim from the latent and qk_rope_head_dim turned by RoPE, shared by all heads. The
+  # cache holds the latent and the turned key part: kv_lora_rank + qk_rope_head_dim values a position and layer.
+  # head_dim is qk_nope_head_dim + qk_rope_head_dim (the query-key width).
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  rope_interleaved: bool = False  # the checkpoint's RoPE dimensions are stored as interleaved pairs (DeepSeek's rope_interleave)
+
+  @property
+  def latent_attention(self) -> bool:
+    return self.kv_lora_rank > 0
+
+  @property
+  def rope_dim(self) -> int:
+    """The dimensions of a query or key head RoPE turns."""
+    return self.qk_rope_head_dim if self.latent_attention else self.head_dim
+
+  @property
+  def kv_values_per_position(self) -> int:
+    """Values a layer's KV cache keeps per position: a key and a value per KV head, or MLA's latent and RoPE key."""
+    return self.kv_lora_rank + self.qk_rope_head_dim if self.latent_attention else 2 * self.n_kv_heads * self.head_dim
 
   def is_moe(self, layer: int) -> bool:
     return layer in self.moe_layers
@@ -67,6 +110,7 @@ class ModelConfig:
     """The weights of every layer's MLP together, each expert's counted (a node holds them all)."""
     dense = 3 * self.hidden_size * self.intermediate_size
     experts = self.n_experts * (3 * self.hidden_size * self.expert_intermediate_size + self.hidden_size)  # and the router
+    experts += 3 * self.hidden_size * self.shared_expert_intermediate_size
     return sum(experts if self.is_moe(layer) else dense for layer in range(self.n_layers))
 
   def slides(self, layer: int) -> bool:
@@ -84,6 +128,10 @@ def check_engine(config: ModelConfig, engine_classname: str) -> None:
     return
   if config.moe_layers:
     raise refuse("num_experts_per_tok", config.experts_per_token, "(a mixture of experts) is not implemented by the tinygrad engine (use numpy or mlx)")
+  if config.latent_attention:
+    raise refuse("kv_lora_rank", config.kv_lora_rank, "(multi-head latent attention) is not implemented by the tinygrad engine (use numpy or mlx)")
+  if config.attention_sinks:
+    raise refuse("model_type", config.model_type, "(attention sinks) is not implemented by the tinygrad engine (use numpy or mlx)")
 
 
 def refuse(field: str, value, why: str = "is not implemented by exo's engines") -> UnsupportedModel:
@@ -94,7 +142,8 @@ def rope_parameters(config_json: dict, layer_type: Optional[str] = None) -> Tupl
   """(theta, scaling) from either config form: transformers 4's top-level `rope_theta` and `rope_scaling`, or
   transformers 5's `rope_parameters` {rope_type, rope_theta, factor, ...}, or its one set per layer type (Gemma 3:
   `layer_type` picks one). Scaling is None for plain RoPE; a RoPE type other than default, linear or llama3 is
-  refused, as is RoPE over part of each head."""
+  refused, as is RoPE over part of each head. Yarn's scaling keeps `attention_factor`, what it multiplies cos and
+  sin by (yarn_attention_factor)."""
   if config_json.get("rope_parameters") is not None:
     field, params = "rope_parameters", dict(config_json["rope_parameters"])
     if params and all(isinstance(v, dict) for v in params.values()):  # one set per layer type
@@ -113,10 +162,36 @@ def rope_parameters(config_json: dict, layer_type: Optional[str] = None) -> Tupl
   rope_type = params.get(key) or "default"
   if rope_type == "default":
     return float(theta), None
-  if rope_type not in ("linear", "llama3"):
+  if rope_type not in ("linear", "llama3", "yarn"):
     raise refuse(f"{field}.{key}", rope_type)
   params.pop("rope_theta", None)
+  if rope_type == "yarn":
+    for needed in ("factor", "original_max_position_embeddings"):
+      if params.get(needed) is None:
+        raise refuse(f"{field}.{needed}", None, "(yarn without it) is not implemented by exo's engines")
+    params["attention_factor"] = yarn_attention_factor(params)
   return float(theta), {**params, "rope_type": rope_type}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """Yarn's attention temperature for a context `factor` times the original."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(params: dict) -> float:
+  """What yarn multiplies RoPE's cos and sin by (so every query-key product of turned dimensions by its square):
+  the config's `attention_factor`, else the ratio of the two mscales DeepSeek gives, else mscale of the factor."""
+  if params.get("attention_factor") is not None:
+    return float(params["attention_factor"])
+  factor, mscale, mscale_all_dim = float(params["factor"]), params.get("mscale"), params.get("mscale_all_dim")
+  if mscale and mscale_all_dim:
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+  return yarn_mscale(factor)
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+  """The factor RoPE's scaling multiplies cos and sin by: 1 but for yarn."""
+  return float((scaling or {}).get("attention_factor", 1.0))
 
 
 def context_length(config_json: dict) -> int:
@@ -143,6 +218,13 @@ def dense_decoder(config_json: dict, **features) -> ModelConfig:
   hidden, n_heads = config_json["hidden_size"], config_json["num_attention_heads"]
   if "rope_theta" not in features:
     features["rope_theta"], features["rope_scaling"] = rope_parameters(config_json)
+  factor = rope_attention_factor(features["rope_scaling"])
+  if features.get("sliding_rope") is not None and rope_attention_factor(features["sliding_rope"][1]) != factor:
+    raise refuse("rope_parameters.sliding_attention", features["sliding_rope"][1], "(a yarn factor of its own) is not implemented by exo's engines")
+  if factor != 1.0 and not features.get("kv_lora_rank"):  # (MLA turns part of each head: deepseek_v3.py)
+    # yarn's cos and sin factor is on every dimension of a head's queries and keys: the scores times its square
+    scale = features.get("attention_scale") or 1.0 / math.sqrt(config_json.get("head_dim") or hidden // n_heads)
+    features["attention_scale"] = scale * factor * factor
   if "activation" not in features:
     check_activation(config_json)
   if config_json.get("mlp_bias"):

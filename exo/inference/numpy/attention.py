@@ -72,12 +72,14 @@ class DecodeRun:
             DecodeRun(self.slab, self.slot + n, self.first + n, self.ends[n:]))
 
   def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, window: Optional[int] = None, softcap: Optional[float] = None,
-             shifted: bool = False) -> None:
+             sinks: Optional[np.ndarray] = None, shifted: bool = False) -> None:
     """Layer li's attention of these rows into attn; `window`: the layer's sliding window; `softcap`: scores become
-    softcap * tanh(scores / softcap)."""
+    softcap * tanh(scores / softcap); `sinks`: each query head's logit that joins its softmax's denominator (and
+    adds no value). A slot of one plane (latent attention) holds keys that are their own values."""
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
-    keys, values = slots[:, 0, :, :width], slots[:, 1, :, :width]  # (n, kv heads, width, head dim), views
+    keys, values = slots[:, 0, :, :width], slots[:, -1, :, :width]  # (n, kv heads, width, head dim), views
+    sink_logits = None if sinks is None else sinks.reshape(n_kv, -1).T[:, None, :, None]  # as the scores' (group, n, kv heads, 1)
     # Each query head a column of its own: numpy hands a product whose last dimension is 1 to sgemv. A KV head's 3
     # query heads as one 3-row sgemm cost more to set up than to compute: for 64 requests of 131 positions, a layer's
     # attention took 3.8 ms on one core that way, 2.5 ms as matrix-vector products.
@@ -86,14 +88,18 @@ class DecodeRun:
     if softcap is not None:
       soft_cap(scores, softcap)
     scores += self.mask_for(window)
+    shift = None
     if shifted:
-      scores -= scores.max(axis=-1, keepdims=True)
+      shift = scores.max(axis=-1, keepdims=True) if sink_logits is None else np.maximum(scores.max(axis=-1, keepdims=True), sink_logits)
+      scores -= shift
     with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
       np.exp(scores, out=scores)
       total = scores.sum(axis=-1, keepdims=True)
+      if sink_logits is not None:
+        total += np.exp(sink_logits if shift is None else sink_logits - shift)
       out = np.matmul(values.swapaxes(-1, -2), scores[..., None])[..., 0]  # (group, n, kv heads, head dim)
     if not shifted and not exact_enough(total, out):
-      return self.attend(li, q, attn, n_kv, window, softcap, shifted=True)
+      return self.attend(li, q, attn, n_kv, window, softcap, sinks, shifted=True)
     out /= total
     attn[rows] = out.transpose(1, 2, 0, 3).reshape(n, n_heads * hd)
 
@@ -125,12 +131,16 @@ class PromptChunk:
     return (PromptChunk(self.slab, self.slot, self.first, self.start, n),
             PromptChunk(self.slab, self.slot, self.first + n, self.start + n, self.n - n))
 
-  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, window: Optional[int] = None, softcap: Optional[float] = None) -> None:
+  def attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, window: Optional[int] = None, softcap: Optional[float] = None,
+             sinks: Optional[np.ndarray] = None) -> None:
     """As DecodeRun.attend."""
     for a in range(0, self.n, PROMPT_TILE_ROWS):
       b = min(a + PROMPT_TILE_ROWS, self.n)
-      if not self._attend(li, q, attn, n_kv, a, b, window, softcap):
-        self._attend(li, q, attn, n_kv, a, b, window, softcap, shift=self._row_max(li, q, n_kv, a, b, window, softcap))
+      # each sink as the scores' (kv heads, group * rows, 1)
+      sink_logits = None if sinks is None else np.repeat(sinks.reshape(n_kv, -1), b - a, axis=1)[..., None]
+      if not self._attend(li, q, attn, n_kv, a, b, window, softcap, sink_logits):
+        shift = self._row_max(li, q, n_kv, a, b, window, softcap)
+        self._attend(li, q, attn, n_kv, a, b, window, softcap, sink_logits, shift=shift if sinks is None else np.maximum(shift, sink_logits))
 
   def _blocks(self, li: int, q: np.ndarray, n_kv: int, a: int, b: int, window: Optional[int], softcap: Optional[float]):
     """(keys from, to, masked scores) for rows a..b, their keys taken in blocks whose scores fit the core's cache:
@@ -157,10 +167,10 @@ class PromptChunk:
     return np.max([scores.max(axis=-1, keepdims=True) for _, _, scores in self._blocks(li, q, n_kv, a, b, window, softcap)], axis=0)
 
   def _attend(self, li: int, q: np.ndarray, attn: np.ndarray, n_kv: int, a: int, b: int, window: Optional[int], softcap: Optional[float],
-              shift=None) -> bool:
+              sink_logits: Optional[np.ndarray], shift=None) -> bool:
     """Rows a..b's attention into attn; False, writing nothing, if unshifted exp was not exact enough (exact_enough)."""
     n, (_, n_heads, hd) = b - a, q.shape
-    values = self.slab[self.slot, li, 1]
+    values = self.slab[self.slot, li, -1]
     out, total = np.zeros((n_kv, n_heads // n_kv * n, hd), dtype=np.float32), np.zeros((n_kv, n_heads // n_kv * n, 1), dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # exact_enough finds it
       for k0, k1, scores in self._blocks(li, q, n_kv, a, b, window, softcap):
@@ -169,6 +179,8 @@ class PromptChunk:
         np.exp(scores, out=scores)
         total += scores.sum(axis=-1, keepdims=True)
         out += np.matmul(scores, values[:, k0:k1])
+      if sink_logits is not None:
+        total += np.exp(sink_logits if shift is None else sink_logits - shift)
     if shift is None and not exact_enough(total, out):
       return False
     out /= total

@@ -30,12 +30,13 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith
 
 
 class KVPool:
-  """Slots of `positions` positions for n_layers layers; `slabs[i]` is (SLAB_SLOTS, layers, 2, kv heads, positions,
-  head dim) and slot number n lies in slab n // SLAB_SLOTS."""
+  """Slots of `positions` positions for n_layers layers; `slabs[i]` is (SLAB_SLOTS, layers, planes, kv heads,
+  positions, head dim) and slot number n lies in slab n // SLAB_SLOTS. Two planes hold keys and values; one, keys
+  that are their own values (latent attention's latent and RoPE key: one KV head, read as both)."""
 
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int):
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int, planes: int = 2):
     self.positions = -(-positions // 1024) * 1024  # a whole number of pages per (layer, k/v, head) row
-    self.slot_shape = (n_layers, 2, n_kv_heads, self.positions, head_dim)
+    self.slot_shape = (n_layers, planes, n_kv_heads, self.positions, head_dim)
     self.slot_bytes = math.prod(self.slot_shape) * 4
     self.slabs: List[np.ndarray] = []
     self._maps: List[mmap.mmap] = []
@@ -93,7 +94,7 @@ class KVCache:
 
   @property
   def data(self) -> np.ndarray:
-    """(layers, k/v, kv heads, positions, head dim), a view of the slot."""
+    """(layers, planes, kv heads, positions, head dim), a view of the slot."""
     slab, index = self.pool.where(self.slot)
     return slab[index]
 
@@ -105,6 +106,6 @@ class KVCache:
   @property
   def nbytes(self) -> int:
     """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row."""
-    layers, _, heads, _, head_dim = self.pool.slot_shape
+    layers, planes, heads, _, head_dim = self.pool.slot_shape
     row_bytes = self.length * head_dim * 4
-    return layers * 2 * heads * -(-row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    return layers * planes * heads * -(-row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE

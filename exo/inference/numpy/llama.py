@@ -17,6 +17,7 @@ from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tabl
 from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import product, split_columns, split_over_cores, weight_matrix, weight_rows
+from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig
 
@@ -76,11 +77,14 @@ class Llama:
       raise ValueError(f"activation {c.activation!r} is not implemented by the numpy engine")
     # A product's output columns are what the cores share (kernels.weight_matrix: float (in, out), or kept quantized).
     # The rest as the layout gives it (None where the family has no such part).
-    self.layers = [{**layer.__dict__, "qkv": weight_matrix(layer.qkv), "o": weight_matrix(layer.o),
+    in_out = lambda pair: None if pair is None else (np.ascontiguousarray(pair[0].T), np.ascontiguousarray(pair[1].T))
+    self.layers = [{**layer.__dict__, "qkv": None if layer.qkv is None else weight_matrix(layer.qkv), "o": weight_matrix(layer.o),
                     "gate_up": None if layer.gate_up is None else weight_matrix(layer.gate_up, interleaved_pairs(2 * c.intermediate_size)),
                     "down": None if layer.down is None else weight_matrix(layer.down),
                     "router": None if layer.router is None else np.ascontiguousarray(layer.router.T),
-                    "experts": None if layer.experts is None else [(np.ascontiguousarray(gu.T), np.ascontiguousarray(d.T)) for gu, d in layer.experts]}
+                    "experts": None if layer.experts is None else [in_out(pair) for pair in layer.experts],
+                    "shared_expert": in_out(layer.shared_expert),
+                    "latent": None if layer.latent is None else LatentAttention(layer.latent, config)}
                    for layer in layer_weights(weights, shard, config)]
     ends = shard_ends(weights, shard, config)
     self.norm = ends.norm
@@ -88,7 +92,10 @@ class Llama:
     self.embed = None if ends.shared or ends.embed is None else weight_matrix(ends.embed)  # shared: tokens are looked up in the head
     self.layer_ids = list(range(shard.start_layer, shard.end_layer + 1))
     self.rope_tables, self.rope_of_layer = rope_tables(config, self.layer_ids)
-    self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings)
+    if c.latent_attention:  # one plane, one head: the latent and the RoPE key, read as keys and as values (latent_attention.py)
+      self.pool = KVPool(len(self.layers), 1, c.kv_values_per_position, c.max_position_embeddings, planes=1)
+    else:
+      self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings)
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)
@@ -182,13 +189,19 @@ class Llama:
         else:
           projected[:, a:b] = out
 
-      def attend(lo: int, hi: int) -> None:
+      def attend(lo: int, hi: int, q=q, attn=attn, n_kv=n_kv) -> None:
         for g in range(lo, hi):
           for job in step.job_groups[g]:
-            job.attend(li, q, attn, n_kv, window=window, softcap=c.attn_softcap)
+            job.attend(li, q, attn, n_kv, window=window, softcap=c.attn_softcap, sinks=layer["sinks"])
+
+      def attend_all(q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+        if len(step.job_groups) > 1:
+          split_over_cores(lambda lo, hi: attend(lo, hi, q, attn, n_kv), len(step.job_groups))
+        else:
+          attend(0, len(step.job_groups), q, attn, n_kv)
 
       def o_proj(a: int, b: int) -> None:
-        out = product(attn, layer["o"], a, b)
+        out = product(attended, layer["o"], a, b)
         if layer["o_bias"] is not None:
           out += layer["o_bias"][a:b]
         add_branch(out, a, b, layer["post_attn_norm"])
@@ -226,16 +239,17 @@ class Llama:
           h[:] += out
 
       x = h if layer["attn_norm"] is None else rms_norm(h, layer["attn_norm"], c.rms_norm_eps)
-      split_columns(qkv, qkv_width, hd, rows)
-      if projected is not None:  # the norms span heads: after the whole product
-        q_width, kv_width = n_heads * hd, n_kv * hd
-        projected[:, :q_width] = rms_norm(projected[:, :q_width], layer["q_norm"], c.rms_norm_eps)
-        projected[:, q_width:q_width + kv_width] = rms_norm(projected[:, q_width:q_width + kv_width], layer["k_norm"], c.rms_norm_eps)
-        rope_and_write(projected, 0, qkv_width)
-      if len(step.job_groups) > 1:
-        split_over_cores(attend, len(step.job_groups))
+      if layer["latent"] is not None:
+        attended = latent_attention(x, layer["latent"], li, step, c, cos, sin, window, rms_norm, rope, lambda q, out: attend_all(q, out, 1))
       else:
-        attend(0, len(step.job_groups))
+        attended = attn
+        split_columns(qkv, qkv_width, hd, rows)
+        if projected is not None:  # the norms span heads: after the whole product
+          q_width, kv_width = n_heads * hd, n_kv * hd
+          projected[:, :q_width] = rms_norm(projected[:, :q_width], layer["q_norm"], c.rms_norm_eps)
+          projected[:, q_width:q_width + kv_width] = rms_norm(projected[:, q_width:q_width + kv_width], layer["k_norm"], c.rms_norm_eps)
+          rope_and_write(projected, 0, qkv_width)
+        attend_all(q, attn, n_kv)
       split_columns(o_proj, c.hidden_size, 32, rows)
       finish_branch(layer["post_attn_norm"])
       x = h if layer["mlp_norm"] is None else rms_norm(h, layer["mlp_norm"], c.rms_norm_eps)
@@ -249,16 +263,35 @@ class Llama:
 
   def _experts(self, x: np.ndarray, layer: dict) -> np.ndarray:
     """A mixture-of-experts MLP: each expert computes only the rows routed to it (one core; the experts' products
-    are small and many)."""
+    are small and many), and a shared expert, where the model has one, every row."""
     c = self.config
-    chosen, weights = route(x @ layer["router"], c)
+    logits = x @ layer["router"]
+    if layer["router_bias"] is not None:
+      logits += layer["router_bias"]
+    chosen, weights = route(logits, c, layer["score_correction"])
     out = np.zeros_like(x)
-    inter = c.expert_intermediate_size
     for e in np.unique(chosen):
       rows, slot = np.nonzero(chosen == e)  # a row picks an expert at most once
       gate_up, down = layer["experts"][e]
+      biases = None if layer["expert_biases"] is None else layer["expert_biases"][e]
       projected = x[rows] @ gate_up
-      gate = projected[:, :inter]
-      act = gelu_tanh_of(gate) if c.activation == "gelu_tanh" else gate / (1.0 + np.exp(-gate))
-      out[rows] += ((act * projected[:, inter:]) @ down) * weights[rows, slot][:, None]
+      if biases is not None:
+        projected += biases[0]
+      expert_out = gated(projected, c) @ down
+      if biases is not None:
+        expert_out += biases[1]
+      out[rows] += expert_out * weights[rows, slot][:, None]
+    if layer["shared_expert"] is not None:
+      gate_up, down = layer["shared_expert"]
+      out += gated(x @ gate_up, c) @ down
     return out
+
+
+def gated(projected: np.ndarray, c: LlamaConfig) -> np.ndarray:
+  """An expert's activation from its gate and up outputs side by side (rows, 2 * inter)."""
+  gate, up = np.split(projected, 2, axis=-1)
+  if c.swiglu_limit is not None:  # gpt-oss's clamped SwiGLU
+    gate, up = np.minimum(gate, np.float32(c.swiglu_limit)), np.clip(up, -np.float32(c.swiglu_limit), np.float32(c.swiglu_limit))
+    return (up + 1.0) * gate / (1.0 + np.exp(-np.float32(c.swiglu_alpha) * gate))
+  act = gelu_tanh_of(gate) if c.activation == "gelu_tanh" else gate / (1.0 + np.exp(-gate))
+  return act * up
