@@ -1,6 +1,7 @@
-"""A sliding-window model (Gemma 2: the cut falls between its sliding and its full layer) and a mixture of experts
-(Mixtral: the cut falls between two expert layers), each split over a 2-process ring by `exo run`, answer what one
-process alone answers."""
+"""A sliding-window model (Gemma 2: the cut falls between its sliding and its full layer), mixtures of experts
+(Mixtral: the cut falls between two expert layers; gpt-oss: between its sliding and its full expert layer, with
+attention sinks) and latent attention (DeepSeek-V3: each node caches its own layers' latents), each split over a
+2-process ring by `exo run`, answer what one process alone answers."""
 import asyncio
 import re
 
@@ -12,7 +13,7 @@ from tests.support.cluster import ExoProcess, free_port, run_answers, wait_for_r
 pytestmark = pytest.mark.cluster
 
 PROMPTS = ["in the and of to a b c d", "a b c d e f g h"]  # only tokens the fixtures' 512-token vocabulary has
-NAMES = ["gemma2", "mixtral"]
+NAMES = ["gemma2", "mixtral", "gpt_oss", "deepseek_v3"]
 
 
 def run_args(path) -> list:

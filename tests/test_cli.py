@@ -119,14 +119,14 @@ def test_exo_run_answers_from_a_qwen_shaped_checkpoint_and_refuses_an_unimplemen
   from tests.test_qwen_chat import QWEN_TEMPLATE
   config, weights, tokenizer = random_qwen2(2)
   qwen = write_hf_dir(tmp_path / "qwen", config, weights, tokenizer, split=False, model_type="qwen2", chat_template=QWEN_TEMPLATE)
-  yarn = fixture_checkpoint("llama", tmp_path / "yarn")
-  yarn_config = json.loads((yarn / "config.json").read_text())
-  (yarn / "config.json").write_text(json.dumps({**yarn_config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+  longrope = fixture_checkpoint("llama", tmp_path / "longrope")
+  longrope_config = json.loads((longrope / "config.json").read_text())
+  (longrope / "config.json").write_text(json.dumps({**longrope_config, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
   env = {**os.environ, "EXO_HOME": str(tmp_path / "home")}
-  for path in (qwen, yarn):
+  for path in (qwen, longrope):
     run = subprocess.run([sys.executable, "-m", "exo.main", "run", str(path), "--inference-engine", "numpy", "--prompt", "Hi", "--max-generate-tokens", "4"],
                          cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
     if path == qwen:
       assert run.returncode == 0 and re.search(r"1 prompt\(s\), [1-4] tokens", run.stdout + run.stderr), run.stderr
     else:
-      assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == "exo: error: rope_scaling.rope_type: 'yarn' is not implemented by exo's engines", run.stderr
+      assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == "exo: error: rope_scaling.rope_type: 'longrope' is not implemented by exo's engines", run.stderr
