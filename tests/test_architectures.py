@@ -84,7 +84,8 @@ def check(engine: str, name: str, **variant) -> None:
   assert tokens[0] == expected["tokens"]
 
 
-DENSE = ["llama", "llama_rope_llama3", "llama_rope_llama3_v4", "llama_attention_bias", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2"]
+DENSE = ["llama", "llama_rope_llama3", "llama_rope_llama3_v4", "llama_attention_bias", "mistral", "qwen2", "qwen2_yarn", "qwen3", "granite", "phi3",
+         "olmo2"]
 SLIDING = ["gemma2", "gemma3_text", "gemma3_text_v4"]  # sliding-window layers, soft-capping, Gemma's norms
 MOE = ["mixtral", "qwen3_moe"]  # mixtures of experts (Qwen3-MoE's layer 1 dense); the pipeline's cut lies between MoE layers
 # gpt-oss: sinks, a sliding layer then a full one (the pipeline cuts between them), biased clamped experts, yarn.
@@ -130,7 +131,7 @@ def test_tinygrad_refuses_what_it_does_not_compute_by_name(name, field):
 
 
 @pytest.mark.parametrize("name, change", [
-  ("llama_rope_llama3", {"rope_scaling": None}),
+  ("llama_rope_llama3", {"rope_scaling": None}), ("qwen2_yarn", {"rope_scaling": None}),
   ("gpt_oss", {"rope_scaling": None}), ("gpt_oss", {"attention_sinks": False}), ("gpt_oss", {"swiglu_limit": 1e9}),
   ("gpt_oss", {"sliding_layers": ()}), ("gpt_oss", "router.bias"), ("gpt_oss", "gate_up_proj_bias"),
   ("deepseek_v3", {"rope_scaling": None}), ("deepseek_v3", {"rope_interleaved": False}), ("deepseek_v3", {"expert_groups_searched": 4}),
@@ -159,7 +160,7 @@ def test_each_feature_a_fixture_tests_changes_its_logits(name, change):
 # layer over the whole context, where transformers (and exo) slide every other layer's window. Nor does it load
 # gpt-oss's experts as transformers 5 stores them (stacked, gate and up interleaved): its conversion leaves names
 # its model lacks.
-MLX_LM_READS = ["llama", "llama_rope_llama3_v4", "mistral", "qwen3", "phi3", "olmo2", "gemma3_text_v4", "mixtral", "deepseek_v3_v4"]
+MLX_LM_READS = ["llama", "llama_rope_llama3_v4", "mistral", "qwen2_yarn", "qwen3", "phi3", "olmo2", "gemma3_text_v4", "mixtral", "deepseek_v3_v4"]
 
 
 def mlx_lm_greedy(name: str, new_tokens: int, path: Optional[Path] = None):
@@ -211,7 +212,7 @@ class LocalFiles:
     return Path(shard.model_id)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "mixtral", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("engine_name", ["numpy", "mlx"])
 async def test_a_prompt_started_from_a_cached_prefix_gives_the_logits_of_one_computed_whole(engine_name, name, tmp_path):
   from exo.inference.engines import get_inference_engine
@@ -232,3 +233,16 @@ async def test_a_prompt_started_from_a_cached_prefix_gives_the_logits_of_one_com
   cached, _ = await engine.infer_tensor("second", shard, second[None, reused:])
   whole, _ = await engine.infer_tensor("whole", shard, second[None])
   np.testing.assert_allclose(cached, whole, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("engine", ["numpy", "mlx"])
+def test_latent_attention_caches_only_the_latent_and_the_rope_key(engine):
+  """DeepSeek-V3's cache holds kv_lora_rank + qk_rope_head_dim values a position and layer (32 + 8 here), not
+  every head's key and value (4 heads x (24 + 16))."""
+  [model] = shard_models(engine, "deepseek_v3")
+  cache = model.new_cache()
+  model.forward([np.array(EXPECTED["deepseek_v3"]["prompt"])], [cache])
+  if engine == "numpy":
+    assert cache.pool.slot_shape[:3] == (3, 1, 1) and cache.pool.slot_shape[-1] == 32 + 8
+  else:
+    assert cache.values == [] and [k.shape[0] for k in cache.keys] == [1] * 3 and {k.shape[-1] for k in cache.keys} == {32 + 8}
