@@ -127,12 +127,14 @@ def test_attention_jobs_are_shared_evenly_and_runs_follow_consecutive_slots():
   assert abs(fresh[0].seen(fresh[0].n) - fresh[1].seen(fresh[1].n)) < 0.01 * fresh[0].seen(fresh[0].n)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("scale", [0.05, 3.0, -3.0])
-def test_attention_equals_a_float64_softmax_whatever_the_scores(scale):
+def test_attention_equals_a_float64_softmax_whatever_the_scores(scale, sinks):
   """Attention takes exp(score) unshifted while that is exact and shifts by each row's max otherwise. Scores of
   +-190 (every key along the query's direction) overflow exp, or make every weight of a row underflow, unshifted:
   decode runs and prompt chunks (a long cached prefix, rows in several tiles, a causal part) still equal a float64
-  softmax over each row's own positions."""
+  softmax over each row's own positions. With sinks (gpt-oss), each head's sink logit, of the scores' size, joins
+  every softmax's denominator."""
   n_kv, group, hd = 2, 3, 64
   rng = np.random.default_rng(1)
   pool = KVPool(n_layers=1, n_kv_heads=n_kv, head_dim=hd, positions=1024)
@@ -145,17 +147,20 @@ def test_attention_equals_a_float64_softmax_whatever_the_scores(scale):
   q = (scale * direction + rng.standard_normal((rows, n_kv * group, hd), dtype=np.float32)).astype(np.float32)
   ends = np.array([300, 260, 280])  # positions each decode row sees
   attn = np.zeros((rows, n_kv * group * hd), dtype=np.float32)
+  sink_logits = (rng.standard_normal(n_kv * group) * 2 + 64 * scale).astype(np.float32) if sinks else None
   slab, first_slot = pool.where(caches[0].slot)
-  attention.DecodeRun(slab, first_slot, 0, ends).attend(0, q, attn, n_kv)
-  attention.PromptChunk(*pool.where(caches[1].slot), 3, start, n).attend(0, q, attn, n_kv)
+  attention.DecodeRun(slab, first_slot, 0, ends).attend(0, q, attn, n_kv, sinks=sink_logits)
+  attention.PromptChunk(*pool.where(caches[1].slot), 3, start, n).attend(0, q, attn, n_kv, sinks=sink_logits)
 
   def expected(cache, row, seen):
     keys, values = cache.data[0, 0].astype(np.float64), cache.data[0, 1].astype(np.float64)
     out = []
     for head in range(n_kv * group):
       scores = keys[head // group, :seen] @ q[row, head]
-      weights = np.exp(scores - scores.max())
-      out.append(weights @ values[head // group, :seen] / weights.sum())
+      shift = scores.max() if sink_logits is None else max(scores.max(), sink_logits[head])
+      weights = np.exp(scores - shift)
+      total = weights.sum() + (0.0 if sink_logits is None else np.exp(sink_logits[head] - shift))
+      out.append(weights @ values[head // group, :seen] / total)
     return np.concatenate(out)
   for row in range(rows):
     want = expected(caches[row], row, ends[row]) if row < 3 else expected(caches[1], row, start + row - 3 + 1)
