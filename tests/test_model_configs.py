@@ -92,6 +92,31 @@ def test_latent_attention_caches_the_latent_and_the_rope_key():
   assert model_config(full_size).kv_values_per_position == 576
 
 
+def test_deepseek_v3s_size_counts_every_expert_and_its_latent_attention():
+  """DeepSeek-V3's own config (less its multi-token prediction layer, which exo does not run): 671B parameters."""
+  from exo.api.ollama.models import parameter_count
+  v3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "vocab_size": 129280, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "max_position_embeddings": 163840, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"}}
+  assert 665e9 < parameter_count(model_config(v3)) < 675e9
+
+
+def test_gpt_oss_sizes_count_every_expert():
+  """gpt-oss-20b's and -120b's configs: 20.9B and 116.8B parameters, as OpenAI gives them."""
+  from exo.api.ollama.models import parameter_count
+  small = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+           "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088, "sliding_window": 128,
+           "max_position_embeddings": 131072, "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}}
+  assert round(parameter_count(model_config(small)) / 1e9, 1) == 20.9
+  assert round(parameter_count(model_config({**small, "num_hidden_layers": 36, "num_local_experts": 128})) / 1e9, 1) == 116.8
+  assert model_config(small).max_position_embeddings == 131072  # its sliding layers do not limit the context
+
+
 def test_a_sliding_window_narrower_than_the_context_limits_the_context():
   assert model_config(config_json(model_type="mistral", max_position_embeddings=32768, sliding_window=4096)).max_position_embeddings == 4096
   assert model_config(config_json(model_type="mistral", max_position_embeddings=32768, sliding_window=None)).max_position_embeddings == 32768

@@ -29,8 +29,7 @@ def _files(path: Path) -> List[Path]:
 
 
 def parameter_count(config: LlamaConfig) -> int:
-  attention = config.hidden_size * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads)  # q, o; k, v
-  layer = attention + 2 * config.hidden_size  # and two norms
+  layer = config.attention_parameters() + 2 * config.hidden_size  # and two norms
   embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
   return config.n_layers * layer + config.mlp_parameters() + embeddings + config.hidden_size  # gate, up, down (every expert's)
 

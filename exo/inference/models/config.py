@@ -106,6 +106,15 @@ class ModelConfig:
   def is_moe(self, layer: int) -> bool:
     return layer in self.moe_layers
 
+  def attention_parameters(self) -> int:
+    """The weights of one layer's attention: q, k, v and o; or latent attention's projections."""
+    h, heads = self.hidden_size, self.n_heads
+    if not self.latent_attention:
+      return h * self.head_dim * (2 * heads + 2 * self.n_kv_heads)
+    queries = heads * self.head_dim * (self.q_lora_rank or h) + (h * self.q_lora_rank if self.q_lora_rank else 0)
+    latent = h * self.kv_values_per_position + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+    return queries + latent + heads * self.v_head_dim * h
+
   def mlp_parameters(self) -> int:
     """The weights of every layer's MLP together, each expert's counted (a node holds them all)."""
     dense = 3 * self.hidden_size * self.intermediate_size
