@@ -158,8 +158,8 @@ def test_each_feature_a_fixture_tests_changes_its_logits(name, change):
 # `rope_parameters` (the transformers 5 form) for Llama, Qwen2, Granite, Gemma 3, DeepSeek-V3 or Qwen3-MoE (whose `num_experts`
 # transformers 5 writes as `num_local_experts`, which mlx-lm does not read either), and its Gemma 2 attends every
 # layer over the whole context, where transformers (and exo) slide every other layer's window. Nor does it load
-# gpt-oss's experts as transformers 5 stores them (stacked, gate and up interleaved): its conversion leaves names
-# its model lacks.
+# gpt-oss's experts as transformers stores them (stacked, gate and up interleaved): its conversion leaves names its
+# model lacks (test_gpt_oss_in_mlx_lms_layout_answers_as_mlx_lm rewrites the fixture in mlx-lm's own layout).
 MLX_LM_READS = ["llama", "llama_rope_llama3_v4", "mistral", "qwen2_yarn", "qwen3", "phi3", "olmo2", "gemma3_text_v4", "mixtral", "deepseek_v3_v4"]
 
 
@@ -184,6 +184,21 @@ def mlx_lm_greedy(name: str, new_tokens: int, path: Optional[Path] = None):
 def test_mlx_equals_mlx_lm(name):
   expected_tokens, expected_logits = mlx_lm_greedy(name, len(EXPECTED[name]["tokens"]))
   tokens, logits = greedy(shard_models("mlx", name), [EXPECTED[name]["prompt"]], len(expected_tokens))
+  np.testing.assert_allclose(logits[0], expected_logits, atol=LOGITS_ATOL)
+  assert tokens[0] == expected_tokens
+
+
+@pytest.mark.parametrize("engine", ["mlx", "numpy"])
+def test_gpt_oss_in_mlx_lms_layout_answers_as_mlx_lm(engine, tmp_path):
+  """gpt-oss as mlx-lm keeps it (each expert projection stacked), which mlx-lm reads (not transformers' layout). Its
+  SwiGLU clamps at a fixed 7 (no `swiglu_limit`), so the checkpoint says 7 too."""
+  from tests.support.checkpoints import gpt_oss_in_mlx_lms_layout
+  path = gpt_oss_in_mlx_lms_layout(FIXTURES / "gpt_oss", tmp_path / "gpt_oss", swiglu_limit=7.0)
+  expected_tokens, expected_logits = mlx_lm_greedy("gpt_oss", len(EXPECTED["gpt_oss"]["tokens"]), path)
+  shard = Shard("gpt_oss", 0, 1, 2)
+  config, weights = load_shard_weights(path, shard, keep_quantized=engine == "mlx")
+  assert "model.layers.0.mlp.experts.gate_proj.weight" in weights
+  tokens, logits = greedy([model_class(engine)(config, shard, weights)], [EXPECTED["gpt_oss"]["prompt"]], len(expected_tokens))
   np.testing.assert_allclose(logits[0], expected_logits, atol=LOGITS_ATOL)
   assert tokens[0] == expected_tokens
 

@@ -186,12 +186,14 @@ class LayerTensors:
 
 def expert_weights(w: LayerTensors, prefix: str, config: LlamaConfig) -> dict:
   """A mixture-of-experts layer's router and experts (LayerWeights' fields), each expert's gate/up fused as
-  (2 * inter, hidden), gate rows first, from either layout checkpoints store them in: one matrix per expert
-  (`experts.<e>.<gate>.weight`...), or every expert's in one (in, out) tensor, gate and up columns interleaved
-  (gpt-oss: `experts.gate_up_proj`, `experts.down_proj` and their `_bias`)."""
+  (2 * inter, hidden), gate rows first, from any layout checkpoints store them in: one matrix per expert
+  (`experts.<e>.<gate>.weight`...); every expert's in one (in, out) tensor, gate and up columns interleaved
+  (gpt-oss as transformers writes it: `experts.gate_up_proj`, `experts.down_proj` and their `_bias`); or each
+  projection of every expert stacked (experts, out, in) (gpt-oss as mlx-lm writes it: `experts.<gate>.weight`...)."""
   block, gate, up, down = config.expert_names
   router = "router" if w.get(f"{block}.router.weight") is not None else "gate"
-  if any(isinstance(w.get(name), QuantizedWeight) for name in (f"{block}.{router}.weight", f"{block}.experts.0.{gate}.weight", f"{block}.experts.gate_up_proj")):
+  if any(isinstance(w.get(name), QuantizedWeight) for name in (f"{block}.{router}.weight", f"{block}.experts.0.{gate}.weight",
+                                                                f"{block}.experts.gate_up_proj", f"{block}.experts.{gate}.weight")):
     raise ValueError(f"{prefix}{block}: quantized experts are not implemented (use a float checkpoint)")
   parts = {"router": w[f"{block}.{router}.weight"]}
   if config.router_bias:
@@ -204,6 +206,12 @@ def expert_weights(w: LayerTensors, prefix: str, config: LlamaConfig) -> dict:
     parts["experts"] = [(np.ascontiguousarray(gu.T[gate_first]), np.ascontiguousarray(d.T)) for gu, d in zip(stacked_gate_up, stacked_down)]
     if config.expert_bias:
       parts["expert_biases"] = [(gu[gate_first], d) for gu, d in zip(w[f"{block}.experts.gate_up_proj_bias"], w[f"{block}.experts.down_proj_bias"])]
+  elif w.get(f"{block}.experts.{gate}.weight") is not None:
+    stacked = [w[f"{block}.experts.{name}.weight"] for name in (gate, up, down)]
+    parts["experts"] = [(np.concatenate([g, u]), d) for g, u, d in zip(*stacked)]
+    if config.expert_bias:
+      biases = [w[f"{block}.experts.{name}.bias"] for name in (gate, up, down)]
+      parts["expert_biases"] = [(np.concatenate([g, u]), d) for g, u, d in zip(*biases)]
   else:
     parts["experts"] = [(np.concatenate([w[f"{block}.experts.{e}.{gate}.weight"], w[f"{block}.experts.{e}.{up}.weight"]]),
                          w[f"{block}.experts.{e}.{down}.weight"]) for e in range(config.n_experts)]

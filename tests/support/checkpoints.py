@@ -100,6 +100,34 @@ def with_mistral_tokens(path: Path) -> Path:
   return renamed_tokens(path, {"<file_sep>": ("[TOOL_CALLS]", True), "<filename>": ("[ARGS]", True)})
 
 
+def gpt_oss_in_mlx_lms_layout(source: Path, dest: Path, **config_fields) -> Path:
+  """A gpt-oss checkpoint as transformers writes it (experts stacked (in, out), gate and up interleaved) rewritten as
+  mlx-lm keeps one: each projection of every expert stacked (experts, out, in), the config in transformers 4's form
+  with `config_fields` over it."""
+  import sys
+  sys.path.insert(0, str(FIXTURE_MODELS.parent))
+  from make_models import transformers4_form
+  from exo.inference.weights import _read_safetensors, _safetensors_header
+  file = source / "model.safetensors"
+  weights = _read_safetensors(file, [n for n in _safetensors_header(file)[0] if n != "__metadata__"])
+  out = {}
+  for name, w in weights.items():
+    if name.endswith("experts.gate_up_proj"):
+      out[name.replace("gate_up_proj", "gate_proj.weight")], out[name.replace("gate_up_proj", "up_proj.weight")] = w[..., 0::2].swapaxes(1, 2), w[..., 1::2].swapaxes(1, 2)
+    elif name.endswith("experts.gate_up_proj_bias"):
+      out[name.replace("gate_up_proj_bias", "gate_proj.bias")], out[name.replace("gate_up_proj_bias", "up_proj.bias")] = w[..., 0::2], w[..., 1::2]
+    elif name.endswith("experts.down_proj"):
+      out[name + ".weight"] = w.swapaxes(1, 2)
+    elif name.endswith("experts.down_proj_bias"):
+      out[name.replace("down_proj_bias", "down_proj.bias")] = w
+    else:
+      out[name] = w
+  dest.mkdir(parents=True)
+  save_file({name: np.ascontiguousarray(w) for name, w in out.items()}, str(dest / "model.safetensors"))
+  (dest / "config.json").write_text(json.dumps({**transformers4_form(json.loads((source / "config.json").read_text())), **config_fields}))
+  return dest
+
+
 def random_llama(n_layers: int, hidden: int = 64):
   """A Llama with random weights, `n_layers` layers and SmolLM2's tokenizer: (config, weights, tokenizer)."""
   tokenizer = tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO))
