@@ -3,13 +3,18 @@ low-rank bottleneck, keys and values from a compressed latent the cache holds in
 each head that all heads share, stored as interleaved pairs), its yarn RoPE scaling the scores by mscale_all_dim as
 well; the first `first_k_dense_replace` layers dense, the others a mixture of experts with shared experts beside
 them, routed by sigmoid scores over groups of experts with a correction bias (ModelConfig.router
-"sigmoid_grouped")."""
+"sigmoid_grouped").
+
+DeepSeek's own repositories store FP8 weights, which are refused here (a bfloat16 conversion loads)."""
 import math
 
 from exo.inference.models.config import ModelConfig, dense_decoder, refuse, rope_parameters, yarn_mscale
 
 
 def config(config_json: dict) -> ModelConfig:
+  quantization = config_json.get("quantization_config") or {}
+  if quantization.get("quant_method") == "fp8":
+    raise refuse("quantization_config.quant_method", "fp8", "(DeepSeek's block-scaled FP8 weights) is not implemented yet (use a bfloat16 checkpoint)")
   for field, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
     if config_json.get(field, expected) != expected:
       raise refuse(field, config_json[field])
