@@ -189,16 +189,17 @@ class Llama:
         else:
           projected[:, a:b] = out
 
-      def attend(lo: int, hi: int, q=q, attn=attn, n_kv=n_kv) -> None:
-        for g in range(lo, hi):
-          for job in step.job_groups[g]:
-            job.attend(li, q, attn, n_kv, window=window, softcap=c.attn_softcap, sinks=layer["sinks"])
-
       def attend_all(q: np.ndarray, attn: np.ndarray, n_kv: int) -> None:
+        """Every attention job of the step, queries q into attn (latent attention: its own, one KV head), the cores
+        sharing the job groups."""
+        def attend(lo: int, hi: int) -> None:
+          for g in range(lo, hi):
+            for job in step.job_groups[g]:
+              job.attend(li, q, attn, n_kv, window=window, softcap=c.attn_softcap, sinks=layer["sinks"])
         if len(step.job_groups) > 1:
-          split_over_cores(lambda lo, hi: attend(lo, hi, q, attn, n_kv), len(step.job_groups))
+          split_over_cores(attend, len(step.job_groups))
         else:
-          attend(0, len(step.job_groups), q, attn, n_kv)
+          attend(0, len(step.job_groups))
 
       def o_proj(a: int, b: int) -> None:
         out = product(attended, layer["o"], a, b)
