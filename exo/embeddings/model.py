@@ -1,11 +1,14 @@
-"""A sentence-transformers checkpoint run by the numpy BERT encoder (exo/inference/numpy/bert.py): its tokenizer,
-and the modules its modules.json lists after the transformer (pooling as 1_Pooling/config.json says, then
-normalisation if listed), so its vectors are the ones sentence-transformers computes for the same model."""
+"""A sentence-transformers checkpoint run by the numpy engine: its tokenizer, the transformer its modules.json lists
+first (a BERT encoder, exo/inference/numpy/bert.py, or a decoder the numpy engine runs, exo/embeddings/decoder.py),
+then the modules after it (pooling as 1_Pooling/config.json says, then normalisation if listed), so its vectors are
+the ones sentence-transformers computes for the same model. The prompts in config_sentence_transformers.json (a
+retrieval model's query instruction) are prepended to a text where a request names one, as sentence-transformers'
+`prompt_name` does."""
 import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -14,8 +17,12 @@ from exo.inference.numpy.bert import Bert, BertConfig
 from exo.inference.numpy.kernels import Workers
 
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
-NORMALIZE = "sentence_transformers.models.Normalize"
-POOLING = "sentence_transformers.models.Pooling"
+# modules.json types, by their last part: sentence-transformers has moved its modules between packages over versions
+TRANSFORMER, POOLING, NORMALIZE = "Transformer", "Pooling", "Normalize"
+
+
+def module_kind(module: dict) -> str:
+  return module["type"].rsplit(".", 1)[-1]
 
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64, "I32": np.int32}
@@ -51,6 +58,7 @@ def checkpoint_reader(source: Union[str, Path]) -> Callable[[str], bytes]:
 class Pooling:
   mode: str  # one of POOLING_MODES
   normalize: bool
+  include_prompt: bool = True  # False: a prompt's tokens are left out of a mean or max (sentence-transformers' include_prompt)
 
   def __call__(self, states: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """states (rows, length, hidden) and the mask of real tokens (rows, length): one vector per row."""
@@ -75,14 +83,69 @@ def normalized(vectors: np.ndarray) -> np.ndarray:
 
 
 def read_pooling(modules: List[dict], read: Callable[[str], bytes]) -> Pooling:
-  pooling = next((m for m in modules if m["type"] == POOLING), None)
+  pooling = next((m for m in modules if module_kind(m) == POOLING), None)
   if pooling is None:
     raise ValueError("the checkpoint's modules.json lists no Pooling module")
   config = json.loads(read(f"{pooling['path']}/config.json"))
-  modes = [mode for mode in POOLING_MODES if config.get(f"pooling_mode_{mode}")]
+  named = config.get("pooling_mode")  # newer sentence-transformers: one name ("mean", "lasttoken", ...)
+  if isinstance(named, str):
+    modes = [mode for mode in POOLING_MODES if mode == named or mode in (f"{named}_token", f"{named}_tokens")]
+  else:
+    modes = [mode for mode in POOLING_MODES if config.get(f"pooling_mode_{mode}")]
   if len(modes) != 1 or modes[0] == "weightedmean_tokens":
-    raise ValueError(f"pooling {modes} is not supported (one of cls_token, mean_tokens, max_tokens, mean_sqrt_len_tokens, lasttoken)")
-  return Pooling(modes[0], any(m["type"] == NORMALIZE for m in modules))
+    raise ValueError(f"pooling {modes or named} is not supported (one of cls_token, mean_tokens, max_tokens, mean_sqrt_len_tokens, lasttoken)")
+  return Pooling(modes[0], any(module_kind(m) == NORMALIZE for m in modules), bool(config.get("include_prompt", True)))
+
+
+def read_json(read: Callable[[str], bytes], name: str) -> dict:
+  """A configuration file, or {} where the checkpoint has none."""
+  try:
+    return json.loads(read(name))
+  except (KeyError, FileNotFoundError):
+    return {}
+
+
+def special_tail(tokenizer: Tokenizer) -> int:
+  """How many special tokens the tokenizer appends to a text ([SEP]; Qwen3-Embedding's <|endoftext|>): what
+  truncation keeps at the end. Read from what it does to an empty text and to a word."""
+  empty, word = tokenizer.encode("").ids, tokenizer.encode("a").ids
+  head = next((i for i, (a, b) in enumerate(zip(empty, word)) if a != b), min(len(empty), len(word)))
+  return len(empty) - head
+
+
+class BertEncoder:
+  """The BERT encoder's states, the inputs padded on the right and masked."""
+
+  def __init__(self, config: BertConfig, read: Callable[[str], bytes]):
+    self.config = config
+    self.vocab_size, self.hidden_size, self.max_positions = config.vocab_size, config.hidden_size, config.max_positions
+    self.bert = Bert(config, read_safetensors(read("model.safetensors")))
+
+  def states(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers]) -> Tuple[np.ndarray, np.ndarray]:
+    ids, mask = padded(inputs)
+    return self.bert(ids, mask, workers), mask
+
+
+def padded(inputs: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+  """(ids, mask) (rows, longest): each input on the left of its row, then zeros; mask 1 on its tokens."""
+  length = max(len(ids) for ids in inputs)
+  ids = np.zeros((len(inputs), length), dtype=np.int64)
+  mask = np.zeros((len(inputs), length), dtype=np.int64)
+  for row, tokens in enumerate(inputs):
+    ids[row, : len(tokens)] = tokens
+    mask[row, : len(tokens)] = 1
+  return ids, mask
+
+
+def transformer_for(source: Union[str, Path], read: Callable[[str], bytes]):
+  """The states model the checkpoint's config.json describes: BERT, or a decoder family the numpy engine runs."""
+  config = json.loads(read("config.json"))
+  if config.get("model_type") == "bert":
+    return BertEncoder(BertConfig.from_json(config), read)
+  if not Path(source).is_dir():
+    raise ValueError(f"{source}: a decoder embedding model is read from a directory")
+  from exo.embeddings.decoder import DecoderStates  # the decoder's code, imported only for the models that need it
+  return DecoderStates(Path(source))
 
 
 class EmbeddingModel:
@@ -91,41 +154,50 @@ class EmbeddingModel:
   def __init__(self, source: Union[str, Path]):
     read = checkpoint_reader(source)
     modules = json.loads(read("modules.json"))
-    if not modules or modules[0]["type"] != "sentence_transformers.models.Transformer":
+    if not modules or module_kind(modules[0]) != TRANSFORMER:
       raise ValueError("the checkpoint's first module is not a Transformer")
     self.pooling = read_pooling(modules, read)
-    self.config = BertConfig.from_json(json.loads(read("config.json")))
-    try:
-      sentence_config = json.loads(read("sentence_bert_config.json"))
-    except KeyError:
-      sentence_config = {}
+    self.transformer = transformer_for(source, read)
+    sentence_config = read_json(read, "sentence_bert_config.json")
     # The longest input, special tokens included: sentence-transformers' max_seq_length, never past the positions.
-    self.max_tokens = min(sentence_config.get("max_seq_length") or self.config.max_positions, self.config.max_positions)
-    self.dimensions = self.config.hidden_size
+    self.max_tokens = min(sentence_config.get("max_seq_length") or self.transformer.max_positions, self.transformer.max_positions)
+    self.dimensions = self.transformer.hidden_size
+    model_config = read_json(read, "config_sentence_transformers.json")
+    self.prompts: Dict[str, str] = dict(model_config.get("prompts") or {})
+    self.default_prompt: Optional[str] = model_config.get("default_prompt_name")  # sentence-transformers applies it when none is named
     self.tokenizer = Tokenizer.from_str(read("tokenizer.json").decode())
-    self.tokenizer.no_padding()  # the file pads every input to 128 and cuts there; the batcher pads, the API decides on length
+    self.tokenizer.no_padding()  # the file may pad or cut every input; the batcher pads, the API decides on length
     self.tokenizer.no_truncation()
-    self.encoder = Bert(self.config, read_safetensors(read("model.safetensors")))
+    self.tail = special_tail(self.tokenizer)
 
   @property
   def vocab_size(self) -> int:
-    return self.config.vocab_size
+    return self.transformer.vocab_size
 
-  def tokenize(self, texts: Sequence[str]) -> List[List[int]]:
-    """Each text's ids with the special tokens the model expects around it ([CLS] ... [SEP])."""
-    return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
+  def prompt(self, name: Optional[str]) -> str:
+    """The text a prompt name stands for (the checkpoint's default prompt when None); KeyError for a name it lacks."""
+    name = self.default_prompt if name is None else name
+    if name is None:
+      return ""
+    if name not in self.prompts:
+      raise KeyError(name)
+    if self.prompts[name] and not self.pooling.include_prompt and self.pooling.mode not in ("cls_token", "lasttoken"):
+      raise ValueError(f"pooling that leaves the prompt out ({self.pooling.mode}, include_prompt false) is not implemented")
+    return self.prompts[name]
+
+  def tokenize(self, texts: Sequence[str], prompt: str = "") -> List[List[int]]:
+    """Each text's ids, after `prompt` (prepended as text, as sentence-transformers does), with the special tokens the
+    model expects around it ([CLS] ... [SEP] for BERT, ... <|endoftext|> for Qwen3-Embedding)."""
+    return [e.ids for e in self.tokenizer.encode_batch([prompt + text for text in texts])]
 
   def truncate(self, ids: List[int]) -> List[int]:
-    """An over-long input cut to max_tokens, keeping its last (special) token, as the tokenizer's own truncation does."""
-    return ids if len(ids) <= self.max_tokens else ids[: self.max_tokens - 1] + ids[-1:]
+    """An over-long input cut to max_tokens, keeping the special tokens it ends with, as the tokenizer's own truncation does."""
+    if len(ids) <= self.max_tokens:
+      return ids
+    return ids[: self.max_tokens - self.tail] + ids[len(ids) - self.tail:]
 
   def embed(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers] = None) -> np.ndarray:
-    """One batch of id lists (each at most max_tokens long), padded to the longest: (inputs, dimensions) float32.
-    Its products are shared among `workers` (the engine's by default)."""
-    length = max(len(ids) for ids in inputs)
-    ids = np.zeros((len(inputs), length), dtype=np.int64)
-    mask = np.zeros((len(inputs), length), dtype=np.int64)
-    for row, tokens in enumerate(inputs):
-      ids[row, : len(tokens)] = tokens
-      mask[row, : len(tokens)] = 1
-    return self.pooling(self.encoder(ids, mask, workers), mask)
+    """One batch of id lists (each at most max_tokens long): (inputs, dimensions) float32. Its products are shared
+    among `workers` (the engine's by default)."""
+    states, mask = self.transformer.states(inputs, workers)
+    return self.pooling(states, mask)

@@ -9,14 +9,14 @@ them: RoPE and the cache write after q/k/v, the residual add after the output an
 after gate/up (whose columns are interleaved in 32-column pairs so that each slice holds both halves). Only the
 two RMS norms of a layer, over whole rows, run between the slices."""
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tables, route, shard_ends, step_input
 from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
-from exo.inference.numpy.kernels import product, split_columns, split_over_cores, weight_matrix, weight_rows
+from exo.inference.numpy.kernels import Workers, product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig
@@ -107,23 +107,7 @@ class Llama:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
     Returns per request: hidden states (L_i, d), or on the last shard the logits of its last position (1, vocab)."""
     c = self.config
-    for x, cache in zip(inputs, caches):
-      if cache.length + len(x) > cache.capacity:
-        raise ValueError(f"a request of {cache.length + len(x)} positions exceeds the context of {cache.capacity}")
-    # Requests in slot order, so that neighbours in the pool are neighbours in the step.
-    order = sorted(range(len(inputs)), key=lambda r: caches[r].slot)
-    inputs, caches = [inputs[r] for r in order], [caches[r] for r in order]
-    lengths = [len(x) for x in inputs]
-    h = step_input(inputs, self.shard.is_first_layer(), c.hidden_size)
-    if self.shard.is_first_layer():
-      h = self._embed(h)
-      if c.embedding_scale != 1.0:
-        h *= np.float32(c.embedding_scale)
-    step = Step(self.pool, caches, lengths)
-    h = self._layers(h, step)
-    for cache, n in zip(caches, lengths):
-      cache.length += n
-
+    h, step, order = self._run(inputs, caches)
     if self.head is None:
       outputs = step.layout.split(h)
     else:
@@ -140,7 +124,38 @@ class Llama:
       outputs = [logits[i:i + 1] for i in range(len(inputs))]
     return in_caller_order(order, outputs)
 
-  def _layers(self, h: np.ndarray, step: Step) -> np.ndarray:
+  def final_states(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache], workers: Optional[Workers] = None) -> List[np.ndarray]:
+    """Per request, every input position's state after the final norm (L_i, d): what an embedding model built on this
+    decoder pools (transformers' base model's last_hidden_state). The whole model only; the products are shared
+    among `workers` (the engine's by default)."""
+    if not (self.shard.is_first_layer() and self.shard.is_last_layer()):
+      raise ValueError("final states need the whole model on one shard")
+    h, step, order = self._run(inputs, caches, workers)
+    return in_caller_order(order, step.layout.split(rms_norm(h, self.norm, self.config.rms_norm_eps)))
+
+  def _run(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache], workers: Optional[Workers] = None) -> Tuple[np.ndarray, Step, List[int]]:
+    """The shard's layers over every request's rows, their keys and values written to their caches: (the last
+    layer's states of the step's rows, the step, the order the requests were run in)."""
+    c = self.config
+    for x, cache in zip(inputs, caches):
+      if cache.length + len(x) > cache.capacity:
+        raise ValueError(f"a request of {cache.length + len(x)} positions exceeds the context of {cache.capacity}")
+    # Requests in slot order, so that neighbours in the pool are neighbours in the step.
+    order = sorted(range(len(inputs)), key=lambda r: caches[r].slot)
+    inputs, caches = [inputs[r] for r in order], [caches[r] for r in order]
+    lengths = [len(x) for x in inputs]
+    h = step_input(inputs, self.shard.is_first_layer(), c.hidden_size)
+    if self.shard.is_first_layer():
+      h = self._embed(h)
+      if c.embedding_scale != 1.0:
+        h *= np.float32(c.embedding_scale)
+    step = Step(self.pool, caches, lengths)
+    h = self._layers(h, step, workers)
+    for cache, n in zip(caches, lengths):
+      cache.length += n
+    return h, step, order
+
+  def _layers(self, h: np.ndarray, step: Step, workers: Optional[Workers] = None) -> np.ndarray:
     c = self.config
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     rows = step.rows
@@ -197,7 +212,7 @@ class Llama:
             for job in step.job_groups[g]:
               job.attend(li, q, attn, n_kv, window=window, softcap=c.attn_softcap, sinks=layer["sinks"])
         if len(step.job_groups) > 1:
-          split_over_cores(attend, len(step.job_groups))
+          split_over_cores(attend, len(step.job_groups), workers)
         else:
           attend(0, len(step.job_groups))
 
@@ -244,21 +259,21 @@ class Llama:
         attended = latent_attention(x, layer["latent"], li, step, c, cos, sin, window, rms_norm, rope, lambda q, out: attend_all(q, out, 1))
       else:
         attended = attn
-        split_columns(qkv, qkv_width, hd, rows)
+        split_columns(qkv, qkv_width, hd, rows, workers)
         if projected is not None:  # the norms span heads: after the whole product
           q_width, kv_width = n_heads * hd, n_kv * hd
           projected[:, :q_width] = rms_norm(projected[:, :q_width], layer["q_norm"], c.rms_norm_eps)
           projected[:, q_width:q_width + kv_width] = rms_norm(projected[:, q_width:q_width + kv_width], layer["k_norm"], c.rms_norm_eps)
           rope_and_write(projected, 0, qkv_width)
         attend_all(q, attn, n_kv)
-      split_columns(o_proj, c.hidden_size, 32, rows)
+      split_columns(o_proj, c.hidden_size, 32, rows, workers)
       finish_branch(layer["post_attn_norm"])
       x = h if layer["mlp_norm"] is None else rms_norm(h, layer["mlp_norm"], c.rms_norm_eps)
       if layer["experts"] is not None:
         add_branch(self._experts(x, layer), 0, c.hidden_size, layer["post_mlp_norm"])
       else:
-        split_columns(gate_up, 2 * c.intermediate_size, 2 * PAIR, rows)
-        split_columns(down, c.hidden_size, 32, rows)
+        split_columns(gate_up, 2 * c.intermediate_size, 2 * PAIR, rows, workers)
+        split_columns(down, c.hidden_size, 32, rows, workers)
       finish_branch(layer["post_mlp_norm"])
     return h
 
