@@ -52,11 +52,16 @@ def model_card(model_id: str) -> Optional[dict]:
     return model_cards[model_id]
   if not isinstance(model_id, str) or not os.path.isabs(model_id):
     return None
-  real = os.path.realpath(model_id)
-  if real not in _named and not any(os.path.commonpath([real, d]) == d for d in _dirs):
-    raise ValueError(f"{model_id} is not a checkpoint this node serves (its operator allows paths with `exo run PATH`, "
-                     "--default-model PATH or --models-dir DIR)")
+  check_served(model_id)
   return _register(model_id)
+
+
+def check_served(path: str) -> None:
+  """ValueError unless the operator allowed this absolute path (named, or under a --models-dir)."""
+  real = os.path.realpath(path)
+  if real not in _named and not any(os.path.commonpath([real, d]) == d for d in _dirs):
+    raise ValueError(f"{path} is not a checkpoint this node serves (its operator allows paths with `exo run PATH`, "
+                     "--default-model PATH or --models-dir DIR)")
 
 
 def checkpoint_layers(path: Path) -> int:

@@ -1,6 +1,9 @@
 """Embedding request bodies read and checked: OpenAI's /v1/embeddings (`input` a string, a list of strings, a list of
 token ids or a list of those; `encoding_format`; `dimensions`) and Ollama's /api/embed (`input` a string or a list of
 strings, `truncate`, `dimensions`) and /api/embeddings (`prompt`), both with Ollama's `keep_alive`. Bad input is a 400 naming the field.
+A model is named by its registry id or alias, or by the absolute path of a served local checkpoint. exo's own
+`prompt_name` on /v1/embeddings picks a prompt of the model's sentence-transformers configuration (Qwen3-Embedding's
+`query` instruction); Ollama's routes have no such field, so their clients put the instruction in the text.
 
 Token ids are the embedding model's own, taken as the encoder sees them (as vLLM takes them): a client that
 tokenises itself includes the model's special tokens ([CLS] ... [SEP] for BERT) as its tokenizer adds them."""
@@ -11,12 +14,12 @@ from typing import Any, List, Mapping, Optional, Union
 
 from exo.api.errors import ApiError, BadRequest
 from exo.api.request_fields import MAX_INT32, is_int, is_number, parse_flag, refuse_unimplemented
-from exo.embeddings.registry import DEFAULT_EMBEDDING_MODEL, FALLBACK_PREFIXES, embedding_cards, embedding_model_id
+from exo.embeddings.registry import DEFAULT_EMBEDDING_MODEL, FALLBACK_PREFIXES, embedding_cards, embedding_model_id, is_local, local_checkpoint
 from exo.models import model_cards
 
 MAX_INPUTS = 2048  # items in one request, as OpenAI's API
 ENCODING_FORMATS = ("float", "base64")
-OPENAI_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate"}
+OPENAI_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate", "prompt_name"}
 OLLAMA_EMBED_FIELDS = {"model", "input", "truncate", "dimensions", "options", "keep_alive"}
 OLLAMA_EMBEDDINGS_FIELDS = {"model", "prompt", "options", "keep_alive"}
 
@@ -41,6 +44,7 @@ class EmbeddingRequest:
   single: bool = False  # `input` was one item, not a list (its error messages say `input`, not `input[0]`)
   truncate_hint: str = " (send \"truncate\": true to cut it to the limit)"
   keep_alive: Optional[float] = None  # seconds the model stays loaded after this request (the node's default when None)
+  prompt_name: Optional[str] = None  # a prompt of the model's sentence-transformers configuration, put before each text
 
   def item_name(self, index: int) -> str:
     return self.fields.input if self.single else f"{self.fields.input}[{index}]"
@@ -54,6 +58,11 @@ def resolve_embedding_model(requested: Any, default: str = DEFAULT_EMBEDDING_MOD
   if not requested or requested.startswith(tuple(fallback_prefixes)):
     return default
   model_id = embedding_model_id(requested)
+  if model_id is not None and is_local(model_id):
+    try:
+      local_checkpoint(model_id)
+    except ValueError as e:
+      raise ApiError(missing_status, str(e), param="model", code="model_not_found") from None
   if model_id is not None:
     return model_id
   what = "a chat model, not an embedding model" if requested in model_cards else "not an embedding model this node has"
@@ -111,8 +120,13 @@ def parse_openai_embedding(body: Mapping) -> EmbeddingRequest:
   if body.get("user") is not None and not isinstance(body["user"], str):
     raise BadRequest("user must be a string", param="user")
   inputs, single = parse_inputs(body.get("input"), "input", token_ids=True)
+  prompt_name = body.get("prompt_name")
+  if prompt_name is not None and not isinstance(prompt_name, str):
+    raise BadRequest("prompt_name must be a string: the name of a prompt in the model's sentence-transformers configuration", param="prompt_name")
+  if prompt_name is not None and not isinstance(inputs[0], str):
+    raise BadRequest("prompt_name applies to texts; token id inputs already hold whatever prompt they need", param="prompt_name")
   return EmbeddingRequest(resolve_embedding_model(body.get("model")), inputs, fmt, parse_dimensions(body), parse_flag(body, "truncate"),
-                          single=single)
+                          single=single, prompt_name=prompt_name)
 
 
 DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")

@@ -55,6 +55,11 @@ class ShardDownloader(ABC):
     """Whether a download of the repository is under way here (its files must not be deleted meanwhile)."""
     return False
 
+  async def ensure_repo(self, repo_id: str, shard: Shard) -> Path:
+    """A repository's files for `shard`, for a model outside the chat registry; a downloader that fetches nothing
+    (the dummy engine's) says so."""
+    raise DownloadError(shard.model_id, repo_id, "offline", "this node downloads no models (its engine needs none)")
+
   def arriving_from(self, model_id: str) -> Dict[str, str]:
     """The model's files arriving now, each with where from: "hub" or "peer <node id>"."""
     return {}
@@ -117,6 +122,11 @@ class HFShardDownloader(ShardDownloader):
     repo_id = get_repo(shard.model_id, inference_engine_name)
     if repo_id is None:
       raise ValueError(f"Model {shard.model_id} has no repo for {inference_engine_name}")
+    return await self.ensure_repo(repo_id, shard)
+
+  async def ensure_repo(self, repo_id: str, shard: Shard) -> Path:
+    """The repository's files that `shard` needs, as ensure_shard, for a model named by its repository: an embedding
+    model, which the chat registry does not list (shard.model_id names it in progress and errors)."""
     local = local_model_path(repo_id)
     if local is not None:
       return local
@@ -368,6 +378,12 @@ def _files_view(progress: DownloadProgress, event: RepoProgressEvent) -> Dict[st
     view[path] = {"source": None if source is None else "hub" if source.peer is None else "peer", "peer": source and source.peer,
                   "from": source and source.name, "speed": file.speed, "downloaded": file.downloaded, "total": file.total, "status": file.status}
   return view
+
+
+def downloaded_path(repo_id: str, shard: Shard) -> Optional[Path]:
+  """The repository's folder under $EXO_HOME/downloads when every file the shard needs is there, else None."""
+  folder = repo_dir(repo_id)
+  return folder if folder.is_dir() and _complete_on_disk(folder, shard) else None
 
 
 def _complete_on_disk(folder: Path, shard: Shard) -> bool:

