@@ -250,7 +250,9 @@ async def test_models_and_initial_models(server):
     body = json.loads(text)
     assert list(body) == ["object", "data"] and body["object"] == "list"
     assert [m["id"] for m in body["data"]] == list(model_cards) + list(embedding_cards)
-    assert body["data"][-1] == {"id": "all-minilm-l6-v2", "object": "model", "owned_by": "exo", "ready": True, "type": "embedding"}
+    embedding = {m["id"]: m for m in body["data"] if m.get("type") == "embedding"}
+    assert embedding["all-minilm-l6-v2"] == {"id": "all-minilm-l6-v2", "object": "model", "owned_by": "exo", "ready": True, "type": "embedding"}
+    assert isinstance(embedding["qwen3-embedding-0.6b"]["ready"], bool)  # downloaded or not yet (on its first request)
     assert body["data"][0] == {"id": list(model_cards)[0], "object": "model", "owned_by": "exo", "ready": True}
   status, _, text = await get(f"{server.url}/initial_models")
   assert status == 200
