@@ -4,6 +4,7 @@ request's inputs are not run, a full queue refuses. The encoder is a stand-in (a
 tests see exactly which inputs ran together; tests/test_embeddings_model.py checks the real one."""
 import asyncio
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ class StandIn:
     self.entered, self.gate = threading.Event(), threading.Event()
     self.gate.set()
 
-  def embed(self, inputs, workers=None):
+  def embed(self, inputs, workers=None, pause=lambda: None):
     self.passes.append([list(i) for i in inputs])
     self.cores = workers.cores
     self.entered.set()
@@ -117,6 +118,28 @@ async def test_while_chat_runs_passes_keep_to_their_own_thread_and_stay_small():
   chatting = True
   await batcher.embed(model, [[1] * 10] * 20)
   assert model.cores == 1 and [len(p) for p in model.passes[1:]] == [BUSY_BATCH_TOKENS // 10] * (200 // BUSY_BATCH_TOKENS) + [200 % BUSY_BATCH_TOKENS // 10]
+  batcher.close()
+
+
+async def test_a_long_inputs_pieces_leave_chat_the_cores_once_it_begins():
+  chatting = False
+  batcher = EmbeddingBatcher(busy=lambda: chatting)
+  waits = []
+  batcher.stopping = types.SimpleNamespace(wait=waits.append, set=lambda: None)  # the pauses recorded, not slept
+
+  class Pieces(StandIn):
+    """A pass in pieces (as a decoder runs a long input), chat beginning after the first."""
+
+    def embed(self, inputs, workers=None, pause=lambda: None):
+      nonlocal chatting
+      pause()
+      assert waits == []  # no chat yet: the pieces run on
+      chatting = True
+      pause()
+      return super().embed(inputs, workers)
+  model = Pieces()
+  await batcher.embed(model, [[1] * 600])
+  assert len(waits) == 1 and model.cores == kernels.CORES  # it gave way once chat had begun, within the pass
   batcher.close()
 
 

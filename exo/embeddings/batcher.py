@@ -6,7 +6,8 @@ the request, on a thread of its own beside the engine's, so chat steps never wai
 embedding for a chat step. A pass shares its products among helper threads of its own (one per extra core), never
 the engine's; while the node has chat requests (`busy()`), it runs on its one thread instead, leaving the other
 cores to the engine's steps, in small passes with pauses between them. A batch holds at most `batch_tokens` padded
-tokens (inputs sorted by length, so little of that is padding), which bounds one pass."""
+tokens (inputs sorted by length, so little of that is padding), which bounds one pass; a decoder model runs an input
+longer than that in pieces (exo/embeddings/decoder.py) and pauses between them as between passes."""
 import asyncio
 import threading
 import time
@@ -130,15 +131,21 @@ class EmbeddingBatcher:
         self.queued_inputs -= len(batch)
       if not batch:
         continue
-      started = time.monotonic()
+      started = [time.monotonic()]
+
+      def give_way(busy: bool = True) -> None:
+        """Leave the cores to chat for the rest of the time: a pass may use BUSY_SHARE of it. Also called between the
+        pieces of a long input's pass (a decoder's), where chat may have begun since the pass did."""
+        if busy and self.busy():
+          self.stopping.wait((time.monotonic() - started[0]) * (1 / self.busy_share - 1))
+        started[0] = time.monotonic()
       try:
-        vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch], self.alone if busy else self.workers)
+        vectors = batch[0][1].model.embed([job.inputs[i] for _, job, i in batch], self.alone if busy else self.workers, give_way)
       except Exception as e:  # the jobs in this batch fail; the worker goes on
         self._fail(list({id(job): job for _, job, _ in batch}.values()), e)
         continue
       finally:
-        if busy:  # leave the cores to chat for the rest of the time: a pass may use BUSY_SHARE of it
-          self.stopping.wait((time.monotonic() - started) * (1 / self.busy_share - 1))
+        give_way(busy)
       for (_, job, i), vector in zip(batch, vectors):
         if job.vectors is None:
           job.vectors = np.empty((len(job.inputs), len(vector)), dtype=np.float32)

@@ -9,7 +9,7 @@ states (RoPE sees only distances between positions), and its last-token pooling 
 ours does. An input longer than CHUNK goes through in pieces, each attending to the pieces before it in its cache,
 so one pass never holds a long input's whole attention matrix."""
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -31,9 +31,9 @@ class DecoderStates:
     self.decoder = Llama(config, shard, weights)
     self.vocab_size, self.hidden_size, self.max_positions = config.vocab_size, config.hidden_size, config.max_position_embeddings
 
-  def states(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers]) -> Tuple[np.ndarray, np.ndarray]:
+  def states(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers], pause: Callable[[], None]) -> Tuple[np.ndarray, np.ndarray]:
     """(states (rows, longest, hidden), mask (rows, longest)): each input's final-normed states on the left of its
-    row, then zeros; mask 1 on its positions."""
+    row, then zeros; mask 1 on its positions. `pause()` between the passes of inputs longer than CHUNK."""
     caches = [self.decoder.new_cache() for _ in inputs]
     pieces: List[List[np.ndarray]] = [[] for _ in inputs]
     done = [0] * len(inputs)
@@ -41,6 +41,8 @@ class DecoderStates:
       running = [i for i, ids in enumerate(inputs) if done[i] < len(ids)]
       if not running:
         break
+      if any(done):
+        pause()
       chunks = [np.asarray(inputs[i][done[i]:done[i] + CHUNK], dtype=np.int64) for i in running]
       for i, chunk, out in zip(running, chunks, self.decoder.final_states(chunks, [caches[i] for i in running], workers)):
         pieces[i].append(out)

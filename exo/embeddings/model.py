@@ -121,8 +121,8 @@ class BertEncoder:
     self.vocab_size, self.hidden_size, self.max_positions = config.vocab_size, config.hidden_size, config.max_positions
     self.bert = Bert(config, read_safetensors(read("model.safetensors")))
 
-  def states(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers]) -> Tuple[np.ndarray, np.ndarray]:
-    ids, mask = padded(inputs)
+  def states(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers], pause: Callable[[], None]) -> Tuple[np.ndarray, np.ndarray]:
+    ids, mask = padded(inputs)  # one pass: inputs are at most 512 positions
     return self.bert(ids, mask, workers), mask
 
 
@@ -196,8 +196,8 @@ class EmbeddingModel:
       return ids
     return ids[: self.max_tokens - self.tail] + ids[len(ids) - self.tail:]
 
-  def embed(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers] = None) -> np.ndarray:
+  def embed(self, inputs: Sequence[Sequence[int]], workers: Optional[Workers] = None, pause: Callable[[], None] = lambda: None) -> np.ndarray:
     """One batch of id lists (each at most max_tokens long): (inputs, dimensions) float32. Its products are shared
-    among `workers` (the engine's by default)."""
-    states, mask = self.transformer.states(inputs, workers)
+    among `workers` (the engine's by default); `pause()` runs between the passes a long input takes (a decoder's)."""
+    states, mask = self.transformer.states(inputs, workers, pause)
     return self.pooling(states, mask)
