@@ -5,7 +5,8 @@ models in one process, their steps alternated, so that a shared machine's load f
   python bench/quantized_speed.py --model PATH --streams 1,8 --steps 16
 
 Per stream count: a decode step for every stream at once (each stream's cache holding its prompt), median ms of
---steps alternated steps each; then a prefill of --prompt tokens; and the bytes each model's weights hold."""
+--steps alternated steps each; then a prefill of --prompt tokens; and the bytes each model's weights hold. Each
+speed ratio comes with the ratio of the CPU time the two spent (see cpu_ratio)."""
 import argparse
 import statistics
 import sys
@@ -46,28 +47,39 @@ def main(args) -> None:
     prompts = [rng.integers(100, 10000, 24) for _ in range(streams)]
     for name, m in models.items():
       m.forward(prompts, caches[name])
-    times = {name: [] for name in models}
+    times, cpu = {name: [] for name in models}, {name: [] for name in models}
     for _ in range(args.steps):
       tokens = [rng.integers(100, 10000, 1) for _ in range(streams)]
       for name, m in models.items():
-        started = time.perf_counter()
-        m.forward(tokens, caches[name])
-        times[name].append(time.perf_counter() - started)
+        timed(lambda: m.forward(tokens, caches[name]), times[name], cpu[name])
     q, f = (1000 * statistics.median(times[n]) for n in ("quantized", "float32"))
     print(f"{streams:>3} streams, decode step: quantized {q:.1f} ms, float32 {f:.1f} ms, speed ratio {f / q:.2f}x "
-          f"({1000 * streams / q:.1f} vs {1000 * streams / f:.1f} tokens/s)", flush=True)
+          f"({1000 * streams / q:.1f} vs {1000 * streams / f:.1f} tokens/s), {cpu_ratio(cpu)}", flush=True)
     del caches  # their slots go back to the pool
-  times = {name: [] for name in models}
+  times, cpu = {name: [] for name in models}, {name: [] for name in models}
   for _ in range(max(3, args.steps // 4)):
     prompt = rng.integers(100, 10000, args.prompt)
     for name, m in models.items():
       cache = m.new_cache()
-      started = time.perf_counter()
-      m.forward([prompt], [cache])
-      times[name].append(time.perf_counter() - started)
+      timed(lambda: m.forward([prompt], [cache]), times[name], cpu[name])
       del cache
   q, f = (1000 * statistics.median(times[n]) for n in ("quantized", "float32"))
-  print(f"prefill of {args.prompt} tokens: quantized {q:.0f} ms, float32 {f:.0f} ms, speed ratio {f / q:.2f}x")
+  print(f"prefill of {args.prompt} tokens: quantized {q:.0f} ms, float32 {f:.0f} ms, speed ratio {f / q:.2f}x, "
+        f"{cpu_ratio(cpu)}")
+
+
+def timed(run, wall: list, cpu: list) -> None:
+  """Appends run()'s wall time and the CPU time this process spent in it (all its threads)."""
+  started, started_cpu = time.perf_counter(), time.process_time()
+  run()
+  wall.append(time.perf_counter() - started)
+  cpu.append(time.process_time() - started_cpu)
+
+
+def cpu_ratio(cpu: dict) -> str:
+  """The float32 steps' median CPU time over the quantized ones': the work each does, which other processes on a
+  shared machine disturb less than the wall time (a step that waits for a core spends no CPU time meanwhile)."""
+  return f"CPU time ratio {statistics.median(cpu['float32']) / statistics.median(cpu['quantized']):.2f}x"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Quantized weights kept packed in the numpy engine: GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks read as the
 gguf package dequantises them, and every product and lookup of the compiled kernels equal to the same matrix dequantised to
-float32, for each bit width, group size and scale format, on the few-rows (direct) and many-rows (tiled BLAS) paths."""
+float32, for each bit width, group size and scale format, on the few-rows (direct) path and both tiled BLAS paths
+(some rows: products computed transposed; many rows: as they are)."""
 import gguf
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def check_products(matrix: PackedMatrix, reference: np.ndarray) -> None:
   out_features, n_in = reference.shape
   rng = np.random.default_rng(2)
   a, b = 8, out_features - 8  # a slice, as the cores take them
-  for rows in (1, 2, packed.DIRECT_ROWS, packed.DIRECT_ROWS + 1, 37):
+  for rows in (1, 2, packed.DIRECT_ROWS, packed.DIRECT_ROWS + 1, 37, packed.TRANSPOSED_ROWS + 1):
     x = rng.standard_normal((rows, n_in)).astype(np.float32)
     want = x.astype(np.float64) @ reference[a:b].T.astype(np.float64)
     got = matrix.product(x, a, b)
@@ -99,6 +100,15 @@ def test_products_from_mlx_affine_matrices_equal_the_dequantised_products(bits, 
   check_products(matrix, w.dequantize())
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_products_over_several_tiles_equal_the_dequantised_products(type_name, monkeypatch):
+  """Tiles of 32 weight rows: the 80-row slices check_products takes span three, the last one partial."""
+  monkeypatch.setattr(packed, "TILE_BYTES", 32 * 4 * 256)
+  monkeypatch.setattr(packed, "MANY_ROWS_TILE_BYTES", 32 * 4 * 256)
+  raw, reference = gguf_matrix(type_name)
+  check_products(PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 96)), reference)
+
+
 def test_rows_moved_whole_keep_their_scales():
   """The llama.cpp Q/K rows and the engine's gate/up interleave permute rows of a packed matrix."""
   raw, reference = gguf_matrix("Q4_1", rows=128)
@@ -123,11 +133,12 @@ def test_formats_the_kernels_do_not_run_are_dequantised():
     np.testing.assert_array_equal(matrix, other.dequantize().T)
 
 
-def test_a_product_writes_into_a_given_slice():
+@pytest.mark.parametrize("rows", [1, packed.DIRECT_ROWS + 1, packed.TRANSPOSED_ROWS + 1])
+def test_a_product_writes_into_a_given_slice(rows):
   raw, reference = gguf_matrix("Q8_0")
   matrix = PackedMatrix.from_quantized(from_gguf_blocks(raw, "Q8_0", 96))
-  x = np.random.default_rng(4).standard_normal((3, 256)).astype(np.float32)
-  logits = np.zeros((3, 96), dtype=np.float32)
+  x = np.random.default_rng(4).standard_normal((rows, 256)).astype(np.float32)
+  logits = np.zeros((rows, 96), dtype=np.float32)
   product(x, matrix, 32, 64, out=logits[:, 32:64])
   want = x @ reference[32:64].T
   np.testing.assert_allclose(logits[:, 32:64], want, rtol=0, atol=1e-5 * np.abs(want).max())

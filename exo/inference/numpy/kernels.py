@@ -165,11 +165,7 @@ def product(x: np.ndarray, w, a: int, b: int, out: Optional[np.ndarray] = None) 
   """x (rows, in) @ the weight's output columns a..b: (rows, b - a), written into `out` if given."""
   if isinstance(w, np.ndarray):
     return np.matmul(x, w[:, a:b], out=out)
-  result = w.product(x, a, b)
-  if out is None:
-    return result
-  out[...] = result
-  return out
+  return w.product(x, a, b, out)
 
 
 def weight_rows(w, ids: np.ndarray) -> np.ndarray:

@@ -2,9 +2,12 @@
 
 Rows are the matrix's outputs, as checkpoints store them; a product's output columns a..b are rows a..b here, so the
 engine's column slices (kernels.py) are slices of rows. Up to DIRECT_ROWS input rows a product reads the codes
-directly (a decode step, bound by reading the weights); above, it turns TILE weight rows at a time into float32 and
-lets BLAS multiply them (prefill, big batches: bound by arithmetic, where BLAS is several times faster than the
-direct kernel and the dequantising is paid once for all rows)."""
+directly (a decode step, bound by reading the weights). Above, it widens a tile of weight rows at a time into
+float32, in a scratch buffer each thread keeps (512 KiB, or 4 MiB for prefill), and lets BLAS multiply it (batched
+decode and prefill: bound by arithmetic, where BLAS is several times faster than the direct kernel and the widening
+is paid once for all rows). How the tile meets BLAS depends on the rows, by measurement (bench/quantized_speed.py):
+up to TRANSPOSED_ROWS, tile @ x.T into a transposed output; above, x @ tile.T straight into the output."""
+import threading
 from typing import Optional
 
 import numpy as np
@@ -13,7 +16,10 @@ from exo.inference.numpy import qkernels
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 2
-TILE = 256
+TILE_BYTES = 512 * 1024  # up to TRANSPOSED_ROWS rows: a tile that stays in a core's L2 while BLAS reads it
+TRANSPOSED_ROWS = 64
+MANY_ROWS_TILE_BYTES = 4 * 2**20  # above: a tile as large as a layer's matrix (a core's share of it) or 4 MiB
+_scratch = threading.local()  # each thread's tile, reused by every product it runs
 _ready = set()  # (bits, table) whose kernels this process has compiled or read from numba's cache
 
 
@@ -36,6 +42,7 @@ class PackedMatrix:
     self.codes, self.scales, self.biases, self.table_name, self.bits = codes, scales, biases, table, bits
     self.table = qkernels.TABLES[table]
     self._product = qkernels.product_rows_4 if bits == 4 else qkernels.product_rows_8
+    self._widen = qkernels.widen_tile_4 if bits == 4 else qkernels.widen_tile_8
 
   @classmethod
   def supports(cls, w: QuantizedWeight) -> bool:
@@ -53,7 +60,6 @@ class PackedMatrix:
       for rows in (1, DIRECT_ROWS + 1):
         matrix.product(np.zeros((rows, matrix.shape[1]), dtype=np.float32), 0, 1)
       matrix.rows(np.zeros(1, dtype=np.int64))
-      matrix.rows(np.zeros(1, dtype=np.int64), halves=True)
       _ready.add((w.bits, table))
     return matrix
 
@@ -69,34 +75,55 @@ class PackedMatrix:
     pick = lambda a: np.ascontiguousarray(a[index])
     return PackedMatrix(pick(self.codes), pick(self.scales), pick(self.biases), self.table_name, self.bits)
 
-  def rows(self, ids: np.ndarray, out: Optional[np.ndarray] = None, halves: bool = False) -> np.ndarray:
-    """Rows `ids` as float32 (len(ids), in): embedding lookups; with `halves`, 4-bit rows' even inputs then their odd
-    ones (see qkernels.dequantize_rows)."""
+  def rows(self, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` as float32 (len(ids), in): embedding lookups."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    if out is None:
-      out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
-    if halves and self.bits == 4:
-      qkernels.dequantize_halves_4(self.codes, self.scales, self.biases, self.table, ids, out)
-    else:
-      qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, out)
+    out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
+    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, out)
     return out
 
-  def product(self, x: np.ndarray, a: int, b: int) -> np.ndarray:
-    """x (rows, in) @ this matrix's rows a..b, transposed: (rows, b - a) float32."""
+  def product(self, x: np.ndarray, a: int, b: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """x (rows, in) @ this matrix's rows a..b, transposed: (rows, b - a) float32, written into `out` if given."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty((x.shape[0], b - a), dtype=np.float32)
+    if out is None:
+      out = np.empty((x.shape[0], b - a), dtype=np.float32)
     if x.shape[0] <= DIRECT_ROWS:
-      self._product(x, self.codes, self.scales, self.biases, self.table, a, b, out)
+      # the kernel is compiled for contiguous outputs only (a slice of the logits is not one)
+      direct = out if out.flags.c_contiguous else np.empty(out.shape, dtype=np.float32)
+      self._product(x, self.codes, self.scales, self.biases, self.table, a, b, direct)
+      if direct is not out:
+        out[...] = direct
       return out
-    halves = self.bits == 4
-    if halves:  # the inputs in the order the tiles are written in
+    if self.bits == 4:  # the inputs in the order the tiles are written in
       x = np.concatenate((x[:, 0::2], x[:, 1::2]), axis=1)
-    tile = np.empty((min(TILE, b - a), x.shape[1]), dtype=np.float32)
-    for lo in range(a, b, TILE):
-      hi = min(b, lo + TILE)
-      w = self.rows(np.arange(lo, hi), tile[:hi - lo], halves)
-      np.matmul(x, w.T, out=out[:, lo - a:hi - a])
+    if x.shape[0] > TRANSPOSED_ROWS:
+      # Many rows (prefill): BLAS is as fast on x @ tile.T as on float32 (in, out) weights once the tile is large
+      # (256 rows: 10% slower), and the widening is paid once for all rows.
+      tile = self._tile(max(32, MANY_ROWS_TILE_BYTES // (4 * self.shape[1])))
+      for lo in range(a, b, len(tile)):
+        hi = min(b, lo + len(tile))
+        self._widen(self.codes, self.scales, self.biases, self.table, lo, hi, tile)
+        np.matmul(x, tile[:hi - lo].T, out=out[:, lo - a:hi - a])
+      return out
+    # Fewer rows: BLAS multiplies a row-major tile by inputs laid out (in, rows) 1.2-2x faster than it multiplies
+    # the inputs by the tile transposed, so the product is computed transposed, (b - a, rows), and turned at the end.
+    tile = self._tile(max(32, TILE_BYTES // (4 * self.shape[1]) // 32 * 32))
+    x_t = np.ascontiguousarray(x.T)
+    out_t = np.empty((b - a, x.shape[0]), dtype=np.float32)
+    for lo in range(a, b, len(tile)):
+      hi = min(b, lo + len(tile))
+      self._widen(self.codes, self.scales, self.biases, self.table, lo, hi, tile)
+      np.matmul(tile[:hi - lo], x_t, out=out_t[lo - a:hi - a])
+    out[...] = out_t.T
     return out
+
+  def _tile(self, rows: int) -> np.ndarray:
+    """This thread's scratch tile, (rows, in) float32, its buffer grown to the largest tile the thread has used."""
+    n_in = self.shape[1]
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < rows * n_in:
+      buffer = _scratch.buffer = np.empty(rows * n_in, dtype=np.float32)
+    return buffer[:rows * n_in].reshape(rows, n_in)
 
   def dequantize(self) -> np.ndarray:
     return self.rows(np.arange(self.shape[0]))

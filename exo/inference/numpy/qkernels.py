@@ -9,7 +9,8 @@ bias. Scales and biases are 16-bit floats kept as their bits (numba has no float
 `product_rows_4`/`_8` are the few-rows path (a decode step): each weight row is read once from memory and used for
 every input row; a group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd
 inputs gathered apart first so that the inner loop runs unit-stride and vectorises. `dequantize_rows` writes
-weight rows as float32: embedding lookups, and tiles for the many-rows path that hands them to BLAS (packed.py).
+weight rows as float32 (embedding lookups); `widen_tile_4`/`_8` write a range of them into a tile for the many-rows
+path, which hands the tile to BLAS (packed.py).
 
 Every kernel releases the GIL, so the engine's own worker threads (kernels.py) run slices of one product on several
 cores at once; numba's parallel loops are not used, their threads would compete with the engine's. Each is compiled
@@ -113,26 +114,40 @@ def product_rows_8(x, codes, scales, biases, table, lo, hi, out):
 
 
 @numba.njit(**_JIT)
-def dequantize_halves_4(codes, scales, biases, table, ids, out):
-  """out[i] = 4-bit row w[ids[i]] as float32 with its even inputs first, then its odd ones, for products with inputs
-  so ordered: each row's codes are widened in one pass and scaled in a second, both unit-stride (about 3x faster
-  than dequantize_rows, which writes the inputs in order)."""
+def widen_tile_4(codes, scales, biases, table, lo, hi, out):
+  """out[j - lo] = 4-bit row w[j] as float32 for j in [lo, hi), its even inputs first, then its odd ones, for
+  products with inputs so ordered: both halves are written unit-stride from one pass over the codes. Each group
+  is sliced out and looped over from 0: numba cannot tell that an index sum is never negative, and the check it
+  adds for one kept this loop from vectorising (3x slower)."""
   n_groups = scales.shape[1]
-  half = out.shape[1] // 2
+  half = codes.shape[1]
   half_group = half // n_groups
-  for i in range(ids.shape[0]):
-    j = ids[i]
-    row, dest, row_scales, row_biases = codes[j], out[i], scales[j], biases[j]
-    for k in range(half):
-      c = row[k]
-      dest[k] = np.float32(c & np.uint8(15))
-      dest[half + k] = np.float32(c >> np.uint8(4))
+  for j in range(lo, hi):
+    row, row_scales, row_biases = codes[j], scales[j], biases[j]
+    evens, odds = out[j - lo, :half], out[j - lo, half:]
     for g in range(n_groups):
       scale, bias = _value(row_scales, g, table), _value(row_biases, g, table)
-      base = g * half_group
+      at = slice(g * half_group, (g + 1) * half_group)
+      group_codes, group_evens, group_odds = row[at], evens[at], odds[at]
       for k in range(half_group):
-        dest[base + k] = dest[base + k] * scale + bias
-        dest[half + base + k] = dest[half + base + k] * scale + bias
+        c = np.int32(group_codes[k])
+        group_evens[k] = np.float32(c & 15) * scale + bias
+        group_odds[k] = np.float32(c >> 4) * scale + bias
+
+
+@numba.njit(**_JIT)
+def widen_tile_8(codes, scales, biases, table, lo, hi, out):
+  """out[j - lo] = 8-bit row w[j] as float32 for j in [lo, hi), inputs in order (as widen_tile_4)."""
+  n_groups = scales.shape[1]
+  group = codes.shape[1] // n_groups
+  for j in range(lo, hi):
+    row, dest, row_scales, row_biases = codes[j], out[j - lo], scales[j], biases[j]
+    for g in range(n_groups):
+      scale, bias = _value(row_scales, g, table), _value(row_biases, g, table)
+      at = slice(g * group, (g + 1) * group)
+      group_codes, group_dest = row[at], dest[at]
+      for k in range(group):
+        group_dest[k] = np.float32(np.int32(group_codes[k])) * scale + bias
 
 
 @numba.njit(**_JIT)
