@@ -104,7 +104,6 @@ def test_products_from_mlx_affine_matrices_equal_the_dequantised_products(bits, 
 def test_products_over_several_tiles_equal_the_dequantised_products(type_name, monkeypatch):
   """Tiles of 32 weight rows: the 80-row slices check_products takes span three, the last one partial."""
   monkeypatch.setattr(packed, "TILE_BYTES", 32 * 4 * 256)
-  monkeypatch.setattr(packed, "MANY_ROWS_TILE_BYTES", 32 * 4 * 256)
   raw, reference = gguf_matrix(type_name)
   check_products(PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 96)), reference)
 

@@ -3,7 +3,7 @@
 Rows are the matrix's outputs, as checkpoints store them; a product's output columns a..b are rows a..b here, so the
 engine's column slices (kernels.py) are slices of rows. Up to DIRECT_ROWS input rows a product reads the codes
 directly (a decode step, bound by reading the weights). Above, it widens a tile of weight rows at a time into
-float32, in a scratch buffer each thread keeps (512 KiB, or 4 MiB for prefill), and lets BLAS multiply it (batched
+float32, in a scratch buffer each thread keeps (up to TILE_BYTES, 4 MiB), and lets BLAS multiply it (batched
 decode and prefill: bound by arithmetic, where BLAS is several times faster than the direct kernel and the widening
 is paid once for all rows). How the tile meets BLAS depends on the rows, by measurement (bench/quantized_speed.py):
 up to TRANSPOSED_ROWS, tile @ x.T into a transposed output; above, x @ tile.T straight into the output."""
@@ -16,9 +16,10 @@ from exo.inference.numpy import qkernels
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 2
-TILE_BYTES = 512 * 1024  # up to TRANSPOSED_ROWS rows: a tile that stays in a core's L2 while BLAS reads it
-TRANSPOSED_ROWS = 64
-MANY_ROWS_TILE_BYTES = 4 * 2**20  # above: a tile as large as a layer's matrix (a core's share of it) or 4 MiB
+# A tile as large as a core's share of a layer's matrix, up to 4 MiB: one widening call and one BLAS call for it
+# (64 rows: 1.1-1.2x faster than 512 KiB tiles; 16 rows: the same).
+TILE_BYTES = 4 * 2**20
+TRANSPOSED_ROWS = 64  # up to this many input rows the product is computed transposed (see product)
 _scratch = threading.local()  # each thread's tile, reused by every product it runs
 _ready = set()  # (bits, table) whose kernels this process has compiled or read from numba's cache
 
@@ -96,25 +97,21 @@ class PackedMatrix:
       return out
     if self.bits == 4:  # the inputs in the order the tiles are written in
       x = np.concatenate((x[:, 0::2], x[:, 1::2]), axis=1)
-    if x.shape[0] > TRANSPOSED_ROWS:
-      # Many rows (prefill): BLAS is as fast on x @ tile.T as on float32 (in, out) weights once the tile is large
-      # (256 rows: 10% slower), and the widening is paid once for all rows.
-      tile = self._tile(max(32, MANY_ROWS_TILE_BYTES // (4 * self.shape[1])))
-      for lo in range(a, b, len(tile)):
-        hi = min(b, lo + len(tile))
-        self._widen(self.codes, self.scales, self.biases, self.table, lo, hi, tile)
-        np.matmul(x, tile[:hi - lo].T, out=out[:, lo - a:hi - a])
-      return out
-    # Fewer rows: BLAS multiplies a row-major tile by inputs laid out (in, rows) 1.2-2x faster than it multiplies
+    # Many rows (prefill): x @ tile.T straight into the output; BLAS runs it nearly as fast as float32 (in, out)
+    # weights once the tile is large. Fewer: BLAS multiplies the tile by the inputs transposed 1.2-2x faster than
     # the inputs by the tile transposed, so the product is computed transposed, (b - a, rows), and turned at the end.
-    tile = self._tile(max(32, TILE_BYTES // (4 * self.shape[1]) // 32 * 32))
-    x_t = np.ascontiguousarray(x.T)
-    out_t = np.empty((b - a, x.shape[0]), dtype=np.float32)
+    transposed = x.shape[0] <= TRANSPOSED_ROWS
+    result = np.empty((b - a, x.shape[0]), dtype=np.float32) if transposed else out
+    tile = self._tile(max(1, min(b - a, TILE_BYTES // (4 * self.shape[1]))))
     for lo in range(a, b, len(tile)):
       hi = min(b, lo + len(tile))
       self._widen(self.codes, self.scales, self.biases, self.table, lo, hi, tile)
-      np.matmul(tile[:hi - lo], x_t, out=out_t[lo - a:hi - a])
-    out[...] = out_t.T
+      if transposed:
+        np.matmul(tile[:hi - lo], x.T, out=result[lo - a:hi - a])
+      else:
+        np.matmul(x, tile[:hi - lo].T, out=result[:, lo - a:hi - a])
+    if transposed:
+      out[...] = result.T
     return out
 
   def _tile(self, rows: int) -> np.ndarray:
