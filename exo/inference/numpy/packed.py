@@ -16,9 +16,12 @@ from exo.inference.numpy import qkernels
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 2
-# A tile as large as a core's share of a layer's matrix, up to 4 MiB: one widening call and one BLAS call for it
-# (64 rows: 1.1-1.2x faster than 512 KiB tiles; 16 rows: the same).
+# From LARGE_TILE_ROWS input rows a tile as large as a core's share of a layer's matrix, up to 4 MiB: one widening
+# call and one BLAS call for it (64 rows: 1.1-1.2x faster than 512 KiB tiles). Fewer rows, where BLAS reads the tile
+# about as fast as it is written, take tiles that stay in a core's L2 cache.
 TILE_BYTES = 4 * 2**20
+SMALL_TILE_BYTES = 512 * 1024
+LARGE_TILE_ROWS = 32
 TRANSPOSED_ROWS = 64  # up to this many input rows the product is computed transposed (see product)
 _scratch = threading.local()  # each thread's tile, reused by every product it runs
 _ready = set()  # (bits, table) whose kernels this process has compiled or read from numba's cache
@@ -102,7 +105,8 @@ class PackedMatrix:
     # the inputs by the tile transposed, so the product is computed transposed, (b - a, rows), and turned at the end.
     transposed = x.shape[0] <= TRANSPOSED_ROWS
     result = np.empty((b - a, x.shape[0]), dtype=np.float32) if transposed else out
-    tile = self._tile(max(1, min(b - a, TILE_BYTES // (4 * self.shape[1]))))
+    tile_bytes = TILE_BYTES if x.shape[0] >= LARGE_TILE_ROWS else SMALL_TILE_BYTES
+    tile = self._tile(max(1, min(b - a, tile_bytes // (4 * self.shape[1]))))
     for lo in range(a, b, len(tile)):
       hi = min(b, lo + len(tile))
       self._widen(self.codes, self.scales, self.biases, self.table, lo, hi, tile)
