@@ -136,7 +136,12 @@ def check_engine(config: ModelConfig, engine_classname: str) -> None:
   if engine_classname != "TinygradDynamicShardInferenceEngine":
     return
   if config.moe_layers:
-    raise refuse("num_experts_per_tok", config.experts_per_token, "(a mixture of experts) is not implemented by the tinygrad engine (use numpy or mlx)")
+    unusual = [what for what, present in (("routed by " + config.router, config.router != "softmax"), ("a router bias", config.router_bias),
+                                          ("expert biases", config.expert_bias), ("clamped SwiGLU", config.swiglu_limit is not None),
+                                          ("shared experts", config.shared_expert_intermediate_size > 0)) if present]
+    if unusual:  # tinygrad computes Mixtral's and Qwen3-MoE's experts: softmax routing, plain gated MLPs
+      raise refuse("num_experts_per_tok", config.experts_per_token,
+                   f"(a mixture of experts with {', '.join(unusual)}) is not implemented by the tinygrad engine (use numpy or mlx)")
   if config.latent_attention:
     raise refuse("kv_lora_rank", config.kv_lora_rank, "(multi-head latent attention) is not implemented by the tinygrad engine (use numpy or mlx)")
   if config.attention_sinks:

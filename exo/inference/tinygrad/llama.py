@@ -12,7 +12,15 @@ shared by every layer of the shard: weights, caches, masks and start positions a
 it for another layer or another request reads that layer's weights and that request's cache, never ones captured
 earlier. A new signature costs one eager layer and one capture (plus code generation for new kernel shapes); steady
 decoding replays. Attention reads the whole (bucketed) cache under a mask, so only the cache write needs a
-symbolic position."""
+symbolic position.
+
+A mixture-of-experts layer (Mixtral, Qwen3-MoE) runs as two jits. The first is attention and the router's logits;
+the host then picks each row's experts from those logits with the rule every engine shares (llama_layout.route). The
+second runs a fixed number of expert slots, each a SwiGLU MLP over every row of the step weighted by a (rows, slots)
+matrix that is zero where a row did not pick that slot's expert: exact, and shape-static, since which experts run
+is an input (each expert's weights are a jit input) and not a shape. The slots are the experts some row of the step
+picked, their count rounded up to a power of two (no more than the model has) and filled with unpicked experts at
+weight zero; so a decode step reads the few experts it uses, not all of them."""
 import math
 from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
@@ -21,7 +29,7 @@ import numpy as np
 from tinygrad import Device, Tensor, TinyJit, Variable
 
 from exo import settings
-from exo.inference.llama_layout import StepRows, in_caller_order, layer_weights, rope_tables, shard_ends, step_input
+from exo.inference.llama_layout import StepRows, in_caller_order, layer_weights, route, rope_tables, shard_ends, step_input
 from exo.inference.models.config import check_engine
 from exo.inference.shard import Shard
 from exo.inference.tinygrad.cache import KVCache, bucket
@@ -43,6 +51,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   return (x32 * (x32 * x32).mean(-1, keepdim=True).add(eps).rsqrt()).cast(x.dtype) * weight
 
 
+def flat_tensor(parts, dtype) -> Tensor:
+  """Arrays as one flat device tensor, which a jit takes as one input and views apart."""
+  return Tensor(np.concatenate([np.asarray(a).reshape(-1) for a in parts]).astype(dtype)).realize()
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
   half = x.shape[-1] // 2
   x1, x2 = x[..., :half], x[..., half:]
@@ -59,13 +72,19 @@ class Llama:
     # Each layer's weights live in one flat tensor (the jit reads views of it): a jit's per-call cost grows with its
     # number of inputs. Matrices are kept (out, in), so every output reduces over contiguous memory: x @ W.T.
     self.layers: List[Tensor] = []
-    self.weight_shapes: List[Tuple[str, Tuple[int, ...]]] = []  # each part's name and shape, in the flat tensor's order
+    # each part's name and shape, in the flat tensor's order: for dense layers and for mixture-of-experts layers
+    self.weight_shapes: Dict[bool, List[Tuple[str, Tuple[int, ...]]]] = {}
+    self.experts: List[List[Tensor]] = []  # a MoE layer's experts, each one flat tensor (gate/up, then down); [] in a dense layer
+    self.expert_shapes: List[Tuple[str, Tuple[int, ...]]] = []
     for layer in layer_weights(weights, shard, config):
       parts = [(name, getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm",
-                                                         "qkv_bias", "o_bias", "q_norm", "k_norm")
+                                                         "qkv_bias", "o_bias", "q_norm", "k_norm", "router")
                if getattr(layer, name) is not None]  # the family's optional parts where it has them
-      self.weight_shapes = [(name, a.shape) for name, a in parts]
-      self.layers.append(Tensor(np.concatenate([a.reshape(-1) for _, a in parts]).astype(dtype)).realize())
+      self.weight_shapes[layer.experts is not None] = [(name, a.shape) for name, a in parts]
+      self.layers.append(flat_tensor([a for _, a in parts], dtype))
+      self.experts.append([flat_tensor(pair, dtype) for pair in layer.experts or []])
+      if layer.experts:
+        self.expert_shapes = [("gate_up", layer.experts[0][0].shape), ("down", layer.experts[0][1].shape)]
     ends = shard_ends(weights, shard, config)
     # Token lookup is a gather: done on the host, so only the (rows, hidden) result travels to the device.
     self.embed = None if ends.embed is None else ends.embed.astype(dtype, copy=False)
@@ -86,22 +105,56 @@ class Llama:
     self.jits.move_to_end(key)
     return self.jits[key]
 
-  def _weights(self, flat: Tensor) -> Dict[str, Tensor]:
+  def _weights(self, flat: Tensor, shapes: List[Tuple[str, Tuple[int, ...]]]) -> Dict[str, Tensor]:
     out, offset = {}, 0
-    for name, shape in self.weight_shapes:
+    for name, shape in shapes:
       out[name] = flat[offset:offset + math.prod(shape)].reshape(shape)
       offset += math.prod(shape)
     return out
 
+  def _norm(self, x: Tensor, weight) -> Tensor:
+    return x if weight is None else rms_norm(x, weight, self.config.rms_norm_eps)
+
+  def _residual(self, x: Tensor) -> Tensor:
+    return x if self.config.residual_scale == 1.0 else x * self.config.residual_scale
+
+  def _gated(self, gate_up: Tensor, inter: int) -> Tensor:
+    """The gated MLP's activation from its gate and up outputs side by side (rows, 2 * inter)."""
+    gate = gate_up[:, :inter]
+    return ((gate.gelu() if self.config.activation == "gelu_tanh" else gate.silu()) * gate_up[:, inter:]).contiguous()  # once, not per output
+
   def _layer(self, sig: tuple, h: Tensor, rope_cs: Tensor, masks: Tensor, flat_weights: Tensor, *args) -> Tensor:
-    """One decoder layer. sig = (rows, then per request: (its padded rows, its cache capacity)); rope_cs = (cos, sin)
-    per row; masks = every request's (rows, capacity) mask, flattened and concatenated; args = one KV cache per
-    request, then one start position (a bound Variable) per request."""
+    """One dense decoder layer. sig = (rows, then per request: (its padded rows, its cache capacity)); rope_cs =
+    (cos, sin) per row; masks = every request's (rows, capacity) mask, flattened and concatenated; args = one KV cache
+    per request, then one start position (a bound Variable) per request."""
+    w = self._weights(flat_weights, self.weight_shapes[False])
+    h = self._attention(sig, h, rope_cs, masks, w, *args)
+    act = self._gated(self._norm(h, w.get("mlp_norm")) @ w["gate_up"].T, self.config.intermediate_size)
+    return (h + self._residual(self._norm(act @ w["down"].T, w.get("post_mlp_norm")))).realize()
+
+  def _moe_attention(self, sig: tuple, h: Tensor, rope_cs: Tensor, masks: Tensor, flat_weights: Tensor, *args) -> Tuple[Tensor, Tensor, Tensor]:
+    """A mixture-of-experts layer's first part (arguments as _layer's): the states after attention, the experts'
+    input (normalised), and the router's logits in float32 (the host routes from them)."""
+    w = self._weights(flat_weights, self.weight_shapes[True])
+    h = self._attention(sig, h, rope_cs, masks, w, *args)
+    x = self._norm(h, w.get("mlp_norm"))
+    return h.realize(), x.realize(), (x.float() @ w["router"].T.float()).realize()
+
+  def _moe_experts(self, h: Tensor, x: Tensor, routing: Tensor, flat_weights: Tensor, *experts: Tensor) -> Tensor:
+    """Its second part: every row through each slot's expert, weighted by routing (rows, slots), into the residual."""
+    w = self._weights(flat_weights, self.weight_shapes[True])
+    out = None
+    for slot, flat in enumerate(experts):
+      e = self._weights(flat, self.expert_shapes)
+      expert_out = (self._gated(x @ e["gate_up"].T, self.config.expert_intermediate_size) @ e["down"].T) * routing[:, slot:slot + 1]
+      out = expert_out if out is None else out + expert_out
+    return (h + self._residual(self._norm(out, w.get("post_mlp_norm")))).realize()
+
+  def _attention(self, sig: tuple, h: Tensor, rope_cs: Tensor, masks: Tensor, w: Dict[str, Tensor], *args) -> Tensor:
+    """Attention's branch added into the residual stream (arguments as _layer's, the weights taken apart)."""
     c, n_req = self.config, len(sig) - 1
-    w = self._weights(flat_weights)
     scale = c.attention_scale if c.attention_scale is not None else 1.0 / math.sqrt(c.head_dim)
-    norm = lambda x, weight: x if weight is None else rms_norm(x, weight, c.rms_norm_eps)
-    residual = lambda x: x if c.residual_scale == 1.0 else x * c.residual_scale
+    norm, residual = self._norm, self._residual
     kv, starts = args[:n_req], args[n_req:]
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     group, q_size, kv_size = n_heads // n_kv, n_heads * hd, n_kv * hd
@@ -137,11 +190,20 @@ class Llama:
     attn = (outs[0].cat(*outs[1:]) if len(outs) > 1 else outs[0]) @ w["o"].T
     if "o_bias" in w:
       attn = attn + w["o_bias"]
-    h = h + residual(norm(attn, w.get("post_attn_norm")))
-    gate_up = norm(h, w.get("mlp_norm")) @ w["gate_up"].T
-    gate = gate_up[:, :c.intermediate_size]
-    act = ((gate.gelu() if c.activation == "gelu_tanh" else gate.silu()) * gate_up[:, c.intermediate_size:]).contiguous()  # once, not per output
-    return (h + residual(norm(act @ w["down"].T, w.get("post_mlp_norm")))).realize()
+    return h + residual(norm(attn, w.get("post_attn_norm")))
+
+  def _moe_layer(self, sig: tuple, x: Tensor, layer_args: tuple, layer: Tensor, experts: List[Tensor], input_rows: np.ndarray) -> Tensor:
+    """A mixture-of-experts layer: attention and the router on the device, routing on the host, then the experts some
+    input row picked (padding rows pick none), in a bucketed number of slots."""
+    h, x, logits = self._jit(("moe_attention", sig), lambda *a: self._moe_attention(sig, *a), 1)[0](x, *layer_args)
+    chosen, weights = route(logits.numpy()[input_rows], self.config)
+    used = np.unique(chosen)
+    unused = np.setdiff1d(np.arange(len(experts)), used)
+    slots = np.concatenate([used, unused[:min(bucket(len(used)), len(experts)) - len(used)]])
+    routing = np.zeros((x.shape[0], len(experts)), dtype=self.dtype)
+    routing[input_rows[:, None], chosen] = weights
+    run = self._jit(("moe_experts", x.shape[0], len(slots)), self._moe_experts, 1)[0]
+    return run(h, x, Tensor(np.ascontiguousarray(routing[:, slots])), layer, *[experts[e] for e in slots])
 
   def _head(self, select: Tensor, h: Tensor, norm: Tensor, head: Tensor) -> Tensor:
     c = self.config
@@ -191,7 +253,11 @@ class Llama:
     jits = self._jit(("layer", sig), lambda *a: self._layer(sig, *a), 2)
     x = Tensor(h)
     for li, layer in enumerate(self.layers):
-      x = jits[li % 2](x, rope_cs[self.rope_of_layer[li]], masks[windows[li]], layer, *[cache.kv[li] for cache in caches], *starts)
+      layer_args = (rope_cs[self.rope_of_layer[li]], masks[windows[li]], layer, *[cache.kv[li] for cache in caches], *starts)
+      if self.experts[li]:
+        x = self._moe_layer(sig, x, layer_args, layer, self.experts[li], step.input_rows)
+      else:
+        x = jits[li % 2](x, *layer_args)
     for cache, n in zip(caches, step.lengths):
       cache.length += n
 
