@@ -126,6 +126,21 @@ def test_tinygrad_chunked_batched_and_pipelined_steps_give_the_same_tokens(name)
   check_on_tinygrads_thread(name, chunk=3, batched=True, cuts=[0])
 
 
+def test_tinygrad_decodes_a_mixture_of_experts_through_replayed_jits_of_the_picked_experts_only():
+  """Decoding one request replays the captured jits (routing is an input, not a shape), and its step runs only the
+  experts its row picked: mixtral's fixture has 4 experts and picks 2 a token."""
+  def decode():
+    [model] = shard_models("tinygrad", "mixtral")
+    tokens, _ = greedy([model], [EXPECTED["mixtral"]["prompt"]], 6)
+    assert tokens[0] == EXPECTED["mixtral"]["tokens"][:6]
+    return model
+  from exo.inference.tinygrad.engine import tinygrad_thread
+  model = tinygrad_thread().submit(decode).result()
+  decode_experts = model.jits[("moe_experts", 1, 2)][0]
+  assert decode_experts.cnt >= 2, "the decode step should be replaying its captured experts' jit"
+  assert not any(key[0] == "moe_experts" and key[1:] == (1, 4) for key in model.jits), "a decode step ran experts no row picked"
+
+
 @pytest.mark.parametrize("name, field", [("gpt_oss", "num_experts_per_tok"), ("deepseek_v3", "num_experts_per_tok")])
 def test_tinygrad_refuses_what_it_does_not_compute_by_name(name, field):
   with pytest.raises(UnsupportedModel, match="is not implemented by the tinygrad engine") as refused:
