@@ -151,7 +151,7 @@ def test_a_mixture_of_experts_weighs_every_expert():
   assert qwen.moe_layers == (0, 2) and not qwen.normalize_expert_weights  # layer 1 is in mlp_only_layers
 
 
-@pytest.mark.parametrize("name, engine, field", [("mixtral", "TinygradDynamicShardInferenceEngine", "num_experts_per_tok")])
+@pytest.mark.parametrize("name, engine, field", [("gpt_oss", "TinygradDynamicShardInferenceEngine", "num_experts_per_tok"), ("deepseek_v3", "TinygradDynamicShardInferenceEngine", "num_experts_per_tok")])
 def test_the_api_refuses_a_model_its_engine_does_not_compute_with_a_400_naming_the_field(name, engine, field):
   from exo.api.errors import BadRequest
   from exo.api.model_profiles import model_config_of
@@ -160,6 +160,12 @@ def test_the_api_refuses_a_model_its_engine_does_not_compute_with_a_400_naming_t
   assert refused.value.status == 400 and refused.value.param == "model" and f"{field}: " in refused.value.message
   for runs_it in ("NumpyDynamicShardInferenceEngine", "MLXDynamicShardInferenceEngine"):
     assert model_config_of("/models/" + name, FIXTURES / name, runs_it).model_type == name
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_tinygrad_accepts_the_softmax_routed_mixtures_of_experts(name):
+  from exo.api.model_profiles import model_config_of
+  assert model_config_of("/models/" + name, FIXTURES / name, "TinygradDynamicShardInferenceEngine").model_type == name
 
 
 def test_gemma_ties_its_head_unless_told_otherwise():
