@@ -141,7 +141,7 @@ def check_engine(config: ModelConfig, engine_classname: str) -> None:
                                           ("shared experts", config.shared_expert_intermediate_size > 0)) if present]
     if unusual:  # tinygrad computes Mixtral's and Qwen3-MoE's experts: softmax routing, plain gated MLPs
       raise refuse("num_experts_per_tok", config.experts_per_token,
-                   f"(a mixture of experts with {', '.join(unusual)}) is not implemented by the tinygrad engine (use numpy or mlx)")
+                   f"(a mixture of experts: {', '.join(unusual)}) is not implemented by the tinygrad engine (use numpy or mlx)")
   if config.latent_attention:
     raise refuse("kv_lora_rank", config.kv_lora_rank, "(multi-head latent attention) is not implemented by the tinygrad engine (use numpy or mlx)")
   if config.attention_sinks:
