@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from exo.api.errors import BadRequest
-from exo.api.reasoning import Reasoning, ReasoningSplit, grammar_after_thinking
+from exo.api.reasoning import Reasoning, ReasoningSplit
 from exo.api.structured import ResponseFormat
 from exo.api.tool_formats import ToolCallStream, ToolFormat, format_for
 from exo.api.tools import ToolUse
@@ -33,10 +33,10 @@ class AnswerPlan:
     self.reasoning, self.thinking_opened = reasoning, reasoning.opened_by(prompt)
     if self.grammar is not None:
       field = "tools" if self.tool_format is not None else "response_format"
-      self.grammar = _compiled(tokenizer, grammar_after_thinking(self.grammar, self.thinking_opened, tokenizer), field)
+      self.grammar = _compiled(tokenizer, reasoning.grammar_after(self.grammar, self.thinking_opened, tokenizer, self.tool_format is not None), field)
 
   def reasoning_split(self) -> Optional[ReasoningSplit]:
-    return ReasoningSplit(self.thinking_opened) if self.reasoning is not None else None
+    return self.reasoning.split(self.thinking_opened, self.tool_format is not None) if self.reasoning is not None else None
 
   def completed_by(self, tokenizer) -> Optional[Callable[[Sequence[int]], bool]]:
     """Whether an answer's tokens complete its grammar (it then ends without an end token, and that is a "stop")."""

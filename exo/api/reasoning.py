@@ -5,11 +5,15 @@ at the end of the prompt (the R1 distills, Qwen3's thinking-only releases), or l
 Whether a model reasons is read from its chat template, never guessed from its output: the template mentions the
 closing tag (every reasoning model's template does, to take earlier turns' thinking out of the prompt). A tokenizer
 with the tags among its tokens is not enough: Qwen's non-thinking releases share their tokenizer with the thinking
-ones. Where the template reads `enable_thinking` (Qwen3's do), a request can turn thinking off."""
+ones. Where the template reads `enable_thinking` (Qwen3's do), a request can turn thinking off.
+
+gpt-oss thinks in harmony's analysis channel instead (exo/api/harmony.py); its template says so too, and the same
+Reasoning reads it, with harmony's split and grammar."""
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from exo.api.errors import BadRequest
+from exo.api.harmony import HarmonySplit, grammar_after_analysis, writes_harmony
 from exo.inference import grammar
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -18,19 +22,33 @@ SWITCH = "enable_thinking"  # the template variable Qwen3's templates (and vLLM'
 
 @dataclass(frozen=True)
 class Reasoning:
-  """How a model reasons: whether its template can turn thinking off."""
+  """How a model reasons: whether its template can turn thinking off, and whether it thinks in harmony's channels
+  (gpt-oss) rather than between `<think>` tags."""
   switchable: bool
+  harmony: bool = False
 
-  @staticmethod
-  def opened_by(prompt: str) -> bool:
+  def opened_by(self, prompt: str) -> bool:
     """Whether the templated prompt leaves a thinking block open, so the answer starts inside it."""
-    tail = prompt.rstrip()
-    return tail.endswith(OPEN)
+    return not self.harmony and prompt.rstrip().endswith(OPEN)
+
+  def split(self, opened: bool, with_calls: bool):
+    """A reader of one choice's reply into thinking and answer (ReasoningSplit's feed); `with_calls`: the request
+    offers tools, whose calls go on in the answer for its tool format to read."""
+    return HarmonySplit(with_calls) if self.harmony else ReasoningSplit(opened)
+
+  def grammar_after(self, source: str, opened: bool, tokenizer, answer_headed: bool) -> str:
+    """The answer's grammar with the thinking before it (see grammar_after_thinking); `answer_headed`: the grammar
+    writes harmony's message headers itself (a harmony tool format's)."""
+    if self.harmony:
+      return grammar_after_analysis(source, tokenizer, answer_headed)
+    return grammar_after_thinking(source, opened, tokenizer)
 
 
 def reasoning_of(tokenizer) -> Optional[Reasoning]:
   """The model's way of reasoning, or None for a model that does not."""
   template = getattr(tokenizer, "chat_template", None) or ""
+  if writes_harmony(tokenizer):
+    return Reasoning(switchable=False, harmony=True)
   if CLOSE in template:
     return Reasoning(switchable=SWITCH in template)
   return None

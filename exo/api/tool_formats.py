@@ -11,6 +11,7 @@ the calls (and any plain text) back out of the answer as it streams.
   and digits, as its templates require.
 - llama3 (templates with `<|python_tag|>` or the ipython role: Llama 3.x): the whole answer is either text (not
   starting with "{") or one call `{"name": ..., "parameters": {...}}`.
+- harmony (gpt-oss's templates, with `<|channel|>`): exo/api/harmony.py.
 - generic (any other template, e.g. the embedded SmolLM2's): the tools are described in a system message and the
   answer is one JSON object, `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` or `{"response": "..."}`.
 
@@ -415,7 +416,10 @@ class GenericFormat(ToolFormat):
 
 def format_for(tokenizer, structured_reply: bool = False) -> ToolFormat:
   """The model's own tool format, read from its chat template; the generic one when it has none."""
+  from exo.api.harmony import HarmonyFormat, writes_harmony  # (harmony builds on this module)
   template = getattr(tokenizer, "chat_template", None) or ""
+  if writes_harmony(tokenizer):
+    return HarmonyFormat(tokenizer)
   if "<tool_call>" in template:
     return HermesFormat(tokenizer)
   if "[TOOL_CALLS]" in template:

@@ -201,3 +201,35 @@ def served_checkpoints():
     local_checkpoints._named.clear()
     local_checkpoints._named.update(named)
     local_checkpoints._dirs[:] = dirs
+
+
+HARMONY_TOKENS = {"<repo_name>": "<|start|>", "<reponame>": "<|channel|>", "<file_sep>": "<|message|>", "<filename>": "<|end|>",
+                  "<gh_stars>": "<|return|>", "<issue_start>": "<|call|>", "<issue_comment>": "<|constrain|>"}
+HARMONY_TEMPLATE = (FIXTURE_MODELS.parent / "harmony_chat_template.jinja").read_text()
+
+
+def gpt_oss_with_harmony(dest: Path) -> Path:
+  """The gpt-oss fixture (tests/fixtures/models/gpt_oss) as a gpt-oss checkpoint talks: harmony's markers as special
+  tokens of their own (ids 3 to 9 of SmolLM2's tokenizer), its replies ending at `<|return|>` or `<|call|>`, and a
+  harmony chat template (tests/fixtures/harmony_chat_template.jinja, written for these tests: gpt-oss's own is not
+  available offline). Its embeddings and head are widened with random rows to SmolLM2's whole vocabulary, so that
+  any text (role names, JSON) tokenises to ids the model has."""
+  from exo.inference.weights import _read_safetensors, _safetensors_header
+  source = FIXTURE_MODELS / "gpt_oss"
+  file = source / "model.safetensors"
+  weights = _read_safetensors(file, [n for n in _safetensors_header(file)[0] if n != "__metadata__"])
+  tokenizer = tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO))
+  vocab = tokenizer.backend.get_vocab_size()
+  rng = np.random.default_rng(2)
+  for name in ("model.embed_tokens.weight", "lm_head.weight"):
+    w = weights[name]
+    weights[name] = np.concatenate([w, (rng.standard_normal((vocab - w.shape[0], w.shape[1])) * w.std()).astype(np.float32)])
+  dest.mkdir(parents=True)
+  save_file(weights, str(dest / "model.safetensors"))
+  (dest / "config.json").write_text(json.dumps({**json.loads((source / "config.json").read_text()), "vocab_size": vocab, "dtype": "float32"}))
+  write_tokenizer(dest, tokenizer, HARMONY_TEMPLATE)
+  renamed_tokens(dest, {old: (new, True) for old, new in HARMONY_TOKENS.items()})
+  ids = {new: tokenizer.backend.token_to_id(old) for old, new in HARMONY_TOKENS.items()}
+  (dest / "tokenizer_config.json").write_text(json.dumps({"chat_template": HARMONY_TEMPLATE, "eos_token": "<|return|>"}))
+  (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|return|>"], ids["<|call|>"]]}))
+  return dest

@@ -1,0 +1,155 @@
+"""gpt-oss's "harmony" format: the model writes its answer as messages, each a header (channel, and a recipient when
+it calls a tool) and a body, `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...
+<|return|>`. The analysis channel is its thinking, the final channel its answer, and a message addressed
+`to=functions.NAME` (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}<|call|>`) a tool
+call. The markers are special tokens: they structure the reply and are never part of its text.
+
+A model writes harmony when its chat template does (it mentions `<|channel|>`). Here are the reading of a streamed
+reply into thinking, answer and calls (HarmonySplit), its tool format (HarmonyFormat) and the grammar that holds a
+reply to harmony's shape (the thinking first, then the answer or the call)."""
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from exo.api.structured import ResponseFormat
+from exo.api.tool_formats import CallText, ToolFormat, View, json_value_end
+from exo.api.tools import ToolUse
+from exo.inference import grammar
+
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
+FUNCTIONS = "functions."  # the namespace a template puts the request's tools in
+_BODY_END = re.compile(r"<\|(?:end|return|call|start)\|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_HEADER_HEADS = (CHANNEL, MESSAGE, CONSTRAIN, "to=", " to=")
+
+
+def writes_harmony(tokenizer) -> bool:
+  """Whether the model's chat template is harmony's (gpt-oss's)."""
+  template = getattr(tokenizer, "chat_template", None) or ""
+  return CHANNEL in template and "analysis" in template
+
+
+@dataclass
+class HarmonyMessage:
+  channel: str
+  recipient: Optional[str]
+  body: str
+
+
+def read_messages(text: str, final: bool) -> List[HarmonyMessage]:
+  """The messages of a reply so far (the prompt ended in `<|start|>assistant`, so a header comes first). A message
+  whose header is not complete yet is left out; text outside any header (a model that does not keep to harmony) is
+  read as the final channel's."""
+  messages, pos, after_start = [], 0, False
+  while pos < len(text):
+    if text.startswith(START, pos):
+      pos, after_start = pos + len(START), True
+      continue
+    end_marker = next((m for m in (END, RETURN, CALL) if text.startswith(m, pos)), None)
+    if end_marker is not None:
+      pos, after_start = pos + len(end_marker), False
+      continue
+    rest = text[pos:]
+    headed = after_start or rest.startswith(_HEADER_HEADS) or (not final and any(h.startswith(rest) for h in _HEADER_HEADS))
+    if headed:
+      body_at = text.find(MESSAGE, pos)
+      if body_at < 0:
+        return messages  # the header is still coming
+      header = text[pos:body_at]
+      channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+      pos = body_at + len(MESSAGE)
+      message = HarmonyMessage(channel.group(1) if channel else "final", recipient.group(1) if recipient else None, "")
+    else:
+      message = HarmonyMessage("final", None, "")
+    ended = _BODY_END.search(text, pos)
+    message.body = text[pos:ended.start() if ended else len(text)]
+    messages.append(message)
+    pos, after_start = (ended.start() if ended else len(text)), False
+  return messages
+
+
+def call_text(name: str, arguments: str) -> str:
+  """A call as the answer carries it to HarmonyFormat (one header form, whichever the model wrote)."""
+  return f"{CHANNEL}commentary to={FUNCTIONS}{name}{MESSAGE}{arguments}"
+
+
+class HarmonySplit:
+  """One choice's reply read as it streams: each piece in, (new thinking, new answer text) out. The answer holds the
+  final channel (and commentary the model addresses to no one, its preambles); calls to the request's tools go on
+  in the answer in call_text's form, for the tool format to read, when `with_calls` (else they are dropped: no
+  tool was offered). Analysis messages are thinking, whatever their recipient, unless they call a function."""
+
+  def __init__(self, with_calls: bool):
+    self.with_calls = with_calls
+    self.text, self.thinking, self.answer = "", "", ""
+
+  def feed(self, text: str, final: bool) -> Tuple[str, str]:
+    self.text += text
+    thinking, answer = [], []
+    for message in read_messages(self.text, final):
+      if message.recipient is not None and message.recipient.startswith(FUNCTIONS):
+        if self.with_calls:
+          answer.append(call_text(message.recipient[len(FUNCTIONS):], message.body))
+      elif message.channel == "analysis":
+        thinking.append(message.body)
+      else:
+        answer.append(message.body)
+    return self._new("thinking", "\n".join(thinking)), self._new("answer", "".join(answer))
+
+  def _new(self, part: str, whole: str) -> str:
+    """What `whole` adds to what was sent of `part` (it only grows: bodies are read up to where they have come)."""
+    sent = getattr(self, part)
+    if not whole.startswith(sent):
+      return ""
+    setattr(self, part, whole)
+    return whole[len(sent):]
+
+
+def grammar_after_analysis(source: str, tokenizer, answer_headed: bool) -> str:
+  """The answer's grammar (Lark text whose first rule is `start`) after harmony's thinking: an analysis message the
+  model may write first, then the answer as the grammar asks, under the final channel's header unless the grammar
+  writes its own headers (`answer_headed`: HarmonyFormat's do)."""
+  if not source.startswith("start:"):
+    raise ValueError("the grammar's first rule must be start")
+  channel, message, end, start = (grammar.marker(tokenizer, m) for m in (CHANNEL, MESSAGE, END, START))
+  head = "" if answer_headed else f'{channel} "final" {message} '
+  return "\n".join([f"start: analysis? {head}after_analysis", "after_analysis:" + source[len("start:"):],
+                    f'analysis: {channel} "analysis" {message} THOUGHT {end} {start} "assistant"', "THOUGHT: /(.|\\n)+/"])
+
+
+class HarmonyFormat(ToolFormat):
+  """Calls as gpt-oss writes them: one message `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
+  {args}`, which ends the turn (`<|call|>`), so one call per reply. The grammar holds what follows the thinking: the
+  call, or (tool_choice auto) a final answer instead."""
+  name = "harmony"
+  OPEN = f"{CHANNEL}commentary to={FUNCTIONS}"
+
+  def grammar(self, use: ToolUse, reply: Optional[ResponseFormat]) -> str:
+    channel, message, constrain = (grammar.marker(self.tokenizer, m) for m in (CHANNEL, MESSAGE, CONSTRAIN))
+    lenient = not all(t.strict for t in use.callable)
+    calls = " | ".join(f'{grammar.lark_string("commentary to=" + FUNCTIONS + t.name)} " " {constrain} "json" {message} {grammar.json_fragment(t.parameters, lenient=lenient)}'
+                       for t in use.callable)
+    lines = [f"call: {channel} ({calls})"]
+    if use.forced:
+      return "\n".join(["start: call"] + lines)
+    answer = reply.fragment() if reply is not None else "TEXT?"
+    return "\n".join(["start: call | final", f'final: {channel} "final" {message} {answer}', "TEXT: /(.|\\n)+/"] + lines)
+
+  def view(self, text: str, final: bool) -> View:
+    start = text.find(self.OPEN)
+    if start < 0:
+      return text, []
+    calls, pos = [], start
+    while pos >= 0:
+      name_end = text.find(MESSAGE, pos + len(self.OPEN))
+      if name_end < 0:
+        break
+      arguments_at = name_end + len(MESSAGE)
+      end = json_value_end(text, arguments_at, final)
+      calls.append(CallText(text[pos + len(self.OPEN):name_end], text[arguments_at:end if end is not None else len(text)], end is not None))
+      if end is None:
+        break
+      pos = text.find(self.OPEN, end)
+    return text[:start], calls
