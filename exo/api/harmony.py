@@ -64,10 +64,18 @@ def read_messages(text: str, final: bool) -> List[HarmonyMessage]:
     else:
       message = HarmonyMessage("final", None, "")
     ended = _BODY_END.search(text, pos)
-    message.body = text[pos:ended.start() if ended else len(text)]
+    message.body = text[pos:ended.start()] if ended else (text[pos:] if final else _less_a_marker_begun(text[pos:]))
     messages.append(message)
     pos, after_start = (ended.start() if ended else len(text)), False
   return messages
+
+
+def _less_a_marker_begun(body: str) -> str:
+  """`body` less a tail that may be the start of a marker that ends it (text cut inside a marker's characters)."""
+  for k in range(min(len(RETURN), len(body)), 0, -1):
+    if any(m.startswith(body[-k:]) for m in (END, RETURN, CALL, START)):
+      return body[:-k]
+  return body
 
 
 def call_text(name: str, arguments: str) -> str:

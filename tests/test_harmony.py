@@ -1,0 +1,84 @@
+"""gpt-oss's harmony replies (exo/api/harmony.py) read apart: the analysis channel as thinking, the final channel as
+the answer, a message to functions.NAME as a tool call, however the text is cut into pieces; the markers never in
+the answer. Pure code: texts written here in harmony's form, as gpt-oss writes them."""
+import json
+
+import pytest
+
+from exo.api.harmony import HarmonyFormat, HarmonySplit, read_messages
+from exo.api.reasoning import Reasoning, reasoning_of
+from exo.api.tool_formats import ToolCallStream, format_for
+
+pytestmark = pytest.mark.unit
+
+ANALYSIS = "<|channel|>analysis<|message|>The user asks for the weather. Use get_weather.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris."
+CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris","days":[1,2]}'
+
+
+class Template:
+  def __init__(self, chat_template):
+    self.chat_template = chat_template
+
+
+def split(text: str, piece: int, with_calls: bool = True):
+  """The text fed `piece` characters at a time: (all thinking, all answer)."""
+  reader, thinking, answer = HarmonySplit(with_calls), "", ""
+  pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
+  for k, p in enumerate(pieces):
+    t, a = reader.feed(p, k == len(pieces) - 1)
+    thinking, answer = thinking + t, answer + a
+  return thinking, answer
+
+
+def test_a_harmony_template_makes_a_harmony_reasoner_and_tool_format():
+  harmony = Template("{{ '<|start|>assistant<|channel|>analysis<|message|>' }}...<|channel|>final")
+  assert reasoning_of(harmony) == Reasoning(switchable=False, harmony=True)
+  assert isinstance(format_for(harmony), HarmonyFormat)
+  assert not Reasoning(switchable=False, harmony=True).opened_by("<|start|>assistant<think>")
+  assert reasoning_of(Template("<|im_start|>{{ content }}")) is None
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 13, 10000])
+@pytest.mark.parametrize("text, thinking, answer", [
+  (ANALYSIS + FINAL, "The user asks for the weather. Use get_weather.", "It is sunny in Paris."),
+  (FINAL[len("<|start|>assistant"):], "", "It is sunny in Paris."),  # no analysis (the model may go straight to its answer)
+  (ANALYSIS, "The user asks for the weather. Use get_weather.", ""),  # cut off after its thinking
+  (ANALYSIS[:-len("<|end|>")], "The user asks for the weather. Use get_weather.", ""),  # cut off while thinking
+  ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>" + FINAL, "a\nb", "It is sunny in Paris."),
+  ("<|channel|>commentary<|message|>Checking.<|end|>" + FINAL, "", "Checking.It is sunny in Paris."),  # a preamble is said to the user
+  ("Plain text, no harmony at all", "", "Plain text, no harmony at all"),  # a model that ignores the format
+  ("<|channel|>final", "", ""),  # a header cut off: no text yet
+])
+def test_channels_split_however_the_text_is_cut(text, thinking, answer, piece):
+  assert split(text, piece) == (thinking, answer)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 10000])
+@pytest.mark.parametrize("header", [
+  "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+  " to=functions.get_weather<|channel|>commentary json<|message|>",  # the recipient in the role's header, as templates write earlier calls
+])
+def test_a_call_streams_as_an_openai_tool_call(header, piece):
+  text = ANALYSIS + "<|start|>assistant" + header + '{"city":"Paris","days":[1,2]}'
+  reader, stream = HarmonySplit(with_calls=True), ToolCallStream(HarmonyFormat(None))
+  thinking, content, deltas = "", "", []
+  pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
+  for k, p in enumerate(pieces):
+    t, a = reader.feed(p, k == len(pieces) - 1)
+    c, d = stream.feed(a, k == len(pieces) - 1)
+    thinking, content, deltas = thinking + t, content + c, deltas + d
+  assert thinking == "The user asks for the weather. Use get_weather." and content == ""
+  assert [d["function"]["name"] for d in deltas if "name" in d["function"]] == ["get_weather"]
+  assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"city": "Paris", "days": [1, 2]}
+  assert stream.final_content() is None and stream.tool_calls()[0]["function"]["name"] == "get_weather"
+
+
+def test_a_call_to_a_tool_not_offered_is_dropped_never_shown():
+  assert split(ANALYSIS + CALL, 4, with_calls=False) == ("The user asks for the weather. Use get_weather.", "")
+
+
+def test_messages_keep_their_headers_apart_from_their_bodies():
+  messages = read_messages(ANALYSIS + CALL + "<|call|>", final=True)
+  assert [(m.channel, m.recipient) for m in messages] == [("analysis", None), ("commentary", "functions.get_weather")]
+  assert messages[1].body == '{"city":"Paris","days":[1,2]}'
