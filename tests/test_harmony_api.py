@@ -108,3 +108,19 @@ def test_the_models_own_tokens_never_leak_markers_into_the_answer(api):
   message = reply["choices"][0]["message"]
   for text in (message.get("content") or "", message.get("reasoning_content") or ""):
     assert not any(m in text for m in MARKERS), message
+
+
+def test_a_constrained_answer_follows_the_analysis_and_is_closed_within_budget(api):
+  """The model's own tokens: the grammar lets it think in the analysis channel, then holds the final channel to the
+  schema; the random model thinks until its budget is down to what the answer needs, and `<|end|>` closes it."""
+  server, model = api
+  schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+  body = {"model": model, "messages": QUESTION, "max_tokens": 40, "logprobs": True,
+          "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}}
+  status, reply = server.call(post_json(server.url, "/v1/chat/completions", body))
+  assert status == 200, reply
+  choice = reply["choices"][0]
+  raw = "".join(t["token"] for t in choice["logprobs"]["content"])
+  assert json.loads(choice["message"]["content"])["city"] in ("Paris", "Rome") and choice["finish_reason"] == "stop", (raw, choice)
+  assert raw.endswith("<|end|><|start|>assistant<|channel|>final<|message|>" + choice["message"]["content"]), raw
+  assert choice["message"]["reasoning_content"] and not any(m in choice["message"]["reasoning_content"] for m in MARKERS)

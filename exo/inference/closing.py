@@ -3,7 +3,7 @@ to what the grammar needs to be complete, the answer is closed the shortest way 
 schema instead of stopping mid-string.
 
 `plan` finds a way to close from a matcher's state: the tokens the grammar forces, else the first allowed of a few
-closing tokens (in a string, a quote and what may follow it; outside one, a reasoning model's `</think>`, a brace or
+closing tokens (in a string, a quote and what may follow it; outside one, a reasoning model's `</think>` (gpt-oss's `<|end|>`), a brace or
 bracket, then a comma, then the smallest values: 0, "", [], {}, null, false), else the allowed token with the shortest text. Where a string
 stands is read by exo/inference/json_numbers.py's lexer. It is greedy, not a search, so it may miss a shorter way in
 an odd grammar, but every token it takes is one the grammar allows.
@@ -21,8 +21,8 @@ from exo.inference.json_numbers import ESCAPE, STRING, NumberBounds, State
 # comma (a number or value ends there, and required keys follow it), else the smallest value.
 IN_STRING = ('"}}', '"}]', '"}', '"]', '"')
 # A reasoning model's closing tag comes first: inside its thinking (free text) every other closer would be more
-# thinking, and after it no grammar allows the tag.
-CLOSING_MARKERS = ("</think>",)  # special tokens that close something
+# thinking, and after it no grammar allows the tag. gpt-oss's thinking (harmony's analysis message) ends at `<|end|>`.
+CLOSING_MARKERS = ("</think>", "<|end|>")  # special tokens that close something
 OUTSIDE = CLOSING_MARKERS + ('}}', ']}', '}]', ']]', '}', ']', ',', ', ', '0', '""', '[]', '{}', 'null', 'false', 'true')
 MAX_PLAN = 256  # tokens: a plan longer than this is not looked for
 WATCH = 16  # tokens of margin over the last plan's length within which a row's every draw is checked
