@@ -35,7 +35,6 @@ def test_a_harmony_template_makes_a_harmony_reasoner_and_tool_format():
   harmony = Template("{{ '<|start|>assistant<|channel|>analysis<|message|>' }}...<|channel|>final")
   assert reasoning_of(harmony) == Reasoning(switchable=False, harmony=True)
   assert isinstance(format_for(harmony), HarmonyFormat)
-  assert not Reasoning(switchable=False, harmony=True).opened_by("<|start|>assistant<think>")
   assert reasoning_of(Template("<|im_start|>{{ content }}")) is None
 
 

@@ -27,9 +27,12 @@ class Reasoning:
   switchable: bool
   harmony: bool = False
 
-  def opened_by(self, prompt: str) -> bool:
-    """Whether the templated prompt leaves a thinking block open, so the answer starts inside it."""
-    return not self.harmony and prompt.rstrip().endswith(OPEN)
+  @staticmethod
+  def opened_by(prompt: str) -> bool:
+    """Whether the templated prompt leaves a thinking block open, so the answer starts inside it (a harmony prompt
+    ends at `<|start|>assistant`: never)."""
+    tail = prompt.rstrip()
+    return tail.endswith(OPEN)
 
   def split(self, opened: bool, with_calls: bool):
     """A reader of one choice's reply into thinking and answer (ReasoningSplit's feed); `with_calls`: the request
