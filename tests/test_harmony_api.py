@@ -124,3 +124,12 @@ def test_a_constrained_answer_follows_the_analysis_and_is_closed_within_budget(a
   assert json.loads(choice["message"]["content"])["city"] in ("Paris", "Rome") and choice["finish_reason"] == "stop", (raw, choice)
   assert raw.endswith("<|end|><|start|>assistant<|channel|>final<|message|>" + choice["message"]["content"]), raw
   assert choice["message"]["reasoning_content"] and not any(m in choice["message"]["reasoning_content"] for m in MARKERS)
+
+
+def test_openai_responses_return_the_analysis_as_a_reasoning_item(api):
+  server, model = api
+  client = openai_client(server)
+  with Script(server, model, REPLY):
+    response = client.responses.create(model=model, input="What is the weather in Paris?", max_output_tokens=60)
+  assert [item.type for item in response.output] == ["reasoning", "message"]
+  assert response.output[0].content[0].text == THOUGHT and response.output_text == ANSWER
