@@ -8,6 +8,7 @@ import pytest
 from exo.api.harmony import HarmonyFormat, HarmonySplit, read_messages
 from exo.api.reasoning import Reasoning, reasoning_of
 from exo.api.tool_formats import ToolCallStream, format_for
+from tests.support.pieces import in_pieces, split_in_pieces
 
 pytestmark = pytest.mark.unit
 
@@ -23,12 +24,7 @@ class Template:
 
 def split(text: str, piece: int, with_calls: bool = True):
   """The text fed `piece` characters at a time: (all thinking, all answer)."""
-  reader, thinking, answer = HarmonySplit(with_calls), "", ""
-  pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
-  for k, p in enumerate(pieces):
-    t, a = reader.feed(p, k == len(pieces) - 1)
-    thinking, answer = thinking + t, answer + a
-  return thinking, answer
+  return split_in_pieces(HarmonySplit(with_calls), text, piece)
 
 
 def test_a_harmony_template_makes_a_harmony_reasoner_and_tool_format():
@@ -62,10 +58,9 @@ def test_a_call_streams_as_an_openai_tool_call(header, piece):
   text = ANALYSIS + "<|start|>assistant" + header + '{"city":"Paris","days":[1,2]}'
   reader, stream = HarmonySplit(with_calls=True), ToolCallStream(HarmonyFormat(None))
   thinking, content, deltas = "", "", []
-  pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
-  for k, p in enumerate(pieces):
-    t, a = reader.feed(p, k == len(pieces) - 1)
-    c, d = stream.feed(a, k == len(pieces) - 1)
+  for p, last in in_pieces(text, piece):
+    t, a = reader.feed(p, last)
+    c, d = stream.feed(a, last)
     thinking, content, deltas = thinking + t, content + c, deltas + d
   assert thinking == "The user asks for the weather. Use get_weather." and content == ""
   assert [d["function"]["name"] for d in deltas if "name" in d["function"]] == ["get_weather"]

@@ -133,3 +133,17 @@ def test_openai_responses_return_the_analysis_as_a_reasoning_item(api):
     response = client.responses.create(model=model, input="What is the weather in Paris?", max_output_tokens=60)
   assert [item.type for item in response.output] == ["reasoning", "message"]
   assert response.output[0].content[0].text == THOUGHT and response.output_text == ANSWER
+
+
+def test_a_call_and_its_result_go_back_through_the_template(api):
+  server, model = api
+  call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+  turn = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+  status, reply = server.call(post_json(server.url, "/v1/chat/completions", {"model": model, "messages": turn, "tools": [WEATHER], "max_tokens": 2}))
+  assert status == 200, reply
+  tokenizer = server.call(server.api.core.profiles.get(model))[0]
+  prompt = tokenizer.apply_chat_template([*turn[:1], {**turn[1], "tool_calls": [{**call, "function": {**call["function"], "arguments": {"city": "Rome"}}}]}, turn[2]],
+                                         add_generation_prompt=True, tools=[WEATHER])
+  assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>'
+          '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>Sunny, 24 C<|end|><|start|>assistant') in prompt
+  assert reply["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))

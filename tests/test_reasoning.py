@@ -9,6 +9,7 @@ from exo.api.errors import BadRequest
 from exo.api.ollama.request import parse_chat
 from exo.api.reasoning import Reasoning, ReasoningSplit, reasoning_of, template_switches
 from exo.inference.json_numbers import INTEGER, START, STRING, NumberBounds
+from tests.support.pieces import split_in_pieces
 
 pytestmark = pytest.mark.unit
 
@@ -20,12 +21,7 @@ class Template:
 
 def split(text: str, opened: bool, piece: int):
   """The text fed `piece` characters at a time: (all thinking, all answer)."""
-  reader, thinking, answer = ReasoningSplit(opened), "", ""
-  pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
-  for k, p in enumerate(pieces):
-    t, a = reader.feed(p, k == len(pieces) - 1)
-    thinking, answer = thinking + t, answer + a
-  return thinking, answer
+  return split_in_pieces(ReasoningSplit(opened), text, piece)
 
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
