@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from exo.api.harmony import HarmonyFormat, HarmonySplit, read_messages
+from exo.api.harmony import HarmonyFormat, HarmonySplit
 from exo.api.reasoning import Reasoning, reasoning_of
 from exo.api.tool_formats import ToolCallStream, format_for
 from tests.support.pieces import in_pieces, split_in_pieces
@@ -72,7 +72,7 @@ def test_a_call_to_a_tool_not_offered_is_dropped_never_shown():
   assert split(ANALYSIS + CALL, 4, with_calls=False) == ("The user asks for the weather. Use get_weather.", "")
 
 
-def test_messages_keep_their_headers_apart_from_their_bodies():
-  messages = read_messages(ANALYSIS + CALL + "<|call|>", final=True)
-  assert [(m.channel, m.recipient) for m in messages] == [("analysis", None), ("commentary", "functions.get_weather")]
-  assert messages[1].body == '{"city":"Paris","days":[1,2]}'
+def test_a_call_to_a_built_in_tool_in_the_analysis_channel_is_thinking():
+  """gpt-oss's own browser and python tools are called from the analysis channel: no function of the request's."""
+  text = "<|channel|>analysis to=browser.search<|message|>{\"query\": \"weather\"}<|call|>"
+  assert split(text, 3) == ('{"query": "weather"}', "")

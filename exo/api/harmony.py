@@ -8,8 +8,7 @@ A model writes harmony when its chat template does (it mentions `<|channel|>`). 
 reply into thinking, answer and calls (HarmonySplit), its tool format (HarmonyFormat) and the grammar that holds a
 reply to harmony's shape (the thinking first, then the answer or the call)."""
 import re
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from exo.api.structured import ResponseFormat
 from exo.api.tool_formats import CallText, ToolFormat, View, json_value_end
@@ -31,45 +30,6 @@ def writes_harmony(tokenizer) -> bool:
   return CHANNEL in template and "analysis" in template
 
 
-@dataclass
-class HarmonyMessage:
-  channel: str
-  recipient: Optional[str]
-  body: str
-
-
-def read_messages(text: str, final: bool) -> List[HarmonyMessage]:
-  """The messages of a reply so far (the prompt ended in `<|start|>assistant`, so a header comes first). A message
-  whose header is not complete yet is left out; text outside any header (a model that does not keep to harmony) is
-  read as the final channel's."""
-  messages, pos, after_start = [], 0, False
-  while pos < len(text):
-    if text.startswith(START, pos):
-      pos, after_start = pos + len(START), True
-      continue
-    end_marker = next((m for m in (END, RETURN, CALL) if text.startswith(m, pos)), None)
-    if end_marker is not None:
-      pos, after_start = pos + len(end_marker), False
-      continue
-    rest = text[pos:]
-    headed = after_start or rest.startswith(_HEADER_HEADS) or (not final and any(h.startswith(rest) for h in _HEADER_HEADS))
-    if headed:
-      body_at = text.find(MESSAGE, pos)
-      if body_at < 0:
-        return messages  # the header is still coming
-      header = text[pos:body_at]
-      channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
-      pos = body_at + len(MESSAGE)
-      message = HarmonyMessage(channel.group(1) if channel else "final", recipient.group(1) if recipient else None, "")
-    else:
-      message = HarmonyMessage("final", None, "")
-    ended = _BODY_END.search(text, pos)
-    message.body = text[pos:ended.start()] if ended else (text[pos:] if final else _less_a_marker_begun(text[pos:]))
-    messages.append(message)
-    pos, after_start = (ended.start() if ended else len(text)), False
-  return messages
-
-
 def _less_a_marker_begun(body: str) -> str:
   """`body` less a tail that may be the start of a marker that ends it (text cut inside a marker's characters)."""
   for k in range(min(len(RETURN), len(body)), 0, -1):
@@ -87,32 +47,77 @@ class HarmonySplit:
   """One choice's reply read as it streams: each piece in, (new thinking, new answer text) out. The answer holds the
   final channel (and commentary the model addresses to no one, its preambles); calls to the request's tools go on
   in the answer in call_text's form, for the tool format to read, when `with_calls` (else they are dropped: no
-  tool was offered). Analysis messages are thinking, whatever their recipient, unless they call a function."""
+  tool was offered). Analysis messages are thinking (one line apart), whatever their recipient, unless they call a
+  function. Each piece is read once: a header waits until it is whole, a body goes out as it comes."""
 
   def __init__(self, with_calls: bool):
     self.with_calls = with_calls
-    self.text, self.thinking, self.answer = "", "", ""
+    self.pending = ""  # text not yet read
+    self.state = "between"  # between messages (the reply starts there: its role is the prompt's), "header" or "body"
+    self.kind = ""  # the current body's: "thinking", "answer", "call" or "drop"
+    self.opened = False  # the current body has given out text
+    self.thought = False  # some thinking has been given out
 
   def feed(self, text: str, final: bool) -> Tuple[str, str]:
-    self.text += text
-    thinking, answer = [], []
-    for message in read_messages(self.text, final):
-      if message.recipient is not None and message.recipient.startswith(FUNCTIONS):
-        if self.with_calls:
-          answer.append(call_text(message.recipient[len(FUNCTIONS):], message.body))
-      elif message.channel == "analysis":
-        thinking.append(message.body)
-      else:
-        answer.append(message.body)
-    return self._new("thinking", "\n".join(thinking)), self._new("answer", "".join(answer))
+    self.pending += text
+    out = {"thinking": [], "answer": []}
+    while self.pending:
+      if self.state == "between" and not self._between(final):
+        break
+      if self.state == "header":
+        at = self.pending.find(MESSAGE)
+        if at < 0:
+          if final:
+            self.pending = ""  # a header cut off says nothing
+          break
+        self._open(self.pending[:at], out)
+        self.pending = self.pending[at + len(MESSAGE):]
+      if self.state == "body":
+        ended = _BODY_END.search(self.pending)
+        body = self.pending[:ended.start()] if ended else self.pending if final else _less_a_marker_begun(self.pending)
+        self._give(body, out)
+        self.pending = self.pending[len(body):]
+        if not ended:
+          break
+        self.state = "between"
+    return "".join(out["thinking"]), "".join(out["answer"])
 
-  def _new(self, part: str, whole: str) -> str:
-    """What `whole` adds to what was sent of `part` (it only grows: bodies are read up to where they have come)."""
-    sent = getattr(self, part)
-    if not whole.startswith(sent):
-      return ""
-    setattr(self, part, whole)
-    return whole[len(sent):]
+  def _between(self, final: bool) -> bool:
+    """Reads what follows a message (or starts the reply); False when it must wait for more text."""
+    for marker in (START, END, RETURN, CALL):
+      if self.pending.startswith(marker):
+        self.pending = self.pending[len(marker):]
+        self.state = "header" if marker == START else "between"
+        return True
+    if self.pending.startswith(_HEADER_HEADS):
+      self.state = "header"
+    elif not final and any(h.startswith(self.pending) for h in _HEADER_HEADS + (START, END, RETURN, CALL)):
+      return False
+    else:  # text outside any header: a model that does not keep to harmony, read as its answer
+      self.state, self.kind, self.opened = "body", "answer", False
+    return True
+
+  def _open(self, header: str, out: dict) -> None:
+    channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+    if recipient is not None and recipient.group(1).startswith(FUNCTIONS):
+      self.kind = "call" if self.with_calls else "drop"
+      if self.with_calls:
+        out["answer"].append(call_text(recipient.group(1)[len(FUNCTIONS):], ""))
+    else:
+      self.kind = "thinking" if channel is not None and channel.group(1) == "analysis" else "answer"
+    self.state, self.opened = "body", False
+
+  def _give(self, body: str, out: dict) -> None:
+    if not body or self.kind == "drop":
+      return
+    if self.kind == "thinking":
+      if self.thought and not self.opened:
+        body = "\n" + body  # a later analysis message starts a line of its own
+      self.thought = True
+      out["thinking"].append(body)
+    else:
+      out["answer"].append(body)
+    self.opened = True
 
 
 def grammar_after_analysis(source: str, tokenizer, answer_headed: bool) -> str:
