@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
-from exo.api.reasoning import SWITCH
+from exo.api.reasoning import SWITCH, parse_effort
 from exo.api.request_fields import (parse_flag, parse_logprobs_count, parse_n, parse_stop, parse_stream_options, parse_user, refuse_unimplemented,
                                     resolve_model, sampling_params)
 from exo.api.structured import parse_response_format
@@ -17,7 +17,7 @@ ROLES = {"system", "user", "assistant", "tool", "developer"}
 IMPLEMENTED = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n", "ignore_eos", "user",
                "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-               "chat_template_kwargs"}
+               "chat_template_kwargs", "reasoning_effort"}
 # What the template is given by the server itself, which chat_template_kwargs may not replace.
 TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 # OpenAI parameters this server does not implement, with the values that ask for nothing (null is always one).
@@ -104,6 +104,10 @@ def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classnam
   parse_user(body)
   params = replace(sampling_params(body, default_temperature), logprobs=_chat_logprobs(body))
   thinking, template_kwargs = parse_template_kwargs(body)
+  # OpenAI's reasoning_effort: "none" turns thinking off where the template can; gpt-oss's template reads the degree.
+  # chat_template_kwargs, the more explicit, win where both speak.
+  effort_thinking, effort_kwargs = parse_effort(body.get("reasoning_effort"), "reasoning_effort")
+  thinking, template_kwargs = (thinking if thinking is not None else effort_thinking), {**effort_kwargs, **template_kwargs}
   return GenerationRequest(model, messages=messages, params=params, stop=parse_stop(body), tool_use=parse_tool_use(body),
                            response_format=parse_response_format(body), n=parse_n(body), stream=stream, stream_usage=parse_stream_options(body),
                            thinking=thinking, template_kwargs=template_kwargs)

@@ -18,6 +18,8 @@ from exo.inference import grammar
 
 OPEN, CLOSE = "<think>", "</think>"
 SWITCH = "enable_thinking"  # the template variable Qwen3's templates (and vLLM's chat_template_kwargs) turn thinking on and off with
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning efforts
+EFFORT = "reasoning_effort"  # the template variable gpt-oss's templates read the degree of thinking from (low, medium, high)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,17 @@ class ReasoningSplit:
     sent = body.rstrip()
     self.pending = body[len(sent):] + self.pending
     return sent
+
+
+def parse_effort(effort, field: str) -> Tuple[Optional[bool], dict]:
+  """An OpenAI reasoning effort (`field` names it): whether to think ("none": not, where the template can), and the
+  template's variables: the degree as `reasoning_effort` where it is one gpt-oss's templates know, as vLLM passes it
+  (other templates do not read it)."""
+  if effort is None:
+    return None, {}
+  if effort not in EFFORTS:
+    raise BadRequest(f"{field} must be one of {', '.join(EFFORTS)}", param=field)
+  return effort != "none", ({EFFORT: effort} if effort in ("low", "medium", "high") else {})
 
 
 def template_switches(reasoning: Optional[Reasoning], thinking: Optional[bool], extra: dict, refuse_field: Optional[str]) -> dict:

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
+from exo.api.reasoning import parse_effort
 from exo.api.request_fields import parse_flag, parse_string, refuse_unimplemented, resolve_model, sampling_params
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import Tool, parse_tools, tool_of, tool_use
@@ -19,7 +20,6 @@ NEUTRAL_VALUES = {"truncation": ["disabled"], "background": [False], "service_ti
 # What `include` may ask for: encrypted reasoning (Codex asks; nothing is encrypted: a reasoning model's thinking comes as
 # plain reasoning_text).
 INCLUDABLE = {"reasoning.encrypted_content"}
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 STATELESS = "this server stores no responses: send the whole conversation in `input`"
 TEXT_PARTS = {"input_text", "output_text", "text"}
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
@@ -137,19 +137,17 @@ def _refuse_state(body: dict) -> None:
     raise BadRequest(f"include may only hold {sorted(INCLUDABLE)} here", param="include", code="unsupported_parameter")
 
 
-def _reasoning(body: dict) -> Optional[bool]:
+def _reasoning(body: dict) -> Tuple[Optional[bool], Dict[str, Any]]:
   """`reasoning`: its `effort` "none" makes a reasoning model answer at once (where its template can), another
-  effort makes it think (a model that does not reason: 400); the effort's degree does not change how long it
-  thinks. `summary` is accepted: no summary is written, the thinking itself comes back as reasoning_text."""
+  effort makes it think (a model that does not reason: 400); the degree goes to a template that reads it (gpt-oss's
+  low, medium, high) and otherwise does not change how long it thinks. `summary` is accepted: no summary is
+  written, the thinking itself comes back as reasoning_text. Returns (whether to think, or None; template variables)."""
   value = body.get("reasoning")
   if value is None:
-    return None
+    return None, {}
   if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
     raise BadRequest('reasoning must be an object such as {"effort": "medium"}', param="reasoning")
-  effort = value.get("effort")
-  if effort is not None and effort not in EFFORTS:
-    raise BadRequest(f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort")
-  return None if effort is None else effort != "none"
+  return parse_effort(value.get("effort"), "reasoning.effort")
 
 
 def parse_responses_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ResponsesRequest:
@@ -167,7 +165,9 @@ def parse_responses_request(body: Dict[str, Any], default_model: str, engine_cla
   params = sampling_params({k: body.get(k) for k in ("temperature", "top_p", "max_output_tokens")}, default_temperature, ("max_output_tokens",))
   use = _tool_use(body)
   response_format, text = _text_format(body)
-  generation = GenerationRequest(model, messages=messages, params=params, tool_use=use, response_format=response_format, thinking=_reasoning(body),
+  thinking, template_kwargs = _reasoning(body)
+  generation = GenerationRequest(model, messages=messages, params=params, tool_use=use, response_format=response_format, thinking=thinking,
+                                 template_kwargs=template_kwargs,
                                  stream=parse_flag(body, "stream"), fields=FieldNames(prompt="input", max_tokens="max_output_tokens", thinking="reasoning.effort"))
   echo = {"instructions": instructions, "max_output_tokens": params.max_tokens, "metadata": metadata or {},
           "parallel_tool_calls": parse_flag(body, "parallel_tool_calls", default=True), "temperature": params.temperature, "text": text,
