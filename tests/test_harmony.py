@@ -76,3 +76,16 @@ def test_a_call_to_a_built_in_tool_in_the_analysis_channel_is_thinking():
   """gpt-oss's own browser and python tools are called from the analysis channel: no function of the request's."""
   text = "<|channel|>analysis to=browser.search<|message|>{\"query\": \"weather\"}<|call|>"
   assert split(text, 3) == ('{"query": "weather"}', "")
+
+
+def test_the_analysis_grammar_compiles_with_markers_as_text_too():
+  """A tokenizer without harmony's tokens (SmolLM2's): the markers are text, and the thinking ends at `<|end|>`."""
+  from exo.api.harmony import grammar_after_analysis
+  from exo.download.shard_download import embedded_model_path
+  from exo.inference import grammar
+  from exo.inference.tokenizers import tokenizer_from_gguf
+  tokenizer = tokenizer_from_gguf(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
+  source = grammar_after_analysis('start: "{}"', tokenizer, answer_headed=False)
+  matcher = grammar.compile_matcher(tokenizer, source)
+  text = "<|channel|>analysis<|message|>hm, <|end|><|start|>assistant<|channel|>final<|message|>{}"
+  assert matcher.consume_tokens(list(tokenizer.encode(text, add_special_tokens=False))) and matcher.is_accepting()

@@ -128,8 +128,12 @@ def grammar_after_analysis(source: str, tokenizer, answer_headed: bool) -> str:
     raise ValueError("the grammar's first rule must be start")
   channel, message, end, start = (grammar.marker(tokenizer, m) for m in (CHANNEL, MESSAGE, END, START))
   head = "" if answer_headed else f'{channel} "final" {message} '
+  if end.startswith('"'):  # text: the thinking ends at the marker's first occurrence
+    thought, rule = "thought", f"thought[lazy]: /(.|\\n)*{grammar.regex_literal(END)}/"
+  else:  # a special token, which no text matches
+    thought, rule = f"THOUGHT {end}", "THOUGHT: /(.|\\n)+/"
   return "\n".join([f"start: analysis? {head}after_analysis", "after_analysis:" + source[len("start:"):],
-                    f'analysis: {channel} "analysis" {message} THOUGHT {end} {start} "assistant"', "THOUGHT: /(.|\\n)+/"])
+                    f'analysis: {channel} "analysis" {message} {thought} {start} "assistant"', rule])
 
 
 class HarmonyFormat(ToolFormat):
