@@ -208,7 +208,7 @@ def test_ollama_generate_templates_the_prompt_unless_raw_and_loads_on_an_empty_o
   ({"options": {"warp": 1}}, "options.warp"),
   ({"format": "xml"}, "format"),
   ({"format": {"type": "strnig"}}, "format.schema"),
-  ({"think": "high"}, "think"),  # (true is for the serving core to judge: whether the model reasons)
+  ({"think": "max"}, "think"),  # (gpt-oss's levels low, medium, high are taken; true is for the serving core to judge: whether the model reasons)
   ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
   ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
   ({"model": ""}, "model"),

@@ -75,6 +75,8 @@ def test_chat_template_kwargs_are_read_as_vllm_takes_them():
   request = chat(chat_template_kwargs={"enable_thinking": False, "reasoning_effort": "low"})
   assert (request.thinking, request.template_kwargs, request.fields.thinking) == (False, {"reasoning_effort": "low"}, None)
   assert chat().thinking is None
+  assert (chat(reasoning_effort="none").thinking, chat(reasoning_effort="high").template_kwargs) == (False, {"reasoning_effort": "high"})
+  assert chat(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}).thinking is False  # the explicit switch wins
   for value, param in (([1], "chat_template_kwargs"), ({"enable_thinking": "no"}, "chat_template_kwargs.enable_thinking"),
                        ({"messages": []}, "chat_template_kwargs.messages")):
     with pytest.raises(BadRequest) as e:
@@ -86,8 +88,10 @@ def test_ollama_think_and_anthropic_thinking_say_whether_to_think():
   ollama = {"model": "dummy", "messages": [{"role": "user", "content": "hi"}]}
   assert parse_chat({**ollama, "think": False}, "dummy", "DummyInferenceEngine").thinking is False
   assert parse_chat({**ollama, "think": True}, "dummy", "DummyInferenceEngine").fields.thinking == "think"
+  leveled = parse_chat({**ollama, "think": "high"}, "dummy", "DummyInferenceEngine")  # gpt-oss's levels: its template reads them
+  assert (leveled.thinking, leveled.template_kwargs) == (True, {"reasoning_effort": "high"})
   with pytest.raises(BadRequest, match="think"):
-    parse_chat({**ollama, "think": "high"}, "dummy", "DummyInferenceEngine")
+    parse_chat({**ollama, "think": "max"}, "dummy", "DummyInferenceEngine")
   anthropic = {"model": "dummy", "max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}]}
   for thinking, expected in (({"type": "disabled"}, False), ({"type": "enabled", "budget_tokens": 1024}, True), (None, None)):
     assert parse_messages_request({**anthropic, "thinking": thinking}, "dummy", "DummyInferenceEngine").thinking is expected

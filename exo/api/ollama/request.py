@@ -5,17 +5,19 @@ num_ctx), `format` ("json" or a JSON Schema), tools on chat. Ollama streams
 unless told not to. Bad input is a 400 naming the field; a model this node does not have is a 404, as Ollama's."""
 import json
 from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import ApiError, BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
+from exo.api.reasoning import parse_effort
 from exo.api.request_fields import (MAX_INT32, is_int, parse_flag, parse_logprobs_count, parse_stop, parse_string, refuse_unimplemented,
                                     repetition_penalty, resolve_model, sampling_params)
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import parse_tool_use
 
 MAX_STOP_STRINGS = 16
+THINK_LEVELS = ("low", "medium", "high")
 CHAT_FIELDS = {"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think", "logprobs", "top_logprobs"}
 GENERATE_FIELDS = {"model", "prompt", "system", "raw", "format", "options", "stream", "keep_alive", "think", "images", "logprobs", "top_logprobs"}
 GENERATE_NEUTRAL = {"suffix": [""], "template": [""], "context": [[]]}
@@ -91,21 +93,26 @@ def _logprobs(body: dict) -> Optional[int]:
   return (top or 0) if parse_flag(body, "logprobs") else None
 
 
-def _think(body: dict) -> Optional[bool]:
+def _think(body: dict) -> Tuple[Optional[bool], Dict[str, Any]]:
   """`think`: true (a reasoning model thinks first; a model that does not is a 400), false (it answers at once, where
-  its template can), absent (as its template does by default). The levels gpt-oss takes ("low", ...) are refused."""
+  its template can), absent (as its template does by default), or the levels gpt-oss takes ("low", "medium",
+  "high"): it thinks, and its template reads the level as `reasoning_effort`. Returns (whether to think, or None;
+  template variables)."""
   value = body.get("think")
+  if value in THINK_LEVELS:
+    return parse_effort(value, "think")
   if value is not None and not isinstance(value, bool):
-    raise BadRequest("think must be true or false", param="think", code="unsupported_parameter")
-  return value
+    raise BadRequest(f"think must be true, false or one of {', '.join(THINK_LEVELS)}", param="think", code="unsupported_parameter")
+  return value, {}
 
 
 def _common(body: dict, default_temperature: float, fields: set, neutral: dict, prompt_field: str) -> Dict[str, Any]:
   """The GenerationRequest's fields that chat and generate share."""
   refuse_unimplemented(body, fields, neutral)
   params, stop, context = _options(body, default_temperature)
+  thinking, template_kwargs = _think(body)
   return {"params": replace(params, logprobs=_logprobs(body)), "stop": stop, "response_format": _format(body), "context": context,
-          "stream": parse_flag(body, "stream", default=True), "thinking": _think(body),
+          "stream": parse_flag(body, "stream", default=True), "thinking": thinking, "template_kwargs": template_kwargs,
           "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict", context="options.num_ctx", thinking="think")}
 
 
