@@ -150,13 +150,17 @@ def test_a_call_and_its_result_go_back_through_the_template(api):
 
 
 def test_reasoning_effort_reaches_the_template(api):
-  """OpenAI chat's reasoning_effort and Responses' reasoning.effort become gpt-oss's template variable, as vLLM passes it."""
+  """OpenAI chat's reasoning_effort, Responses' reasoning.effort and Ollama's think levels become gpt-oss's template
+  variable, as vLLM and Ollama pass it."""
   server, model = api
   from exo.api.chat_request import parse_chat_request
+  from exo.api.ollama.request import parse_chat
   from exo.api.openai_responses.request import parse_responses_request
   tokenizer = server.call(server.api.core.profiles.get(model))[0]
-  for request in (parse_chat_request({"model": model, "messages": QUESTION, "reasoning_effort": "high"}, model, "NumpyDynamicShardInferenceEngine"),
-                  parse_responses_request({"model": model, "input": "Hi", "reasoning": {"effort": "high"}}, model, "NumpyDynamicShardInferenceEngine").generation):
+  engine = "NumpyDynamicShardInferenceEngine"
+  for request in (parse_chat_request({"model": model, "messages": QUESTION, "reasoning_effort": "high"}, model, engine),
+                  parse_responses_request({"model": model, "input": "Hi", "reasoning": {"effort": "high"}}, model, engine).generation,
+                  parse_chat({"model": model, "messages": QUESTION, "think": "high"}, model, engine)):
     (prompt, _), = server.api.core._prompts(tokenizer, request)[0]
     assert "Reasoning: high" in prompt, prompt
   status, reply = server.call(post_json(server.url, "/v1/chat/completions", {"model": model, "messages": QUESTION, "reasoning_effort": "lots"}))
