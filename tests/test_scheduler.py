@@ -391,10 +391,10 @@ async def test_a_message_is_accepted_when_its_step_starts_not_when_it_arrives():
   await loop.stop()
 
 
-async def test_a_finished_rows_send_to_the_next_stage_starts_before_the_next_step():
+async def test_a_steps_output_is_sent_before_the_next_step_and_its_waiters_hear_none():
   """On one core a send that starts after the next step has begun waits on that step's pieces: the next stage gets
-  its rows late. Here the send is a task the row's waiter spawns, which hands the message over a turn later (the
-  shape of forwarding's hop senders)."""
+  its rows late. The step's finisher returns what sends its output; the loop hands its waiters None (their rows are
+  done with), runs the send, and lets the send tasks it spawned start before the next engine call."""
   events: List[str] = []
 
   class Recording(StepEngine):
@@ -402,20 +402,19 @@ async def test_a_finished_rows_send_to_the_next_stage_starts_before_the_next_ste
       events.append(f"step {items[0][0]}")
       return await super().infer_batch(shard, items)
 
-  loop = step_loop(Recording(), batch_size=1)
-
   async def send(request_id):
-    encoded = asyncio.get_running_loop().create_future()  # the message's encoding: done a loop turn later
-    asyncio.get_running_loop().call_soon(encoded.set_result, None)
-    await encoded
-    events.append(f"sent {request_id}")
+    events.append(f"send {request_id}")
 
-  async def pass_then_send(request_id):
-    await loop.infer(LAST, request_id, TOKEN, None)
-    await asyncio.ensure_future(send(request_id))
+  def finishing_for(scheduler, step):
+    async def finish(done):
+      finished = [row.request_id for row, _ in done]
+      return lambda: [asyncio.ensure_future(send(r)) for r in finished]
+    return finish
 
-  await asyncio.wait_for(asyncio.gather(pass_then_send("a"), pass_then_send("b")), 5)
-  assert events == ["step a", "sent a", "step b", "sent b"]
+  loop = StepLoop(Recording(), lambda shard: Scheduler(shard, 1, 0.0, 0), finishing_for=finishing_for)
+  results = await asyncio.wait_for(asyncio.gather(loop.infer(LAST, "a", TOKEN, None), loop.infer(LAST, "b", TOKEN, None)), 5)
+  assert results == [None, None]
+  assert events == ["step a", "send a", "step b", "send b"]
   await loop.stop()
 
 

@@ -43,6 +43,7 @@ from exo.orchestration.prefixes import PrefixProtocol
 from exo.orchestration.requests import Request, RequestEnded, RequestEvent, RequestRegistry, Status
 from exo.orchestration.ring_member import RingMember
 from exo.orchestration.status_handlers import StatusHandlers
+from exo.orchestration.step_output import StepCore
 from exo.orchestration.routing.forwarding import Forwarding
 from exo.orchestration.routing.packing import ROWS
 from exo.orchestration.routing.router import REPORT_S
@@ -95,6 +96,7 @@ class Node(RingMember):
     self._background: List[asyncio.Task] = []
     self.placements = Placements(self)
     self.forwarding = Forwarding(self)
+    self.step_core = StepCore(self)
     self.prefix_protocol = PrefixProtocol(self)
     self.membership = Membership(self)
     self.status_handlers = StatusHandlers(self)
@@ -364,16 +366,23 @@ class Node(RingMember):
       return
     request.busy = True
     try:
-      result, state = await self.infer_tensor(shard, tensor, request.id, inference_state, accepted)
+      outcome = await self.infer_tensor(shard, tensor, request.id, inference_state, accepted)
     finally:
       request.busy = False
+    if outcome is None:  # a step finished it with its other rows (StepCore.finish_step)
+      return
+    result, state = outcome
+    await self.process_inference_result(shard, result, request.id, self.passed(shard, request, input_length(tensor), state))
+
+  def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
+    """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
     if not self.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
       self._release(request.id)
       raise RequestEnded(request.id)
     state = self.prefix_protocol.ran(shard, request, state)
-    request.positions += input_length(tensor)
+    request.positions += positions
     request.advance(Status.DECODING)
-    await self.process_inference_result(shard, result, request.id, state)
+    return state
 
   async def infer_tensor(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict], accepted: Optional[asyncio.Future] = None):
     return await self.plugins.hook.exo_infer_tensor(node=self, shard=shard, tensor=tensor, request_id=request_id, inference_state=inference_state,
@@ -397,13 +406,7 @@ class Node(RingMember):
     return await self.plugins.hook.exo_process_inference_result(node=self, shard=shard, result=result, request_id=request_id, inference_state=inference_state)
 
   async def process_inference_result_unbatched(self, shard: Shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> None:
-    if not shard.is_last_layer():
-      self.forward_or_finish(shard, result, request_id, inference_state, is_finished=False)
-      return
-    token = (await self.sample_tokens(shard, [result], [request_id]))[0]
-    if isinstance(token, Exception):
-      raise token
-    self.handle_token(shard, token, request_id, inference_state)
+    await self.step_core.add(shard, result, request_id, inference_state)
 
   async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
                           mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
@@ -424,35 +427,8 @@ class Node(RingMember):
     context = self._context_length()
     return left if context is None else min(left, context - request.positions)
 
-  def handle_token(self, shard: Shard, token: int, request_id: str, inference_state: Optional[dict]) -> None:
-    """After sampling on the last layer: record, check EOS / length / context, fire callbacks, send, forward."""
-    request = self.requests.get(request_id)
-    if request is None:  # it ended while it was being sampled
-      return
-    request.tokens.append(token)
-    logprobs, request.sampled_logprobs = request.sampled_logprobs, None
-    if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
-      request.eos_ids = eos_ids(self.inference_engine.tokenizer)
-    limit = self.token_limit(request)
-    context = self._context_length()
-    is_finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
-                   or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
-    if DEBUG >= 2:
-      print(f"[{request_id}] token {token} ({len(request.tokens)}/{limit}) finished={is_finished}")
-    # The ring waits for the token, the client can wait a moment: local callbacks (streaming to clients) run on the
-    # next turn of the event loop, after the next hop's send has started.
-    self.forward_or_finish(shard, np.array([[token]], dtype=np.int64), request_id, inference_state, is_finished)
-    asyncio.get_running_loop().call_soon(self.trigger_on_token_callbacks, request_id, [token], is_finished, logprobs and [logprobs])
-    self.forwarding.send_token(request, token, is_finished, logprobs)
-
   def _context_length(self) -> Optional[int]:
     return self.inference_engine.context_length
-
-  def forward_or_finish(self, shard: Shard, forward: np.ndarray, request_id: str, inference_state: Optional[dict], is_finished: bool) -> None:
-    if is_finished:
-      self.end_request(request_id, Status.FINISHED)
-      return
-    self.spawn(self.forwarding.forward_next(shard, forward, request_id, inference_state))
 
   # --- the ring, by partition index (upstream's API; requests follow their routes through self.forwarding) ---
 

@@ -1,14 +1,13 @@
 """The batching plugin: the hook implementations that let concurrent requests share work on this node.
 
 Forward passes (exo_infer_tensor): the engine's step loop runs the steps each shard's Scheduler decides (several
-requests per step, micro-batches in flight round the ring). Sampling on the last layers happens inside the step:
-the rows a step finishes are sampled together in one vectorised call (`node.sample_tokens`, each row with its own
-parameters, random stream and grammar) before their callers resume; rows that follow a grammar have their masks
-computed on the grammar threads while the step's forward pass runs. Each caller then goes on through
-`Node.process_inference_result`, whose hook (exo_process_inference_result) this plugin implements: it hands the
-token its step drew to `node.handle_token`, exactly as an unbatched node would after sampling alone. Every request
-still travels the ring as its own message, so nodes without this plugin (or upstream exo nodes) share the ring
-unchanged.
+requests per step, micro-batches in flight round the ring). What follows a step happens inside it, for all its rows
+at once: on the last layers they are sampled together in one vectorised call (`node.sample_tokens`, each row with its
+own parameters, random stream and grammar; rows that follow a grammar have their masks computed on the grammar threads
+while the step's forward pass runs); then the node's step core (exo/orchestration/step_output.py) passes every row
+through `Node.process_inference_result` into one output, and the output is sent: one message per next hop, one token
+message per origin. Requests without a travelling route (rings with upstream nodes) still go as one message each,
+so nodes without this plugin (or upstream exo nodes) share the ring unchanged.
 
 A step waits only for requests of its own group that are still going; nothing waits for a request that has
 ended."""
@@ -41,8 +40,7 @@ STAGE_TIMING_FRESH_S = 10.0  # a stage's report older than this is not used
 class BatchingPlugin:
   def __init__(self, node, config: BatchingConfig):
     self.node, self.config = node, config
-    self.steps = StepLoop(node.inference_engine, self._new_scheduler, node.requests.is_live, self._step_done, sampling_for=self._sampling_for)
-    self.sampled: Dict[str, Union[int, Exception]] = {}  # request id -> the token its step drew, until its caller takes it
+    self.steps = StepLoop(node.inference_engine, self._new_scheduler, node.requests.is_live, self._step_done, finishing_for=self._finishing_for)
     self.sampling_stats = BatchStats()  # rows per sampling call
     self.mask_times = MaskTimes()  # grammar masks computed during steps
     self.stage_costs: Dict[Tuple[str, str], Tuple[StepCost, float]] = {}  # (node id, model) -> its stage's step cost, when heard
@@ -56,15 +54,8 @@ class BatchingPlugin:
     return self.steps.infer(shard, request_id, tensor, inference_state, accepted)
 
   @hookimpl
-  def exo_process_inference_result(self, node, shard, result, request_id, inference_state):
-    if not shard.is_last_layer() or request_id not in self.sampled:
-      return None  # hidden states go on as they are; a result no step here sampled is sampled alone (the core)
-    return self._hand_on(shard, self.sampled.pop(request_id), request_id, inference_state)
-
-  @hookimpl
   def exo_request_ended(self, node, request_id):
     self.steps.forget(request_id)
-    self.sampled.pop(request_id, None)
 
   @hookimpl
   def exo_node_stopping(self, node):
@@ -125,19 +116,22 @@ class BatchingPlugin:
 
   # --- sampling, inside the step ---
 
-  def _sampling_for(self, scheduler: Scheduler, step: Step):
-    """On the last layers: what samples the rows this step finishes, together, right after its forward pass. The
-    masks of rows that follow a grammar are computed meanwhile on the grammar threads (compiling a new request's
-    grammar first, beside its prompt's pass)."""
-    if not scheduler.shard.is_last_layer():
-      return None
-    finishing = [self.node.requests.get(row.request_id) for row, take in step.rows if take == row.length]
-    finishing = [r for r in finishing if r is not None]
-    masks = asyncio.ensure_future(self._masks(finishing)) if any(r.params.grammar for r in finishing) else None
+  def _finishing_for(self, scheduler: Scheduler, step: Step):
+    """What finishes the rows this step finishes, together, right after its forward pass: on the last layers their
+    sampling (the masks of rows that follow a grammar computed meanwhile on the grammar threads, compiling a new
+    request's grammar first, beside its prompt's pass), then the step core's one output for all of them."""
+    shard, masks = scheduler.shard, None
+    if shard.is_last_layer():
+      finishing = [self.node.requests.get(row.request_id) for row, take in step.rows if take == row.length]
+      finishing = [r for r in finishing if r is not None]
+      masks = asyncio.ensure_future(self._masks(finishing)) if any(r.params.grammar for r in finishing) else None
 
-    async def sample(done: Done) -> None:
-      await self._sample(scheduler.shard, done, masks)
-    return sample
+    async def finish(done: Done):
+      sampled = await self._sample(shard, done, masks) if shard.is_last_layer() else {}
+      rows = [(row.request_id, row.received, result[0], result[1]) for row, result in done if not isinstance(result, BaseException)]
+      output = await self.node.step_core.finish_step(shard, rows, sampled)
+      return lambda: self.node.forwarding.send(output)
+    return finish
 
   async def _masks(self, requests) -> Dict[str, np.ndarray]:
     prepared = await constrained.prepare(requests, self.node.inference_engine.tokenizer)
@@ -145,7 +139,8 @@ class BatchingPlugin:
     masks = await constrained.masks_of([c for _, c in ready], self.mask_times)
     return {request_id: mask for (request_id, _), mask in zip(ready, masks)}
 
-  async def _sample(self, shard: Shard, done: Done, masks: Optional[asyncio.Future]) -> None:
+  async def _sample(self, shard: Shard, done: Done, masks: Optional[asyncio.Future]) -> Dict[str, Union[int, Exception]]:
+    """The token of each row the step finished, drawn together."""
     # A request that ended while its step ran (error, cancel, stop) must not be revived by its token.
     rows = [(row.request_id, result[0]) for row, result in done if not isinstance(result, BaseException) and self.node.requests.is_live(row.request_id)]
     try:
@@ -153,13 +148,13 @@ class BatchingPlugin:
     except Exception:  # whatever failed is met again, and reported per row, when the rows are sampled
       ready = {}
     if not rows:
-      return
+      return {}
     request_ids = [request_id for request_id, _ in rows]
     tokens = await self._sample_rows(shard, [logits for _, logits in rows], request_ids, [ready.get(r) for r in request_ids])
     self.sampling_stats.record(len(rows))
-    self.sampled.update(zip(request_ids, tokens))
     if DEBUG >= 2:
       print(f"[batching] sampled {len(rows)} request(s) together on {shard.model_id}; sampling: {self.sampling_stats}")
+    return dict(zip(request_ids, tokens))
 
   async def _sample_rows(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: List[Optional[np.ndarray]]) -> List[Union[int, Exception]]:
     """One vectorised call for every row; if it fails, each row on its own so that a bad row fails alone."""
@@ -183,11 +178,6 @@ class BatchingPlugin:
       except Exception as e:
         tokens.append(e)
     return tokens
-
-  async def _hand_on(self, shard: Shard, token: Union[int, Exception], request_id: str, inference_state: Optional[dict]) -> None:
-    if isinstance(token, Exception):
-      raise token
-    self.node.handle_token(shard, token, request_id, inference_state)
 
   # --- lifecycle ---
 

@@ -52,6 +52,7 @@ class Row:
   state: Optional[dict]
   since: float  # ready since
   outputs: List[np.ndarray] = field(default_factory=list)  # hidden states of earlier chunks, joined at the end
+  received: int = 0  # positions its input held when it arrived (what its pass adds to its cache here)
 
   @property
   def length(self) -> int:
@@ -92,7 +93,7 @@ class Scheduler:
     left = self.away.pop(request_id, None)
     if left is not None:
       self.round_trips.append(now - left)
-    row = self.ready[request_id] = Row(request_id, tensor, state, now)
+    row = self.ready[request_id] = Row(request_id, tensor, state, now, received=input_length(tensor))
     return row
 
   def drop(self, request_id: str) -> Optional[Row]:

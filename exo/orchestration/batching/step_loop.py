@@ -5,9 +5,11 @@ Callers wait in `infer`. A request that ends leaves at once (`forget`), its wait
 whose request ended while their step was queued are dropped just before the engine call. A message's acceptance
 (the gRPC server replies to it then) is given when its first step starts.
 
-`sampling_for(scheduler, step)`, asked just before the engine call, may return what samples the step's rows: it is
-awaited with the rows the step finished (each with its result) before their waiters hear of them, so the shard
-with the last layers samples a step's rows together, inside the step."""
+`finishing_for(scheduler, step)`, asked just before the engine call, may return what finishes the step's rows: it is
+awaited with the rows the step finished (each with its result) and returns what sends their output (the step core,
+exo/orchestration/step_output.py: their tokens sampled together on the last layers, one message per next hop and per
+origin). Their waiters then hear None (the rows are done with), and the output is sent right after, before the next
+step starts."""
 import asyncio
 import time
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
@@ -22,11 +24,6 @@ from exo.orchestration.requests import RequestEnded
 
 IDLE_LOOK_S = 1.0  # with no work due, the loop looks again at least this often
 ARRIVAL_WAIT_S = 0.05  # the most a step waits for requests whose start the engine has queued (see _let_arrivals_in)
-# Event-loop turns a step's finished rows get before the next step starts: enough for a row's waiter to resume and
-# hand its message for the next stage to gRPC (it takes four). Started later, on a node with one core, that send ran
-# between the next step's pieces: traced in a two-stage pipeline of 32 streams, a send started 5-8 ms after its step's
-# end at the 90th percentile, now 1.3-3.7 ms.
-HANDOFF_TURNS = 6
 
 Done = List[Tuple[Row, object]]  # rows a step finished, each with its (output, state) or its exception
 
@@ -35,9 +32,9 @@ class StepLoop:
   def __init__(self, engine, new_scheduler: Callable[[Shard], Scheduler], is_live: Callable[[str], bool] = lambda request_id: True,
                on_step: Callable[[Scheduler, Step, Done], None] = lambda scheduler, step, done: None,
                clock: Callable[[], float] = time.monotonic,
-               sampling_for: Callable[[Scheduler, Step], Optional[Callable[[Done], Awaitable[None]]]] = lambda scheduler, step: None):
+               finishing_for: Callable[[Scheduler, Step], Optional[Callable[[Done], Awaitable[Callable[[], None]]]]] = lambda scheduler, step: None):
     self.engine, self.new_scheduler, self.is_live, self.on_step, self.clock = engine, new_scheduler, is_live, on_step, clock
-    self.sampling_for = sampling_for
+    self.finishing_for = finishing_for
     self.schedulers: Dict[Shard, Scheduler] = {}
     self._waiters: Dict[str, Tuple[asyncio.Future, Optional[asyncio.Future]]] = {}  # request id -> (result, acceptance)
     self._wake = asyncio.Event()
@@ -140,7 +137,7 @@ class StepLoop:
     for row, _ in step.rows:
       accept(self._waiters[row.request_id][1])  # its reply goes out when this task yields: once the engine has the step
     items = step.items()
-    sample = self.sampling_for(scheduler, step)
+    finish = self.finishing_for(scheduler, step)
     try:
       results = list(await self.engine.infer_batch(scheduler.shard, items))
       if len(results) != len(items):
@@ -153,10 +150,11 @@ class StepLoop:
     except Exception as e:  # the whole step failed: each of its requests learns why
       results = [e] * len(items)
     done = scheduler.update(step, results, self.clock())
-    if sample is not None:
+    send = None
+    if finish is not None:
       try:
-        await sample(done)
-      except Exception as e:  # a bug in sampling: the step's rows end with it rather than wait forever
+        send = await finish(done)
+      except Exception as e:  # a bug in finishing: the step's rows end with it rather than wait forever
         done = [(row, result if isinstance(result, BaseException) else e) for row, result in done]
     for row, result in done:
       future, _ = self._waiters.pop(row.request_id, (None, None))
@@ -165,13 +163,14 @@ class StepLoop:
       if isinstance(result, BaseException):
         future.set_exception(result)
       else:
-        future.set_result(result)
+        future.set_result(None if send is not None else result)
     for row, _ in done:
       if not self.is_live(row.request_id):
         scheduler.drop(row.request_id)
     self.on_step(scheduler, step, done)
-    for _ in range(HANDOFF_TURNS):
-      await asyncio.sleep(0)
+    if send is not None:
+      send()  # after the waiters (a hop to this node itself runs the row's next pass, which must find it free)
+      await asyncio.sleep(0)  # the sends start before the next step takes the engine
 
   async def stop(self) -> None:
     """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""

@@ -29,6 +29,7 @@ from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
 from exo.orchestration.routing.packing import pack, unpack
 from exo.orchestration.routing.route import Route
 from exo.orchestration.routing.router import REPORT_FRESH_S, REPORT_S, Router
+from exo.orchestration.step_output import Hop, StepOutput
 from exo.topology.placement import Stage
 
 
@@ -38,8 +39,6 @@ class Forwarding:
     self.router = Router(node.id)
     self._outbox: Dict[str, List[list]] = {}  # destination -> token rows waiting for its sender
     self._senders: Dict[str, asyncio.Task] = {}
-    self._hops: Dict[tuple, List[tuple]] = {}  # (next hop, its shard, dtype, shape) -> a step's rows waiting for its sender
-    self._hop_senders: Dict[tuple, asyncio.Task] = {}
     self._reported: Dict[str, Tuple[dict, float]] = {}  # group -> (loads last reported, when)
     self._here: Set[str] = set()  # groups whose first node this is, with requests when last seen
     node.inbox.on_peer(statuses.TOKENS, self._heard_tokens)
@@ -106,7 +105,7 @@ class Forwarding:
 
   # --- the next hop ---
 
-  def _outgoing(self, request: Request, state: Optional[dict], to: Stage, prompt: bool = False) -> Optional[dict]:
+  def outgoing(self, request: Request, state: Optional[dict], to: Stage, prompt: bool = False) -> Optional[dict]:
     """The inference state a hop's message carries: the route, and the sampling parameters while the prompt's first
     pass goes down the route."""
     route = request.route
@@ -122,7 +121,7 @@ class Forwarding:
   async def forward_prompt(self, request: Request, base: Shard, prompt: str, state: Optional[dict]) -> None:
     """To the first hop of the request's route (this node is not it)."""
     first = request.route.first
-    await self.send_prompt(first, request.route.shard(first, base), prompt, request.id, self._outgoing(request, state, first, prompt=True))
+    await self.send_prompt(first, request.route.shard(first, base), prompt, request.id, self.outgoing(request, state, first, prompt=True))
 
   async def send_prompt(self, to: Stage, shard: Shard, prompt: str, request_id: str, state: Optional[dict]) -> None:
     node = self.node
@@ -133,37 +132,30 @@ class Forwarding:
     else:
       await self._peer(to.node_id).send_prompt(shard, prompt, request_id=request_id, inference_state=state)
 
-  async def forward_next(self, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
-    """A pass here is done: the next hop of the request's route takes it."""
+  def send(self, output: StepOutput) -> None:
+    """A step's output, sent at once: its finished requests end here, each next hop gets one message (the rows bound
+    for it packed), each origin one token message, this node's own clients their tokens on the next turn of the event
+    loop (after the sends have started), and the failed rows' requests fail on their routes."""
     node = self.node
-    request = node.requests.get(request_id)
-    if request is None or request.route is None:
-      return
-    to = request.route.after(node.id)
-    next_shard, out = request.route.shard(to, shard), self._outgoing(request, state, to)
-    if request.route.travels and to.node_id != node.id:  # to go with the other rows of this step that go there
-      key = (to.node_id, next_shard, np.asarray(tensor).dtype.str, np.shape(tensor)[2:])
-      self._hops.setdefault(key, []).append((request_id, tensor, out))
-      if key not in self._hop_senders:  # it runs after the forward_next of every other row of the step
-        self._hop_senders[key] = node.spawn(self._send_hops(key, to, next_shard))
-      return
-    try:
-      await self.send_tensor(to, next_shard, tensor, request_id, out)
-    except Exception as e:
-      await node.fail_request(request_id, f"could not forward to node {to.node_id}: {e}")
+    for request_id in output.finished:
+      node.end_request(request_id, Status.FINISHED)
+    for hop in output.hops.values():
+      node.spawn(self._send_hop(hop))
+    loop = asyncio.get_running_loop()
+    for token in output.tokens:
+      loop.call_soon(node.trigger_on_token_callbacks, token.request.id, [token.token], token.finished, token.logprobs and [token.logprobs])
+      self.send_token(token.request, token.token, token.finished, token.logprobs)
+    for request_id, error in output.failed:
+      node.spawn(node.fail_request(request_id, error))
 
-  async def _send_hops(self, key: tuple, to: Stage, shard: Shard) -> None:
-    """The rows gathered for one next hop, as one message (packing.py); the rows that come later make the next one."""
-    self._hop_senders.pop(key, None)
-    rows = self._hops.pop(key, [])
-    if not rows:
-      return
-    tensor, state = (rows[0][1], rows[0][2]) if len(rows) == 1 else pack(rows)
+  async def _send_hop(self, hop: Hop) -> None:
+    """One message for the rows bound to one next hop (packing.py); each row's request fails if it cannot go."""
+    tensor, state = (hop.rows[0][1], hop.rows[0][2]) if len(hop.rows) == 1 else pack(hop.rows)
     try:
-      await self.send_tensor(to, shard, tensor, rows[0][0], state)
+      await self.send_tensor(hop.to, hop.shard, tensor, hop.rows[0][0], state)
     except Exception as e:
-      for request_id, _, _ in rows:
-        await self.node.fail_request(request_id, f"could not forward to node {to.node_id}: {e}")
+      for request_id, _, _ in hop.rows:
+        await self.node.fail_request(request_id, f"could not forward to node {hop.to.node_id}: {e}")
 
   async def unpack(self, base: Shard, tensor: np.ndarray, state: dict, accepted) -> None:
     """A packed message: each of its rows as the message it stands for (the first pass that starts accepts it)."""
