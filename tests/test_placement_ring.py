@@ -153,12 +153,13 @@ async def test_a_pipeline_cuts_layers_by_speed_with_the_head_counted(tmp_path, d
     await eventually(lambda: groups_ready(a, 1), 60)
     packed = []
     for node in (a, b):
-      unpack = node.forwarding.unpack
+      process_tensor = node.process_tensor
 
-      async def recording(base, tensor, state, accepted, unpack=unpack):
-        packed.append(len(state["rows"]))
-        return await unpack(base, tensor, state, accepted)
-      node.forwarding.unpack = recording
+      async def recording(base, tensor, request_id=None, state=None, accepted=None, process_tensor=process_tensor):
+        if state and "rows" in state:
+          packed.append(len(state["rows"]))
+        return await process_tensor(base, tensor, request_id, state, accepted=accepted)
+      node.process_tensor = recording
     # From the first stage (its tokens ride back on the tensors that feed them) and from the last.
     assert await asyncio.gather(*[answer(b, p) for p in PROMPTS[:3]]) == references[:3]
     assert await asyncio.gather(*[answer(a, p) for p in PROMPTS[3:]]) == references[3:]

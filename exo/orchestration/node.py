@@ -45,7 +45,7 @@ from exo.orchestration.ring_member import RingMember
 from exo.orchestration.status_handlers import StatusHandlers
 from exo.orchestration.step_output import StepCore
 from exo.orchestration.routing.forwarding import Forwarding
-from exo.orchestration.routing.packing import ROWS
+from exo.orchestration.routing.packing import ROWS, unpack
 from exo.orchestration.routing.router import REPORT_S
 from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
@@ -316,32 +316,50 @@ class Node(RingMember):
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Run this node's layers for a request's tensor, then what follows. `accepted` as for process_prompt. (A message
-    that packs several requests' rows runs each of them so.)"""
+    """Run this node's layers for a message's tensor, then what follows. `accepted` as for process_prompt. A message
+    is one batch: a packed one (one step's rows of the stage before, routing/packing.py) or a single request's (a batch
+    of one, as upstream nodes send). Every row is made ready (its route checked, its turn at the model gate, its
+    prefix), then all of them go to the engine together, so that they share its next step."""
     if inference_state and ROWS in inference_state:
       try:
-        await self.forwarding.unpack(base_shard, tensor, inference_state, accepted)
+        rows = unpack(tensor, inference_state)
       except ValueError as e:
         print(f"exo: dropped a malformed packed message: {e}", flush=True)
-      return None
-    request = self._open(request_id or str(uuid.uuid4()))
+        return None
+    else:
+      rows = [(request_id or str(uuid.uuid4()), tensor, inference_state)]
+    arrived = await asyncio.gather(*[self._arrive(base_shard, *row) for row in rows])
+    await asyncio.gather(*[self._run_arrived(shard, t, request, state, accepted) for shard, t, request, state in filter(None, arrived)])
+    return None
+
+  async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Optional[tuple]:
+    """A row of a message, made ready for its pass here: (shard, tensor, request, state), or None if it does not run."""
+    request = self._open(request_id)
     if request is None:  # a hop still in flight when the request ended: going on would revive it
       return None
     try:
-      shard = self.forwarding.route_of(request, base_shard, inference_state).shard_of(self.id, base_shard)
+      shard = self.forwarding.route_of(request, base_shard, state).shard_of(self.id, base_shard)
       if shard is None:
         raise ValueError(f"node {self.id} is not on the route of request {request.id} ({request.route.group})")
       await self._enter(request, shard)
-      if not await self.prefix_protocol.start_here(shard, request, inference_state):
+      if not await self.prefix_protocol.start_here(shard, request, state):
         return None
       self.prefix_protocol.fed_back(request, tensor)
       self.forwarding.fed_back(request, shard, tensor)
-      await self.run_pass(shard, tensor, request, inference_state, accepted)
+      return shard, tensor, request, state
+    except RequestEnded:
+      return None
+    except Exception as e:
+      await self.fail_request(request.id, e)
+      return None
+
+  async def _run_arrived(self, shard: Shard, tensor: np.ndarray, request: Request, state: Optional[dict], accepted: Optional[asyncio.Future]) -> None:
+    try:
+      await self.run_pass(shard, tensor, request, state, accepted)
     except RequestEnded:
       pass
     except Exception as e:
       await self.fail_request(request.id, e)
-    return None
 
   async def _enter(self, request: Request, shard: Shard) -> None:
     """Wait until this node's engine serves the request's layers (see ModelGate). Every message of the request

@@ -12,8 +12,10 @@ that travel the ring one behind the other, so that every stage works while the o
 belongs to one group, balanced by rows; a group's step starts once all its live members are back, or once the late
 ones are overdue (ROUND_TRIP_SLACK typical round trips after they left), and never waits for another group.
 
-The other stages see each group arrive as a burst of messages (one per request, or one for the whole step) and gather
-it: a step waits while requests it handed back are still going and due back within the wait (left a typical round
+The other stages see each group arrive. Between nodes that follow routes it comes as one message, packed (one step's
+rows of the stage before) or single (a step of one row): it is a whole batch and its step is due at once. In a ring
+route (rings with upstream nodes, which send one message per request) a group arrives as a burst of messages and is
+gathered: a step waits while requests it handed back are still going and due back within the wait (left a typical round
 trip ago), up to `timeout_s` after the latest arrival and GATHER_LIMIT timeouts after the first; the next group comes
 a whole step of the previous stage later, so it is not waited for and groups stay apart. A lone request never waits:
 with nothing else going on this shard, a step starts at once."""
@@ -53,6 +55,7 @@ class Row:
   since: float  # ready since
   outputs: List[np.ndarray] = field(default_factory=list)  # hidden states of earlier chunks, joined at the end
   received: int = 0  # positions its input held when it arrived (what its pass adds to its cache here)
+  whole: bool = False  # it came in a message that is a whole step of the stage before (a routed one): nothing to gather
 
   @property
   def length(self) -> int:
@@ -93,7 +96,8 @@ class Scheduler:
     left = self.away.pop(request_id, None)
     if left is not None:
       self.round_trips.append(now - left)
-    row = self.ready[request_id] = Row(request_id, tensor, state, now, received=input_length(tensor))
+    whole = isinstance(state, dict) and state.get("route") is not None
+    row = self.ready[request_id] = Row(request_id, tensor, state, now, received=input_length(tensor), whole=whole)
     return row
 
   def drop(self, request_id: str) -> Optional[Row]:
@@ -192,6 +196,8 @@ class Scheduler:
   def _due_at(self, key: Optional[int], rows: List[Row], now: float) -> float:
     """When the ready rows of one group (None: newcomers, and every row off the first layers' node) may start their step."""
     grouped = key is not None and self.shard.is_first_layer()
+    if not self.shard.is_first_layer() and all(row.whole for row in rows):
+      return now  # each message is a whole batch (see the module's docstring)
     if len(rows) >= self.batch_size or (self._members[key] == len(rows) if grouped else not self.away):
       return now
     missing = self._missing(key) if grouped else list(self.away)

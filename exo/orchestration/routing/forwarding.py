@@ -26,7 +26,7 @@ from exo.inference.shard import Shard
 from exo.orchestration import statuses
 from exo.orchestration.requests import Request, Status
 from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
-from exo.orchestration.routing.packing import pack, unpack
+from exo.orchestration.routing.packing import pack
 from exo.orchestration.routing.route import Route
 from exo.orchestration.routing.router import REPORT_FRESH_S, REPORT_S, Router
 from exo.orchestration.step_output import Hop, StepOutput
@@ -156,11 +156,6 @@ class Forwarding:
     except Exception as e:
       for request_id, _, _ in hop.rows:
         await self.node.fail_request(request_id, f"could not forward to node {hop.to.node_id}: {e}")
-
-  async def unpack(self, base: Shard, tensor: np.ndarray, state: dict, accepted) -> None:
-    """A packed message: each of its rows as the message it stands for (the first pass that starts accepts it)."""
-    await asyncio.gather(*[self.node.process_tensor(base, t, request_id, row_state, accepted=accepted)
-                           for request_id, t, row_state in unpack(tensor, state)])
 
   async def send_tensor(self, to: Stage, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     node = self.node
