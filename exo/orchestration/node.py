@@ -328,11 +328,12 @@ class Node(RingMember):
         return None
     else:
       rows = [(request_id or str(uuid.uuid4()), tensor, inference_state)]
-    arrived = await asyncio.gather(*[self._arrive(base_shard, *row) for row in rows])
+    packed = bool(inference_state and ROWS in inference_state)
+    arrived = await asyncio.gather(*[self._arrive(base_shard, *row, packed) for row in rows])
     await asyncio.gather(*[self._run_arrived(shard, t, request, state, accepted) for shard, t, request, state in filter(None, arrived)])
     return None
 
-  async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Optional[tuple]:
+  async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict], packed: bool) -> Optional[tuple]:
     """A row of a message, made ready for its pass here: (shard, tensor, request, state), or None if it does not run."""
     request = self._open(request_id)
     if request is None:  # a hop still in flight when the request ended: going on would revive it
@@ -346,6 +347,7 @@ class Node(RingMember):
         return None
       self.prefix_protocol.fed_back(request, tensor)
       self.forwarding.fed_back(request, shard, tensor)
+      request.came_packed = packed
       return shard, tensor, request, state
     except RequestEnded:
       return None

@@ -73,6 +73,7 @@ class Request:
   tokens_received: int = 0  # tokens a peer has sent here, its origin
   peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
   busy: bool = False  # a pass of it is running here
+  came_packed: bool = False  # its latest message here was a packed one: a whole step of the stage before
   prompt: Optional[Tuple[object, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
   sequence: Optional[List[int]] = None  # on the first node of a ring that reuses prefixes: the ids its KV cache holds here
   created: float = field(default_factory=time.monotonic)

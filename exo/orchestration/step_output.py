@@ -29,6 +29,7 @@ class Hop:
   requests without a travelling route, which upstream nodes may receive, and hops to this node itself)."""
   to: Stage
   shard: Shard
+  packable: bool
   rows: List[PackedRow] = field(default_factory=list)
 
 
@@ -48,11 +49,12 @@ class StepOutput:
   finished: List[str] = field(default_factory=list)  # request ids that finished in this step
   failed: List[Tuple[str, BaseException]] = field(default_factory=list)
   sampled: Dict[str, Union[int, Exception]] = field(default_factory=dict)  # tokens the step drew together, until `add` takes them
+  whole_steps: bool = False  # a batching step's: its rows go packed even alone, so the next stage knows the step is all there
 
   def hop(self, to: Stage, shard: Shard, row: PackedRow, packable: bool) -> None:
     tensor = np.asarray(row[1])
     key = (to.node_id, shard, tensor.dtype.str, tensor.shape[2:]) if packable else (to.node_id, shard, row[0])
-    self.hops.setdefault(key, Hop(to, shard)).rows.append(row)
+    self.hops.setdefault(key, Hop(to, shard, packable)).rows.append(row)
 
   def tokens_by_origin(self) -> Dict[Optional[str], List[Token]]:
     by_origin: Dict[Optional[str], List[Token]] = {}
@@ -90,7 +92,7 @@ class StepCore:
                         sampled: Optional[Dict[str, Union[int, Exception]]] = None) -> StepOutput:
     """Every row a step finished (request id, positions it ran, result, state), each through
     `Node.process_inference_result` into one output, which the caller sends."""
-    output = StepOutput(sampled=dict(sampled or {}))
+    output = StepOutput(sampled=dict(sampled or {}), whole_steps=True)
     reset = CURRENT.set(output)
     try:
       for request_id, positions, result, state in rows:

@@ -51,7 +51,8 @@ class BatchingPlugin:
 
   @hookimpl
   def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state, accepted):
-    return self.steps.infer(shard, request_id, tensor, inference_state, accepted)
+    request = node.requests.get(request_id)
+    return self.steps.infer(shard, request_id, tensor, inference_state, accepted, whole=request is not None and request.came_packed)
 
   @hookimpl
   def exo_request_ended(self, node, request_id):

@@ -12,10 +12,10 @@ that travel the ring one behind the other, so that every stage works while the o
 belongs to one group, balanced by rows; a group's step starts once all its live members are back, or once the late
 ones are overdue (ROUND_TRIP_SLACK typical round trips after they left), and never waits for another group.
 
-The other stages see each group arrive. Between nodes that follow routes it comes as one message, packed (one step's
-rows of the stage before) or single (a step of one row): it is a whole batch and its step is due at once. In a ring
-route (rings with upstream nodes, which send one message per request) a group arrives as a burst of messages and is
-gathered: a step waits while requests it handed back are still going and due back within the wait (left a typical round
+The other stages see each group arrive. From a batching stage of this fork it comes as one packed message (one
+step's rows of the stage before, packed even when there is one): a whole batch, whose step is due at once. Nodes that
+send one message per request (upstream nodes, this fork's nodes without batching) make it a burst of single messages,
+each a batch of one, which a step gathers: it waits while requests it handed back are still going and due back within the wait (left a typical round
 trip ago), up to `timeout_s` after the latest arrival and GATHER_LIMIT timeouts after the first; the next group comes
 a whole step of the previous stage later, so it is not waited for and groups stay apart. A lone request never waits:
 with nothing else going on this shard, a step starts at once."""
@@ -55,7 +55,7 @@ class Row:
   since: float  # ready since
   outputs: List[np.ndarray] = field(default_factory=list)  # hidden states of earlier chunks, joined at the end
   received: int = 0  # positions its input held when it arrived (what its pass adds to its cache here)
-  whole: bool = False  # it came in a message that is a whole step of the stage before (a routed one): nothing to gather
+  whole: bool = False  # it came in a packed message, a whole step of the stage before: nothing to gather
 
   @property
   def length(self) -> int:
@@ -90,13 +90,12 @@ class Scheduler:
 
   # --- what happens to requests ---
 
-  def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float) -> Row:
+  def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float, whole: bool = False) -> Row:
     if request_id in self.ready:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {self.shard}")
     left = self.away.pop(request_id, None)
     if left is not None:
       self.round_trips.append(now - left)
-    whole = isinstance(state, dict) and state.get("route") is not None
     row = self.ready[request_id] = Row(request_id, tensor, state, now, received=input_length(tensor), whole=whole)
     return row
 

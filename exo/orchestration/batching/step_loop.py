@@ -47,13 +47,13 @@ class StepLoop:
     return self.schedulers[shard]
 
   async def infer(self, shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict],
-                  accepted: Optional[asyncio.Future] = None) -> Tuple[np.ndarray, Optional[dict]]:
+                  accepted: Optional[asyncio.Future] = None, whole: bool = False) -> Tuple[np.ndarray, Optional[dict]]:
     if self._stopped:
       raise BatcherStopped("batching has stopped on this node")
     if request_id in self._waiters:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {shard}")
     scheduler = self.scheduler(shard)
-    scheduler.add(request_id, tensor, state, self.clock())
+    scheduler.add(request_id, tensor, state, self.clock(), whole)
     future = asyncio.get_running_loop().create_future()
     self._waiters[request_id] = (future, accepted)
     if self._task is None:
