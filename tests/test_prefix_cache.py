@@ -13,7 +13,7 @@ from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.inference.prefix_cache import BLOCK, block_keys
 from exo.inference.sampling import SamplingParams
 from exo.networking.discovery import NoDiscovery
-from exo.orchestration import node as node_module
+from exo.orchestration import passes as passes_module
 from exo.orchestration.batching import scheduler as scheduler_module
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
@@ -59,7 +59,7 @@ async def one_node(engine, batching: bool) -> Node:
 @pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])
 async def test_a_chat_answers_the_same_with_its_earlier_turns_cached(engine, batching, monkeypatch):
   # Prompts run in chunks of 40 tokens, unbatched and batched: chunk edges fall inside blocks and inside the prefix.
-  monkeypatch.setattr(node_module, "PROMPT_CHUNK", 40)
+  monkeypatch.setattr(passes_module, "PROMPT_CHUNK", 40)
   monkeypatch.setattr(scheduler_module, "LONE_PROMPT_CHUNK", 40)
   node = await one_node(engine, batching)
   try:

@@ -33,22 +33,28 @@ def exo_node_stopping(node) -> Optional[Awaitable[None]]:
 
 @hookspec(firstresult=True)
 def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict],
-                     accepted: Optional[asyncio.Future]) -> Optional[Awaitable[Tuple[np.ndarray, Optional[dict]]]]:
+                     accepted: Optional[asyncio.Future]) -> Optional[Awaitable[Optional[Tuple[np.ndarray, Optional[dict]]]]]:
   """Run this node's layers for one request: token ids (1, L) on the first shard, hidden states otherwise.
-  Return an awaitable of (output, inference_state). The core runs `engine.infer_tensor` alone (a long prompt in
-  chunks); a batching plugin gathers concurrent calls for the same shard into one `engine.infer_batch` step. Before
-  each step, drop requests that are no longer live (`node.requests.is_live`). Whoever starts the pass calls
+  Return an awaitable of (output, inference_state): the node then goes on with `Node.process_inference_result`,
+  a batch of one (the core: `engine.infer_tensor` alone, a long prompt in chunks). A plugin that runs steps of several
+  requests may instead finish the step's rows itself, all together, and return an awaitable of None: it hands the
+  step's rows to `node.step_core.finish_step` (which calls `Node.process_inference_result` for each row inside the
+  step's one output) and sends that output with `node.forwarding.send` (one message per next hop, one per origin).
+  The batching plugin does so: a step's rows stay one batch from its scheduler to the next node. Before each step,
+  drop requests that are no longer live (`node.requests.is_live`). Whoever starts the pass calls
   `acceptance.accept(accepted)` (None when no message waits for a reply): the gRPC server replies to the message
   then (else when the work ends, or after 0.1 s)."""
 
 
 @hookspec(firstresult=True)
 def exo_process_inference_result(node, shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[None]]:
-  """What follows a forward pass (Node.process_inference_result): on the last layer sample the request's next
-  token (with its own parameters), record it, fire callbacks, broadcast it and forward it round the ring.
-  Return an awaitable doing all of it. The core samples one request at a time (`node.sample_tokens`); the
-  batching plugin has already sampled the rows of each step together, inside the step (their grammars' masks
-  computed beside its forward pass), and hands each request's token to `node.handle_token`."""
+  """What follows one request's forward pass (Node.process_inference_result): its outcome, added to the output of
+  the step it ran in. Past the last layers its token is sampled (the one its step drew together with the step's other
+  rows, where a batching step did; else alone, with its own parameters), recorded and checked for its end; then it
+  goes to the next hop and its token to its origin. Return an awaitable doing it. The core adds the row with
+  `node.step_core.add`: inside a step's `finish_step` the row joins the step's output, which the step sends once; called
+  on its own (a node without batching) the row is an output of one, sent at once, so both take the same path. A
+  plugin that wraps this hook sees every row of every step, in order, before the step's output is sent."""
 
 
 @hookspec

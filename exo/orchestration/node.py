@@ -16,10 +16,8 @@ request lifecycle, the public API upstream's callers use, and the plugin hooks a
 sampling."""
 import asyncio
 import json
-import time
 import traceback
-import uuid
-from typing import Dict, List, Optional, Set, Tuple, Union
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import pluggy
@@ -27,31 +25,27 @@ import pluggy
 from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
-from exo.inference import constrained, grammar
-from exo.inference.grammar import CannotConstrain, MaskTimes
+from exo.inference import grammar
+from exo.inference.grammar import CannotConstrain
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
-from exo.inference.tokenizers import eos_ids
-from exo.local_checkpoints import model_card
 from exo.orchestration import hookspecs, statuses
 from exo.orchestration.acceptance import accept
 from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.membership import Membership
-from exo.orchestration.model_gate import LeftTheLine, ModelGate, gate_key
+from exo.orchestration.model_gate import ModelGate
+from exo.orchestration.passes import Passes
 from exo.orchestration.placements import Placements
 from exo.orchestration.prefixes import PrefixProtocol
-from exo.orchestration.requests import Request, RequestEnded, RequestEvent, RequestRegistry, Status
+from exo.orchestration.requests import Request, RequestEvent, RequestRegistry, Status
 from exo.orchestration.ring_member import RingMember
 from exo.orchestration.status_handlers import StatusHandlers
 from exo.orchestration.step_output import StepCore
 from exo.orchestration.routing.forwarding import Forwarding
-from exo.orchestration.routing.packing import ROWS, unpack
 from exo.orchestration.routing.router import REPORT_S
 from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
 from exo.topology.placement import Stage
-
-PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
 
 
 class CorePlugin:
@@ -60,17 +54,11 @@ class CorePlugin:
   @hookimpl(trylast=True)
   def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state, accepted):
     accept(accepted)  # the engine takes it up as soon as the returned coroutine runs
-    return node.infer_unbatched(shard, tensor, request_id, inference_state)
+    return node.passes.infer_unbatched(shard, tensor, request_id, inference_state)
 
   @hookimpl(trylast=True)
   def exo_process_inference_result(self, node, shard, result, request_id, inference_state):
     return node.process_inference_result_unbatched(shard, result, request_id, inference_state)
-
-
-def input_length(tensor: np.ndarray) -> int:
-  """Positions a request's input holds: (1, L) token ids or (1, L, d) hidden states."""
-  shape = np.shape(tensor)
-  return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
 
 
 class Node(RingMember):
@@ -97,6 +85,7 @@ class Node(RingMember):
     self.placements = Placements(self)
     self.forwarding = Forwarding(self)
     self.step_core = StepCore(self)
+    self.passes = Passes(self)
     self.prefix_protocol = PrefixProtocol(self)
     self.membership = Membership(self)
     self.status_handlers = StatusHandlers(self)
@@ -180,7 +169,7 @@ class Node(RingMember):
 
   # --- how requests start and end ---
 
-  def _open(self, request_id: str) -> Optional[Request]:
+  def open_request(self, request_id: str) -> Optional[Request]:
     return self.requests.open(request_id, SamplingParams(temperature=self.default_sample_temperature))
 
   def watch(self, request_id: str) -> asyncio.Queue:
@@ -238,7 +227,7 @@ class Node(RingMember):
     if request is None:
       return False
     if request.model is not None:
-      self._release(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
+      self.release_cache(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
       if status is Status.FINISHED:
         self.prefix_protocol.finished(request)
     if status is not Status.FINISHED:
@@ -250,7 +239,7 @@ class Node(RingMember):
       watcher.put_nowait(RequestEvent([], True, error or f"the request was {status.value}"))
     return True
 
-  def _release(self, request_id: str) -> None:
+  def release_cache(self, request_id: str) -> None:
     release = asyncio.create_task(self.inference_engine.finish_request(request_id))
     self._releases.add(release)
     release.add_done_callback(self._releases.discard)
@@ -264,191 +253,29 @@ class Node(RingMember):
     if request is not None and request.status is not Status.QUEUED:
       raise ValueError(f"request {request_id} already has its prompt ({request.status.value})")
 
-  # --- the work ---
+  # --- the work (passes.py) ---
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
     """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
     is resolved once its forward pass here has started (see acceptance)."""
-    request_id = request_id or str(uuid.uuid4())
-    self.accepts_prompt(request_id)
-    request = self._open(request_id)
-    try:
-      shard = self.forwarding.route_of(request, base_shard, inference_state).shard_of(self.id, base_shard)
-    except Exception as e:
-      await self.fail_request(request.id, e)
-      raise
-    status = {"type": "node_status", "node_id": self.id, "status": "start_process_prompt", "base_shard": base_shard.to_dict(),
-              "shard": (shard or base_shard).to_dict(), "prompt": prompt, "request_id": request_id}
-    self.spawn(self.broadcast_opaque_status(request_id, json.dumps(status)))
-    start = time.perf_counter_ns()
-    try:
-      await self._process_prompt(base_shard, shard, prompt, request, inference_state, accepted)
-    finally:
-      status.update(status="end_process_prompt", elapsed_time_ns=time.perf_counter_ns() - start)
-      self.spawn(self.broadcast_opaque_status(request_id, json.dumps(status)))
-    return None
-
-  async def _process_prompt(self, base_shard: Shard, shard: Optional[Shard], prompt: str, request: Request, inference_state: Optional[dict],
-                            accepted: Optional[asyncio.Future]) -> None:
-    try:
-      if shard is None or not shard.is_first_layer():
-        request.advance(Status.PREFILLING)
-        accept(accepted)  # no pass here: it goes on
-        await self.forwarding.forward_prompt(request, base_shard, prompt, inference_state)
-        return
-      await self._enter(request, shard)
-      tokens = np.asarray(await self.inference_engine.encode(shard, prompt)).reshape(1, -1)
-      request.prompt_tokens = tokens.shape[1]
-      context = self._context_length()
-      if context is not None and tokens.shape[1] >= context:
-        raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
-      await self.prefix_protocol.run_prompt(shard, tokens, request, dict(inference_state or {}), accepted)
-    except RequestEnded:
-      pass
-    except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
-      if self.end_request(request.id, Status.CANCELLED):
-        self.spawn(self.forwarding.tell(request, request.id, statuses.cancel_request(request.id)))
-      raise
-    except Exception as e:
-      await self.fail_request(request.id, e)
-      raise
+    return await self.passes.process_prompt(base_shard, prompt, request_id, inference_state, accepted)
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Run this node's layers for a message's tensor, then what follows. `accepted` as for process_prompt. A message
-    is one batch: a packed one (one step's rows of the stage before, routing/packing.py) or a single request's (a batch
-    of one, as upstream nodes send). Every row is made ready (its route checked, its turn at the model gate, its
-    prefix), then all of them go to the engine together, so that they share its next step."""
-    if inference_state and ROWS in inference_state:
-      try:
-        rows = unpack(tensor, inference_state)
-      except ValueError as e:
-        print(f"exo: dropped a malformed packed message: {e}", flush=True)
-        return None
-    else:
-      rows = [(request_id or str(uuid.uuid4()), tensor, inference_state)]
-    packed = bool(inference_state and ROWS in inference_state)
-    arrived = await asyncio.gather(*[self._arrive(base_shard, *row, packed) for row in rows])
-    await asyncio.gather(*[self._run_arrived(shard, t, request, state, accepted) for shard, t, request, state in filter(None, arrived)])
-    return None
-
-  async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict], packed: bool) -> Optional[tuple]:
-    """A row of a message, made ready for its pass here: (shard, tensor, request, state), or None if it does not run."""
-    request = self._open(request_id)
-    if request is None:  # a hop still in flight when the request ended: going on would revive it
-      return None
-    try:
-      shard = self.forwarding.route_of(request, base_shard, state).shard_of(self.id, base_shard)
-      if shard is None:
-        raise ValueError(f"node {self.id} is not on the route of request {request.id} ({request.route.group})")
-      await self._enter(request, shard)
-      if not await self.prefix_protocol.start_here(shard, request, state):
-        return None
-      self.prefix_protocol.fed_back(request, tensor)
-      self.forwarding.fed_back(request, shard, tensor)
-      request.came_packed = packed
-      return shard, tensor, request, state
-    except RequestEnded:
-      return None
-    except Exception as e:
-      await self.fail_request(request.id, e)
-      return None
-
-  async def _run_arrived(self, shard: Shard, tensor: np.ndarray, request: Request, state: Optional[dict], accepted: Optional[asyncio.Future]) -> None:
-    try:
-      await self.run_pass(shard, tensor, request, state, accepted)
-    except RequestEnded:
-      pass
-    except Exception as e:
-      await self.fail_request(request.id, e)
-
-  async def _enter(self, request: Request, shard: Shard) -> None:
-    """Wait until this node's engine serves the request's layers (see ModelGate). Every message of the request
-    waits for its one turn: a second one that arrives while the first still waits must not run on the engine
-    (it would load the model under the requests that hold the gate)."""
-    if request.admitted is None:  # its first work here
-      request.model = shard.model_id
-      request.admitted = asyncio.ensure_future(self.model_gate.enter(request.id, gate_key(shard)))
-      # Its waiters may all be gone (cancelled) when it ends in an error: that error is no one's to log.
-      request.admitted.add_done_callback(lambda admitted: admitted.cancelled() or admitted.exception())
-    try:
-      await asyncio.shield(request.admitted)
-    except LeftTheLine:
-      raise RequestEnded(request.id) from None
-    request.advance(Status.PREFILLING)
-
-  async def run_pass(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict],
-                     accepted: Optional[asyncio.Future] = None) -> None:
-    """This node's layers for the request, then what follows (sampling, forwarding)."""
-    if request.busy:  # a second copy of a message (a peer's bug or mischief) must not run on the same cache
-      print(f"exo: dropped a second pass of request {request.id} that arrived while its pass ran here", flush=True)
-      return
-    request.busy = True
-    try:
-      outcome = await self.infer_tensor(shard, tensor, request.id, inference_state, accepted)
-    finally:
-      request.busy = False
-    if outcome is None:  # a step finished it with its other rows (StepCore.finish_step)
-      return
-    result, state = outcome
-    await self.process_inference_result(shard, result, request.id, self.passed(shard, request, input_length(tensor), state))
-
-  def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
-    """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
-    if not self.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
-      self._release(request.id)
-      raise RequestEnded(request.id)
-    state = self.prefix_protocol.ran(shard, request, state)
-    request.positions += positions
-    request.advance(Status.DECODING)
-    return state
+    """Run this node's layers for a message's tensor (one request's, or a packed step's rows, as one batch), then what
+    follows. `accepted` as for process_prompt."""
+    return await self.passes.process_tensor(base_shard, tensor, request_id, inference_state, accepted)
 
   async def infer_tensor(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict], accepted: Optional[asyncio.Future] = None):
     return await self.plugins.hook.exo_infer_tensor(node=self, shard=shard, tensor=tensor, request_id=request_id, inference_state=inference_state,
                                                     accepted=accepted)
-
-  async def infer_unbatched(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
-    """The engine alone, a long prompt in PROMPT_CHUNK pieces so that an end stops it between two of them."""
-    engine, length = self.inference_engine, input_length(tensor)
-    if length <= PROMPT_CHUNK:
-      return await engine.infer_tensor(request_id, shard, tensor, inference_state)
-    outputs = []
-    for start in range(0, length, PROMPT_CHUNK):
-      if not self.requests.is_live(request_id):
-        raise RequestEnded(request_id)
-      output, inference_state = await engine.infer_tensor(request_id, shard, tensor[:, start:start + PROMPT_CHUNK], inference_state)
-      outputs.append(output)
-    # Hidden states go on whole; on the last layer only the last position is ever sampled.
-    return (outputs[-1] if shard.is_last_layer() else np.concatenate(outputs, axis=1)), inference_state
 
   async def process_inference_result(self, shard, result: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None):
     return await self.plugins.hook.exo_process_inference_result(node=self, shard=shard, result=result, request_id=request_id, inference_state=inference_state)
 
   async def process_inference_result_unbatched(self, shard: Shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> None:
     await self.step_core.add(shard, result, request_id, inference_state)
-
-  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
-                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
-    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
-    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
-    node cannot follow gets an error in place of its token."""
-    requests = [self.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    return await constrained.sample_requests(self.inference_engine, requests, results, f"node {self.id}", masks, mask_times,
-                                             [self.tokens_left(r) for r in requests])
-
-  def token_limit(self, request: Request) -> int:
-    return min(request.params.max_tokens or self.max_generate_tokens, self.max_generate_tokens)
-
-  def tokens_left(self, request: Request) -> int:
-    """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
-    context's (one fewer than the context would hold, to be sure)."""
-    left = self.token_limit(request) - len(request.tokens)
-    context = self._context_length()
-    return left if context is None else min(left, context - request.positions)
-
-  def _context_length(self) -> Optional[int]:
-    return self.inference_engine.context_length
 
   # --- the ring, by partition index (upstream's API; requests follow their routes through self.forwarding) ---
 
@@ -564,29 +391,3 @@ class Node(RingMember):
   def on_node_status(self, request_id: str, opaque_status: str) -> None:
     """The built-in status observer (who is working, download progress, the peers' engines), for a raw status."""
     self.inbox.from_self(request_id, opaque_status, quiet=True)
-
-  async def _preload(self, shard: Shard) -> None:
-    """Load our own layers of a model (a peer started a prompt for it, or this node has just been placed), unless
-    that would disturb the requests this node serves. The download leaves the model gate open (it may take minutes);
-    the load holds it, so no request for another model starts meanwhile."""
-    try:
-      card = model_card(shard.model_id)
-      own = self.own_shard(shard)
-    except ValueError:  # a local checkpoint this node does not serve, or no layers here
-      return
-    if card is None or card["layers"] != shard.n_layers or not self.model_gate.idle_for(gate_key(own)):
-      return
-    holder = f"preload-{uuid.uuid4()}"
-    try:
-      await self.shard_downloader.ensure_shard(own, self.inference_engine.__class__.__name__)
-      if not self.model_gate.hold_if_idle(holder, gate_key(own)):
-        return
-      await self.inference_engine.ensure_shard(own)
-    except Exception as e:
-      if DEBUG >= 1:
-        print(f"Preloading {shard.model_id} failed: {e!r}")
-    finally:
-      self.model_gate.leave(holder)
-    if self.placements.mode is not None and self.inference_engine.shard == own:
-      await self.placements.announce()  # the routers of the others may send it requests now
-

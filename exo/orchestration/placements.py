@@ -19,10 +19,12 @@ ignore the status)."""
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 from exo.inference.shard import Shard
+from exo.local_checkpoints import model_card
 from exo.logs import VERBOSE
 from exo.orchestration import statuses
 from exo.orchestration.model_gate import gate_key
@@ -185,7 +187,7 @@ class Placements:
     if model is not None and (self._preloading is None or self._preloading.done()):
       own = self.own_shard(model)
       if own is not None and own != engine.shard:
-        self._preloading = self.node.spawn(self.node._preload(model))
+        self._preloading = self.node.spawn(self.preload(model))
         if model is self.expected:
           self.expected = None  # tried once (a model still to download waits for a request instead)
     if repr(engine.shard) != self._announced:
@@ -213,3 +215,28 @@ class Placements:
       if placement is not None:
         view["models"][base.model_id] = {**placement.to_json(), "ready": [self.ready(g, base) for g in placement.groups]}
     return view
+
+  async def preload(self, shard: Shard) -> None:
+    """Load our own layers of a model (a peer started a prompt for it, or this node has just been placed), unless
+    that would disturb the requests this node serves. The download leaves the model gate open (it may take minutes);
+    the load holds it, so no request for another model starts meanwhile."""
+    node = self.node
+    try:
+      card = model_card(shard.model_id)
+      own = node.own_shard(shard)
+    except ValueError:  # a local checkpoint this node does not serve, or no layers here
+      return
+    if card is None or card["layers"] != shard.n_layers or not node.model_gate.idle_for(gate_key(own)):
+      return
+    holder = f"preload-{uuid.uuid4()}"
+    try:
+      await node.shard_downloader.ensure_shard(own, node.inference_engine.__class__.__name__)
+      if not node.model_gate.hold_if_idle(holder, gate_key(own)):
+        return
+      await node.inference_engine.ensure_shard(own)
+    except Exception as e:
+      log.log(VERBOSE, "Preloading %s failed: %r", shard.model_id, e)
+    finally:
+      node.model_gate.leave(holder)
+    if self.mode is not None and node.inference_engine.shard == own:
+      await self.announce()  # the routers of the others may send it requests now

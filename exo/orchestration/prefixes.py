@@ -54,7 +54,7 @@ class PrefixProtocol:
     if self.reused_on_route(request):
       await self._run_from_prefix(shard, tokens, request, state, accepted=accepted)
     else:
-      await self.node.run_pass(shard, tokens, request, state, accepted)
+      await self.node.passes.run_pass(shard, tokens, request, state, accepted)
 
   async def _run_from_prefix(self, shard: Shard, tokens: np.ndarray, request: Request, state: dict, reuse: bool = True,
                              accepted: Optional[asyncio.Future] = None) -> None:
@@ -66,7 +66,7 @@ class PrefixProtocol:
     request.positions = reused
     request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
     request.sequence = tokens[0].tolist()
-    await self.node.run_pass(shard, tokens[:, reused:], request, {**state, "prefix": {"keys": keys, "reuse": reused}}, accepted)
+    await self.node.passes.run_pass(shard, tokens[:, reused:], request, {**state, "prefix": {"keys": keys, "reuse": reused}}, accepted)
 
   def fed_back(self, request: Request, tensor: np.ndarray) -> None:
     """A token came back to the first node: its cache holds it too."""

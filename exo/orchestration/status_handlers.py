@@ -32,7 +32,7 @@ class StatusHandlers:
         inbox.observe(kind, lambda request_id, status, host: node.topology_viz.update_status(status.model_dump()))
 
   def _heard_params(self, request_id: str, status: statuses.RequestParams, sender_host: Optional[str]) -> None:
-    request = self.node._open(status.request_id)
+    request = self.node.open_request(status.request_id)
     if request is not None and request.model is None:  # parameters can no longer change once it runs here
       request.params, request.origin = status.params, status.origin
 
@@ -61,12 +61,8 @@ class StatusHandlers:
       return
     request.peer_logprobs[position] = status.logprobs
 
-  def _heard_node_status(self, request_id: str, status: statuses.NodeStatus, sender_host: Optional[str]) -> None:
-    if status.status.startswith("start_"):
-      self.node.topology.active_node_id = status.node_id
-      if status.status == "start_process_prompt" and status.node_id != self.node.id and self.node.partitioning_strategy:
-        self.node.spawn(self.node._preload(status.shard))
-    elif status.status.startswith("end_") and status.node_id == self.node.topology.active_node_id:
+  def _heard_params(self, request_id: str, status: statuses.RequestParams, sender_host: Optional[str]) -> None:
+    request = self.node.open_request(status.request_id)
       self.node.topology.active_node_id = None
 
   def _heard_download_progress(self, request_id: str, status: statuses.DownloadProgress, sender_host: Optional[str]) -> None:

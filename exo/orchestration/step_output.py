@@ -73,7 +73,7 @@ class StepCore:
   and the bookkeeping after a pass."""
 
   def __init__(self, node):
-    self.node = node  # for its public parts only: requests, inference_engine, sample_tokens, token_limit, forwarding, passed
+    self.node = node  # its public parts: requests, inference_engine, passes (sampler, budget, bookkeeping), forwarding, the hook
 
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at
@@ -100,7 +100,7 @@ class StepCore:
         if request is None:
           continue
         try:
-          state = self.node.passed(shard, request, positions, state)
+          state = self.node.passes.passed(shard, request, positions, state)
           await self.node.process_inference_result(shard, result, request_id, state)
         except RequestEnded:
           pass
@@ -120,7 +120,7 @@ class StepCore:
       return
     token = output.sampled.pop(request_id, None)
     if token is None:
-      token = (await node.sample_tokens(shard, [result], [request_id]))[0]
+      token = (await node.passes.sample_tokens(shard, [result], [request_id]))[0]
     if isinstance(token, Exception):
       output.failed.append((request_id, token))
       return
@@ -130,7 +130,7 @@ class StepCore:
     logprobs, request.sampled_logprobs = request.sampled_logprobs, None
     if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
       request.eos_ids = eos_ids(node.inference_engine.tokenizer)
-    limit, context = node.token_limit(request), node.inference_engine.context_length
+    limit, context = node.passes.token_limit(request), node.inference_engine.context_length
     finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
                 or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
     if DEBUG >= 2:  # (the cluster tests read this line)

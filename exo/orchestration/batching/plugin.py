@@ -165,7 +165,7 @@ class BatchingPlugin:
         state.generator = make_generator(state.params.seed)
     saved = [state.generator.bit_generator.state for state in states]
     try:
-      return list(await self.node.sample_tokens(shard, results, request_ids, masks, self.mask_times))
+      return list(await self.node.passes.sample_tokens(shard, results, request_ids, masks, self.mask_times))
     except Exception as e:
       if len(results) == 1:
         return [e]
@@ -175,7 +175,7 @@ class BatchingPlugin:
     for state, generator_state, result, request_id, mask in zip(states, saved, results, request_ids, masks):
       state.generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
       try:
-        tokens.append((await self.node.sample_tokens(shard, [result], [request_id], [mask], self.mask_times))[0])
+        tokens.append((await self.node.passes.sample_tokens(shard, [result], [request_id], [mask], self.mask_times))[0])
       except Exception as e:
         tokens.append(e)
     return tokens

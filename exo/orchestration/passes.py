@@ -1,0 +1,211 @@
+"""A request's passes through this node's layers: a prompt from its first layers (tokenised here), a message's
+tensor (one request's, or a packed step's rows, which enter as one batch), each row's turn at the model gate, the pass
+itself (the `exo_infer_tensor` hook), and what the node's step core needs after it: the record moved on, the token
+budget, the sampler.
+
+Every way work reaches the node checks the request first, so a request that has ended never runs, samples, allocates
+or comes back."""
+import asyncio
+import json
+import time
+import uuid
+from typing import List, Optional, Union
+
+import numpy as np
+
+from exo.inference import constrained
+from exo.inference.grammar import MaskTimes
+from exo.inference.sampling import SamplingParams
+from exo.inference.shard import Shard
+from exo.orchestration import statuses
+from exo.orchestration.acceptance import accept
+from exo.orchestration.model_gate import LeftTheLine, gate_key
+from exo.orchestration.requests import Request, RequestEnded, Status
+from exo.orchestration.routing.packing import ROWS, unpack
+
+PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
+
+
+def input_length(tensor: np.ndarray) -> int:
+  """Positions a request's input holds: (1, L) token ids or (1, L, d) hidden states."""
+  shape = np.shape(tensor)
+  return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
+
+
+class Passes:
+  def __init__(self, node):
+    self.node = node  # its public parts: requests, engine, model gate, forwarding, prefixes, hooks, request ends
+
+  async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
+                           accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
+    """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
+    is resolved once its forward pass here has started (see acceptance)."""
+    request_id = request_id or str(uuid.uuid4())
+    self.node.accepts_prompt(request_id)
+    request = self.node.open_request(request_id)
+    try:
+      shard = self.node.forwarding.route_of(request, base_shard, inference_state).shard_of(self.node.id, base_shard)
+    except Exception as e:
+      await self.node.fail_request(request.id, e)
+      raise
+    status = {"type": "node_status", "node_id": self.node.id, "status": "start_process_prompt", "base_shard": base_shard.to_dict(),
+              "shard": (shard or base_shard).to_dict(), "prompt": prompt, "request_id": request_id}
+    self.node.spawn(self.node.broadcast_opaque_status(request_id, json.dumps(status)))
+    start = time.perf_counter_ns()
+    try:
+      await self._process_prompt(base_shard, shard, prompt, request, inference_state, accepted)
+    finally:
+      status.update(status="end_process_prompt", elapsed_time_ns=time.perf_counter_ns() - start)
+      self.node.spawn(self.node.broadcast_opaque_status(request_id, json.dumps(status)))
+    return None
+
+  async def _process_prompt(self, base_shard: Shard, shard: Optional[Shard], prompt: str, request: Request, inference_state: Optional[dict],
+                            accepted: Optional[asyncio.Future]) -> None:
+    try:
+      if shard is None or not shard.is_first_layer():
+        request.advance(Status.PREFILLING)
+        accept(accepted)  # no pass here: it goes on
+        await self.node.forwarding.forward_prompt(request, base_shard, prompt, inference_state)
+        return
+      await self._enter(request, shard)
+      tokens = np.asarray(await self.node.inference_engine.encode(shard, prompt)).reshape(1, -1)
+      request.prompt_tokens = tokens.shape[1]
+      context = self._context_length()
+      if context is not None and tokens.shape[1] >= context:
+        raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
+      await self.node.prefix_protocol.run_prompt(shard, tokens, request, dict(inference_state or {}), accepted)
+    except RequestEnded:
+      pass
+    except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
+      if self.node.end_request(request.id, Status.CANCELLED):
+        self.node.spawn(self.node.forwarding.tell(request, request.id, statuses.cancel_request(request.id)))
+      raise
+    except Exception as e:
+      await self.node.fail_request(request.id, e)
+      raise
+
+  async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
+                           accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
+    """Run this node's layers for a message's tensor, then what follows. `accepted` as for process_prompt. A message
+    is one batch: a packed one (one step's rows of the stage before, routing/packing.py) or a single request's (a batch
+    of one, as upstream nodes send). Every row is made ready (its route checked, its turn at the model gate, its
+    prefix), then all of them go to the engine together, so that they share its next step."""
+    if inference_state and ROWS in inference_state:
+      try:
+        rows = unpack(tensor, inference_state)
+      except ValueError as e:
+        print(f"exo: dropped a malformed packed message: {e}", flush=True)
+        return None
+    else:
+      rows = [(request_id or str(uuid.uuid4()), tensor, inference_state)]
+    packed = bool(inference_state and ROWS in inference_state)
+    arrived = await asyncio.gather(*[self._arrive(base_shard, *row, packed) for row in rows])
+    await asyncio.gather(*[self._run_arrived(shard, t, request, state, accepted) for shard, t, request, state in filter(None, arrived)])
+    return None
+
+  async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict], packed: bool) -> Optional[tuple]:
+    """A row of a message, made ready for its pass here: (shard, tensor, request, state), or None if it does not run."""
+    request = self.node.open_request(request_id)
+    if request is None:  # a hop still in flight when the request ended: going on would revive it
+      return None
+    try:
+      shard = self.node.forwarding.route_of(request, base_shard, state).shard_of(self.node.id, base_shard)
+      if shard is None:
+        raise ValueError(f"node {self.node.id} is not on the route of request {request.id} ({request.route.group})")
+      await self._enter(request, shard)
+      if not await self.node.prefix_protocol.start_here(shard, request, state):
+        return None
+      self.node.prefix_protocol.fed_back(request, tensor)
+      self.node.forwarding.fed_back(request, shard, tensor)
+      request.came_packed = packed
+      return shard, tensor, request, state
+    except RequestEnded:
+      return None
+    except Exception as e:
+      await self.node.fail_request(request.id, e)
+      return None
+
+  async def _run_arrived(self, shard: Shard, tensor: np.ndarray, request: Request, state: Optional[dict], accepted: Optional[asyncio.Future]) -> None:
+    try:
+      await self.run_pass(shard, tensor, request, state, accepted)
+    except RequestEnded:
+      pass
+    except Exception as e:
+      await self.node.fail_request(request.id, e)
+
+  async def _enter(self, request: Request, shard: Shard) -> None:
+    """Wait until this node's engine serves the request's layers (see ModelGate). Every message of the request
+    waits for its one turn: a second one that arrives while the first still waits must not run on the engine
+    (it would load the model under the requests that hold the gate)."""
+    if request.admitted is None:  # its first work here
+      request.model = shard.model_id
+      request.admitted = asyncio.ensure_future(self.node.model_gate.enter(request.id, gate_key(shard)))
+      # Its waiters may all be gone (cancelled) when it ends in an error: that error is no one's to log.
+      request.admitted.add_done_callback(lambda admitted: admitted.cancelled() or admitted.exception())
+    try:
+      await asyncio.shield(request.admitted)
+    except LeftTheLine:
+      raise RequestEnded(request.id) from None
+    request.advance(Status.PREFILLING)
+
+  async def run_pass(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict],
+                     accepted: Optional[asyncio.Future] = None) -> None:
+    """This node's layers for the request, then what follows (sampling, forwarding)."""
+    if request.busy:  # a second copy of a message (a peer's bug or mischief) must not run on the same cache
+      print(f"exo: dropped a second pass of request {request.id} that arrived while its pass ran here", flush=True)
+      return
+    request.busy = True
+    try:
+      outcome = await self.node.infer_tensor(shard, tensor, request.id, inference_state, accepted)
+    finally:
+      request.busy = False
+    if outcome is None:  # a step finished it with its other rows (StepCore.finish_step)
+      return
+    result, state = outcome
+    await self.node.process_inference_result(shard, result, request.id, self.passed(shard, request, input_length(tensor), state))
+
+  def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
+    """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
+    if not self.node.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
+      self.node.release_cache(request.id)
+      raise RequestEnded(request.id)
+    state = self.node.prefix_protocol.ran(shard, request, state)
+    request.positions += positions
+    request.advance(Status.DECODING)
+    return state
+
+  async def infer_unbatched(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
+    """The engine alone, a long prompt in PROMPT_CHUNK pieces so that an end stops it between two of them."""
+    engine, length = self.node.inference_engine, input_length(tensor)
+    if length <= PROMPT_CHUNK:
+      return await engine.infer_tensor(request_id, shard, tensor, inference_state)
+    outputs = []
+    for start in range(0, length, PROMPT_CHUNK):
+      if not self.node.requests.is_live(request_id):
+        raise RequestEnded(request_id)
+      output, inference_state = await engine.infer_tensor(request_id, shard, tensor[:, start:start + PROMPT_CHUNK], inference_state)
+      outputs.append(output)
+    # Hidden states go on whole; on the last layer only the last position is ever sampled.
+    return (outputs[-1] if shard.is_last_layer() else np.concatenate(outputs, axis=1)), inference_state
+
+  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
+                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
+    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
+    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
+    node cannot follow gets an error in place of its token."""
+    requests = [self.node.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
+    return await constrained.sample_requests(self.node.inference_engine, requests, results, f"node {self.node.id}", masks, mask_times,
+                                             [self.tokens_left(r) for r in requests])
+
+  def token_limit(self, request: Request) -> int:
+    return min(request.params.max_tokens or self.node.max_generate_tokens, self.node.max_generate_tokens)
+
+  def tokens_left(self, request: Request) -> int:
+    """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
+    context's (one fewer than the context would hold, to be sure)."""
+    left = self.token_limit(request) - len(request.tokens)
+    context = self._context_length()
+    return left if context is None else min(left, context - request.positions)
+
+  def _context_length(self) -> Optional[int]:
+    return self.node.inference_engine.context_length
