@@ -61,8 +61,12 @@ class StatusHandlers:
       return
     request.peer_logprobs[position] = status.logprobs
 
-  def _heard_params(self, request_id: str, status: statuses.RequestParams, sender_host: Optional[str]) -> None:
-    request = self.node.open_request(status.request_id)
+  def _heard_node_status(self, request_id: str, status: statuses.NodeStatus, sender_host: Optional[str]) -> None:
+    if status.status.startswith("start_"):
+      self.node.topology.active_node_id = status.node_id
+      if status.status == "start_process_prompt" and status.node_id != self.node.id and self.node.partitioning_strategy:
+        self.node.spawn(self.node.placements.preload(status.shard))
+    elif status.status.startswith("end_") and status.node_id == self.node.topology.active_node_id:
       self.node.topology.active_node_id = None
 
   def _heard_download_progress(self, request_id: str, status: statuses.DownloadProgress, sender_host: Optional[str]) -> None:
