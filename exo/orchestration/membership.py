@@ -114,7 +114,7 @@ class Membership:
         await node.announce_structured_output()
         await node.placements.announce()
         await node.collect_topology(set())
-        node.forget_stale()
+        self.forget_stale()
         node.placements.settle()
       except Exception as e:
         log.log(VERBOSE, "Error collecting topology: %r", e)

@@ -16,7 +16,6 @@ request lifecycle, the public API upstream's callers use, and the plugin hooks a
 sampling."""
 import asyncio
 import json
-import traceback
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -26,18 +25,18 @@ from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import DEBUG, AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference import grammar
-from exo.inference.grammar import CannotConstrain
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration import hookspecs, statuses
 from exo.orchestration.acceptance import accept
 from exo.orchestration.hookspecs import hookimpl
+from exo.orchestration.lifecycle import Lifecycle
 from exo.orchestration.membership import Membership
 from exo.orchestration.model_gate import ModelGate
 from exo.orchestration.passes import Passes
 from exo.orchestration.placements import Placements
 from exo.orchestration.prefixes import PrefixProtocol
-from exo.orchestration.requests import Request, RequestEvent, RequestRegistry, Status
+from exo.orchestration.requests import Request, RequestRegistry, Status
 from exo.orchestration.ring_member import RingMember
 from exo.orchestration.status_handlers import StatusHandlers
 from exo.orchestration.step_output import StepCore
@@ -77,13 +76,12 @@ class Node(RingMember):
     self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()
     self.model_gate = ModelGate()
-    self._watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
     self._on_token = AsyncCallbackSystem[str, Tuple[str, List[int], bool]]()
     self._tasks: Set[asyncio.Task] = set()
-    self._releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
     self._background: List[asyncio.Task] = []
     self.placements = Placements(self)
     self.forwarding = Forwarding(self)
+    self.lifecycle = Lifecycle(self)
     self.step_core = StepCore(self)
     self.passes = Passes(self)
     self.prefix_protocol = PrefixProtocol(self)
@@ -122,7 +120,7 @@ class Node(RingMember):
     await asyncio.gather(*tasks, return_exceptions=True)
     for request in self.requests:
       self.end_request(request.id, Status.FAILED, "node stopped")
-    await asyncio.gather(*list(self._releases), return_exceptions=True)
+    await asyncio.gather(*list(self.lifecycle.releases), return_exceptions=True)
     await self.discovery.stop()
     if self.server is not None:
       await self.server.stop()
@@ -130,8 +128,8 @@ class Node(RingMember):
   def pending(self) -> Dict[str, int]:
     """Work under way here that no caller awaits (a read-only view): detached tasks (sends to peers, filings),
     KV caches being freed, finished answers being filed, and local clients watching a request."""
-    return {"tasks": len(self._tasks), "releases": len(self._releases), "filings": len(self.prefix_protocol.filings),
-            "watchers": len(self._watchers)}
+    return {"tasks": len(self._tasks), "releases": len(self.lifecycle.releases), "filings": len(self.prefix_protocol.filings),
+            "watchers": len(self.lifecycle.watchers)}
 
   def spawn(self, coro) -> asyncio.Task:
     """A detached task the node keeps track of, so stop() can end it."""
@@ -167,91 +165,29 @@ class Node(RingMember):
             "kv_bytes": engine.kv_cache_bytes(),
             "prefix_cache": engine.prefix_cache_state()}
 
-  # --- how requests start and end ---
-
-  def open_request(self, request_id: str) -> Optional[Request]:
-    return self.requests.open(request_id, SamplingParams(temperature=self.default_sample_temperature))
+  # --- how requests start and end (lifecycle.py) ---
 
   def watch(self, request_id: str) -> asyncio.Queue:
-    """Events of one request for its local client: RequestEvent(tokens, finished, error). Only this request's
-    tokens wake it."""
-    queue = self._watchers[request_id] = asyncio.Queue()
-    return queue
+    return self.lifecycle.watch(request_id)
 
   def unwatch(self, request_id: str) -> None:
-    self._watchers.pop(request_id, None)
+    self.lifecycle.unwatch(request_id)
 
   async def start_request(self, request_id: str, params: SamplingParams, base_shard: Optional[Shard] = None,
                           prompt_ids: Optional[List[int]] = None, prompt_tokens: int = 0) -> None:
-    """Open the request here (its origin). Where routes are on (and `base_shard` says the model), pick the group it goes
-    to (`prompt_ids` let it go where its prefix is cached): its parameters travel with its prompt. Otherwise tell every
-    node its sampling parameters before its prompt enters the ring."""
-    request = self.requests.open(request_id, params, self.id)
-    if request is None:
-      raise ValueError(f"request {request_id} has already ended")
-    request.params = params
-    route = self.forwarding.route_new(request, base_shard, prompt_ids, prompt_tokens or len(prompt_ids or ())) if base_shard is not None else None
-    sampler = route.hops[-1].node_id if route is not None else self.ring_ids()[-1]
-    if params.grammar and sampler != self.id and sampler not in self.peer_grammar_engines:
-      # Its grammar would be ignored there (an upstream node, or one before structured output): no unconstrained answer.
-      raise CannotConstrain(f"node {sampler}, which samples this model's tokens, has not said that it can constrain output; "
-                            "it may run an exo without structured output, so the request is not run")
-    if route is not None:
-      return
-    await self.broadcast_opaque_status(request_id, statuses.request_params(request_id, params, self.id))
+    await self.lifecycle.start_request(request_id, params, base_shard, prompt_ids, prompt_tokens)
 
   async def cancel_request(self, request_id: str) -> None:
-    """Stop the request everywhere (its client left or has what it wanted)."""
-    request = self.requests.get(request_id)
-    if self.end_request(request_id, Status.CANCELLED):
-      await self.forwarding.tell(request, request_id, statuses.cancel_request(request_id))
+    await self.lifecycle.cancel_request(request_id)
 
   async def fail_request(self, request_id: str, error: BaseException | str) -> None:
-    """End a request with an error on every node of its route, so its client gets the error instead of waiting."""
-    message = (str(error) or repr(error)) if isinstance(error, BaseException) else error
-    if DEBUG >= 1:
-      print(f"Request {request_id} failed on {self.id}: {message}")
-      if DEBUG >= 2 and isinstance(error, BaseException):
-        traceback.print_exception(error)
-    request = self.requests.get(request_id)
-    if self.end_request(request_id, Status.FAILED, message):
-      await self.forwarding.tell(request, request_id, statuses.request_error(request_id, message))
-
-  async def tell_route(self, request: Request, status: str) -> None:
-    await self.forwarding.tell(request, request.id, status)
+    await self.lifecycle.fail_request(request_id, error)
 
   def end_request(self, request_id: str, status: Status, error: Optional[str] = None) -> bool:
-    """End the request here, whatever it is doing: it leaves every queue, its KV cache is freed, its local client
-    learns why. True if it was live here."""
-    request = self.requests.end(request_id, status)
-    if request is None:
-      return False
-    if request.model is not None:
-      self.release_cache(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
-      if status is Status.FINISHED:
-        self.prefix_protocol.finished(request)
-    if status is not Status.FINISHED:
-      self.forwarding.router.ended(request_id)
-    self.model_gate.leave(request_id)
-    self.plugins.hook.exo_request_ended(node=self, request_id=request_id)
-    watcher = self._watchers.get(request_id)
-    if watcher is not None and status is not Status.FINISHED:
-      watcher.put_nowait(RequestEvent([], True, error or f"the request was {status.value}"))
-    return True
-
-  def release_cache(self, request_id: str) -> None:
-    release = asyncio.create_task(self.inference_engine.finish_request(request_id))
-    self._releases.add(release)
-    release.add_done_callback(self._releases.discard)
+    return self.lifecycle.end_request(request_id, status, error)
 
   def accepts_prompt(self, request_id: str) -> None:
-    """Raise ValueError if a prompt for `request_id` must not start (it has ended, or already has one)."""
-    ended = self.requests.ended(request_id)
-    if ended is not None:
-      raise ValueError(f"request {request_id} has already {ended.value}")
-    request = self.requests.get(request_id)
-    if request is not None and request.status is not Status.QUEUED:
-      raise ValueError(f"request {request_id} already has its prompt ({request.status.value})")
+    self.lifecycle.accepts_prompt(request_id)
 
   # --- the work (passes.py) ---
 
@@ -317,9 +253,6 @@ class Node(RingMember):
   async def periodic_topology_collection(self, interval: float) -> None:
     await self.membership.collect_periodically(interval)
 
-  def forget_stale(self, now: Optional[float] = None) -> None:
-    self.membership.forget_stale(now)
-
   async def announce_prefix_cache(self) -> None:
     await self.prefix_protocol.announce()
 
@@ -357,31 +290,11 @@ class Node(RingMember):
     return self._on_token
 
   def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool, logprobs: Optional[list] = None) -> None:
-    watcher = self._watchers.get(request_id)
-    if watcher is not None:
-      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None, logprobs))
-    self.forwarding.router.tokens(request_id, tokens, is_finished)
-    self._on_token.trigger_all(request_id, tokens, is_finished)
+    self.lifecycle.trigger_on_token_callbacks(request_id, tokens, is_finished, logprobs)
 
   def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
-    """A peer's SendResult (or a token that reached this node otherwise): tokens for a local client; the last one ends
-    the request here too."""
-    if self.requests.ended(request_id) is not None:
-      return
-    request = self.requests.get(request_id)
-    if is_finished and request is not None and sender_host is not None and not self.on_path(request, sender_host):
-      if DEBUG >= 1:
-        print(f"Ignoring the end of {request_id} from {sender_host}, which is not on its path")
-      return
-    logprobs = None
-    if request is not None:
-      if request.params.logprobs is not None:
-        logprobs = [request.peer_logprobs.pop(request.tokens_received + i, None) for i in range(len(result))]
-      request.tokens_received += len(result)
-      request.advance(Status.DECODING)
-    self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
-    if is_finished and request is not None:
-      self.end_request(request_id, Status.FINISHED)
+    """A peer's SendResult (or a token that reached this node otherwise)."""
+    self.lifecycle.on_result(request_id, result, is_finished, sender_host)
 
   def receive_status(self, request_id: str, raw: str, sender_host: Optional[str] = None) -> None:
     """A peer's SendOpaqueStatus: checked once, acted on by the handlers of its kind, then passed to the observers."""

@@ -42,7 +42,7 @@ class Passes:
     is resolved once its forward pass here has started (see acceptance)."""
     request_id = request_id or str(uuid.uuid4())
     self.node.accepts_prompt(request_id)
-    request = self.node.open_request(request_id)
+    request = self.node.lifecycle.open_request(request_id)
     try:
       shard = self.node.forwarding.route_of(request, base_shard, inference_state).shard_of(self.node.id, base_shard)
     except Exception as e:
@@ -105,7 +105,7 @@ class Passes:
 
   async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict], packed: bool) -> Optional[tuple]:
     """A row of a message, made ready for its pass here: (shard, tensor, request, state), or None if it does not run."""
-    request = self.node.open_request(request_id)
+    request = self.node.lifecycle.open_request(request_id)
     if request is None:  # a hop still in flight when the request ended: going on would revive it
       return None
     try:
@@ -167,7 +167,7 @@ class Passes:
   def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
     """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
     if not self.node.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
-      self.node.release_cache(request.id)
+      self.node.lifecycle.release_cache(request.id)
       raise RequestEnded(request.id)
     state = self.node.prefix_protocol.ran(shard, request, state)
     request.positions += positions

@@ -118,7 +118,7 @@ class PrefixProtocol:
     held = await self.engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
     if held != reuse:
       log.warning("exo: request %s was sent to reuse %d cached positions that this node does not hold; its prompt runs again, whole", request.id, reuse)
-      self.node.spawn(self.node.tell_route(request, statuses.prefix_miss(request.id, self.node.id)))
+      self.node.spawn(self.node.lifecycle.tell_route(request, statuses.prefix_miss(request.id, self.node.id)))
       return False
     request.positions = reuse
     return True

@@ -32,7 +32,7 @@ class StatusHandlers:
         inbox.observe(kind, lambda request_id, status, host: node.topology_viz.update_status(status.model_dump()))
 
   def _heard_params(self, request_id: str, status: statuses.RequestParams, sender_host: Optional[str]) -> None:
-    request = self.node.open_request(status.request_id)
+    request = self.node.lifecycle.open_request(status.request_id)
     if request is not None and request.model is None:  # parameters can no longer change once it runs here
       request.params, request.origin = status.params, status.origin
 

@@ -1,0 +1,135 @@
+"""How requests start and end on a node, and what its local clients hear of them.
+
+A request starts at its origin (`start_request`: its route, or its parameters told to every node) and ends once:
+finished on the node that samples its last token (the others learn it from that token), cancelled by its origin (its
+client left), or failed anywhere. Cancellations and failures travel to the nodes of its route as opaque statuses;
+every node drops the request before its next step and frees its KV cache. Its local client (`watch`) hears its tokens
+and, when it ends otherwise than finished, why."""
+import asyncio
+import traceback
+from typing import Dict, List, Optional, Set
+
+from exo.helpers import DEBUG
+from exo.inference.grammar import CannotConstrain
+from exo.inference.sampling import SamplingParams
+from exo.inference.shard import Shard
+from exo.orchestration import statuses
+from exo.orchestration.requests import Request, RequestEvent, Status
+
+
+class Lifecycle:
+  def __init__(self, node):
+    self.node = node  # its public parts: requests, engine, forwarding, prefixes, model gate, hooks, peers' grammar engines
+    self.watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
+    self.releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
+
+  def open_request(self, request_id: str) -> Optional[Request]:
+    return self.node.requests.open(request_id, SamplingParams(temperature=self.node.default_sample_temperature))
+
+  def watch(self, request_id: str) -> asyncio.Queue:
+    """Events of one request for its local client: RequestEvent(tokens, finished, error). Only this request's
+    tokens wake it."""
+    queue = self.watchers[request_id] = asyncio.Queue()
+    return queue
+
+  def unwatch(self, request_id: str) -> None:
+    self.watchers.pop(request_id, None)
+
+  async def start_request(self, request_id: str, params: SamplingParams, base_shard: Optional[Shard] = None,
+                          prompt_ids: Optional[List[int]] = None, prompt_tokens: int = 0) -> None:
+    """Open the request here (its origin). Where routes are on (and `base_shard` says the model), pick the group it goes
+    to (`prompt_ids` let it go where its prefix is cached): its parameters travel with its prompt. Otherwise tell every
+    node its sampling parameters before its prompt enters the ring."""
+    request = self.node.requests.open(request_id, params, self.node.id)
+    if request is None:
+      raise ValueError(f"request {request_id} has already ended")
+    request.params = params
+    route = self.node.forwarding.route_new(request, base_shard, prompt_ids, prompt_tokens or len(prompt_ids or ())) if base_shard is not None else None
+    sampler = route.hops[-1].node_id if route is not None else self.node.ring_ids()[-1]
+    if params.grammar and sampler != self.node.id and sampler not in self.node.peer_grammar_engines:
+      # Its grammar would be ignored there (an upstream node, or one before structured output): no unconstrained answer.
+      raise CannotConstrain(f"node {sampler}, which samples this model's tokens, has not said that it can constrain output; "
+                            "it may run an exo without structured output, so the request is not run")
+    if route is not None:
+      return
+    await self.node.broadcast_opaque_status(request_id, statuses.request_params(request_id, params, self.node.id))
+
+  async def cancel_request(self, request_id: str) -> None:
+    """Stop the request everywhere (its client left or has what it wanted)."""
+    request = self.node.requests.get(request_id)
+    if self.end_request(request_id, Status.CANCELLED):
+      await self.node.forwarding.tell(request, request_id, statuses.cancel_request(request_id))
+
+  async def fail_request(self, request_id: str, error: BaseException | str) -> None:
+    """End a request with an error on every node of its route, so its client gets the error instead of waiting."""
+    message = (str(error) or repr(error)) if isinstance(error, BaseException) else error
+    if DEBUG >= 1:
+      print(f"Request {request_id} failed on {self.node.id}: {message}")
+      if DEBUG >= 2 and isinstance(error, BaseException):
+        traceback.print_exception(error)
+    request = self.node.requests.get(request_id)
+    if self.end_request(request_id, Status.FAILED, message):
+      await self.node.forwarding.tell(request, request_id, statuses.request_error(request_id, message))
+
+  async def tell_route(self, request: Request, status: str) -> None:
+    await self.node.forwarding.tell(request, request.id, status)
+
+  def end_request(self, request_id: str, status: Status, error: Optional[str] = None) -> bool:
+    """End the request here, whatever it is doing: it leaves every queue, its KV cache is freed, its local client
+    learns why. True if it was live here."""
+    request = self.node.requests.end(request_id, status)
+    if request is None:
+      return False
+    if request.model is not None:
+      self.release_cache(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
+      if status is Status.FINISHED:
+        self.node.prefix_protocol.finished(request)
+    if status is not Status.FINISHED:
+      self.node.forwarding.router.ended(request_id)
+    self.node.model_gate.leave(request_id)
+    self.node.plugins.hook.exo_request_ended(node=self.node, request_id=request_id)
+    watcher = self.watchers.get(request_id)
+    if watcher is not None and status is not Status.FINISHED:
+      watcher.put_nowait(RequestEvent([], True, error or f"the request was {status.value}"))
+    return True
+
+  def release_cache(self, request_id: str) -> None:
+    release = asyncio.create_task(self.node.inference_engine.finish_request(request_id))
+    self.releases.add(release)
+    release.add_done_callback(self.releases.discard)
+
+  def accepts_prompt(self, request_id: str) -> None:
+    """Raise ValueError if a prompt for `request_id` must not start (it has ended, or already has one)."""
+    ended = self.node.requests.ended(request_id)
+    if ended is not None:
+      raise ValueError(f"request {request_id} has already {ended.value}")
+    request = self.node.requests.get(request_id)
+    if request is not None and request.status is not Status.QUEUED:
+      raise ValueError(f"request {request_id} already has its prompt ({request.status.value})")
+
+  def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool, logprobs: Optional[list] = None) -> None:
+    watcher = self.watchers.get(request_id)
+    if watcher is not None:
+      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None, logprobs))
+    self.node.forwarding.router.tokens(request_id, tokens, is_finished)
+    self.node.on_token.trigger_all(request_id, tokens, is_finished)
+
+  def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
+    """A peer's SendResult (or a token that reached this node otherwise): tokens for a local client; the last one ends
+    the request here too."""
+    if self.node.requests.ended(request_id) is not None:
+      return
+    request = self.node.requests.get(request_id)
+    if is_finished and request is not None and sender_host is not None and not self.node.on_path(request, sender_host):
+      if DEBUG >= 1:
+        print(f"Ignoring the end of {request_id} from {sender_host}, which is not on its path")
+      return
+    logprobs = None
+    if request is not None:
+      if request.params.logprobs is not None:
+        logprobs = [request.peer_logprobs.pop(request.tokens_received + i, None) for i in range(len(result))]
+      request.tokens_received += len(result)
+      request.advance(Status.DECODING)
+    self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
+    if is_finished and request is not None:
+      self.end_request(request_id, Status.FINISHED)
