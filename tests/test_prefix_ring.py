@@ -67,7 +67,7 @@ async def test_a_ring_reuses_prefixes_on_every_node_and_without_the_ability_stay
 
     # Every node announces: the second turn starts from the first on both nodes, with the same answer.
     second.inference_engine.prefixes.enabled = True
-    await second.announce_prefix_cache()
+    await second.prefix_protocol.announce()
     await eventually(lambda: first.peer_prefix_blocks.get(second.id) == BLOCK, 10)
     await answer(first, prompts[0])
     assert await answer(first, prompts[1]) == references[1]
@@ -91,7 +91,7 @@ async def test_a_ring_files_each_answer_on_every_node(tmp_path, downloader, engi
     await eventually(lambda: first.pending()["filings"] == 0, 10)  # the answer's blocks are on their way into both stores
     with prefixes_off(*engines):
       reference = await answer(first, next_prompt)
-    await second.announce_prefix_cache()  # it may have announced its cache off meanwhile
+    await second.prefix_protocol.announce()  # it may have announced its cache off meanwhile
     await eventually(lambda: first.peer_prefix_blocks.get(second.id) == BLOCK, 10)
     before = [e.prefixes.reused_positions for e in engines]
     assert await answer(first, next_prompt) == reference

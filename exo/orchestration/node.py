@@ -41,7 +41,6 @@ from exo.orchestration.ring_member import RingMember
 from exo.orchestration.status_handlers import StatusHandlers
 from exo.orchestration.step_output import StepCore
 from exo.orchestration.routing.forwarding import Forwarding
-from exo.orchestration.routing.router import REPORT_S
 from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
 from exo.topology.placement import Stage
@@ -109,7 +108,7 @@ class Node(RingMember):
     await self.placements.announce()
     self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self.membership.watch_peers())]
     if self.placements.mode is not None:
-      self._background.append(asyncio.create_task(self._report_loads()))
+      self._background.append(asyncio.create_task(self.forwarding.report_loads_periodically()))
     self.plugins.hook.exo_node_started(node=self)
 
   async def stop(self) -> None:
@@ -137,12 +136,6 @@ class Node(RingMember):
     self._tasks.add(task)
     task.add_done_callback(self._tasks.discard)
     return task
-
-  async def _report_loads(self) -> None:
-    while True:
-      await asyncio.sleep(REPORT_S)
-      if self.placements.active:
-        self.forwarding.report_loads()
 
   # --- the request registry, as upstream's attributes ---
 
@@ -252,9 +245,6 @@ class Node(RingMember):
 
   async def periodic_topology_collection(self, interval: float) -> None:
     await self.membership.collect_periodically(interval)
-
-  async def announce_prefix_cache(self) -> None:
-    await self.prefix_protocol.announce()
 
   async def announce_structured_output(self) -> None:
     """Tell the ring that this node follows requests' grammars when it samples them (upstream nodes never say)."""

@@ -277,6 +277,12 @@ class Forwarding:
     self._here = set(loads)
     return loads
 
+  async def report_loads_periodically(self) -> None:
+    while True:
+      await asyncio.sleep(REPORT_S)
+      if self.node.placements.active:
+        self.report_loads()
+
   def report_loads(self) -> None:
     """On each group's first node: each origin's share of the group's work, when it changed (at most every REPORT_S,
     and again before the last report goes stale at the others)."""
