@@ -8,11 +8,19 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
 from exo.inference.sampling import SamplingParams, TokenLogprobs
+from exo.inference.shard import Shard
+
+if TYPE_CHECKING:  # (annotations only: these modules need nothing from here, but importing them here would be slow or circular)
+  import asyncio
+
+  from exo.inference.grammar import Constraint
+  from exo.inference.penalties import TokenCounts
+  from exo.orchestration.routing.route import Route
 
 QUEUED_KEPT_S = 300.0  # a record with no work here (parameters only) is forgotten after this long
 QUEUED_KEPT = 4096  # and at most this many such records are kept: the oldest go first
@@ -57,9 +65,9 @@ class Request:
   origin: Optional[str] = None  # the node whose client asked (None for requests from upstream nodes)
   status: Status = Status.QUEUED
   model: Optional[str] = None  # the model it runs on here, once it has work here
-  admitted: Optional[object] = None  # the asyncio task of its turn at the model gate here, once it has asked
+  admitted: Optional["asyncio.Future"] = None  # the asyncio task of its turn at the model gate here, once it has asked
   ring: Tuple[str, ...] = ()  # ids of the nodes of its route: the nodes it needs
-  route: Optional[object] = None  # the Route it follows here (routing/route.py), once it has work here or was routed here
+  route: Optional["Route"] = None  # the Route it follows here (routing/route.py), once it has work here or was routed here
   group: Optional[str] = None  # the placement group its route is (travelling routes only)
   told_next: bool = False  # this node has sent it on along its route once (its parameters went with it)
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
@@ -67,14 +75,14 @@ class Request:
   tokens: List[int] = field(default_factory=list)  # tokens sampled for it here (on the node with the last layers)
   generator: Optional[np.random.Generator] = None  # its random stream, on the node that samples it
   eos_ids: Optional[Set[int]] = None  # its model's end tokens, on the node that samples it
-  constraint: Optional[Any] = None  # its grammar's matcher (exo/inference/grammar.py), on the node that samples it
-  penalty_counts: Optional[Any] = None  # what its penalties count (exo/inference/penalties.py), on the node that samples it
-  sampled_logprobs: Optional[TokenLogprobs] = None  # the logprobs of the token just sampled, until handle_token sends it
+  constraint: Optional["Constraint"] = None  # its grammar's matcher (exo/inference/grammar.py), on the node that samples it
+  penalty_counts: Optional["TokenCounts"] = None  # what its penalties count (exo/inference/penalties.py), on the node that samples it
+  sampled_logprobs: Optional[TokenLogprobs] = None  # the logprobs of the token just sampled, until the step core sends it
   tokens_received: int = 0  # tokens a peer has sent here, its origin
   peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
   busy: bool = False  # a pass of it is running here
   came_packed: bool = False  # its latest message here was a packed one: a whole step of the stage before
-  prompt: Optional[Tuple[object, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
+  prompt: Optional[Tuple[Shard, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
   sequence: Optional[List[int]] = None  # on the first node of a ring that reuses prefixes: the ids its KV cache holds here
   created: float = field(default_factory=time.monotonic)
 

@@ -2,7 +2,7 @@
 
 Forward passes (exo_infer_tensor): the engine's step loop runs the steps each shard's Scheduler decides (several
 requests per step, micro-batches in flight round the ring). What follows a step happens inside it, for all its rows
-at once: on the last layers they are sampled together in one vectorised call (`node.sample_tokens`, each row with its
+at once: on the last layers they are sampled together in one vectorised call (`node.passes.sample_tokens`, each row with its
 own parameters, random stream and grammar; rows that follow a grammar have their masks computed on the grammar threads
 while the step's forward pass runs); then the node's step core (exo/orchestration/step_output.py) passes every row
 through `Node.process_inference_result` into one output, and the output is sent: one message per next hop, one token
