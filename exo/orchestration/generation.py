@@ -7,6 +7,7 @@ from typing import AsyncIterator, List, Optional, Tuple
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration.node import Node
+from exo.orchestration.passes import PROMPT_IDS
 from exo.orchestration.requests import RequestEvent
 
 
@@ -39,7 +40,9 @@ async def generate_events(node: Node, base_shard: Shard, prompt: str, params: Sa
   try:
     await node.start_request(request_id, params, base_shard, prompt_ids)
     # The prompt runs beside the wait for events: an end that arrives mid-prefill reaches the client at once.
-    prefill = asyncio.ensure_future(node.process_prompt(base_shard, prompt, request_id=request_id))
+    # Tokenised once, where it arrived: its ids go with it to the first layers' node (text only to upstream nodes).
+    state = {PROMPT_IDS: [int(t) for t in prompt_ids]} if prompt_ids else {}
+    prefill = asyncio.ensure_future(node.process_prompt(base_shard, prompt, request_id=request_id, inference_state=state))
     prefill.add_done_callback(prefill_done)
     while not finished:
       event = await asyncio.wait_for(events.get(), timeout)

@@ -23,6 +23,7 @@ from exo.orchestration.model_gate import LeftTheLine, gate_key
 from exo.orchestration.requests import Request, RequestEnded, Status
 from exo.orchestration.routing.packing import ROWS, unpack
 
+PROMPT_IDS = "prompt_ids"  # in a prompt's inference state: its token ids, so the first layers' node does not tokenise it again
 PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
 
 
@@ -68,12 +69,13 @@ class Passes:
         await self.node.forwarding.forward_prompt(request, base_shard, prompt, inference_state)
         return
       await self._enter(request, shard)
-      tokens = np.asarray(await self.node.inference_engine.encode(shard, prompt)).reshape(1, -1)
+      tokens = await self._prompt_tokens(shard, prompt, (inference_state or {}).get(PROMPT_IDS))
       request.prompt_tokens = tokens.shape[1]
       context = self._context_length()
       if context is not None and tokens.shape[1] >= context:
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
-      await self.node.prefix_protocol.run_prompt(shard, tokens, request, dict(inference_state or {}), accepted)
+      state = {k: v for k, v in (inference_state or {}).items() if k != PROMPT_IDS}  # the ids go no further than here
+      await self.node.prefix_protocol.run_prompt(shard, tokens, request, state, accepted)
     except RequestEnded:
       pass
     except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
@@ -83,6 +85,18 @@ class Passes:
     except Exception as e:
       await self.node.fail_request(request.id, e)
       raise
+
+  async def _prompt_tokens(self, shard: Shard, prompt: str, ids) -> np.ndarray:
+    """The prompt's token ids, (1, L): those it came with (tokenised once, where it arrived), else its text encoded."""
+    engine = self.node.inference_engine
+    if ids is None:
+      return np.asarray(await engine.encode(shard, prompt)).reshape(1, -1)
+    await engine.ensure_shard(shard)  # its tokenizer and context length, as encode would have loaded them
+    vocab = getattr(engine.tokenizer, "vocab_size", None)
+    if (not isinstance(ids, list) or not ids or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in ids)
+        or (vocab is not None and max(ids) >= vocab)):
+      raise ValueError(f"{PROMPT_IDS} must list the prompt's token ids, each one in this model's vocabulary")
+    return np.array(ids, dtype=np.int64).reshape(1, -1)
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:

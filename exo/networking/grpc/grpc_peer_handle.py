@@ -53,7 +53,7 @@ REFUSED_RETRY_WAITS_S = (0.01, 0.05, 0.2, None)  # pauses before resending a ref
 # prompt's hidden states). Servers accept both. The channel has no default compression, because a call
 # cannot turn a channel's default off (grpc.aio ignores compression=NoCompression then); the others ask for gzip.
 GZIP = grpc.Compression.Gzip
-TRAVELLING_STATE = ("prefix", "route", "params", "rows")  # the inference state's keys that go on the wire (JSON)
+TRAVELLING_STATE = ("prefix", "route", "params", "rows", "prompt_ids")  # the inference state's keys that go on the wire (JSON)
 
 
 def refused_stream(error: grpc.aio.AioRpcError) -> bool:
@@ -145,8 +145,8 @@ class GRPCPeerHandle(PeerHandle):
   @staticmethod
   def wire_state(inference_state: Optional[dict]) -> pb.InferenceState:
     # Upstream peers cannot take non-empty state, so only what this project's nodes exchange travels (in
-    # other_data_json): the prompt prefix a request reuses, its route, its sampling parameters and the rows of a packed
-    # message (exo/orchestration/routing/packing.py), which a node puts in the state only for peers that announced they
+    # other_data_json): the prompt prefix a request reuses, its route, its sampling parameters, its prompt's token ids
+    # (on a route, to the first layers' node) and the rows of a packed message (exo/orchestration/routing/packing.py), which a node puts in the state only for peers that announced they
     # take them. Anything else stays here: the empty (present) state upstream senders send.
     travelling = {key: inference_state[key] for key in TRAVELLING_STATE if key in (inference_state or {})}
     return encode_inference_state(travelling) if travelling else pb.InferenceState()

@@ -24,6 +24,7 @@ from exo.helpers import DEBUG
 from exo.inference.sampling import TokenLogprobs
 from exo.inference.shard import Shard
 from exo.orchestration import statuses
+from exo.orchestration.passes import PROMPT_IDS
 from exo.orchestration.requests import Request, Status
 from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
 from exo.orchestration.routing.packing import pack
@@ -109,8 +110,8 @@ class Forwarding:
     """The inference state a hop's message carries: the route, and the sampling parameters while the prompt's first
     pass goes down the route."""
     route = request.route
-    if route is None or not route.travels:
-      return state
+    if route is None or not route.travels:  # a ring route, which upstream nodes may be on: the prompt goes as text only
+      return None if state is None else {k: v for k, v in state.items() if k != PROMPT_IDS}
     out = {k: v for k, v in (state or {}).items() if k != "params"}
     out["route"] = route.json
     if prompt or (not request.told_next and to != route.first):
