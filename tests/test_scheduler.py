@@ -418,6 +418,44 @@ async def test_a_steps_output_is_sent_before_the_next_step_and_its_waiters_hear_
   await loop.stop()
 
 
+async def test_rows_a_step_sends_back_to_this_node_share_the_next_step():
+  """A ring of one sends each decode row back to itself: a few event-loop turns through the node before it is in line
+  again. The loop waits for the rows it was told are coming (with no batch timeout to gather them by), so every step
+  keeps both rows."""
+  engine = StepEngine()
+  rounds = {"a": 0, "b": 0}
+  loop = None
+
+  async def come_back(request_id):
+    for _ in range(3 if request_id == "a" else 9):  # the node's own hops: a message's rows made ready, then run
+      await asyncio.sleep(0)
+    rounds[request_id] += 1
+    if rounds[request_id] < 4:
+      await loop.infer(LAST, request_id, TOKEN, None)
+
+  def finishing_for(scheduler, step):
+    async def finish(done):
+      ids = [row.request_id for row, _ in done]
+
+      def send():
+        loop.expect(ids)
+        for request_id in ids:
+          asyncio.ensure_future(come_back(request_id))
+      return send
+    return finish
+
+  loop = StepLoop(engine, lambda shard: Scheduler(shard, 8, 0.0, 0), finishing_for=finishing_for)
+  await asyncio.wait_for(asyncio.gather(loop.infer(LAST, "a", TOKEN, None), loop.infer(LAST, "b", TOKEN, None)), 5)
+  await asyncio.wait_for(_until(lambda: rounds == {"a": 4, "b": 4}), 5)
+  assert [sorted(step) for step in engine.steps] == [["a", "b"]] * 4
+  await loop.stop()
+
+
+async def _until(condition):
+  while not condition():
+    await asyncio.sleep(0.001)
+
+
 async def test_a_request_that_ends_leaves_at_once_and_one_that_ended_while_queued_never_runs():
   engine = StepEngine()
   engine.release.clear()

@@ -131,7 +131,12 @@ class BatchingPlugin:
       sampled = await self._sample(shard, done, masks) if shard.is_last_layer() else {}
       rows = [(row.request_id, row.received, result[0], result[1]) for row, result in done if not isinstance(result, BaseException)]
       output = await self.node.step_core.finish_step(shard, rows, sampled)
-      return lambda: self.node.forwarding.send(output)
+      coming_back = [row[0] for hop in output.hops.values() if hop.to.node_id == self.node.id for row in hop.rows]
+
+      def send() -> None:
+        self.steps.expect(coming_back)
+        self.node.forwarding.send(output)
+      return send
     return finish
 
   async def _masks(self, requests) -> Dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ origin). Their waiters then hear None (the rows are done with), and the output i
 step starts."""
 import asyncio
 import time
-from typing import Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class StepLoop:
     self.finishing_for = finishing_for
     self.schedulers: Dict[Shard, Scheduler] = {}
     self._waiters: Dict[str, Tuple[asyncio.Future, Optional[asyncio.Future]]] = {}  # request id -> (result, acceptance)
+    self._coming: Set[str] = set()  # rows a step sent on to this node itself, until they are in a line again (or end)
     self._wake = asyncio.Event()
     self._task: Optional[asyncio.Task] = None
     self._stopped = False
@@ -54,6 +55,7 @@ class StepLoop:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {shard}")
     scheduler = self.scheduler(shard)
     scheduler.add(request_id, tensor, state, self.clock(), whole)
+    self._coming.discard(request_id)
     future = asyncio.get_running_loop().create_future()
     self._waiters[request_id] = (future, accepted)
     if self._task is None:
@@ -66,6 +68,12 @@ class StepLoop:
         del self._waiters[request_id]
         scheduler.drop(request_id)  # its caller has gone
         self._wake.set()
+
+  def expect(self, request_ids: Iterable[str]) -> None:
+    """Rows just sent on to this node itself (a ring of one, or a stage that follows itself): the next step waits for
+    them to be back in line (see _let_arrivals_in), so that they share it."""
+    self._coming.update(request_ids)
+    self._wake.set()
 
   def waiting(self, request_id: str) -> bool:
     """Whether the request waits for a step here (its result not yet handed back)."""
@@ -80,6 +88,7 @@ class StepLoop:
     """The request has ended on this node: it leaves every line and will not come back."""
     for scheduler in self.schedulers.values():
       scheduler.drop(request_id)
+    self._coming.discard(request_id)
     self._fail(request_id, RequestEnded(request_id))
     self._wake.set()
 
@@ -115,15 +124,18 @@ class StepLoop:
       pass
 
   async def _let_arrivals_in(self) -> None:
-    """A new prompt's prefix lookup runs on the engine's thread, queued behind the step under way: it ends a moment
-    after that step, and its request then arrives here. Without this wait the next step would start first and leave
-    the prompt a whole step behind (a burst's prompts would trickle in, one step each). At most ARRIVAL_WAIT_S."""
+    """Rows that are on their way here start the next step with the others: a new prompt's prefix lookup, which runs
+    on the engine's thread queued behind the step under way (its request arrives a moment after that step), and the
+    rows the last step sent on to this node itself (a few event-loop turns through the node). Without this wait the
+    next step would start first and leave them a whole step behind (a burst's prompts would trickle in, one step each).
+    At most ARRIVAL_WAIT_S."""
     deadline = time.monotonic() + ARRIVAL_WAIT_S
-    while getattr(self.engine, "prefix_starts_queued", 0) > 0 and not self._stopped:
+    while (getattr(self.engine, "prefix_starts_queued", 0) > 0 or self._coming) and not self._stopped:
       self._wake.clear()
       try:
         await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
       except asyncio.TimeoutError:
+        self._coming.clear()  # (one that never came, e.g. its prefix was missing here, is not waited for again)
         return
 
   async def _step(self, scheduler: Scheduler, step: Step) -> None:
