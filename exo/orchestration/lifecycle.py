@@ -6,15 +6,17 @@ client left), or failed anywhere. Cancellations and failures travel to the nodes
 every node drops the request before its next step and frees its KV cache. Its local client (`watch`) hears its tokens
 and, when it ends otherwise than finished, why."""
 import asyncio
-import traceback
+import logging
 from typing import Dict, List, Optional, Set
 
-from exo.helpers import DEBUG
 from exo.inference.grammar import CannotConstrain
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
+from exo.logs import VERBOSE
 from exo.orchestration import statuses
 from exo.orchestration.requests import Request, RequestEvent, Status
+
+log = logging.getLogger(__name__)
 
 
 class Lifecycle:
@@ -63,10 +65,9 @@ class Lifecycle:
   async def fail_request(self, request_id: str, error: BaseException | str) -> None:
     """End a request with an error on every node of its route, so its client gets the error instead of waiting."""
     message = (str(error) or repr(error)) if isinstance(error, BaseException) else error
-    if DEBUG >= 1:
-      print(f"Request {request_id} failed on {self.node.id}: {message}")
-      if DEBUG >= 2 and isinstance(error, BaseException):
-        traceback.print_exception(error)
+    log.log(VERBOSE, "Request %s failed on %s: %s", request_id, self.node.id, message)
+    if isinstance(error, BaseException):
+      log.debug("Request %s failed here with", request_id, exc_info=error)
     request = self.node.requests.get(request_id)
     if self.end_request(request_id, Status.FAILED, message):
       await self.node.forwarding.tell(request, request_id, statuses.request_error(request_id, message))
@@ -121,8 +122,7 @@ class Lifecycle:
       return
     request = self.node.requests.get(request_id)
     if is_finished and request is not None and sender_host is not None and not self.node.on_path(request, sender_host):
-      if DEBUG >= 1:
-        print(f"Ignoring the end of {request_id} from {sender_host}, which is not on its path")
+      log.log(VERBOSE, "Ignoring the end of %s from %s, which is not on its path", request_id, sender_host)
       return
     logprobs = None
     if request is not None:

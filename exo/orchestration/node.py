@@ -16,13 +16,14 @@ request lifecycle, the public API upstream's callers use, and the plugin hooks a
 sampling."""
 import asyncio
 import json
+import logging
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import pluggy
 
 from exo.download.download_progress import RepoProgressEvent
-from exo.helpers import DEBUG, AsyncCallbackSystem
+from exo.helpers import AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference import grammar
 from exo.inference.sampling import SamplingParams
@@ -44,6 +45,9 @@ from exo.orchestration.routing.forwarding import Forwarding
 from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
 from exo.topology.placement import Stage
+
+
+log = logging.getLogger(__name__)
 
 
 class CorePlugin:
@@ -101,8 +105,7 @@ class Node(RingMember):
     await self.discovery.start()
     await self.update_peers(wait_for_peers)
     await self.collect_topology(set())
-    if DEBUG >= 2:
-      print(f"Collected topology: {self.topology}")
+    log.debug("Collected topology: %s", self.topology)
     await self.prefix_protocol.announce()
     await self.announce_structured_output()
     await self.placements.announce()

@@ -7,6 +7,7 @@ Every way work reaches the node checks the request first, so a request that has 
 or comes back."""
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import List, Optional, Union
@@ -22,6 +23,8 @@ from exo.orchestration.acceptance import accept
 from exo.orchestration.model_gate import LeftTheLine, gate_key
 from exo.orchestration.requests import Request, RequestEnded, Status
 from exo.orchestration.routing.packing import ROWS, unpack
+
+log = logging.getLogger(__name__)
 
 PROMPT_IDS = "prompt_ids"  # in a prompt's inference state: its token ids, so the first layers' node does not tokenise it again
 PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
@@ -108,7 +111,7 @@ class Passes:
       try:
         rows = unpack(tensor, inference_state)
       except ValueError as e:
-        print(f"exo: dropped a malformed packed message: {e}", flush=True)
+        log.warning("exo: dropped a malformed packed message: %s", e)
         return None
     else:
       rows = [(request_id or str(uuid.uuid4()), tensor, inference_state)]
@@ -166,7 +169,7 @@ class Passes:
                      accepted: Optional[asyncio.Future] = None) -> None:
     """This node's layers for the request, then what follows (sampling, forwarding)."""
     if request.busy:  # a second copy of a message (a peer's bug or mischief) must not run on the same cache
-      print(f"exo: dropped a second pass of request {request.id} that arrived while its pass ran here", flush=True)
+      log.warning("exo: dropped a second pass of request %s that arrived while its pass ran here", request.id)
       return
     request.busy = True
     try:

@@ -8,17 +8,19 @@ a step inside the step's output; `Forwarding.send` sends an output: one SendTens
 hop packed together, routing/packing.py), one token message per origin, SendResult as upstream exo for requests
 without a travelling route."""
 import contextvars
+import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from exo.helpers import DEBUG
 from exo.inference.sampling import TokenLogprobs
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import eos_ids
 from exo.orchestration.requests import Request, RequestEnded
 from exo.topology.placement import Stage
+
+log = logging.getLogger(__name__)
 
 PackedRow = Tuple[str, np.ndarray, Optional[dict]]  # request id, its tensor (1, L, ...), the inference state it travels with
 
@@ -133,8 +135,7 @@ class StepCore:
     limit, context = node.passes.token_limit(request), node.inference_engine.context_length
     finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
                 or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
-    if DEBUG >= 2:  # (the cluster tests read this line)
-      print(f"[{request_id}] token {token} ({len(request.tokens)}/{limit}) finished={finished}")
+    log.debug("[%s] token %d (%d/%d) finished=%s", request_id, token, len(request.tokens), limit, finished)  # (the cluster tests read it)
     if finished:
       output.finished.append(request_id)
     else:

@@ -12,18 +12,18 @@ so nodes without this plugin (or upstream exo nodes) share the ring unchanged.
 A step waits only for requests of its own group that are still going; nothing waits for a request that has
 ended."""
 import asyncio
+import logging
 import math
-import sys
 import time
 from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from exo.helpers import DEBUG
 from exo.inference import constrained
 from exo.inference.grammar import Constraint, MaskTimes
 from exo.inference.sampling import make_generator
 from exo.inference.shard import Shard
+from exo.logs import VERBOSE
 from exo.orchestration import statuses
 from exo.orchestration.batching.batcher import BatchStats
 from exo.orchestration.batching.config import BatchingConfig
@@ -31,6 +31,8 @@ from exo.orchestration.batching.micro_batches import StepCost
 from exo.orchestration.batching.scheduler import Scheduler, Step
 from exo.orchestration.batching.step_loop import Done, StepLoop
 from exo.orchestration.hookspecs import hookimpl
+
+log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "exo-batching"
 STAGE_REPORT_S = 1.0  # how often a stage tells the others what its steps take
@@ -158,8 +160,7 @@ class BatchingPlugin:
     request_ids = [request_id for request_id, _ in rows]
     tokens = await self._sample_rows(shard, [logits for _, logits in rows], request_ids, [ready.get(r) for r in request_ids])
     self.sampling_stats.record(len(rows))
-    if DEBUG >= 2:
-      print(f"[batching] sampled {len(rows)} request(s) together on {shard.model_id}; sampling: {self.sampling_stats}")
+    log.debug("[batching] sampled %d request(s) together on %s; sampling: %s", len(rows), shard.model_id, self.sampling_stats)
     return dict(zip(request_ids, tokens))
 
   async def _sample_rows(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: List[Optional[np.ndarray]]) -> List[Union[int, Exception]]:
@@ -174,8 +175,7 @@ class BatchingPlugin:
     except Exception as e:
       if len(results) == 1:
         return [e]
-      if DEBUG >= 1:
-        print(f"[batching] sampling {len(results)} rows together failed ({e!r}); sampling each alone")
+      log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(results), e)
     tokens: List[Union[int, Exception]] = []
     for state, generator_state, result, request_id, mask in zip(states, saved, results, request_ids, masks):
       state.generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
@@ -192,13 +192,12 @@ class BatchingPlugin:
     await self.steps.stop()
     for _ in range(3):  # let the requests just failed reach their error handlers while the node still runs
       await asyncio.sleep(0)
-    if DEBUG >= 2:
-      print(f"[batching] stopped; sampling: {self.sampling_stats}; engine steps: {self.step_stats()}")
+    log.debug("[batching] stopped; sampling: %s; engine steps: %s", self.sampling_stats, self.step_stats())
 
 
 def register_batching(node, config: BatchingConfig) -> BatchingPlugin:
   """Turn batching on for `node` (the CLI calls this when EXO_BATCH_SIZE / --batch-size is 2 or more)."""
   plugin = BatchingPlugin(node, config)
   node.plugins.register(plugin, name=PLUGIN_NAME)
-  print(f"exo: {config.describe()}", file=sys.stderr, flush=True)
+  log.info("exo: %s", config.describe())
   return plugin

@@ -15,14 +15,15 @@ to its origin, the last one to every peer.
 Load. Each group's first node reports, at most every REPORT_S and only when it changed, how much of its work each
 origin sent (a `group_load` status), so that every origin's router sees the others' requests too."""
 import asyncio
+import logging
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from exo.helpers import DEBUG
 from exo.inference.sampling import TokenLogprobs
 from exo.inference.shard import Shard
+from exo.logs import VERBOSE, level_of
 from exo.orchestration import statuses
 from exo.orchestration.passes import PROMPT_IDS
 from exo.orchestration.requests import Request, Status
@@ -32,6 +33,8 @@ from exo.orchestration.routing.route import Route
 from exo.orchestration.routing.router import REPORT_FRESH_S, REPORT_S, Router
 from exo.orchestration.step_output import Hop, StepOutput
 from exo.topology.placement import Stage
+
+log = logging.getLogger(__name__)
 
 
 class Forwarding:
@@ -126,8 +129,7 @@ class Forwarding:
 
   async def send_prompt(self, to: Stage, shard: Shard, prompt: str, request_id: str, state: Optional[dict]) -> None:
     node = self.node
-    if DEBUG >= 2:
-      print(f"forward prompt to {to.node_id} ({shard}) for {request_id}")
+    log.debug("forward prompt to %s (%s) for %s", to.node_id, shard, request_id)
     if to.node_id == node.id:
       await node.process_prompt(shard, prompt, request_id, state)
     else:
@@ -162,8 +164,7 @@ class Forwarding:
 
   async def send_tensor(self, to: Stage, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     node = self.node
-    if DEBUG >= 5:
-      print(f"forward tensor {tensor.shape} to {to.node_id} ({shard}) for {request_id}")
+    log.log(level_of(5), "forward tensor %s to %s (%s) for %s", tensor.shape, to.node_id, shard, request_id)
     if to.node_id == node.id:
       await node.process_tensor(shard, tensor, request_id, state)
     else:
@@ -225,8 +226,7 @@ class Forwarding:
         try:
           await asyncio.wait_for(self._peer(destination).send_opaque_status("", statuses.tokens(self.node.id, rows)), PEER_CALL_TIMEOUT_S)
         except Exception as e:
-          if DEBUG >= 1:
-            print(f"Error sending {len(rows)} token(s) to {destination}: {e!r}")
+          log.log(VERBOSE, "Error sending %d token(s) to %s: %r", len(rows), destination, e)
     finally:
       self._senders.pop(destination, None)
       self._outbox.pop(destination, None)
