@@ -150,6 +150,13 @@ def prefix_cache_budget(args, environ) -> int:
   return int(mb * 2**20)
 
 
+def quantize_setting(args, environ) -> Optional[int]:
+  """Bits float checkpoints are quantized to as they load (None: kept as they are), from the flag, else the environment."""
+  from exo.inference.quantize import parse_bits
+  raw, name = settings.given(args, environ, "quantize")
+  return parse_bits(raw, name)
+
+
 def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
   """(placement mode, memory offered in MiB or None for the machine's), from the flags, else the environment."""
   raw_mode, _ = settings.given(args, environ, "placement")
@@ -217,6 +224,7 @@ async def main(args) -> int:
   try:
     prefix_budget = prefix_cache_budget(args, os.environ)
     placement, memory_mb = placement_settings(args, os.environ)
+    quantize_bits = quantize_setting(args, os.environ)
     peer_upload_rate = upload_rate(os.environ)
   except ValueError as e:
     fail(str(e))
@@ -228,6 +236,11 @@ async def main(args) -> int:
     engine = get_inference_engine(engine_name, shard_downloader)
   except ImportError as e:
     fail(f"the {engine_name} engine is not installed ({e.name} missing); install it with: pip install 'exo[{engine_name}]'")
+  if quantize_bits is not None:
+    if not getattr(engine, "keeps_quantized", False):
+      fail(f"--quantize / EXO_QUANTIZE needs an engine that keeps weights quantized (numpy or mlx), not {engine_name}")
+    engine.quantize_bits = quantize_bits
+    print(f"exo: float checkpoints are quantized to {quantize_bits} bits as they load", file=sys.stderr, flush=True)
   engine.set_prefix_budget(prefix_budget)
   if engine.copies_prefixes:
     state = f"on, keeping up to {prefix_budget / 2**20:,.0f} MiB of ended requests' prompts" if prefix_budget else "off"

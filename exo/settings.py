@@ -37,6 +37,8 @@ SETTINGS: Tuple[Setting, ...] = (
   _s("--run-model", None, str, None, "the same as `exo run MODEL`"),
   _s("--max-generate-tokens", None, int, 10000, "cap on tokens per request"),
   _s("--default-temp", None, float, 0.0, "temperature when a request gives none"),
+  _s("--quantize", "EXO_QUANTIZE", str, None, "`8` or `4`: a float checkpoint's weights are quantized as they load, kept at that many bits "
+     "(numpy and MLX engines; `0` = off); see \"Checkpoints\"", "off"),
   _s("--system-prompt", None, str, None, "a system message for chat requests that bring none", "none"),
   _s("--prompt", None, str, None, "`exo run`'s prompt; repeat to run several concurrently", "\"Who are you?\"", action="append"),
   _s("--prompts-file", None, str, None, "`exo run`: one prompt a line, run concurrently", "none"),

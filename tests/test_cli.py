@@ -43,6 +43,8 @@ def test_run_streams_tokens_as_they_are_produced():
   (["run", "no-such-model"], "unknown model 'no-such-model'"),
   (["run"], "needs a model"),
   (["run", "dummy", "--inference-engine", "numpy"], "cannot run on the numpy engine"),
+  (["run", "smollm2-135m", "--quantize", "3"], "--quantize must be 8 or 4 (bits a weight is kept in), or 0 for off, got '3'"),
+  (["--inference-engine", "dummy", "--disable-tui", "--quantize", "8"], "--quantize / EXO_QUANTIZE needs an engine that keeps weights quantized (numpy or mlx), not dummy"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, message):
   result = exo(*args, timeout=60)
@@ -73,6 +75,23 @@ def test_a_bad_api_setting_stops_the_node_with_one_line():
                           timeout=60, env={**os.environ, "EXO_MAX_QUEUED_REQUESTS": "-1"})
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == ["exo: error: EXO_MAX_QUEUED_REQUESTS must be an integer >= 0, got '-1'"]
+
+
+def test_a_bad_quantize_setting_in_the_environment_stops_exo_run_with_one_line():
+  result = subprocess.run([sys.executable, "-m", "exo.main", "run", "smollm2-135m", "--prompt", "hi"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "EXO_QUANTIZE": "16"})
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == ["exo: error: EXO_QUANTIZE must be 8 or 4 (bits a weight is kept in), or 0 for off, got '16'"]
+
+
+def test_exo_run_quantizes_a_float_checkpoint_as_it_loads(tmp_path):
+  from tests.support.checkpoints import random_llama, write_hf_dir
+  path = write_hf_dir(tmp_path / "llama", *random_llama(2))  # float32, SmolLM2's whole vocabulary and chat template
+  run = subprocess.run([sys.executable, "-m", "exo.main", "run", str(path), "--inference-engine", "numpy", "--prompt", "Hi", "--max-generate-tokens", "4"],
+                       cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "EXO_HOME": str(tmp_path / "home"), "EXO_QUANTIZE": "4"})
+  assert run.returncode == 0, run.stderr
+  assert "exo: float checkpoints are quantized to 4 bits as they load" in run.stderr.splitlines()
+  assert re.search(r"1 prompt\(s\), [1-4] tokens", run.stdout + run.stderr), run.stderr
 
 
 async def test_a_node_prints_its_api_limits_and_binds_where_told(tmp_path):

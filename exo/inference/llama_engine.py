@@ -31,6 +31,7 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
   (exo/inference/<backend>/cache.py) has `length`, `nbytes` and copy_prefix(source, positions)."""
 
   keeps_quantized = False  # True: the model class takes quantized matrices (MLX, GGUF) as QuantizedWeight, not float32
+  quantize_bits: Optional[int] = None  # 4 or 8: float checkpoints are quantized as they load (only where keeps_quantized)
 
   def __init__(self, shard_downloader, executor: ThreadPoolExecutor):
     self.shard_downloader = shard_downloader
@@ -56,7 +57,7 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
                        f"(layers {self.shard.start_layer}-{self.shard.end_layer}); {shard.model_id} can load once they end")
     self.shard = self.model = self.tokenizer = None  # the old weights go before the new ones arrive
     self.prefixes.clear()
-    config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized)
+    config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized, quantize=self.quantize_bits if self.keeps_quantized else None)
     model, tokenizer = self.new_model(config, shard, weights), resolve_tokenizer(path)
     del weights
     gguf_reader.cache_clear()  # the parsed GGUF metadata: ~160 MB of small arrays, and the file's pages mapped

@@ -14,6 +14,7 @@ import numpy as np
 
 from exo.inference.gguf_quants import GGUF_AFFINE_TYPES, from_gguf_blocks
 from exo.inference.models import ModelConfig, UnsupportedModel, model_config
+from exo.inference.quantize import quantize as quantize_matrix, quantizes
 from exo.inference.quantized import QuantizedWeight, group_quantized, take_rows
 from exo.inference.shard import Shard
 
@@ -105,7 +106,10 @@ def gguf_reader(path: Union[str, Path]):
   return FastGGUFReader(str(path))
 
 
-def load_gguf(path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
+
+
+def load_gguf(path: Union[str, Path], shard: Shard, keep_quantized: bool = False, quantize: Optional[int] = None) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   import gguf
   reader = gguf_reader(str(path))
   config = gguf_config(reader)
@@ -123,6 +127,8 @@ def load_gguf(path: Union[str, Path], shard: Shard, keep_quantized: bool = False
       w = from_gguf_blocks(tensor.data, tensor.tensor_type.name, shape[0])
     else:
       w = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape))
+      if quantize and tensor.tensor_type.name in FLOAT_GGUF_TYPES and quantizes(name, shape):
+        w = quantize_matrix(w, quantize)
     if name.endswith("q_proj.weight"):
       w = _unpermute_rope(w, config.n_heads)
     elif name.endswith("k_proj.weight"):
@@ -137,7 +143,7 @@ def hf_config(config_json: dict) -> LlamaConfig:
   return model_config(config_json)
 
 
-def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = False, quantize: Optional[int] = None) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   """config.json + *.safetensors (with or without model.safetensors.index.json); opens only files holding our tensors."""
   path = Path(path)
   config_json = json.loads((path / "config.json").read_text())
@@ -152,8 +158,9 @@ def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = Fal
     if _wanted(name, shard, config.tie_word_embeddings) and not name.endswith("rotary_emb.inv_freq"):
       wanted.setdefault(file, []).append(name)
   weights: Dict[str, np.ndarray] = {}
+  convert = None if not quantize else lambda name, w: quantize_matrix(w, quantize) if quantizes(name, w.shape) else w
   for file, names in wanted.items():
-    weights.update(_read_safetensors(path / file, names))
+    weights.update(_read_safetensors(path / file, names, convert))
   weights = group_quantized(weights, config_json.get("quantization") or config_json.get("quantization_config"))
   if not keep_quantized:
     weights = {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}
@@ -167,9 +174,9 @@ def _safetensors_header(file: Path) -> Tuple[dict, int]:
     return json.loads(f.read(header_len)), 8 + header_len
 
 
-def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
-  """Selected tensors, read directly (only our layers): floats as float32 (numpy has no bfloat16), integers
-  (quantized codes and exponents) as stored."""
+def _read_safetensors(file: Path, names, convert=None) -> Dict[str, np.ndarray]:
+  """Selected tensors, read directly (only our layers): floats as float32 (numpy has no bfloat16), or as
+  convert(name, float32 array) gives them, one at a time; integers (quantized codes and exponents) as stored."""
   header, base = _safetensors_header(file)
   dtypes = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "U32": np.uint32, "U8": np.uint8, "I32": np.int32}
   out = {}
@@ -182,18 +189,26 @@ def _read_safetensors(file: Path, names) -> Dict[str, np.ndarray]:
       raw = np.fromfile(f, dtype=dtype, count=(end - start) // dtype.itemsize).reshape(meta["shape"])  # writable, one copy
       if meta["dtype"] == "BF16":
         raw = (raw.astype(np.uint32) << 16).view(np.float32)
-      out[name] = np.ascontiguousarray(raw, dtype=np.float32 if meta["dtype"] in ("F32", "F16", "BF16", "F64") else raw.dtype)
+      is_float = meta["dtype"] in ("F32", "F16", "BF16", "F64")
+      out[name] = np.ascontiguousarray(raw, dtype=np.float32 if is_float else raw.dtype)
+      del raw
+      if is_float and convert is not None:
+        out[name] = convert(name, out[name])
   return out
 
 
-def load_shard_weights(model_path: Union[str, Path], shard: Shard, keep_quantized: bool = False) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
+def load_shard_weights(model_path: Union[str, Path], shard: Shard, keep_quantized: bool = False,
+                       quantize: Optional[int] = None) -> Tuple[LlamaConfig, Dict[str, np.ndarray]]:
   """The shard's own layers (plus embeddings on the first shard, final norm and head on the last). With
-  keep_quantized, a quantized matrix (MLX, or GGUF's types in gguf_quants.py) comes as a QuantizedWeight instead of float32."""
+  keep_quantized, a quantized matrix (MLX, or GGUF's types in gguf_quants.py) comes as a QuantizedWeight instead of
+  float32; with `quantize` (4 or 8, only for an engine that keeps them so), float matrices are quantized as they load."""
   model_path = Path(model_path)
+  if quantize and not keep_quantized:
+    raise ValueError("quantizing on load needs an engine that keeps weights quantized (numpy or mlx)")
   if model_path.suffix == ".gguf":
-    return load_gguf(model_path, shard, keep_quantized)
+    return load_gguf(model_path, shard, keep_quantized, quantize)
   if model_path.is_dir() and (model_path / "config.json").exists():
-    return load_hf_dir(model_path, shard, keep_quantized)
+    return load_hf_dir(model_path, shard, keep_quantized, quantize)
   raise ValueError(f"{model_path}: neither a .gguf file nor a directory with config.json")
 
 
