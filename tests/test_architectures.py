@@ -3,7 +3,9 @@
 
 Each engine computes in float32 from the checkpoints' bfloat16 weights, as transformers did for the reference, so
 they differ only by the order of float32 sums: the last prompt position's logits agree within LOGITS_ATOL, and the
-greedy tokens are equal (every reference step's two best logits are at least 2e-3 apart, far above that noise).
+greedy tokens are equal (every reference step's two best logits are at least 2e-3 apart, far above that noise). The
+numpy engine keeps its KV cache in float16, which moves these logits by up to 2.5e-3 (Gemma 3; 0.2-1.5e-3 the
+others): its logits are held to FLOAT16_KV_LOGITS_ATOL, and its greedy tokens are still every one equal.
 The same tokens come whatever the step's shape: the prompt in chunks, beside another request in one batch, and split
 over two shards as a pipeline computes it."""
 import json
@@ -22,6 +24,11 @@ pytestmark = pytest.mark.model
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 LOGITS_ATOL = 1e-3
+FLOAT16_KV_LOGITS_ATOL = 4e-3
+
+
+def logits_atol(engine: str) -> float:
+  return FLOAT16_KV_LOGITS_ATOL if engine == "numpy" else LOGITS_ATOL
 OTHER_PROMPT = [3, 99, 400, 21, 7]
 
 
@@ -80,7 +87,7 @@ def check(engine: str, name: str, **variant) -> None:
   cuts = variant.pop("cuts", [])
   prompts = [expected["prompt"]] + ([OTHER_PROMPT] if variant.pop("batched", False) else [])
   tokens, logits = greedy(shard_models(engine, name, cuts), prompts, len(expected["tokens"]), **variant)
-  np.testing.assert_allclose(logits[0], expected["last_prompt_logits"], atol=LOGITS_ATOL)
+  np.testing.assert_allclose(logits[0], expected["last_prompt_logits"], atol=logits_atol(engine))
   assert tokens[0] == expected["tokens"]
 
 
@@ -234,7 +241,7 @@ def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name,
   config, weights = load_shard_weights(quantized, shard, keep_quantized=True)
   assert any(type(w).__name__ == "QuantizedWeight" for w in weights.values())
   tokens, logits = greedy([model_class(engine)(config, shard, weights)], [EXPECTED[name]["prompt"]], len(expected_tokens))
-  np.testing.assert_allclose(logits[0], expected_logits, atol=LOGITS_ATOL)
+  np.testing.assert_allclose(logits[0], expected_logits, atol=logits_atol(engine))
   assert tokens[0] == expected_tokens
 
 

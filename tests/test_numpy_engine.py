@@ -9,13 +9,15 @@ import pytest
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.inference.numpy.llama import Llama
 from exo.inference.weights import load_shard_weights
+from tests.support.engines import FLOAT16_KV_LOGIT_ATOL
 from tests.support.models import smollm2_shard
 
 # Logits of the same forward computed two ways (cached vs recomputed, one shard vs two) agree to this absolute
-# tolerance; float32 summation order differs between the ways, the logits themselves are O(10).
+# tolerance; float32 summation order differs between the ways, and the engine's float16 KV cache rounds what
+# differed in a last bit a unit apart now and then (tests/support/engines.py); the logits themselves are O(10).
 pytestmark = pytest.mark.model
 
-LOGIT_ATOL = 2e-3
+LOGIT_ATOL = FLOAT16_KV_LOGIT_ATOL
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +141,8 @@ async def test_cache_memory_grows_with_use_and_returns_when_requests_end(engine)
   assert engine.request_kv_bytes("grow") == 0 and engine.kv_cache_bytes() == 0
 
   model = engine.model
-  caches = [model.new_cache() for _ in range(40)]  # room for 40 whole contexts: 15 GB of address space
-  assert len({c.slot for c in caches}) == 40 and model.pool.slot_bytes * 40 > 10e9
+  caches = [model.new_cache() for _ in range(40)]  # room for 40 whole contexts: 7.5 GB of address space
+  assert len({c.slot for c in caches}) == 40 and model.pool.slot_bytes * 40 > 7e9
   assert pool_resident_bytes(model.pool) < 1e6  # only what is written takes memory
   ids = np.array(engine.tokenizer.encode("word " * 300), dtype=np.int64)[:256]
   model.forward([ids] * 8, caches[:8])

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.unit
 
 SMOL = "smollm2-135m"
 NUMPY = "NumpyDynamicShardInferenceEngine"
+NUMPY_KV_BYTES = 2  # the numpy engine's KV cache is float16, though it computes in float32
 
 
 def member(node_id: str, memory_mb: int, speed: float = 50.0, mode: str = "auto", engine: str = NUMPY, float_bytes: int = 4) -> MemberFacts:
@@ -25,12 +26,16 @@ def layout(placement: Placement) -> list:
   return [[(s.node_id, s.start, s.end) for s in g.stages] for g in placement.groups]
 
 
-def whole_copy_mb() -> float:
-  """SmolLM2 as the numpy engine holds it (the embedded GGUF kept quantized) with its float32 KV reserve: what one
-  node must offer to hold a copy."""
+def kv_reserve_mb(kv_bytes: int) -> float:
+  return 30 * shape_of(SMOL).kv_per_position * KV_RESERVE_POSITIONS * kv_bytes / MIB
+
+
+def whole_copy_mb(engine: str = NUMPY, float_bytes: int = 4, kv_bytes: int = NUMPY_KV_BYTES) -> float:
+  """SmolLM2 as an engine holds it (the numpy engine: the embedded GGUF kept quantized, a float16 KV reserve): what
+  one node must offer to hold a copy."""
   s = shape_of(SMOL)
   weights = 30 * s.layer_weights + s.embedding_weights + s.hidden  # tied head: the embedding's matrix, and the final norm
-  return (weight_bytes(NUMPY, 4, SMOL) * weights + 30 * s.kv_per_position * KV_RESERVE_POSITIONS * 4) / MIB
+  return weight_bytes(engine, float_bytes, SMOL) * weights / MIB + kv_reserve_mb(kv_bytes)
 
 
 def test_a_model_that_fits_one_node_is_a_replica_on_every_node():
@@ -50,9 +55,17 @@ def test_a_model_that_fits_no_single_node_is_a_pipeline_cut_for_equal_stage_time
 
 def test_the_copy_needs_its_kv_reserve_too():
   need = whole_copy_mb()
-  weights_only = need - 30 * shape_of(SMOL).kv_per_position * KV_RESERVE_POSITIONS * 4 / MIB
+  weights_only = need - kv_reserve_mb(NUMPY_KV_BYTES)
   assert len(smol(member("a", int(need) + 1), member("b", int(need) + 1)).groups) == 2
   assert len(smol(member("a", int(weights_only) + 1), member("b", int(weights_only) + 1)).groups) == 1
+
+
+def test_the_kv_reserve_is_counted_at_the_width_each_engine_stores_it_in():
+  """The numpy engine's float16 cache (the test above) takes half what a float32 engine's does (tinygrad on a CPU)."""
+  tinygrad = dict(engine="TinygradDynamicShardInferenceEngine", float_bytes=4)
+  need = whole_copy_mb(tinygrad["engine"], 4, kv_bytes=4)
+  assert len(smol(member("a", int(need) - 1, **tinygrad), member("b", int(need) - 1, **tinygrad)).groups) == 1
+  assert len(smol(member("a", int(need) + 1, **tinygrad), member("b", int(need) + 1, **tinygrad)).groups) == 2
 
 
 def test_a_faster_node_takes_more_layers():

@@ -1,12 +1,11 @@
 """What a request may ask of a model, known from its configuration before anything is allocated: the context
-length (GGUF `llama.context_length`, config.json `max_position_embeddings`) and the KV cache each position takes."""
+length (GGUF `llama.context_length`, config.json `max_position_embeddings`) and the KV cache each position takes, at
+the width the node's engine stores it in (InferenceEngine.kv_bytes_per_value: the numpy engine's float16, 2 bytes)."""
 from dataclasses import dataclass
 from typing import Optional
 
 from exo.api.errors import BadRequest
 from exo.inference.weights import LlamaConfig
-
-KV_BYTES_PER_VALUE = 4  # every engine keeps its caches in float32
 
 
 @dataclass(frozen=True)
@@ -15,8 +14,8 @@ class ModelLimits:
   kv_bytes_per_position_per_layer: int = 0
 
   @staticmethod
-  def of(config: LlamaConfig) -> "ModelLimits":
-    return ModelLimits(config.max_position_embeddings, config.kv_values_per_position * KV_BYTES_PER_VALUE)  # K and V, or MLA's latent
+  def of(config: LlamaConfig, kv_bytes_per_value: int) -> "ModelLimits":
+    return ModelLimits(config.max_position_embeddings, config.kv_values_per_position * kv_bytes_per_value)  # K and V, or MLA's latent
 
   def kv_bytes(self, positions: int, layers: int) -> int:
     return positions * layers * self.kv_bytes_per_position_per_layer

@@ -86,6 +86,11 @@ class InferenceEngine(ABC):
   async def finish_request(self, request_id: str) -> None:
     """Free what the engine holds for a request that has ended (its KV cache)."""
 
+  def kv_bytes_per_value(self, config) -> int:
+    """Bytes one cached key or value element takes in this engine's KV cache for a model of `config` (admission
+    counts a request's cache at this width)."""
+    return 4
+
   def kv_cache_bytes(self) -> int:
     """KV memory the live requests hold (0: the engine does not say)."""
     return 0

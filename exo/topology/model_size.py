@@ -130,6 +130,16 @@ def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> fl
   return float(float_bytes)
 
 
+# Engines whose KV cache is narrower than the float width they compute in: the numpy engine's is float16
+# (exo/inference/numpy/cache.py).
+KV_VALUE_BYTES = {"NumpyDynamicShardInferenceEngine": 2}
+
+
+def kv_value_bytes(engine_classname: str, float_bytes: int) -> int:
+  """Bytes a cached key or value element takes on a node of this engine and float width."""
+  return KV_VALUE_BYTES.get(engine_classname, float_bytes)
+
+
 def engine_float_bytes(engine_name: str) -> int:
   """The float width (bytes) an engine computes and keeps KV caches in on this machine."""
   if engine_name == "dummy":

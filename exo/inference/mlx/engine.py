@@ -19,3 +19,7 @@ class MLXDynamicShardInferenceEngine(LlamaShardEngine):
   def new_model(self, config, shard, weights):
     from exo.inference.mlx.llama import Llama
     return Llama(config, shard, weights)
+
+  def kv_bytes_per_value(self, config) -> int:
+    from exo.inference.mlx.matrix import compute_dtype
+    return compute_dtype(config).size  # the model's own precision on a GPU, float32 on the CPU

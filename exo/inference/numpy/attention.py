@@ -11,6 +11,7 @@ import numpy as np
 
 from exo.inference.llama_layout import StepRows
 from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
+from exo.inference.numpy.halves import widen
 from exo.inference.numpy.kernels import CORES, PARALLEL_ROWS
 
 SCORE_TILE_BYTES = 1 << 20  # a prompt chunk's attention scores at a time (about a core's L2 cache)
@@ -21,6 +22,12 @@ PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest
 PROMPT_POSITION_COST = 0.3  # a prompt row's attention per position it sees, as a share of a decode row's (its rows
 # share each key read, in products: 30 against 110 ns a position on one core of this VM)
 MIN_TOTAL = 1e-18  # a row's sum of exp(score) below this may have lost terms to underflow: it is computed again, shifted
+
+
+def widened(cached: np.ndarray) -> np.ndarray:
+  """Part of the cache as float32 for a product: a float16 cache widened by halves.py (numpy's own conversion took
+  twice the whole step's time at 16 streams), a float32 one read where it lies."""
+  return widen(cached) if cached.dtype == np.float16 else cached
 
 
 def soft_cap(x: np.ndarray, cap: float) -> None:
@@ -78,7 +85,8 @@ class DecodeRun:
     adds no value). A slot of one plane (latent attention) holds keys that are their own values."""
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
-    keys, values = slots[:, 0, :, :width], slots[:, -1, :, :width]  # (n, kv heads, width, head dim), views
+    keys = widened(slots[:, 0, :, :width])  # (n, kv heads, width, head dim)
+    values = keys if slots.shape[1] == 1 else widened(slots[:, -1, :, :width])
     sink_logits = None if sinks is None else sinks.reshape(n_kv, -1).T[:, None, :, None]  # as the scores' (group, n, kv heads, 1)
     # Each query head a column of its own: numpy hands a product whose last dimension is 1 to sgemv. A KV head's 3
     # query heads as one 3-row sgemm cost more to set up than to compute: for 64 requests of 131 positions, a layer's

@@ -8,6 +8,10 @@ that reads the cache where it lies (see attention.py). A pool of small blocks sc
 cache, would have to gather every request's blocks into one array first, for every layer of every step: that copy
 alone took as long as the attention (27-43 ms a step for 64 requests of 128 positions, on this 2-core VM).
 
+Keys and values are stored as float16 (KV_DTYPE), half float32's bytes, as llama.cpp keeps its cache by default:
+attention reads the cache once a step for every request, and on CPUs that read is what long contexts and many
+streams cost. Attention computes in float32 (attention.py widens each block it reads).
+
 Memory follows use. A slot is only address space until written: the kernel maps 4 KiB pages as positions are
 written (no huge pages: a huge page may first need the kernel to compact memory, which stalled steps by up to 250
 ms), and they go back to it when the request ends. `nbytes` counts the pages written positions occupy.
@@ -24,6 +28,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+KV_DTYPE = np.dtype(np.float16)
 SLAB_SLOTS = 64  # the most requests one batched attention product can take
 # Linux's flag (Python 3.11's mmap module lacks the name): the slab is address space, not memory set aside.
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
@@ -34,10 +39,11 @@ class KVPool:
   positions, head dim) and slot number n lies in slab n // SLAB_SLOTS. Two planes hold keys and values; one, keys
   that are their own values (latent attention's latent and RoPE key: one KV head, read as both)."""
 
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int, planes: int = 2):
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int, planes: int = 2, dtype=KV_DTYPE):
     self.positions = -(-positions // 1024) * 1024  # a whole number of pages per (layer, k/v, head) row
     self.slot_shape = (n_layers, planes, n_kv_heads, self.positions, head_dim)
-    self.slot_bytes = math.prod(self.slot_shape) * 4
+    self.dtype = np.dtype(dtype)
+    self.slot_bytes = math.prod(self.slot_shape) * self.dtype.itemsize
     self.slabs: List[np.ndarray] = []
     self._maps: List[mmap.mmap] = []
     self.refs: List[int] = []  # per slot
@@ -49,7 +55,7 @@ class KVPool:
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
       buffer.madvise(mmap.MADV_NOHUGEPAGE)
     self._maps.append(buffer)
-    self.slabs.append(np.frombuffer(buffer, dtype=np.float32).reshape((SLAB_SLOTS,) + self.slot_shape))
+    self.slabs.append(np.frombuffer(buffer, dtype=self.dtype).reshape((SLAB_SLOTS,) + self.slot_shape))
     self.refs += [0] * SLAB_SLOTS
 
   def take(self) -> int:
@@ -107,5 +113,5 @@ class KVCache:
   def nbytes(self) -> int:
     """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row."""
     layers, planes, heads, _, head_dim = self.pool.slot_shape
-    row_bytes = self.length * head_dim * 4
+    row_bytes = self.length * head_dim * self.pool.dtype.itemsize
     return layers * planes * heads * -(-row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE

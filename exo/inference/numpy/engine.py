@@ -6,6 +6,7 @@ from pathlib import Path
 
 from exo import settings
 from exo.inference.llama_engine import LlamaShardEngine
+from exo.inference.numpy.cache import KV_DTYPE
 from exo.inference.numpy.llama import Llama
 
 GIL_SWITCH_S = 0.0005
@@ -47,3 +48,6 @@ class NumpyDynamicShardInferenceEngine(LlamaShardEngine):
 
   def new_model(self, config, shard, weights):
     return Llama(config, shard, weights)
+
+  def kv_bytes_per_value(self, config) -> int:
+    return KV_DTYPE.itemsize

@@ -1,5 +1,5 @@
-"""The dense decoder (Llama and the families exo/inference/models describes as it) in numpy, float32: one step
-runs many requests at once.
+"""The dense decoder (Llama and the families exo/inference/models describes as it) in numpy, float32 (its KV cache
+float16, cache.py): one step runs many requests at once.
 
 All rows of all requests go through each weight product together, the product's columns shared among the cores
 (kernels.py); attention reads each request's slot of the KV pool (cache.py, attention.py).
@@ -15,7 +15,7 @@ import numpy as np
 
 from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tables, route, shard_ends, step_input
 from exo.inference.numpy.attention import Step, soft_cap
-from exo.inference.numpy.cache import KVCache, KVPool
+from exo.inference.numpy.cache import KV_DTYPE, KVCache, KVPool
 from exo.inference.numpy.kernels import Workers, product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.shard import Shard
@@ -68,7 +68,7 @@ def interleaved_pairs(outputs: int) -> np.ndarray:
 
 
 class Llama:
-  def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
+  def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray], kv_dtype=KV_DTYPE):
     self.config, self.shard = config, shard
     c = config
     if c.intermediate_size % PAIR:
@@ -93,9 +93,9 @@ class Llama:
     self.layer_ids = list(range(shard.start_layer, shard.end_layer + 1))
     self.rope_tables, self.rope_of_layer = rope_tables(config, self.layer_ids)
     if c.latent_attention:  # one plane, one head: the latent and the RoPE key, read as keys and as values (latent_attention.py)
-      self.pool = KVPool(len(self.layers), 1, c.kv_values_per_position, c.max_position_embeddings, planes=1)
+      self.pool = KVPool(len(self.layers), 1, c.kv_values_per_position, c.max_position_embeddings, planes=1, dtype=kv_dtype)
     else:
-      self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings)
+      self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings, dtype=kv_dtype)
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)

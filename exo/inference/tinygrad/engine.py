@@ -1,6 +1,8 @@
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+import numpy as np
+
 from exo.inference.llama_engine import LlamaShardEngine
 
 _executor: Optional[ThreadPoolExecutor] = None
@@ -30,3 +32,7 @@ class TinygradDynamicShardInferenceEngine(LlamaShardEngine):
   def new_model(self, config, shard, weights):
     from exo.inference.tinygrad.llama import Llama
     return Llama(config, shard, weights)
+
+  def kv_bytes_per_value(self, config) -> int:
+    from exo.inference.tinygrad.llama import float_dtype
+    return np.dtype(float_dtype()).itemsize
