@@ -12,7 +12,9 @@ import numpy as np
 _REBIAS = np.float32(2.0 ** 112)  # float32's exponent bias (127) less float16's (15), as a power of two
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+# One signature, any strides (a view of cached positions is strided), compiled or read from numba's cache on import:
+# at load, not in a request's first step.
+@numba.njit("void(uint16[:, :, :, :], float32[:, :, :, :])", nogil=True, cache=True, error_model="numpy", boundscheck=False)
 def _widen(src, out):
   bits = out.view(np.uint32)
   a, b, c, d = src.shape
