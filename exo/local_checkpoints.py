@@ -70,7 +70,8 @@ def checkpoint_layers(path: Path) -> int:
     return gguf_config(gguf_reader(str(path))).n_layers
   if (path / "config.json").is_file():
     try:
-      return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+      config_json = json.loads((path / "config.json").read_text())
+      return int((config_json.get("text_config") or config_json)["num_hidden_layers"])  # a multimodal checkpoint's: its text model's
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"{path}/config.json gives no layer count (num_hidden_layers): {e!r}") from None
   raise ValueError(f"{path}: not a checkpoint (expected a .gguf file or a directory with config.json)")

@@ -42,10 +42,15 @@ def model_class(engine: str):
   return Llama
 
 
+def layer_count(path: Path) -> int:
+  config = json.loads((path / "config.json").read_text())
+  return (config.get("text_config") or config)["num_hidden_layers"]  # a multimodal model's: its text model's
+
+
 def shard_models(engine: str, name: str, cuts: List[int] = ()) -> list:
   """The model as a pipeline computes it: one model per shard, split after each layer in `cuts`."""
   path = FIXTURES / name
-  n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+  n_layers = layer_count(path)
   bounds = [-1, *cuts, n_layers - 1]
   models = []
   for start, end in zip(bounds, bounds[1:]):
@@ -94,6 +99,9 @@ def check(engine: str, name: str, **variant) -> None:
 DENSE = ["llama", "llama_rope_llama3", "llama_rope_llama3_v4", "llama_attention_bias", "mistral", "qwen2", "qwen2_yarn", "qwen3", "granite", "phi3",
          "olmo2"]
 SLIDING = ["gemma2", "gemma3_text", "gemma3_text_v4"]  # sliding-window layers, soft-capping, Gemma's norms
+# Gemma 3 4B and larger (Gemma3ForConditionalGeneration): the text model beside a vision tower, its weights under
+# either version's names; the transformers 4 form's text_config leaves out what Gemma 3's defaults give
+SLIDING += ["gemma3", "gemma3_v4"]
 MOE = ["mixtral", "qwen3_moe"]  # mixtures of experts (Qwen3-MoE's layer 1 dense); the pipeline's cut lies between MoE layers
 # gpt-oss: sinks, a sliding layer then a full one (the pipeline cuts between them), biased clamped experts, yarn.
 # DeepSeek-V3: latent attention, a dense layer then two MoE layers with grouped routing and a shared expert, yarn;
@@ -168,7 +176,7 @@ def test_each_feature_a_fixture_tests_changes_its_logits(name, change):
   transformers' by ten times what the other tests allow."""
   from exo.inference.numpy.llama import Llama
   path = FIXTURES / name
-  n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+  n_layers = layer_count(path)
   shard = Shard(name, 0, n_layers - 1, n_layers)
   config, weights = load_shard_weights(path, shard)
   if isinstance(change, str):  # a tensor the checkpoint holds, zeroed
@@ -185,7 +193,8 @@ def test_each_feature_a_fixture_tests_changes_its_logits(name, change):
 # layer over the whole context, where transformers (and exo) slide every other layer's window. Nor does it load
 # gpt-oss's experts as transformers stores them (stacked, gate and up interleaved): its conversion leaves names its
 # model lacks (test_gpt_oss_in_mlx_lms_layout_answers_as_mlx_lm rewrites the fixture in mlx-lm's own layout).
-MLX_LM_READS = ["llama", "llama_rope_llama3_v4", "mistral", "qwen2_yarn", "qwen3", "phi3", "olmo2", "gemma3_text_v4", "mixtral", "deepseek_v3_v4"]
+MLX_LM_READS = ["llama", "llama_rope_llama3_v4", "mistral", "qwen2_yarn", "qwen3", "phi3", "olmo2", "gemma3_text_v4", "gemma3_v4", "mixtral",
+                "deepseek_v3_v4"]
 
 
 def mlx_lm_greedy(name: str, new_tokens: int, path: Optional[Path] = None):
@@ -236,7 +245,7 @@ def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name,
   from tests.support.checkpoints import fixture_checkpoint, mlx_convert
   quantized = mlx_convert(fixture_checkpoint(name, tmp_path / "float"), tmp_path / "q4")
   expected_tokens, expected_logits = mlx_lm_greedy(name, len(EXPECTED[name]["tokens"]), quantized)
-  n_layers = json.loads((quantized / "config.json").read_text())["num_hidden_layers"]
+  n_layers = layer_count(quantized)
   shard = Shard(name, 0, n_layers - 1, n_layers)
   config, weights = load_shard_weights(quantized, shard, keep_quantized=True)
   assert any(type(w).__name__ == "QuantizedWeight" for w in weights.values())
@@ -259,7 +268,7 @@ async def test_a_prompt_started_from_a_cached_prefix_gives_the_logits_of_one_com
   from exo.inference.prefix_cache import BLOCK, block_keys
   from tests.support.checkpoints import fixture_checkpoint
   path = fixture_checkpoint(name, tmp_path / name)
-  n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+  n_layers = layer_count(path)
   shard = Shard(str(path), 0, n_layers - 1, n_layers)
   engine = get_inference_engine(engine_name, LocalFiles())
   await engine.ensure_shard(shard)

@@ -9,6 +9,7 @@ from typing import Dict, Iterable, List, Optional
 
 from exo.download.errors import DownloadFailure
 from exo.helpers import exo_home
+from exo.inference.models.gemma3 import text_weight_name
 from exo.inference.shard import Shard
 
 INDEX = "model.safetensors.index.json"  # which weight file holds each tensor
@@ -47,7 +48,10 @@ def shard_file_patterns(shard: Shard, weight_map: Optional[Dict[str, str]]) -> L
 def weight_files(shard: Shard, weight_map: Dict[str, str]) -> List[str]:
   """The weight files holding the shard's layers, and those holding embeddings, norm and head (wherever they live)."""
   files = set()
-  for name, file in weight_map.items():
+  for stored, file in weight_map.items():
+    name = text_weight_name(stored)
+    if name is None:  # a vision tower's or projector's: exo loads the text model alone
+      continue
     layer = next((int(p) for p in name.split(".") if p.isdigit()), None)
     if layer is None or shard.start_layer <= layer <= shard.end_layer:
       files.add(file)

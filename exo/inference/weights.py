@@ -15,6 +15,7 @@ import numpy as np
 from exo.inference.gguf_quants import GGUF_AFFINE_TYPES, from_gguf_blocks
 from exo.inference.models import ModelConfig, UnsupportedModel, model_config
 from exo.inference.quantize import quantize as quantize_matrix, quantizes
+from exo.inference.models.gemma3 import text_weight_name
 from exo.inference.quantized import QuantizedWeight, group_quantized, take_rows
 from exo.inference.shard import Shard
 
@@ -154,13 +155,16 @@ def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = Fal
   else:
     weight_map = {name: file.name for file in sorted(path.glob("*.safetensors")) for name in _safetensors_header(file)[0] if name != "__metadata__"}
   wanted: Dict[str, list] = {}
-  for name, file in weight_map.items():
-    if _wanted(name, shard, config.tie_word_embeddings) and not name.endswith("rotary_emb.inv_freq"):
-      wanted.setdefault(file, []).append(name)
+  text_names: Dict[str, str] = {}  # stored name -> the text model's (a multimodal checkpoint's language model; no vision parts)
+  for stored, file in weight_map.items():
+    name = text_weight_name(stored)
+    if name is not None and _wanted(name, shard, config.tie_word_embeddings) and not name.endswith("rotary_emb.inv_freq"):
+      wanted.setdefault(file, []).append(stored)
+      text_names[stored] = name
   weights: Dict[str, np.ndarray] = {}
   convert = None if not quantize else lambda name, w: quantize_matrix(w, quantize) if quantizes(name, w.shape) else w
   for file, names in wanted.items():
-    weights.update(_read_safetensors(path / file, names, convert))
+    weights.update((text_names[stored], w) for stored, w in _read_safetensors(path / file, names, convert).items())
   weights = group_quantized(weights, config_json.get("quantization") or config_json.get("quantization_config"))
   if not keep_quantized:
     weights = {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}

@@ -1,10 +1,10 @@
 """The model families exo runs, one module each: what its config.json means as a ModelConfig (config.py), the one
 description every engine computes from. A family not listed is refused by name."""
-from exo.inference.models import deepseek_v3, gemma2, gemma3_text, gpt_oss, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe
+from exo.inference.models import deepseek_v3, gemma2, gemma3, gemma3_text, gpt_oss, granite, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe
 from exo.inference.models.config import ModelConfig, UnsupportedModel, refuse
 
 FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2, "gemma3_text": gemma3_text,
-            "phi3": phi3, "granite": granite, "olmo2": olmo2, "mixtral": mixtral, "qwen3_moe": qwen3_moe,
+            "gemma3": gemma3, "phi3": phi3, "granite": granite, "olmo2": olmo2, "mixtral": mixtral, "qwen3_moe": qwen3_moe,
             "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3}
 
 
