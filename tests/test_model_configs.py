@@ -190,3 +190,39 @@ def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path):
   finally:
     gguf_reader.cache_clear()
   assert refused.value.field == "general.architecture" and "'qwen2'" in str(refused.value)
+
+
+def test_gemma3_4b_and_larger_read_their_text_model_with_gemma3s_defaults():
+  """Gemma3ForConditionalGeneration's config.json (transformers 4 writes text_config without what Gemma3TextConfig
+  defaults, as the 4B's does) reads as the text model's, in both forms; the placement size is the text model's."""
+  v4, v5 = (model_config(json.loads((FIXTURES / name / "config.json").read_text())) for name in ("gemma3_v4", "gemma3"))
+  assert "num_attention_heads" not in json.loads((FIXTURES / "gemma3_v4" / "config.json").read_text())["text_config"]
+  assert v4 == v5
+  assert (v4.n_layers, v4.n_heads, v4.n_kv_heads, v4.vocab_size, v4.rms_norm_eps) == (3, 8, 4, 512, 1e-6)
+  assert (v4.rope_theta, v4.rope_scaling["factor"], v4.sliding_rope[0], v4.sliding_layers) == (1e6, 4.0, 10000.0, (0, 1))
+  from exo.topology.model_size import _checkpoint_shape
+  assert _checkpoint_shape(str(FIXTURES / "gemma3_v4")).hidden == 64
+  # the real 4B's text_config, as its config.json gives it
+  four_b = model_config({"model_type": "gemma3", "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                                                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                                                "sliding_window": 1024}})
+  assert (four_b.n_heads, four_b.n_kv_heads, four_b.head_dim, four_b.vocab_size, four_b.rope_theta) == (8, 4, 256, 262208, 1e6)
+  assert four_b.attention_scale == 256 ** -0.5 and four_b.sliding_rope == (10000.0, None) and len(four_b.sliding_layers) == 34 - 5
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3_v4"])
+def test_gemma3s_vision_weights_are_neither_loaded_nor_downloaded(name):
+  from exo.download.shard_files import weight_files
+  from exo.inference.shard import Shard
+  from exo.inference.weights import _safetensors_header, load_shard_weights
+  stored = [n for n in _safetensors_header(FIXTURES / name / "model.safetensors")[0] if n != "__metadata__"]
+  assert any("vision_tower" in n for n in stored) and any("multi_modal_projector" in n for n in stored)
+  _, weights = load_shard_weights(FIXTURES / name, Shard(name, 0, 2, 3))
+  _, text_weights = load_shard_weights(FIXTURES / "gemma3_text", Shard("gemma3_text", 0, 2, 3))
+  assert set(weights) == set(text_weights)  # every name the text model's, nothing of the vision tower
+  # the vision tower's file (its layer 0 too) is no shard's; the text model's layers' are as usual
+  weight_map = {**{n: "vision.safetensors" for n in stored if "vision_tower" in n or "multi_modal" in n},
+                **{n: f"text-{n.split('layers.')[1].split('.')[0]}.safetensors" if "layers." in n else "text.safetensors"
+                   for n in stored if "vision_tower" not in n and "multi_modal" not in n}}
+  assert weight_files(Shard(name, 0, 0, 3), weight_map) == ["text-0.safetensors", "text.safetensors"]
+  assert weight_files(Shard(name, 1, 2, 3), weight_map) == ["text-1.safetensors", "text-2.safetensors", "text.safetensors"]
