@@ -6,11 +6,14 @@ from exo.inference.shard import Shard
 _NP, _TG, _MLX = "NumpyDynamicShardInferenceEngine", "TinygradDynamicShardInferenceEngine", "MLXDynamicShardInferenceEngine"
 
 
-def _card(layers: int, hf: Optional[str] = None, mlx: Optional[str] = None) -> dict:
-  """`hf` is a Hugging Face safetensors repo (numpy and tinygrad engines); `mlx` the MLX repo (defaults to `hf`)."""
+def _card(layers: int, hf: Optional[str] = None, mlx: Optional[str] = None, tinygrad: bool = True) -> dict:
+  """`hf` is a Hugging Face safetensors repo (numpy and tinygrad engines); `mlx` the MLX repo (defaults to `hf`).
+  tinygrad=False: a model the tinygrad engine does not compute (a mixture of experts)."""
   repo = {}
   if hf:
-    repo[_NP] = repo[_TG] = hf
+    repo[_NP] = hf
+    if tinygrad:
+      repo[_TG] = hf
   if mlx or hf:
     repo[_MLX] = mlx or hf
   return {"layers": layers, "repo": repo}
@@ -40,10 +43,15 @@ model_cards: Dict[str, dict] = {
   "qwen-2.5-14b": _card(48, "Qwen/Qwen2.5-14B-Instruct", "mlx-community/Qwen2.5-14B-Instruct-4bit"),
   "qwen-2.5-32b": _card(64, "Qwen/Qwen2.5-32B-Instruct", "mlx-community/Qwen2.5-32B-Instruct-4bit"),
   "qwen-2.5-72b": _card(80, "Qwen/Qwen2.5-72B-Instruct", "mlx-community/Qwen2.5-72B-Instruct-4bit"),
+  "qwen-2.5-coder-0.5b": _card(24, "Qwen/Qwen2.5-Coder-0.5B-Instruct", "mlx-community/Qwen2.5-Coder-0.5B-Instruct-4bit"),
   "qwen-2.5-coder-1.5b": _card(28, "Qwen/Qwen2.5-Coder-1.5B-Instruct", "mlx-community/Qwen2.5-Coder-1.5B-Instruct-4bit"),
+  "qwen-2.5-coder-3b": _card(36, "Qwen/Qwen2.5-Coder-3B-Instruct", "mlx-community/Qwen2.5-Coder-3B-Instruct-4bit"),
   "qwen-2.5-coder-7b": _card(28, "Qwen/Qwen2.5-Coder-7B-Instruct", "mlx-community/Qwen2.5-Coder-7B-Instruct-4bit"),
   "qwen-2.5-coder-14b": _card(48, "Qwen/Qwen2.5-Coder-14B-Instruct", "mlx-community/Qwen2.5-Coder-14B-Instruct-4bit"),
   "qwen-2.5-coder-32b": _card(64, "Qwen/Qwen2.5-Coder-32B-Instruct", "mlx-community/Qwen2.5-Coder-32B-Instruct-4bit"),
+  "qwen-2.5-math-1.5b": _card(28, "Qwen/Qwen2.5-Math-1.5B-Instruct", "mlx-community/Qwen2.5-Math-1.5B-Instruct-4bit"),
+  "qwen-2.5-math-7b": _card(28, "Qwen/Qwen2.5-Math-7B-Instruct", "mlx-community/Qwen2.5-Math-7B-Instruct-4bit"),
+  "qwen-2.5-math-72b": _card(80, "Qwen/Qwen2.5-Math-72B-Instruct", "mlx-community/Qwen2.5-Math-72B-Instruct-4bit"),
   "deepseek-r1-distill-qwen-1.5b": _card(28, "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "mlx-community/DeepSeek-R1-Distill-Qwen-1.5B-4bit"),
   "deepseek-r1-distill-qwen-7b": _card(28, "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", "mlx-community/DeepSeek-R1-Distill-Qwen-7B-4bit"),
   "deepseek-r1-distill-qwen-14b": _card(48, "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", "mlx-community/DeepSeek-R1-Distill-Qwen-14B-4bit"),
@@ -56,6 +64,11 @@ model_cards: Dict[str, dict] = {
   "qwen-3-8b": _card(36, "Qwen/Qwen3-8B", "mlx-community/Qwen3-8B-4bit"),
   "qwen-3-14b": _card(40, "Qwen/Qwen3-14B", "mlx-community/Qwen3-14B-4bit"),
   "qwen-3-32b": _card(64, "Qwen/Qwen3-32B", "mlx-community/Qwen3-32B-4bit"),
+  # Mixtures of experts, from bfloat16 checkpoints (the engines do not yet run quantized experts; tinygrad no experts)
+  "qwen-3-30b-a3b": _card(48, "Qwen/Qwen3-30B-A3B", tinygrad=False),
+  "qwen-3-235b-a22b": _card(94, "Qwen/Qwen3-235B-A22B", tinygrad=False),
+  "gpt-oss-20b": _card(24, "unsloth/gpt-oss-20b-BF16", tinygrad=False),
+  "gpt-oss-120b": _card(36, "unsloth/gpt-oss-120b-BF16", tinygrad=False),
   # Mistral (the ungated copies of the 7B), Gemma (Gemma 3 1B: the text-only size), Phi-4, Granite, OLMo 2
   "mistral-7b": _card(32, "unsloth/mistral-7b-instruct-v0.3", "mlx-community/Mistral-7B-Instruct-v0.3-4bit"),
   "mistral-nemo": _card(40, "mistralai/Mistral-Nemo-Instruct-2407", "mlx-community/Mistral-Nemo-Instruct-2407-4bit"),
@@ -64,6 +77,10 @@ model_cards: Dict[str, dict] = {
   "gemma-2-9b": _card(42, "unsloth/gemma-2-9b-it", "mlx-community/gemma-2-9b-it-4bit"),
   "gemma-2-27b": _card(46, "unsloth/gemma-2-27b-it", "mlx-community/gemma-2-27b-it-4bit"),
   "gemma-3-1b": _card(26, "unsloth/gemma-3-1b-it", "mlx-community/gemma-3-1b-it-4bit"),
+  # Gemma 3 4B and larger: image and text models, of which exo serves the text
+  "gemma-3-4b": _card(34, "unsloth/gemma-3-4b-it", "mlx-community/gemma-3-4b-it-4bit"),
+  "gemma-3-12b": _card(48, "unsloth/gemma-3-12b-it", "mlx-community/gemma-3-12b-it-4bit"),
+  "gemma-3-27b": _card(62, "unsloth/gemma-3-27b-it", "mlx-community/gemma-3-27b-it-4bit"),
   "phi-4": _card(40, "microsoft/phi-4", "mlx-community/phi-4-4bit"),
   "granite-3.1-2b": _card(40, "ibm-granite/granite-3.1-2b-instruct"),
   "granite-3.1-8b": _card(40, "ibm-granite/granite-3.1-8b-instruct"),
@@ -83,14 +100,17 @@ pretty_name: Dict[str, str] = {
   "qwen-2.5-0.5b": "Qwen 2.5 0.5B", "qwen-2.5-1.5b": "Qwen 2.5 1.5B", "qwen-2.5-3b": "Qwen 2.5 3B", "qwen-2.5-7b": "Qwen 2.5 7B",
   "qwen-2.5-14b": "Qwen 2.5 14B", "qwen-2.5-32b": "Qwen 2.5 32B", "qwen-2.5-72b": "Qwen 2.5 72B",
   "qwen-2.5-coder-1.5b": "Qwen 2.5 Coder 1.5B", "qwen-2.5-coder-7b": "Qwen 2.5 Coder 7B", "qwen-2.5-coder-14b": "Qwen 2.5 Coder 14B",
-  "qwen-2.5-coder-32b": "Qwen 2.5 Coder 32B",
+  "qwen-2.5-coder-32b": "Qwen 2.5 Coder 32B", "qwen-2.5-coder-0.5b": "Qwen 2.5 Coder 0.5B", "qwen-2.5-coder-3b": "Qwen 2.5 Coder 3B",
+  "qwen-2.5-math-1.5b": "Qwen 2.5 Math 1.5B", "qwen-2.5-math-7b": "Qwen 2.5 Math 7B", "qwen-2.5-math-72b": "Qwen 2.5 Math 72B",
   "deepseek-r1-distill-qwen-1.5b": "DeepSeek R1 Distill Qwen 1.5B", "deepseek-r1-distill-qwen-7b": "DeepSeek R1 Distill Qwen 7B",
   "deepseek-r1-distill-qwen-14b": "DeepSeek R1 Distill Qwen 14B", "deepseek-r1-distill-qwen-32b": "DeepSeek R1 Distill Qwen 32B",
   "deepseek-r1-distill-llama-8b": "DeepSeek R1 Distill Llama 8B", "deepseek-r1-distill-llama-70b": "DeepSeek R1 Distill Llama 70B",
   "qwen-3-0.6b": "Qwen3 0.6B", "qwen-3-1.7b": "Qwen3 1.7B", "qwen-3-4b": "Qwen3 4B", "qwen-3-8b": "Qwen3 8B", "qwen-3-14b": "Qwen3 14B",
-  "qwen-3-32b": "Qwen3 32B",
+  "qwen-3-32b": "Qwen3 32B", "qwen-3-30b-a3b": "Qwen3 30B-A3B", "qwen-3-235b-a22b": "Qwen3 235B-A22B",
+  "gpt-oss-20b": "gpt-oss 20B", "gpt-oss-120b": "gpt-oss 120B",
   "mistral-7b": "Mistral 7B v0.3", "mistral-nemo": "Mistral Nemo 12B", "mistral-small-24b": "Mistral Small 24B",
-  "gemma-2-2b": "Gemma 2 2B", "gemma-2-9b": "Gemma 2 9B", "gemma-2-27b": "Gemma 2 27B", "gemma-3-1b": "Gemma 3 1B", "phi-4": "Phi-4 14B",
+  "gemma-2-2b": "Gemma 2 2B", "gemma-2-9b": "Gemma 2 9B", "gemma-2-27b": "Gemma 2 27B", "gemma-3-1b": "Gemma 3 1B",
+  "gemma-3-4b": "Gemma 3 4B", "gemma-3-12b": "Gemma 3 12B", "gemma-3-27b": "Gemma 3 27B", "phi-4": "Phi-4 14B",
   "granite-3.1-2b": "Granite 3.1 2B", "granite-3.1-8b": "Granite 3.1 8B", "olmo-2-7b": "OLMo 2 7B", "olmo-2-13b": "OLMo 2 13B",
   "dummy": "Dummy",
 }
