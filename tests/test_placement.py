@@ -177,3 +177,23 @@ def test_the_speed_measure_ignores_a_moment_of_contention(monkeypatch):
   monkeypatch.setattr(np, "ones", lambda *a, **k: ones(*a, **k).view(Timed))
   flop = 2 * 32 * 768 * 768
   assert measure_gflops() == float(f"{flop / 0.001 / 1e9:.3g}")
+
+
+# Published sizes (billions of parameters) of the cards whose id names none, or one rounded by more than 10 per cent
+PUBLISHED_SIZE = {"llama-3.2-1b": 1.24, "llama-3.2-1b-8bit": 1.24, "gemma-2-2b": 2.61, "granite-3.1-2b": 2.53, "mistral-nemo": 12.2,
+                  "phi-4": 14.7, "smollm2-135m": 0.135}
+
+
+def test_every_registry_model_has_a_shape_that_weighs_what_the_model_does():
+  """Placement sizes a registry model from its shape: each card has one, and its weights add up to the model's size
+  (the text model's, for Gemma 3 4B and larger) within the 10 per cent the names round by, so a mistyped figure shows."""
+  import re
+  from exo.models import model_cards
+  assert [m for m in model_cards if shape_of(m) is None] == ["deepseek-r1-distill-qwen-1.5b"]  # its head's tying is not known here
+  for model_id, card in model_cards.items():
+    shape, named = shape_of(model_id), re.search(r"-(\d+(?:\.\d+)?)b(?:-|$)", model_id)
+    if shape is None or model_id == "dummy":
+      continue
+    weights = card["layers"] * shape.layer_weights + shape.embedding_weights + (0 if shape.tied else shape.head_weights)
+    size = PUBLISHED_SIZE.get(model_id) or float(named.group(1))
+    assert abs(weights / 1e9 / size - 1) < 0.1, (model_id, weights / 1e9, size)

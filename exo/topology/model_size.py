@@ -22,12 +22,13 @@ class ModelShape:
   vocab: int
   kv_dim: int  # key/value heads x head dimension
   tied: bool  # the output head is the embedding's matrix
+  q_dim: int = 0  # query heads x head dimension, where it differs from hidden (0: hidden)
 
   @property
   def layer_weights(self) -> int:
-    """Attention (q and o square, k and v hidden x kv_dim), the gated MLP's three matrices, two norms."""
+    """Attention (q and o hidden x q_dim, k and v hidden x kv_dim), the gated MLP's three matrices, two norms."""
     h = self.hidden
-    return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
+    return 2 * h * (self.q_dim or h) + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
 
   @property
   def head_weights(self) -> int:
@@ -58,6 +59,38 @@ SHAPES.update({
   "llama-3.2-1b-8bit": SHAPES["llama-3.2-1b"], "llama-3.2-3b-8bit": SHAPES["llama-3.2-3b"], "llama-3.2-3b-bf16": SHAPES["llama-3.2-3b"],
   "llama-3-8b": SHAPES["llama-3.1-8b"], "llama-3.3-70b": SHAPES["llama-3.1-70b"], "llama-3.1-70b-bf16": SHAPES["llama-3.1-70b"],
   "llama-3-70b": SHAPES["llama-3.1-70b"], "llama-3.1-405b-8bit": SHAPES["llama-3.1-405b"],
+})
+
+# The other families (hidden, MLP, vocabulary, KV width, tied head, query width). A mixture of experts' MLP width is
+# every expert's together (a node holds them all); Gemma 3 4B and larger: the text model's (the vision tower is not
+# loaded). Each weighs what its model is published at, within 10 per cent (tests/test_placement.py).
+QWEN25 = {"0.5b": ModelShape(896, 4864, 151936, 2 * 64, True), "1.5b": ModelShape(1536, 8960, 151936, 2 * 128, True),
+          "3b": ModelShape(2048, 11008, 151936, 2 * 128, True), "7b": ModelShape(3584, 18944, 152064, 4 * 128, False),
+          "14b": ModelShape(5120, 13824, 152064, 8 * 128, False), "32b": ModelShape(5120, 27648, 152064, 8 * 128, False),
+          "72b": ModelShape(8192, 29568, 152064, 8 * 128, False)}
+SHAPES.update({f"qwen-2.5-{size}": shape for size, shape in QWEN25.items()})
+SHAPES.update({f"qwen-2.5-coder-{size}": QWEN25[size] for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b")})
+SHAPES.update({f"qwen-2.5-math-{size}": QWEN25[size] for size in ("1.5b", "7b", "72b")})
+SHAPES.update({f"deepseek-r1-distill-qwen-{size}": QWEN25[size] for size in ("7b", "14b", "32b")})
+SHAPES.update({"deepseek-r1-distill-llama-8b": SHAPES["llama-3.1-8b"], "deepseek-r1-distill-llama-70b": SHAPES["llama-3.1-70b"]})
+SHAPES.update({
+  "qwen-3-0.6b": ModelShape(1024, 3072, 151936, 8 * 128, True, 16 * 128), "qwen-3-1.7b": ModelShape(2048, 6144, 151936, 8 * 128, True),
+  "qwen-3-4b": ModelShape(2560, 9728, 151936, 8 * 128, True, 32 * 128), "qwen-3-8b": ModelShape(4096, 12288, 151936, 8 * 128, False),
+  "qwen-3-14b": ModelShape(5120, 17408, 151936, 8 * 128, False), "qwen-3-32b": ModelShape(5120, 25600, 151936, 8 * 128, False, 64 * 128),
+  "qwen-3-30b-a3b": ModelShape(2048, 128 * 768, 151936, 4 * 128, False, 32 * 128),
+  "qwen-3-235b-a22b": ModelShape(4096, 128 * 1536, 151936, 4 * 128, False, 64 * 128),
+  "gpt-oss-20b": ModelShape(2880, 32 * 2880, 201088, 8 * 64, False, 64 * 64),
+  "gpt-oss-120b": ModelShape(2880, 128 * 2880, 201088, 8 * 64, False, 64 * 64),
+  "mistral-7b": ModelShape(4096, 14336, 32768, 8 * 128, False), "mistral-nemo": ModelShape(5120, 14336, 131072, 8 * 128, False, 32 * 128),
+  "mistral-small-24b": ModelShape(5120, 32768, 131072, 8 * 128, False, 32 * 128),
+  "gemma-2-2b": ModelShape(2304, 9216, 256000, 4 * 256, True, 8 * 256), "gemma-2-9b": ModelShape(3584, 14336, 256000, 8 * 256, True, 16 * 256),
+  "gemma-2-27b": ModelShape(4608, 36864, 256000, 16 * 128, True, 32 * 128),
+  "gemma-3-1b": ModelShape(1152, 6912, 262144, 1 * 256, True, 4 * 256), "gemma-3-4b": ModelShape(2560, 10240, 262208, 4 * 256, True, 8 * 256),
+  "gemma-3-12b": ModelShape(3840, 15360, 262208, 8 * 256, True, 16 * 256),
+  "gemma-3-27b": ModelShape(5376, 21504, 262208, 16 * 128, True, 32 * 128),
+  "phi-4": ModelShape(5120, 17920, 100352, 10 * 128, False),
+  "granite-3.1-2b": ModelShape(2048, 8192, 49155, 8 * 64, True), "granite-3.1-8b": ModelShape(4096, 12800, 49155, 8 * 128, True),
+  "olmo-2-7b": ModelShape(4096, 11008, 100352, 32 * 128, False), "olmo-2-13b": ModelShape(5120, 13824, 100352, 40 * 128, False),
 })
 
 
