@@ -170,6 +170,7 @@ def test_tinygrad_refuses_what_it_does_not_compute_by_name(name, field):
   ("deepseek_v3", {"rope_scaling": None}), ("deepseek_v3", {"rope_interleaved": False}), ("deepseek_v3", {"expert_groups_searched": 4}),
   ("deepseek_v3", {"routed_scaling_factor": 1.0}), ("deepseek_v3", {"shared_expert_intermediate_size": 0}),
   ("deepseek_v3", "e_score_correction_bias"),
+  ("gemma3_v4", {"rope_theta": 10000.0}),  # Gemma 3's default base (its config.json leaves it out), not the usual 10,000
 ])
 def test_each_feature_a_fixture_tests_changes_its_logits(name, change):
   """The fixture would catch an engine that left the feature out: computed without it, the logits differ from
