@@ -164,8 +164,10 @@ def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = Fal
   weights: Dict[str, np.ndarray] = {}
   convert = None if not quantize else lambda name, w: quantize_matrix(w, quantize) if quantizes(name, w.shape) else w
   for file, names in wanted.items():
-    weights.update((text_names[stored], w) for stored, w in _read_safetensors(path / file, names, convert).items())
+    weights.update(_read_safetensors(path / file, names, convert))
+  # grouped under the stored names, which a quantization config's per-layer settings use
   weights = group_quantized(weights, config_json.get("quantization") or config_json.get("quantization_config"))
+  weights = {text_names[stored]: w for stored, w in weights.items()}
   if not keep_quantized:
     weights = {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}
   return config, weights
