@@ -201,7 +201,8 @@ def test_gemma3_4b_and_larger_read_their_text_model_with_gemma3s_defaults():
   assert (v4.n_layers, v4.n_heads, v4.n_kv_heads, v4.vocab_size, v4.rms_norm_eps) == (3, 8, 4, 512, 1e-6)
   assert (v4.rope_theta, v4.rope_scaling["factor"], v4.sliding_rope[0], v4.sliding_layers) == (1e6, 4.0, 10000.0, (0, 1))
   from exo.topology.model_size import _checkpoint_shape
-  assert _checkpoint_shape(str(FIXTURES / "gemma3_v4")).hidden == 64
+  shape = _checkpoint_shape(str(FIXTURES / "gemma3_v4"))
+  assert (shape.hidden, shape.q_dim, shape.vocab) == (64, 8 * 32, 512)
   # the real 4B's text_config, as its config.json gives it
   four_b = model_config({"model_type": "gemma3", "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                                                                 "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},

@@ -113,7 +113,8 @@ def _checkpoint_shape(path: str) -> Optional[ModelShape]:
   # the MLP width that weighs what the layers' MLPs do on average: a mixture of experts' every expert counts
   intermediate = c.mlp_parameters() // (3 * c.hidden_size * c.n_layers)
   # the KV width as the cache holds it: half of a position's values (a key and a value each; MLA's latent and RoPE key)
-  return ModelShape(c.hidden_size, intermediate, c.vocab_size, -(-c.kv_values_per_position // 2), c.tie_word_embeddings)
+  q_dim = 0 if c.latent_attention else c.n_heads * c.head_dim
+  return ModelShape(c.hidden_size, intermediate, c.vocab_size, -(-c.kv_values_per_position // 2), c.tie_word_embeddings, q_dim)
 
 
 # Bytes a weight of each GGUF type takes held quantized (exo/inference/gguf_quants.py: 16-bit scale and bias a block
