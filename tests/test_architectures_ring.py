@@ -1,7 +1,8 @@
 """A sliding-window model (Gemma 2: the cut falls between its sliding and its full layer), mixtures of experts
 (Mixtral: the cut falls between two expert layers; gpt-oss: between its sliding and its full expert layer, with
-attention sinks) and latent attention (DeepSeek-V3: each node caches its own layers' latents), each split over a
-2-process ring by `exo run`, answer what one process alone answers."""
+attention sinks), latent attention (DeepSeek-V3: each node caches its own layers' latents) and Gemma 3's image-and-text
+form (each node reads only its share of the text model), each split over a 2-process ring by `exo run`, answer what
+one process alone answers."""
 import asyncio
 import re
 
@@ -13,7 +14,7 @@ from tests.support.cluster import ExoProcess, free_port, run_answers, wait_for_r
 pytestmark = pytest.mark.cluster
 
 PROMPTS = ["in the and of to a b c d", "a b c d e f g h"]  # only tokens the fixtures' 512-token vocabulary has
-NAMES = ["gemma2", "mixtral", "gpt_oss", "deepseek_v3"]
+NAMES = ["gemma2", "mixtral", "gpt_oss", "deepseek_v3", "gemma3_v4"]
 
 
 def run_args(path) -> list:
