@@ -101,6 +101,20 @@ def test_chat_template_renders_like_hugging_face(gguf_tokenizer):
   assert gguf_tokenizer.decode(ids) == text
 
 
+@pytest.mark.parametrize("file", ["chat_template.jinja", "chat_template.json"])
+def test_a_chat_template_beside_the_tokenizer_config_is_read(tmp_path, gguf_tokenizer, file):
+  """Where tokenizer_config.json has no template: transformers 5's chat_template.jinja, or an image-and-text model's
+  chat_template.json (its processor's)."""
+  from tests.support.checkpoints import write_tokenizer
+  write_tokenizer(tmp_path, gguf_tokenizer)
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  template = config.pop("chat_template") + "{{ 'from the file' }}"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  (tmp_path / file).write_text(json.dumps({"chat_template": template}) if file.endswith(".json") else template)
+  rendered = resolve_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+  assert rendered.endswith("from the file") and "Hi" in rendered
+
+
 def test_end_of_turn_ids(gguf_tokenizer):
   assert gguf_tokenizer.eos_token_id == 2  # <|im_end|>
   assert {0, 2} <= gguf_tokenizer.eos_token_ids  # <|endoftext|> ends generation too

@@ -151,6 +151,8 @@ def tokenizer_from_dir(path: Union[str, Path]) -> Tokenizer:
     template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
   if template is None and (path / "chat_template.jinja").exists():
     template = (path / "chat_template.jinja").read_text()
+  if template is None and (path / "chat_template.json").exists():  # an image-and-text model's processor's (Gemma 3 4B and larger)
+    template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
   eos_ids = set()
   gen_config = path / "generation_config.json"
   if gen_config.exists():
