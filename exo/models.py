@@ -8,7 +8,7 @@ _NP, _TG, _MLX = "NumpyDynamicShardInferenceEngine", "TinygradDynamicShardInfere
 
 def _card(layers: int, hf: Optional[str] = None, mlx: Optional[str] = None, tinygrad: bool = True) -> dict:
   """`hf` is a Hugging Face safetensors repo (numpy and tinygrad engines); `mlx` the MLX repo (defaults to `hf`).
-  tinygrad=False: a model the tinygrad engine does not compute (a mixture of experts)."""
+  tinygrad=False: a model the tinygrad engine does not compute (gpt-oss's experts)."""
   repo = {}
   if hf:
     repo[_NP] = hf
@@ -64,9 +64,9 @@ model_cards: Dict[str, dict] = {
   "qwen-3-8b": _card(36, "Qwen/Qwen3-8B", "mlx-community/Qwen3-8B-4bit"),
   "qwen-3-14b": _card(40, "Qwen/Qwen3-14B", "mlx-community/Qwen3-14B-4bit"),
   "qwen-3-32b": _card(64, "Qwen/Qwen3-32B", "mlx-community/Qwen3-32B-4bit"),
-  # Mixtures of experts, from bfloat16 checkpoints (the engines do not yet run quantized experts; tinygrad no experts)
-  "qwen-3-30b-a3b": _card(48, "Qwen/Qwen3-30B-A3B", tinygrad=False),
-  "qwen-3-235b-a22b": _card(94, "Qwen/Qwen3-235B-A22B", tinygrad=False),
+  # Mixtures of experts, from bfloat16 checkpoints (the engines do not yet run quantized experts; tinygrad not gpt-oss's)
+  "qwen-3-30b-a3b": _card(48, "Qwen/Qwen3-30B-A3B"),
+  "qwen-3-235b-a22b": _card(94, "Qwen/Qwen3-235B-A22B"),
   "gpt-oss-20b": _card(24, "unsloth/gpt-oss-20b-BF16", tinygrad=False),
   "gpt-oss-120b": _card(36, "unsloth/gpt-oss-120b-BF16", tinygrad=False),
   # Mistral (the ungated copies of the 7B), Gemma (Gemma 3 1B: the text-only size), Phi-4, Granite, OLMo 2
