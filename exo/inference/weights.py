@@ -162,7 +162,7 @@ def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = Fal
       wanted.setdefault(file, []).append(stored)
       text_names[stored] = name
   weights: Dict[str, np.ndarray] = {}
-  convert = None if not quantize else lambda name, w: quantize_matrix(w, quantize) if quantizes(name, w.shape) else w
+  convert = None if not quantize else lambda name, w: quantize_matrix(w, quantize) if quantizes(text_names[name], w.shape) else w
   for file, names in wanted.items():
     weights.update(_read_safetensors(path / file, names, convert))
   # grouped under the stored names, which a quantization config's per-layer settings use
