@@ -90,6 +90,8 @@ SETTINGS: Tuple[Setting, ...] = (
   _s("--max-parallel-downloads", None, int, 8, "files downloaded at once"),
   _s(None, "EXO_PEER_UPLOAD_BYTES_PER_S", str, None, "the most a node sends one peer's transfer per second", "unset: as fast as the link goes"),
   # Engines, the terminal, diagnostics
+  _s(None, "EXO_KV_BITS", int, 32, "the numpy engine's KV cache: `32` (float32) or `16` (float16: half the memory; decode about 0.8-0.85x as "
+     "fast, and a prompt's reused prefix may round otherwise than a fresh computation, so a seeded sample can differ)", "`32`"),
   _s(None, "EXO_TINYGRAD_DTYPE", str, None, "the tinygrad engine's precision: `float16` or `float32`", "float32 on CPUs, float16 on GPUs"),
   _s(None, "EXO_MLX_OPENBLAS", str, "1", "the MLX engine on Linux preloads OpenBLAS (`0`: not; or a library's path)", "`1`"),
   _s(None, "OPENBLAS_NUM_THREADS", str, None, "the numpy engine's OpenBLAS threads", "1"),

@@ -114,13 +114,13 @@ async def test_a_body_over_the_limit_is_413_and_the_node_goes_on():
 
 
 async def test_the_kv_budget_holds_a_request_back_until_the_running_one_ends(server):
-  """SmolLM2 keeps 23,040 bytes of KV per position in the numpy engine (30 layers x K and V x 3 heads x 64 x float16):
-  admission counts at that width, so a budget of 120 positions at float16 is a budget of 120 positions. With a budget
+  """SmolLM2 keeps 46,080 bytes of KV per position in the numpy engine (30 layers x K and V x 3 heads x 64 x float32):
+  admission counts at the engine's width (tests/test_kv_width.py for float16). With a budget
   that fits one request's prompt and max_tokens but not two, the second waits, then runs; one that cannot fit even
   alone is refused."""
   admission = server.api.admission
   budget = admission.kv_budget
-  admission.kv_budget = 23_040 * 120  # one request: about 40 prompt tokens + 60 generated
+  admission.kv_budget = 46_080 * 120  # one request: about 40 prompt tokens + 60 generated
   url, body = f"{server.url}/v1/chat/completions", {"model": MODEL, "messages": STORY, "max_tokens": 60, "ignore_eos": True}
   try:
     async with aiohttp.ClientSession() as session:

@@ -87,7 +87,7 @@ def test_latent_attention_caches_the_latent_and_the_rope_key():
   from exo.api.model_limits import ModelLimits
   config = model_config(json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text()))
   assert config.kv_values_per_position == 32 + 8
-  assert ModelLimits.of(config, 2).kv_bytes_per_position_per_layer == (32 + 8) * 2  # float16, as the numpy engine keeps it
+  assert ModelLimits.of(config, 2).kv_bytes_per_position_per_layer == (32 + 8) * 2  # float16, as the numpy engine keeps it with EXO_KV_BITS=16
   full_size = {**json.loads((FIXTURES / "deepseek_v3" / "config.json").read_text()), "num_attention_heads": 128, "num_key_value_heads": 128,
                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
   assert model_config(full_size).kv_values_per_position == 576

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 SMOL = "smollm2-135m"
 NUMPY = "NumpyDynamicShardInferenceEngine"
-NUMPY_KV_BYTES = 2  # the numpy engine's KV cache is float16, though it computes in float32
+NUMPY_KV_BYTES = 4  # the numpy engine's KV cache is float32 (a node with EXO_KV_BITS=16 keeps half; placement is not told)
 
 
 def member(node_id: str, memory_mb: int, speed: float = 50.0, mode: str = "auto", engine: str = NUMPY, float_bytes: int = 4) -> MemberFacts:
@@ -31,7 +31,7 @@ def kv_reserve_mb(kv_bytes: int) -> float:
 
 
 def whole_copy_mb(engine: str = NUMPY, float_bytes: int = 4, kv_bytes: int = NUMPY_KV_BYTES) -> float:
-  """SmolLM2 as an engine holds it (the numpy engine: the embedded GGUF kept quantized, a float16 KV reserve): what
+  """SmolLM2 as an engine holds it (the numpy engine: the embedded GGUF kept quantized, a float32 KV reserve): what
   one node must offer to hold a copy."""
   s = shape_of(SMOL)
   weights = 30 * s.layer_weights + s.embedding_weights + s.hidden  # tied head: the embedding's matrix, and the final norm
@@ -61,7 +61,7 @@ def test_the_copy_needs_its_kv_reserve_too():
 
 
 def test_the_kv_reserve_is_counted_at_the_width_each_engine_stores_it_in():
-  """The numpy engine's float16 cache (the test above) takes half what a float32 engine's does (tinygrad on a CPU)."""
+  """Each engine's reserve at the width its cache is kept in: tinygrad on a CPU, float32."""
   tinygrad = dict(engine="TinygradDynamicShardInferenceEngine", float_bytes=4)
   need = whole_copy_mb(tinygrad["engine"], 4, kv_bytes=4)
   assert len(smol(member("a", int(need) - 1, **tinygrad), member("b", int(need) - 1, **tinygrad)).groups) == 1

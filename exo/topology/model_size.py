@@ -164,14 +164,11 @@ def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> fl
   return float(float_bytes)
 
 
-# Engines whose KV cache is narrower than the float width they compute in: the numpy engine's is float16
-# (exo/inference/numpy/cache.py).
-KV_VALUE_BYTES = {"NumpyDynamicShardInferenceEngine": 2}
-
-
 def kv_value_bytes(engine_classname: str, float_bytes: int) -> int:
-  """Bytes a cached key or value element takes on a node of this engine and float width."""
-  return KV_VALUE_BYTES.get(engine_classname, float_bytes)
+  """Bytes a cached key or value element takes on a node of this engine and float width: every engine keeps its cache
+  at the width it computes in. (A numpy node started with EXO_KV_BITS=16 keeps half; its peers are not told, so its
+  reserve is counted at float32: room to spare, never too little.)"""
+  return float_bytes
 
 
 def engine_float_bytes(engine_name: str) -> int:

@@ -8,9 +8,11 @@ that reads the cache where it lies (see attention.py). A pool of small blocks sc
 cache, would have to gather every request's blocks into one array first, for every layer of every step: that copy
 alone took as long as the attention (27-43 ms a step for 64 requests of 128 positions, on this 2-core VM).
 
-Keys and values are stored as float16 (KV_DTYPE), half float32's bytes, as llama.cpp keeps its cache by default:
-attention reads the cache once a step for every request, and on CPUs that read is what long contexts and many
-streams cost. Attention computes in float32 (attention.py widens each block it reads).
+Keys and values are stored as float32, or with EXO_KV_BITS=16 as float16 (kv_dtype()), half the bytes, as llama.cpp
+keeps its cache by default. float16 is not the default: widening costs decode 15-20% at 512 positions (attention.py
+widens each block it reads and computes in float32), and a prompt whose prefix came from the prefix cache rounds
+otherwise than one computed afresh (a product's summation order depends on the step's rows), which can change a
+seeded sample at a high temperature.
 
 Memory follows use. A slot is only address space until written: the kernel maps 4 KiB pages as positions are
 written (no huge pages: a huge page may first need the kernel to compact memory, which stalled steps by up to 250
@@ -28,7 +30,15 @@ from typing import List, Tuple
 
 import numpy as np
 
-KV_DTYPE = np.dtype(np.float16)
+from exo import settings
+
+
+
+def kv_dtype() -> np.dtype:
+  """The cache's element type on this node (EXO_KV_BITS)."""
+  return np.dtype(np.float16 if settings.env_int("EXO_KV_BITS") == 16 else np.float32)
+
+
 SLAB_SLOTS = 64  # the most requests one batched attention product can take
 # Linux's flag (Python 3.11's mmap module lacks the name): the slab is address space, not memory set aside.
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
@@ -39,10 +49,10 @@ class KVPool:
   positions, head dim) and slot number n lies in slab n // SLAB_SLOTS. Two planes hold keys and values; one, keys
   that are their own values (latent attention's latent and RoPE key: one KV head, read as both)."""
 
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int, planes: int = 2, dtype=KV_DTYPE):
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int, planes: int = 2, dtype=None):
     self.positions = -(-positions // 1024) * 1024  # a whole number of pages per (layer, k/v, head) row
     self.slot_shape = (n_layers, planes, n_kv_heads, self.positions, head_dim)
-    self.dtype = np.dtype(dtype)
+    self.dtype = kv_dtype() if dtype is None else np.dtype(dtype)
     self.slot_bytes = math.prod(self.slot_shape) * self.dtype.itemsize
     self.slabs: List[np.ndarray] = []
     self._maps: List[mmap.mmap] = []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from exo import settings
 from exo.inference.llama_engine import LlamaShardEngine
-from exo.inference.numpy.cache import KV_DTYPE
+from exo.inference.numpy.cache import kv_dtype
 from exo.inference.numpy.llama import Llama
 
 GIL_SWITCH_S = 0.0005
@@ -50,4 +50,4 @@ class NumpyDynamicShardInferenceEngine(LlamaShardEngine):
     return Llama(config, shard, weights)
 
   def kv_bytes_per_value(self, config) -> int:
-    return KV_DTYPE.itemsize
+    return kv_dtype().itemsize

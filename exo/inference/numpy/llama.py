@@ -15,7 +15,7 @@ import numpy as np
 
 from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tables, route, shard_ends, step_input
 from exo.inference.numpy.attention import Step, soft_cap
-from exo.inference.numpy.cache import KV_DTYPE, KVCache, KVPool
+from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import Workers, product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.shard import Shard
@@ -68,7 +68,7 @@ def interleaved_pairs(outputs: int) -> np.ndarray:
 
 
 class Llama:
-  def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray], kv_dtype=KV_DTYPE):
+  def __init__(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray], kv_dtype=None):
     self.config, self.shard = config, shard
     c = config
     if c.intermediate_size % PAIR:
