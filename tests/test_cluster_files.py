@@ -217,14 +217,14 @@ def test_a_caller_is_known_by_the_address_members_are_known_by():
 
 
 async def test_a_node_asks_for_files_only_once_every_peer_has_announced_its_own_or_stayed_silent_too_long(monkeypatch):
+  now = [1000.0]
+  monkeypatch.setattr(cluster_files.time, "monotonic", lambda: now[0])  # a clock the test moves
   cluster = cluster_of({"a": {"127.0.0.1"}, "upstream": {"127.0.0.1"}})
-  waiting = asyncio.ensure_future(cluster.heard_every_peer())
-  await asyncio.sleep(0)  # (one loop turn: it has looked and waits on the next announcement)
+  assert cluster.unheard_for() == cluster_files.FIRST_WORD_S  # neither has spoken: wait for both
   hear(cluster, announcement("a", verified=["w.safetensors"]), "127.0.0.1")
-  await asyncio.sleep(0)
-  assert not waiting.done()  # "upstream" has not spoken yet
-  monkeypatch.setattr(cluster_files, "FIRST_WORD_S", 0.0)  # as if it had been silent for longer than a new peer may be
-  hear(cluster, announcement("a", verified=["w.safetensors"]), "127.0.0.1")
-  await asyncio.wait_for(waiting, 5)
+  now[0] += 1.0
+  assert cluster.unheard_for() == cluster_files.FIRST_WORD_S - 1.0  # "upstream" has not spoken yet
+  now[0] += cluster_files.FIRST_WORD_S
+  assert cluster.unheard_for() == 0.0  # silent too long: not waited for (an upstream node never speaks)
+  await asyncio.wait_for(cluster.heard_every_peer(), 5)
   assert [s.peer for s in cluster.holders(REPO, WEIGHTS, set())] == ["a"]
-  await asyncio.wait_for(cluster.heard_every_peer(), 5)  # and it does not wait for that peer again

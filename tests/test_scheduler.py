@@ -419,17 +419,28 @@ async def test_a_steps_output_is_sent_before_the_next_step_and_its_waiters_hear_
 
 
 async def test_rows_a_step_sends_back_to_this_node_share_the_next_step():
-  """A ring of one sends each decode row back to itself: a few event-loop turns through the node before it is in line
-  again. The loop waits for the rows it was told are coming (with no batch timeout to gather them by), so every step
-  keeps both rows."""
-  engine = StepEngine()
+  """A ring of one sends each decode row back to itself, and the rows arrive one after the other. The loop waits for
+  the rows it was told are coming (with no batch timeout to gather them by), so every step keeps both rows: here b
+  comes back only once a is in line and the loop has looked whether to start its next step."""
   rounds = {"a": 0, "b": 0}
-  loop = None
+  a_in_line_b_awaited, all_rounds_done = asyncio.Event(), asyncio.Event()
+
+  class Observed(StepEngine):
+    @property
+    def prefix_starts_queued(self):  # read each time the loop looks whether to start its next step
+      if loop._coming == {"b"}:  # a is back, b still on its way: only the wait keeps the step from starting with a alone
+        a_in_line_b_awaited.set()
+      return 0
+
+  engine = Observed()
 
   async def come_back(request_id):
-    for _ in range(3 if request_id == "a" else 9):  # the node's own hops: a message's rows made ready, then run
-      await asyncio.sleep(0)
+    if request_id == "b" and rounds["b"] < 3:  # (after the last step neither comes back)
+      await a_in_line_b_awaited.wait()
+      a_in_line_b_awaited.clear()
     rounds[request_id] += 1
+    if rounds == {"a": 4, "b": 4}:
+      all_rounds_done.set()
     if rounds[request_id] < 4:
       await loop.infer(LAST, request_id, TOKEN, None)
 
@@ -446,14 +457,9 @@ async def test_rows_a_step_sends_back_to_this_node_share_the_next_step():
 
   loop = StepLoop(engine, lambda shard: Scheduler(shard, 8, 0.0, 0), finishing_for=finishing_for)
   await asyncio.wait_for(asyncio.gather(loop.infer(LAST, "a", TOKEN, None), loop.infer(LAST, "b", TOKEN, None)), 5)
-  await asyncio.wait_for(_until(lambda: rounds == {"a": 4, "b": 4}), 5)
+  await asyncio.wait_for(all_rounds_done.wait(), 5)
   assert [sorted(step) for step in engine.steps] == [["a", "b"]] * 4
   await loop.stop()
-
-
-async def _until(condition):
-  while not condition():
-    await asyncio.sleep(0.001)
 
 
 async def test_a_request_that_ends_leaves_at_once_and_one_that_ended_while_queued_never_runs():

@@ -224,15 +224,18 @@ class ClusterFiles:
   def has_peers(self) -> bool:
     return bool(self._live()) or bool(self.node is not None and self.node.peers)
 
+  def unheard_for(self) -> float:
+    """Seconds until every peer has announced its files or has been a peer for FIRST_WORD_S without a word (0: now)."""
+    if self.node is None:
+      return 0.0
+    now = time.monotonic()
+    unheard = [self._met.setdefault(p.id(), now) for p in self.node.peers if p.id() not in self.peers]
+    return max([0.0] + [met + FIRST_WORD_S - now for met in unheard])
+
   async def heard_every_peer(self) -> None:
-    """Until every peer has announced its files, or has been a peer for FIRST_WORD_S without a word. A node that
-    (re)joins a ring asks for its files at once; without this it would take from the hub a file its peer holds."""
-    while self.node is not None:
-      now = time.monotonic()
-      unheard = [self._met.setdefault(p.id(), now) for p in self.node.peers if p.id() not in self.peers]
-      left = max((met + FIRST_WORD_S - now for met in unheard), default=0.0)
-      if left <= 0:
-        return
+    """Until unheard_for() is 0. A node that (re)joins a ring asks for its files at once; without this it would take
+    from the hub a file its peer holds."""
+    while (left := self.unheard_for()) > 0:
       await self.changed(left)
 
   async def changed(self, timeout: float) -> None:
