@@ -10,6 +10,7 @@ reply to harmony's shape (the thinking first, then the answer or the call)."""
 import re
 from typing import Optional, Tuple
 
+from exo.api.reply_text import marker_tail
 from exo.api.structured import ResponseFormat
 from exo.api.tool_formats import CallText, ToolFormat, View, json_value_end
 from exo.api.tools import ToolUse
@@ -28,14 +29,6 @@ def writes_harmony(tokenizer) -> bool:
   """Whether the model's chat template is harmony's (gpt-oss's)."""
   template = getattr(tokenizer, "chat_template", None) or ""
   return CHANNEL in template and "analysis" in template
-
-
-def _less_a_marker_begun(body: str) -> str:
-  """`body` less a tail that may be the start of a marker that ends it (text cut inside a marker's characters)."""
-  for k in range(min(len(RETURN), len(body)), 0, -1):
-    if any(m.startswith(body[-k:]) for m in (END, RETURN, CALL, START)):
-      return body[:-k]
-  return body
 
 
 def call_text(name: str, arguments: str) -> str:
@@ -74,7 +67,8 @@ class HarmonySplit:
         self.pending = self.pending[at + len(MESSAGE):]
       if self.state == "body":
         ended = _BODY_END.search(self.pending)
-        body = self.pending[:ended.start()] if ended else self.pending if final else _less_a_marker_begun(self.pending)
+        held = 0 if ended or final else marker_tail(self.pending, (END, RETURN, CALL, START))  # cut inside a marker
+        body = self.pending[:ended.start()] if ended else self.pending[:len(self.pending) - held]
         self._give(body, out)
         self.pending = self.pending[len(body):]
         if not ended:

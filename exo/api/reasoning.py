@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 from exo.api.errors import BadRequest
 from exo.api.harmony import HarmonySplit, grammar_after_analysis, writes_harmony
+from exo.api.reply_text import marker_tail
 from exo.inference import grammar
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -59,14 +60,6 @@ def reasoning_of(tokenizer) -> Optional[Reasoning]:
   return None
 
 
-def _partial_tail(text: str, marker: str) -> int:
-  """The length of the longest tail of `text` that is a proper prefix of `marker`."""
-  for k in range(min(len(marker) - 1, len(text)), 0, -1):
-    if text.endswith(marker[:k]):
-      return k
-  return 0
-
-
 class ReasoningSplit:
   """One choice's text read as it streams: each piece in, (new thinking, new answer text) out.
 
@@ -94,7 +87,7 @@ class ReasoningSplit:
     if self.state == "thinking":
       end = self.pending.find(CLOSE)
       if end < 0:
-        keep = 0 if final else _partial_tail(self.pending, CLOSE)
+        keep = 0 if final else marker_tail(self.pending, [CLOSE])
         body, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         return self._part(body, final), ""
       thinking = self._part(self.pending[:end], True)

@@ -36,6 +36,12 @@ class IncrementalDecoder:
     return text[len(known):] if text.startswith(known) else text
 
 
+def marker_tail(text: str, markers: Sequence[str]) -> int:
+  """The length of the longest tail of `text` that is a proper prefix of one of `markers`: text that may yet become
+  one, held back until the next piece shows whether it does."""
+  return max((k for m in markers for k in range(1, min(len(m), len(text) + 1)) if text.endswith(m[:k])), default=0)
+
+
 class StopMatcher:
   """Cuts a text stream before the first stop string. Text that might be the start of a stop string is held back
   until the next piece shows whether it is one, so nothing after a stop string is ever released."""
@@ -59,7 +65,7 @@ class StopMatcher:
       self.matched = True
       out, self.pending = self.pending[:at], ""
       return out
-    keep = max((k for s in self.stop for k in range(1, min(len(s), len(self.pending) + 1)) if self.pending.endswith(s[:k])), default=0)
+    keep = marker_tail(self.pending, self.stop)
     out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
     return out
 
