@@ -80,15 +80,13 @@ class StepCore:
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at
     once: a batch of one). On the last layers its token is the one its step drew, else it is sampled alone here."""
-    output = CURRENT.get()
-    if output is not None:
-      await self._add(output, shard, result, request_id, state)
-      return
-    output = StepOutput()
+    in_step = CURRENT.get()
+    output = in_step or StepOutput()
     await self._add(output, shard, result, request_id, state)
-    self.node.forwarding.send(output)
-    for request_id, error in output.failed:
-      raise error
+    if in_step is None:
+      self.node.forwarding.send(output)
+      for _, error in output.failed:
+        raise error
 
   async def finish_step(self, shard: Shard, rows: List[Tuple[str, int, np.ndarray, Optional[dict]]],
                         sampled: Optional[Dict[str, Union[int, Exception]]] = None) -> StepOutput:
