@@ -19,9 +19,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,8 @@ import aiohttp
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from bench import MODEL, ROOT, WORDS, Cluster, free_port, model_arithmetic, pct, stream_one  # noqa: E402
+from bench import MODEL, ROOT, WORDS, Cluster, model_arithmetic, pct, stream_one  # noqa: E402
+from llama_server import LlamaServer, available  # noqa: E402
 
 TURNS = 8
 TURN_WORDS = 120  # about 150 prompt tokens a turn, with the template
@@ -112,40 +111,6 @@ async def run_cluster(args, nodes: int, cache: bool, repeat: int, log_dir: Path)
   return results
 
 
-class LlamaServer:
-  """llama.cpp's server on the same GGUF, when it is installed (it is not built here)."""
-
-  def __init__(self, log_dir: Path):
-    self.port, self.log_dir, self.proc = free_port(), log_dir, None
-
-  async def __aenter__(self) -> "LlamaServer":
-    from exo.download.shard_download import embedded_model_path
-    gguf = next(Path(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")).parent.glob("*.gguf"))
-    log = open(self.log_dir / "llama-server.log", "ab")
-    self.proc = subprocess.Popen(["llama-server", "-m", str(gguf), "--port", str(self.port), "--host", "127.0.0.1", "-c", "8192"],
-                                 stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    async with aiohttp.ClientSession() as session:
-      while True:
-        try:
-          async with session.get(f"http://127.0.0.1:{self.port}/health") as r:
-            if r.status == 200:
-              return self
-        except aiohttp.ClientError:
-          pass
-        if self.proc.poll() is not None or time.monotonic() > deadline:
-          raise RuntimeError(f"llama-server did not start; see {self.log_dir / 'llama-server.log'}")
-        await asyncio.sleep(0.25)
-
-  @property
-  def url(self) -> str:
-    return f"http://127.0.0.1:{self.port}/v1/chat/completions"
-
-  async def __aexit__(self, *exc) -> None:
-    self.proc.terminate()
-    self.proc.wait(20)
-
-
 def median_turns(runs: List[dict]) -> List[float]:
   return [statistics.median(run["ttft"][t] for run in runs) for t in range(TURNS)]
 
@@ -184,7 +149,7 @@ async def main() -> None:
             parts.append(f"shared prompt N={USERS} TTFT p50 {row['shared']['ttft_p50']:.2f} s")
           print("  " + "; ".join(parts), flush=True)
     llama = None
-    if "chat" in args.cases and shutil.which("llama-server"):
+    if "chat" in args.cases and available():
       async with LlamaServer(log_dir) as server:
         llama = [await chat_case(server.url, salt=repeat, model="smollm2") for repeat in range(args.repeats)]
       out.write(json.dumps({"llama_server": llama}) + "\n")
