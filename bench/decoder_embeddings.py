@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench import WORDS  # noqa: E402
 from exo.embeddings.batcher import EmbeddingBatcher  # noqa: E402
 from exo.embeddings.model import EmbeddingModel  # noqa: E402
+from exo.inference.numpy.kernels import CORES  # noqa: E402
 
 WIDTH = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
              max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0)
@@ -74,7 +75,7 @@ def main() -> None:
     model = EmbeddingModel(Path(folder) / "model")
   tokens = [len(i) for i in model.tokenize(texts)]
   print(f"{args.layers} layers of Qwen3-Embedding-0.6B's width; {len(texts)} texts of {statistics.mean(tokens):.0f} tokens on average; "
-        f"{cores} cores, torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)
+        f"{cores} cores: exo on {CORES} threads, torch {torch.__version__} on {torch.get_num_threads()}", flush=True)
   ratios = []
   for repeat in range(args.repeats):
     started = time.perf_counter()

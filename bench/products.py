@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 from exo.inference.numpy import kernels  # noqa: E402
-from exo.inference.numpy.engine import single_threaded_blas  # noqa: E402
+from exo.inference.numpy.kernels import single_threaded_blas  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}
 LAYERS = 30  # each shape but the head once per layer

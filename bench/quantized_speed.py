@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo.download.shard_files import embedded_model_path  # noqa: E402
-from exo.inference.numpy.engine import single_threaded_blas  # noqa: E402
+from exo.inference.numpy.kernels import single_threaded_blas  # noqa: E402
 from exo.inference.numpy.llama import Llama  # noqa: E402
 from exo.inference.shard import Shard  # noqa: E402
 from exo.inference.weights import load_config, load_shard_weights  # noqa: E402

@@ -5,9 +5,12 @@ An embedding is a prompt's pass alone (no KV cache, no sampling, no ring): it ru
 the request, on a thread of its own beside the engine's, so chat steps never wait for an embedding batch nor an
 embedding for a chat step. A pass shares its products among helper threads of its own (one per extra core), never
 the engine's; while the node has chat requests (`busy()`), it runs on its one thread instead, leaving the other
-cores to the engine's steps, in small passes with pauses between them. A batch holds at most `batch_tokens` padded
-tokens (inputs sorted by length, so little of that is padding), which bounds one pass; a decoder model runs an input
-longer than that in pieces (exo/embeddings/decoder.py) and pauses between them as between passes."""
+cores to the engine's steps, in small passes with pauses between them. numpy's OpenBLAS runs on one thread, as in
+the numpy engine: its own threads beside the helpers made a decoder embedder's passes 2-5x slower on 2 cores.
+
+A batch holds at most `batch_tokens` padded tokens (inputs sorted by length, so little of that is padding), which
+bounds one pass; a decoder model runs an input longer than that in pieces (exo/embeddings/decoder.py) and pauses
+between them as between passes."""
 import asyncio
 import threading
 import time
@@ -18,7 +21,7 @@ from typing import Callable, Deque, List, Optional, Sequence
 import numpy as np
 
 from exo.embeddings.model import EmbeddingModel
-from exo.inference.numpy.kernels import Workers
+from exo.inference.numpy.kernels import Workers, single_threaded_blas
 
 # Padded tokens per encoder pass (2 inputs of 256 tokens, 16 of 32): products of 512 rows run as fast per row as
 # larger ones, and a short pass is soon over when a chat request arrives and the passes must shrink.
@@ -61,6 +64,7 @@ class EmbeddingBatcher:
     self.wake = threading.Condition()
     self.closed = False
     self.thread: Optional[threading.Thread] = None
+    single_threaded_blas(numpy_only=True)
 
   async def embed(self, model: EmbeddingModel, inputs: Sequence[Sequence[int]]) -> np.ndarray:
     """(inputs, dimensions) vectors, run in batches with whatever else is queued. Cancelling drops the inputs not yet run."""

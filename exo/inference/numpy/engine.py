@@ -1,36 +1,12 @@
-import ctypes
-import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from exo import settings
 from exo.inference.llama_engine import LlamaShardEngine
 from exo.inference.numpy.cache import kv_dtype
+from exo.inference.numpy.kernels import single_threaded_blas
 from exo.inference.numpy.llama import Llama
 
 GIL_SWITCH_S = 0.0005
-
-
-def single_threaded_blas() -> None:
-  """Run this process's OpenBLAS on one thread, unless OPENBLAS_NUM_THREADS says otherwise.
-
-  The model's products are small on purpose (see llama.py); OpenBLAS would hand some of them to helper threads
-  that spin-wait, and on a machine shared with other processes that made steps several times slower."""
-  if settings.env("OPENBLAS_NUM_THREADS"):
-    return
-  try:
-    libraries = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", Path("/proc/self/maps").read_text())))
-  except OSError:  # not Linux: Accelerate or MKL, nothing to do
-    return
-  for path in libraries:
-    library = ctypes.CDLL(path)
-    for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
-      setter = getattr(library, name, None)
-      if setter is not None:
-        setter.argtypes = [ctypes.c_int]
-        setter(1)
-        break
 
 
 class NumpyDynamicShardInferenceEngine(LlamaShardEngine):

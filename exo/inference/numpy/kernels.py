@@ -13,11 +13,41 @@ still for sgemm (x @ w.T: 10-40% at 4-64 rows).
 OpenBLAS runs single-threaded here (see engine.py): its own threads spin between calls, which on a shared machine
 made steps several times slower. The engine shares work itself: `split_over_cores` hands slices of a task to worker
 threads, one per extra core, started on first use."""
+import ctypes
 import os
+import re
 import threading
+from pathlib import Path
 from typing import Callable, List, Optional
 
 import numpy as np
+
+from exo import settings
+
+def single_threaded_blas(numpy_only: bool = False) -> None:
+  """Run this process's OpenBLAS on one thread, unless OPENBLAS_NUM_THREADS says otherwise: the work is shared among
+  the cores by `Workers`, and OpenBLAS's own threads would contend with them (and spin between calls).
+
+  numpy_only: only the copy numpy's wheel bundles (numpy.libs), where there is one, leaving a system OpenBLAS that
+  another library uses (the MLX engine on Linux binds its products to one) to its own threads."""
+  if settings.env("OPENBLAS_NUM_THREADS"):
+    return
+  try:
+    libraries = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", Path("/proc/self/maps").read_text())))
+  except OSError:  # not Linux: Accelerate or MKL, nothing to do
+    return
+  bundled = str(Path(np.__file__).parent.with_name("numpy.libs"))
+  if numpy_only and any(path.startswith(bundled) for path in libraries):
+    libraries = [path for path in libraries if path.startswith(bundled)]
+  for path in libraries:
+    library = ctypes.CDLL(path)
+    for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+      setter = getattr(library, name, None)
+      if setter is not None:
+        setter.argtypes = [ctypes.c_int]
+        setter(1)
+        break
+
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
