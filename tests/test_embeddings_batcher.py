@@ -3,6 +3,10 @@ tokens, each request getting its own vectors back in order; a failing pass fails
 request's inputs are not run, a full queue refuses. The encoder is a stand-in (a vector of each input's ids) so the
 tests see exactly which inputs ran together; tests/test_embeddings_model.py checks the real one."""
 import asyncio
+import ctypes.util
+import os
+import subprocess
+import sys
 import threading
 import types
 
@@ -160,3 +164,35 @@ def test_shortened_vectors_are_cut_and_back_to_unit_length():
   cut = shortened(vectors, 2)
   assert np.allclose(cut, [[0.6, 0.8]])
   assert shortened(vectors, 3) is vectors
+
+
+NUMPY_BLAS_THREADS = """
+import ctypes, glob, os, sys
+import numpy
+system = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # as the MLX engine loads it on Linux
+bundled = glob.glob(os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs", "*openblas*"))
+if not bundled:
+  print("no-bundled")
+  sys.exit()
+ours = ctypes.CDLL(bundled[0])
+system.openblas_set_num_threads(2)
+ours.scipy_openblas_set_num_threads64_(2)
+from exo.embeddings.batcher import EmbeddingBatcher
+EmbeddingBatcher().close()
+print(ours.scipy_openblas_get_num_threads64_(), system.openblas_get_num_threads())
+"""
+
+
+def test_the_batcher_runs_numpys_blas_on_one_thread_and_leaves_a_system_openblas_alone():
+  """Its helpers share a pass's products; OpenBLAS threads beside them made passes several times slower. A system
+  OpenBLAS another engine binds to (MLX on Linux) keeps its threads. In a child process: the tests' conftest sets
+  OPENBLAS_NUM_THREADS=1, which the batcher respects."""
+  system = ctypes.util.find_library("openblas")
+  if system is None:
+    pytest.skip("no system OpenBLAS to load beside numpy's")
+  env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+  out = subprocess.run([sys.executable, "-c", NUMPY_BLAS_THREADS, system], env=env, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  if out.stdout.strip() == "no-bundled":
+    pytest.skip("numpy uses the system's BLAS here: the two are one library")
+  assert out.stdout.split() == ["1", "2"]
