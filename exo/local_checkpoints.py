@@ -8,28 +8,47 @@ A node reads only the paths its operator allowed: those named on its command lin
 PATH`) and anything under a `--models-dir DIR`. A path in an HTTP request's `model`, or in a shard a peer sends, is
 checked against that list before any file is opened, and refused in the same words whether or not it exists, so a
 client can neither make the node read any other file nor probe which files exist. (llama.cpp's server likewise
-loads only what its operator names, and vLLM confines local file inputs to its --allowed-local-media-path.)"""
+loads only what its operator names, and vLLM confines local file inputs to its --allowed-local-media-path.)
+
+An Ollama model store (exo/ollama_store.py), given as a --models-dir or found where Ollama keeps it, is served under
+Ollama's names instead: each manifest's model is a card named `llama3.2:1b` whose files are its GGUF blob."""
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
+from exo.inference.gguf_header import architecture_and_layers, is_gguf
 from exo.models import model_cards, register_model
+from exo.ollama_store import is_store, read_store, tagged
 
-_named: set = set()  # real paths named on the command line
+log = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES = ("llama",)  # the GGUF architectures exo/inference/weights.py reads
+
+_named: set = set()  # real paths named on the command line, and Ollama models' blobs
 _dirs: List[str] = []  # real paths of --models-dir directories
+_ollama_names: Dict[str, str] = {}  # an Ollama model's full name (registry/namespace/model:tag) -> its name
+_refused: Dict[str, str] = {}  # an Ollama model's name -> why no engine here runs it
 
 
-def serve(models: Iterable[Optional[str]], dirs: Iterable[str] = ()) -> List[Optional[str]]:
-  """Allow the operator's checkpoints and directories; return each model as its id (a path becomes its absolute
-  path, a registry id or None is returned as it is). ValueError for a directory or checkpoint that is not there."""
+def serve(models: Iterable[Optional[str]], dirs: Iterable[str] = (), ollama_stores: Iterable[Path] = ()) -> List[Optional[str]]:
+  """Allow the operator's checkpoints and directories, and serve the Ollama stores' models (a --models-dir that is a
+  store counts as one); return each model as its id (a path becomes its absolute path, an Ollama model's other names
+  its name, a registry id or None is returned as it is). ValueError for a directory or checkpoint that is not there."""
+  stores = list(ollama_stores)
   for directory in dirs:
     real = os.path.realpath(os.path.expanduser(directory))
     if not os.path.isdir(real):
       raise ValueError(f"--models-dir {directory}: not a directory")
     _dirs.append(real)
+    if is_store(Path(real)):
+      stores.append(Path(real))
+  for store in dict.fromkeys(os.path.realpath(s) for s in stores):
+    serve_ollama_store(Path(store))
   ids = []
   for model in models:
+    model = ollama_name(model) if model is not None else None
     if model is None or model in model_cards or not looks_like_path(model):
       ids.append(model)
       continue
@@ -38,6 +57,40 @@ def serve(models: Iterable[Optional[str]], dirs: Iterable[str] = ()) -> List[Opt
     _register(model_id)
     ids.append(model_id)
   return ids
+
+
+def serve_ollama_store(store: Path) -> List[str]:
+  """Register the store's models whose GGUF architecture the engines run (each blob allowed, read in place); the
+  others are logged and refused by name with the reason. Their names, in the store's order."""
+  served = []
+  for model in read_store(store).models:
+    try:
+      architecture, layers = architecture_and_layers(model.gguf)
+    except (OSError, ValueError) as e:
+      log.warning(f"Ollama model {model.name} skipped: its GGUF is unreadable ({e})")
+      continue
+    if architecture not in GGUF_ARCHITECTURES or not layers:
+      _refused[model.name] = (f"Ollama model {model.name} cannot run here: its GGUF's general.architecture is {architecture!r}; "
+                              f"the engines here run {', '.join(GGUF_ARCHITECTURES)}")
+      log.warning(_refused[model.name])
+      continue
+    _named.add(os.path.realpath(model.gguf))
+    register_model(model.name, int(layers), model.name, path=str(model.gguf), stop=model.stop)
+    if model.full_name != model.name:
+      _ollama_names.setdefault(model.full_name, model.name)
+    served.append(model.name)
+  return served
+
+
+def ollama_name(model: str) -> str:
+  """The name an Ollama model is served by, for any of its names (`llama3.2` for `llama3.2:latest`); any other model
+  as it is."""
+  for name in (model, tagged(model)):
+    if name in model_cards or name in _refused:
+      return name
+    if name in _ollama_names:
+      return _ollama_names[name]
+  return model
 
 
 def looks_like_path(model: str) -> bool:
@@ -50,6 +103,8 @@ def model_card(model_id: str) -> Optional[dict]:
   None for neither; ValueError for a path this node does not serve or that holds no checkpoint."""
   if model_id in model_cards:
     return model_cards[model_id]
+  if model_id in _refused:
+    raise ValueError(_refused[model_id])
   if not isinstance(model_id, str) or not os.path.isabs(model_id):
     return None
   check_served(model_id)
@@ -65,7 +120,7 @@ def check_served(path: str) -> None:
 
 
 def checkpoint_layers(path: Path) -> int:
-  if path.suffix == ".gguf" and path.is_file():
+  if is_gguf(path):
     from exo.inference.weights import gguf_config, gguf_reader
     return gguf_config(gguf_reader(str(path))).n_layers
   if (path / "config.json").is_file():

@@ -157,6 +157,21 @@ def quantize_setting(args, environ) -> Optional[int]:
   return parse_bits(raw, name)
 
 
+def ollama_stores(args, environ) -> List[Path]:
+  """The Ollama model store to serve: --ollama-models, else $OLLAMA_MODELS, else ~/.ollama/models where it is one. A
+  flag that names no store stops the node; Ollama's variable naming none (Ollama not run yet) is only reported."""
+  from exo.ollama_store import chosen_store
+  raw, name = settings.given(args, environ, "ollama_models")
+  try:
+    store = chosen_store(raw, name)
+  except ValueError as e:
+    if name.startswith("--"):
+      raise
+    print(f"exo: {e}; no Ollama models served", file=sys.stderr, flush=True)
+    return []
+  return [store] if store is not None else []
+
+
 def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
   """(placement mode, memory offered in MiB or None for the machine's), from the flags, else the environment."""
   raw_mode, _ = settings.given(args, environ, "placement")
@@ -193,7 +208,7 @@ async def main(args) -> int:
   engine_classname = inference_engine_classes[engine_name]
   model_id = args.model_name or args.run_model
   try:
-    model_id, args.default_model = serve_local_checkpoints([model_id, args.default_model], args.models_dir)
+    model_id, args.default_model = serve_local_checkpoints([model_id, args.default_model], args.models_dir, ollama_stores(args, os.environ))
   except ValueError as e:
     fail(str(e))
   if args.command == "run" or args.run_model:

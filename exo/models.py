@@ -1,5 +1,5 @@
 """Model cards: id -> number of layers and the repo each engine class loads."""
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from exo.inference.shard import Shard
 
@@ -118,11 +118,19 @@ pretty_name: Dict[str, str] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def register_model(model_id: str, layers: int, name: str) -> dict:
-  """A card added at run time for a local checkpoint: every Llama engine loads it from its path, the model id."""
-  model_cards[model_id] = _card(layers, model_id)
+def register_model(model_id: str, layers: int, name: str, path: Optional[str] = None, stop: Tuple[str, ...] = ()) -> dict:
+  """A card added at run time for a local checkpoint: every Llama engine loads it from its path, the model id unless
+  `path` is given (an Ollama model's blob). `stop`: the model's own stop strings, for requests that give none."""
+  model_cards[model_id] = {**_card(layers, path or model_id), "path": path or model_id}
+  if stop:
+    model_cards[model_id]["stop"] = list(stop)
   pretty_name[model_id] = name
   return model_cards[model_id]
+
+
+def default_stop(model_id: str) -> List[str]:
+  """The stop strings a model's card brings (an Ollama model's params), for a request that sets none."""
+  return list(model_cards.get(model_id, {}).get("stop", ()))
 
 
 def get_repo(model_id: str, inference_engine_classname: str) -> Optional[str]:

@@ -34,6 +34,8 @@ SETTINGS: Tuple[Setting, ...] = (
   _s("--default-model", None, str, None, "the API's model when a request names none (an id or a checkpoint's path)", "`smollm2-135m`"),
   _s("--models-dir", None, str, [], "serve local checkpoints under this directory, named by absolute path in the API's `model` and by ring peers "
      "(repeatable; see \"Checkpoints\")", "none", action="append"),
+  _s("--ollama-models", "OLLAMA_MODELS", str, None, "an Ollama model store (Ollama's own variable): its models are served under Ollama's "
+     "names (`llama3.2:1b`), read in place (`off`: none); see \"Checkpoints\"", "`~/.ollama/models` where it exists"),
   _s("--run-model", None, str, None, "the same as `exo run MODEL`"),
   _s("--max-generate-tokens", None, int, 10000, "cap on tokens per request"),
   _s("--default-temp", None, float, 0.0, "temperature when a request gives none"),

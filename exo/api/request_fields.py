@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 from exo.api.errors import BadRequest
 from exo.inference.penalties import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from exo.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from exo.local_checkpoints import model_card
+from exo.local_checkpoints import model_card, ollama_name
 from exo.models import get_repo, model_cards
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -78,7 +78,7 @@ def resolve_model(requested: Any, default_model: str, engine_classname: str, fal
   registry id that this node's engine cannot run is a 400 with the same message, as upstream."""
   if requested is not None and not isinstance(requested, str):
     raise BadRequest("model must be a string", param="model")
-  model = default_model if not requested or requested.startswith(tuple(fallback_prefixes)) else requested
+  model = default_model if not requested or requested.startswith(tuple(fallback_prefixes)) else ollama_name(requested)
   try:
     model_card(model)  # a local checkpoint's path joins the registry here, if this node serves it
   except ValueError as e:

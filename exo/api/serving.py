@@ -33,7 +33,7 @@ from exo.inference.penalties import penalty_prompt
 from exo.inference.sampling import SamplingParams
 from exo.inference.tokenizers import eos_ids
 from exo.logs import VERBOSE
-from exo.models import build_base_shard
+from exo.models import build_base_shard, default_stop
 from exo.orchestration.generation import generate_events
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,7 @@ class ServingCore:
     cap = self.node.max_generate_tokens
     layers_here = self.node.own_shard(build_base_shard(request.model, self.engine_classname)).get_layer_count()
     complete = plan.completed_by(tokenizer)
+    stop = request.stop or default_stop(request.model)  # a request's own replace the model's (an Ollama model's params), as in Ollama
     choices: List[Choice] = []
     for p, (prompt, prompt_ids, params, echo) in enumerate(runs):
       kv_bytes = limits.kv_bytes(len(prompt_ids) + min(params.max_tokens or cap, cap), layers_here)
@@ -198,7 +199,7 @@ class ServingCore:
         index = p * request.n + j
         seeded = params if params.seed is None else replace(params, seed=(params.seed + index) % 2**64)
         choice = Choice(index, request_id if index == 0 else f"{request_id}-{index}", prompt, seeded, tickets[index], kv_bytes,
-                        ReplyText(tokenizer.decode, eos, request.stop, complete), echo, first=first, tools=plan.tool_stream(),
+                        ReplyText(tokenizer.decode, eos, stop, complete), echo, first=first, tools=plan.tool_stream(),
                         prompt_ids=prompt_ids, thinking=plan.reasoning_split())
         first = first or choice
         choices.append(choice)

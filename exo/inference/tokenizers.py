@@ -9,6 +9,8 @@ import numpy as np
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from exo.inference.gguf_header import is_gguf
+
 
 class DummyTokenizer:
   def __init__(self):
@@ -165,11 +167,11 @@ def tokenizer_from_dir(path: Union[str, Path]) -> Tokenizer:
 
 
 def resolve_tokenizer(repo_or_path: Union[str, Path]):
-  """"dummy" -> DummyTokenizer; a .gguf file or a directory with tokenizer.json -> Tokenizer."""
+  """"dummy" -> DummyTokenizer; a GGUF file (whatever its name) or a directory with tokenizer.json -> Tokenizer."""
   if str(repo_or_path) == "dummy":
     return DummyTokenizer()
   path = Path(repo_or_path)
-  if path.suffix == ".gguf" and path.is_file():
+  if is_gguf(path):
     return tokenizer_from_gguf(path)
   if (path / "tokenizer.json").exists():
     return tokenizer_from_dir(path)

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
+from exo.inference.gguf_header import is_gguf
 from exo.inference.gguf_quants import GGUF_AFFINE_TYPES, from_gguf_blocks
 from exo.inference.models import ModelConfig, UnsupportedModel, model_config
 from exo.inference.quantize import quantize as quantize_matrix, quantizes
@@ -211,16 +212,16 @@ def load_shard_weights(model_path: Union[str, Path], shard: Shard, keep_quantize
   model_path = Path(model_path)
   if quantize and not keep_quantized:
     raise ValueError("quantizing on load needs an engine that keeps weights quantized (numpy or mlx)")
-  if model_path.suffix == ".gguf":
+  if is_gguf(model_path):
     return load_gguf(model_path, shard, keep_quantized, quantize)
   if model_path.is_dir() and (model_path / "config.json").exists():
     return load_hf_dir(model_path, shard, keep_quantized, quantize)
-  raise ValueError(f"{model_path}: neither a .gguf file nor a directory with config.json")
+  raise ValueError(f"{model_path}: neither a GGUF file nor a directory with config.json")
 
 
 def load_config(model_path: Union[str, Path]) -> LlamaConfig:
   """The model's configuration alone, without its weights (GGUF metadata, or config.json)."""
   model_path = Path(model_path)
-  if model_path.suffix == ".gguf":
+  if is_gguf(model_path):
     return gguf_config(gguf_reader(str(model_path)))
   return hf_config(json.loads((model_path / "config.json").read_text()))

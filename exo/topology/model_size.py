@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from exo.models import get_repo
+from exo.inference.gguf_header import is_gguf
+from exo.models import get_repo, model_cards
 
 KV_RESERVE_POSITIONS = 16384  # KV positions a copy of a model keeps room for (e.g. 16 streams of 1,024 positions)
 
@@ -98,9 +99,10 @@ def shape_of(model_id: str) -> Optional[ModelShape]:
   """The model's shape: the table's, or a local checkpoint's own config; None when neither is known."""
   if model_id in SHAPES:
     return SHAPES[model_id]
-  if isinstance(model_id, str) and os.path.isabs(model_id):
-    return _checkpoint_shape(model_id)
-  return None
+  path = model_cards.get(model_id, {}).get("path")  # a local checkpoint's (registered as it is served)
+  if path is None and isinstance(model_id, str) and os.path.isabs(model_id):
+    path = model_id
+  return _checkpoint_shape(path) if path is not None else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,7 +134,7 @@ def _checkpoint_weight_bytes(repo: str, float_bytes: float) -> Optional[float]:
   if path is None or not path.exists():
     return None
   try:
-    if path.suffix == ".gguf":
+    if is_gguf(path):
       from exo.inference.weights import gguf_reader
       matrices = [(int(t.n_elements), t.tensor_type.name) for t in gguf_reader(str(path)).tensors if len(t.shape) == 2]
       count = sum(n for n, _ in matrices)

@@ -192,10 +192,12 @@ def served_checkpoints():
   from exo import local_checkpoints, models
   cards, names = dict(models.model_cards), dict(models.pretty_name)
   named, dirs = set(local_checkpoints._named), list(local_checkpoints._dirs)
+  ollama_names, refused = dict(local_checkpoints._ollama_names), dict(local_checkpoints._refused)
   try:
     yield local_checkpoints
   finally:
-    for registry, saved in ((models.model_cards, cards), (models.pretty_name, names)):
+    for registry, saved in ((models.model_cards, cards), (models.pretty_name, names), (local_checkpoints._ollama_names, ollama_names),
+                            (local_checkpoints._refused, refused)):
       registry.clear()
       registry.update(saved)
     local_checkpoints._named.clear()

@@ -8,6 +8,8 @@ from typing import List, Optional
 from exo.api.model_profiles import local_files
 from exo.api.request_fields import supported_models
 from exo.embeddings.registry import checkpoint_path, embedding_cards
+from exo.inference.gguf_header import is_gguf
+from exo.ollama_store import tagged as with_tag
 from exo.inference.weights import LlamaConfig, load_config
 from exo.models import get_repo
 
@@ -16,7 +18,8 @@ PRECISIONS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def tagged(model_id: str) -> str:
-  return model_id + LATEST
+  """Ollama's name with its tag: a registry id's is `:latest`; an Ollama store's model has its own."""
+  return with_tag(model_id)
 
 
 def local_models(engine_classname: str) -> List[str]:
@@ -52,7 +55,7 @@ def describe(model_id: str, engine_classname: str) -> dict:
   modified = datetime.fromtimestamp(max((s.st_mtime for s in stats), default=0), timezone.utc)
   listing = "\n".join(f"{f.name} {s.st_size} {s.st_mtime_ns}" for f, s in zip(files, stats))  # what the digest stands for: the files as they are
   config = config_of(model_id, engine_classname)
-  gguf = isinstance(path, Path) and path.suffix == ".gguf"
+  gguf = isinstance(path, Path) and is_gguf(path)
   precision = PRECISIONS.get(config.dtype, "") if config is not None and not gguf else ""  # (a GGUF's tensors each have their own type)
   details = {"parent_model": "", "format": "gguf" if gguf else "safetensors", "family": "llama", "families": ["llama"],
              "parameter_size": _size_label(parameter_count(config)) if config else "", "quantization_level": precision}
