@@ -18,13 +18,11 @@ import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-from exo.inference.gguf_header import architecture_and_layers, is_gguf
+from exo.inference.gguf_header import ARCHITECTURES as GGUF_ARCHITECTURES, architecture_and_layers, is_gguf
 from exo.models import model_cards, register_model
 from exo.ollama_store import is_store, read_store, tagged
 
 log = logging.getLogger(__name__)
-
-GGUF_ARCHITECTURES = ("llama",)  # the GGUF architectures exo/inference/weights.py reads
 
 _named: set = set()  # real paths named on the command line, and Ollama models' blobs
 _dirs: List[str] = []  # real paths of --models-dir directories
@@ -69,6 +67,8 @@ def serve_ollama_store(store: Path) -> List[str]:
     except (OSError, ValueError) as e:
       log.warning(f"Ollama model {model.name} skipped: its GGUF is unreadable ({e})")
       continue
+    if model.full_name != model.name:
+      _ollama_names.setdefault(model.full_name, model.name)
     if architecture not in GGUF_ARCHITECTURES or not layers:
       _refused[model.name] = (f"Ollama model {model.name} cannot run here: its GGUF's general.architecture is {architecture!r}; "
                               f"the engines here run {', '.join(GGUF_ARCHITECTURES)}")
@@ -76,8 +76,6 @@ def serve_ollama_store(store: Path) -> List[str]:
       continue
     _named.add(os.path.realpath(model.gguf))
     register_model(model.name, int(layers), model.name, path=str(model.gguf), stop=model.stop)
-    if model.full_name != model.name:
-      _ollama_names.setdefault(model.full_name, model.name)
     served.append(model.name)
   return served
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import BinaryIO, Dict, Iterable, Union
 
 MAGIC = b"GGUF"
+ARCHITECTURES = ("llama",)  # the GGUF architectures exo/inference/weights.py reads
 # value type -> struct format of a scalar (GGUF's numbering); 8 is a string, 9 an array
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9

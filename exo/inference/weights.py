@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from exo.inference.gguf_header import is_gguf
+from exo.inference.gguf_header import ARCHITECTURES as GGUF_ARCHITECTURES, is_gguf
 from exo.inference.gguf_quants import GGUF_AFFINE_TYPES, from_gguf_blocks
 from exo.inference.models import ModelConfig, UnsupportedModel, model_config
 from exo.inference.quantize import quantize as quantize_matrix, quantizes
@@ -70,8 +70,8 @@ def gguf_config(reader) -> LlamaConfig:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
   arch = get("general.architecture")
-  if arch != "llama":
-    raise UnsupportedModel("general.architecture", f"GGUF architecture {arch!r} is not supported (only 'llama')")
+  if arch not in GGUF_ARCHITECTURES:
+    raise UnsupportedModel("general.architecture", f"GGUF architecture {arch!r} is not supported (only {', '.join(map(repr, GGUF_ARCHITECTURES))})")
   hidden = get("llama.embedding_length")
   n_heads = get("llama.attention.head_count")
   vocab = get("llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
