@@ -5,6 +5,7 @@ skipped with a log line and the node runs; a model of an architecture no engine 
 import asyncio
 
 import aiohttp
+import ollama
 import pytest
 
 from tests.support.cluster import Cluster, chat
@@ -60,6 +61,15 @@ def test_an_ollama_model_answers_as_its_gguf_does(node):
   by_name = asyncio.run(chat(url, "smollm2:135m", QUESTION))["choices"][0]["message"]["content"]
   assert by_name == direct and len(direct) > 10
   assert asyncio.run(chat(url, "smollm2:135m", QUESTION, stop=["capital"]))["choices"][0]["message"]["content"] == direct[:direct.index("capital")]
+
+
+def test_the_ollama_client_lists_it_and_chats_with_it_by_name(node):
+  url = node.url("ollama-node")
+  direct = asyncio.run(chat(url, "smollm2-135m", QUESTION))["choices"][0]["message"]["content"]
+  client = ollama.Client(host=url, timeout=180)
+  assert "smollm2:135m" in [m.model for m in client.list().models]
+  reply = client.chat(model="smollm2:135m", messages=[{"role": "user", "content": QUESTION}], options={"temperature": 0})
+  assert reply.model == "smollm2:135m" and reply.message.content == direct
 
 
 def test_the_params_layers_stop_strings_hold_unless_a_request_brings_its_own(node):
