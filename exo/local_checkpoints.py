@@ -77,6 +77,7 @@ def serve_ollama_store(store: Path) -> List[str]:
     _named.add(os.path.realpath(model.gguf))
     register_model(model.name, int(layers), model.name, path=str(model.gguf), stop=model.stop)
     served.append(model.name)
+  log.info(f"Ollama models in {store}: {', '.join(served) or 'none this node runs'}")
   return served
 
 

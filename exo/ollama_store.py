@@ -13,6 +13,7 @@ model. A manifest that cannot be read, names no GGUF, or whose blob is missing i
 fatal: a half-pulled model must not stop a node."""
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -111,6 +112,8 @@ def _read_model(store: Path, name: str, full_name: str, manifest: Path) -> Ollam
   gguf = blob_path(store, layers[MODEL_LAYER])
   if not gguf.is_file():
     raise ValueError(f"its model blob {gguf.name} is missing (a pull that did not finish?)")
+  if not os.access(gguf, os.R_OK):
+    raise ValueError(f"its model blob {gguf.name} is not readable by this user")
   if not is_gguf(gguf):
     raise ValueError(f"its model blob {gguf.name} is not a GGUF file")
   try:

@@ -53,6 +53,7 @@ def test_the_stores_models_are_listed_under_ollamas_names(node):
   log = node.nodes["ollama-node"].log()
   assert "half-pulled:latest" in log and "broken:latest" in log and log.count("skipped") >= 2
   assert "other:7b cannot run here" in log
+  assert "smollm2:135m, someone/smol-stop:latest" in log  # what the node serves, said at startup
 
 
 def test_an_ollama_model_answers_as_its_gguf_does(node):
