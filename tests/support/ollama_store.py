@@ -3,6 +3,7 @@ layers' bytes in blobs/sha256-<hex>. The registry is a made-up name: the code re
 import hashlib
 import json
 import os
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -11,7 +12,9 @@ MODEL = "application/vnd.ollama.image.model"
 PARAMS = "application/vnd.ollama.image.params"
 
 
+@lru_cache(maxsize=16)
 def sha256_of(path: Path) -> str:
+  """(Cached: the tests link the same 98 MB GGUF into many stores.)"""
   digest = hashlib.sha256()
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
