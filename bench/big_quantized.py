@@ -8,7 +8,8 @@ and its one-stream decode speed.
 Resident bytes a parameter are measured twice: the engine's own weight bytes (every array its model holds), and the
 process's resident memory after loading minus that of an idle process that imported the same modules and made the
 same engine (each in a fresh process, so neither inherits the other's heap). Decode: a chat prompt prefilled, a few
-warm-up tokens, then --tokens greedy steps of one stream through the engine's infer_tensor, timed.
+warm-up tokens, then --tokens greedy steps of one stream through the engine's infer_tensor, timed in wall-clock and
+in the process's CPU time.
 
 The weights are random 4-bit codes under random float16 scales written straight as Q4_0 blocks (nothing is
 quantized, so writing a billion parameters takes seconds); norms are float32. The file is not part of the project:
@@ -141,14 +142,15 @@ async def measure(path: str, load: bool, tokens: int) -> dict:
   prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
                                                 add_generation_prompt=True)
   x = (await engine.encode(shard, prompt)).reshape(1, -1)
-  steps = []
+  steps, cpu = [], []
   for i in range(tokens + 4):  # four warm-up steps
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     logits, _ = await engine.infer_tensor("bench", shard, x)
     x = (await engine.sample(logits)).reshape(1, -1)
     if i >= 4:
       steps.append(time.perf_counter() - started)
-  result["tokens_per_s"] = 1 / statistics.median(steps)
+      cpu.append(time.process_time() - started_cpu)
+  result["tokens_per_s"], result["cpu_s_per_token"] = 1 / statistics.median(steps), statistics.median(cpu)
   result["resident_after_decode"] = resident_bytes()
   return result
 
@@ -176,7 +178,8 @@ def main(args) -> None:
   print(f"engine weights: {loaded['weights'] / 2**20:,.0f} MiB = {loaded['weights'] / count:.3f} bytes a parameter")
   print(f"resident after loading: {loaded['resident'] / 2**20:,.0f} MiB, idle process with the same modules: {idle['resident'] / 2**20:,.0f} MiB; "
         f"difference {resident / 2**20:,.0f} MiB = {resident / count:.3f} bytes a parameter (load {loaded['load_s']:.1f} s)")
-  print(f"one stream decode: {loaded['tokens_per_s']:.2f} tokens/s (median of {args.tokens} steps); resident after decoding "
+  print(f"one stream decode: {loaded['tokens_per_s']:.2f} tokens/s (median of {args.tokens} steps), {loaded['cpu_s_per_token']:.3f} CPU s a token "
+        f"(all threads; on a loaded machine the wall-clock rate falls, this does not); resident after decoding "
         f"{loaded['resident_after_decode'] / 2**20:,.0f} MiB")
 
 
