@@ -69,8 +69,10 @@ def make_prompts(n: int, prompt_tokens: int, salt: int = 0) -> List[str]:
 class Cluster:
   """1 or more `exo` processes on loopback with manual discovery; batching set through the environment."""
 
-  def __init__(self, nodes: int, engine: str, batching: bool, args, log_dir: Path, root: Path = ROOT, placement: Optional[str] = None):
+  def __init__(self, nodes: int, engine: str, batching: bool, args, log_dir: Path, root: Path = ROOT, placement: Optional[str] = None,
+               model: str = MODEL):
     self.nodes, self.engine, self.batching, self.args, self.log_dir, self.root = nodes, engine, batching, args, log_dir, root
+    self.model = model  # the nodes' default model: a card's id or a checkpoint's path
     self.placement = placement  # EXO_PLACEMENT for its nodes (None: the nodes' default)
     self.procs: List[subprocess.Popen] = []
     self.api_ports: List[int] = []
@@ -98,7 +100,7 @@ class Cluster:
         [sys.executable, "-m", "exo.main", "--inference-engine", self.engine, "--disable-tui", "--node-id", f"bench{i}",
          "--node-host", "127.0.0.1", "--node-port", str(grpc_ports[i]), "--chatgpt-api-port", str(self.api_ports[i]),
          "--discovery-module", "manual", "--discovery-config-path", str(config_path), "--max-generate-tokens", "100000",
-         "--default-model", MODEL], env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, preexec_fn=self.pin(i)))
+         "--default-model", self.model], env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, preexec_fn=self.pin(i)))
     await self._wait_ready()
     return self
 
@@ -120,7 +122,7 @@ class Cluster:
               placed = (view or {}).get("placement", {})
               placing = placed.get("mode", "off") != "off"
               members = len(placed.get("members", {})) if placing else self.nodes
-              loaded = not placing or all(placed.get("models", {}).get(MODEL, {}).get("ready", [False]))
+              loaded = not placing or all(placed.get("models", {}).get(self.model, {}).get("ready", [False]))
               views.append(view["nodes"] if view is not None and members == self.nodes and loaded else None)
           except aiohttp.ClientError:
             views.append(None)

@@ -25,14 +25,15 @@ def available() -> bool:
 class LlamaServer:
   """`llama-server` on loopback; `args` are its own flags (slots, threads, context)."""
 
-  def __init__(self, log_dir: Path, args: Optional[List[str]] = None, pin=None):
+  def __init__(self, log_dir: Path, args: Optional[List[str]] = None, pin=None, gguf: Optional[Path] = None):
     self.port, self.log_dir, self.proc = free_port(), log_dir, None
+    self.gguf = gguf or embedded_gguf()
     self.args = ["-c", "8192"] if args is None else args
     self.pin = pin  # run in the child before exec (e.g. to pin it to cores)
 
   async def __aenter__(self) -> "LlamaServer":
     log = open(self.log_dir / "llama-server.log", "ab")
-    self.proc = subprocess.Popen(["llama-server", "-m", str(embedded_gguf()), "--port", str(self.port), "--host", "127.0.0.1", *self.args],
+    self.proc = subprocess.Popen(["llama-server", "-m", str(self.gguf), "--port", str(self.port), "--host", "127.0.0.1", *self.args],
                                  stdout=log, stderr=subprocess.STDOUT, preexec_fn=self.pin)
     deadline = time.monotonic() + 120
     async with aiohttp.ClientSession() as session:

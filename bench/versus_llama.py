@@ -3,12 +3,13 @@ to first token on a long prompt, and each server's resident memory.
 
   python bench/versus_llama.py                          # N = 1, 16, 64; 3 repeats
   python bench/versus_llama.py --ns 1 --repeats 5 --threads 2
+  python bench/versus_llama.py --gguf /tmp/exo-random-llama-1b-q4_0.gguf --ns 1   # bench/big_quantized.py's 1B model
 
-Both servers run at once on the embedded SmolLM2 (GGUF Q4_1) and take turns (each idle while the other serves),
+Both servers run at once on the embedded SmolLM2 (GGUF Q4_1), or on --gguf (exo serves it from its path), and take turns (each idle while the other serves),
 the first one alternating by repeat, so a shared machine's drift falls on both alike; ratios are exo ÷ llama-server
 per repeat, then their median. llama-server runs as a user would start it for many users: `-np <largest N> -cb -t
 <threads> -c <slots × context>`; exo with EXO_BATCH_SIZE = the largest N and its BLAS on the same thread count.
-Tokens are the streamed chunks that carry text; every request generates --tokens tokens (ignore_eos)."""
+Tokens are counted by each server's own usage figures; every request generates --tokens tokens (ignore_eos)."""
 import argparse
 import asyncio
 import json
@@ -24,21 +25,23 @@ import aiohttp
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from bench import ROOT, Cluster, make_prompts, stream_one  # noqa: E402
+from bench import MODEL, ROOT, Cluster, make_prompts, stream_one  # noqa: E402
 from llama_server import LlamaServer, available, resident_mib  # noqa: E402
 
 
-async def burst(url: str, prompts: List[str], max_tokens: int) -> Dict[str, float]:
-  """Every prompt at once; tokens/s over the burst (text-carrying chunks) and the median time to first token."""
+async def burst(url: str, prompts: List[str], max_tokens: int, model: str) -> Dict[str, float]:
+  """Every prompt at once; tokens/s over the burst (as each server's usage counts them) and the median time to first
+  text."""
   records = [{} for _ in prompts]
+  extra = {"model": model, "stream_options": {"include_usage": True}}
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-    await asyncio.gather(*[stream_one(session, url, p, max_tokens, record=r) for p, r in zip(prompts, records)])
-  times = [[t for t, text in zip(r["times"], r["text_parts"]) if text] for r in records]
+    results = await asyncio.gather(*[stream_one(session, url, p, max_tokens, extra, record=r) for p, r in zip(prompts, records)])
+  first_text = [next(t for t, text in zip(r["times"], r["text_parts"]) if text) for r in records]
   first_send = min(r["sent"] for r in records)
-  last = max(t[-1] for t in times)
-  return {"tok_s": sum(len(t) for t in times) / (last - first_send),
-          "ttft": statistics.median(t[0] - r["sent"] for t, r in zip(times, records)),
-          "text": ["".join(r["text_parts"]) for r in records]}
+  last = max(r["times"][-1] for r in records)
+  return {"tok_s": sum(r["usage"]["completion_tokens"] for r in results) / (last - first_send),
+          "ttft": statistics.median(t - r["sent"] for t, r in zip(first_text, records)),
+          "text": [r["text"] for r in results]}
 
 
 async def main() -> None:
@@ -49,6 +52,7 @@ async def main() -> None:
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--long-prompt-tokens", type=int, default=1000, help="the prompt whose time to first token is compared")
   p.add_argument("--threads", type=int, default=os.cpu_count())
+  p.add_argument("--gguf", default=None, help="another GGUF than the embedded model's (a Llama: exo serves it from its path)")
   p.add_argument("--out", default=str(ROOT / "bench" / "results"))
   args = p.parse_args()
   if not available():
@@ -63,10 +67,12 @@ async def main() -> None:
         f"{os.cpu_count()} CPUs; logs in {log_dir}", flush=True)
   long_prompt = make_prompts(1, args.long_prompt_tokens, salt=11)
   rows = []
-  async with Cluster(1, "numpy", True, args, log_dir) as exo, LlamaServer(log_dir, llama_args) as llama:
+  gguf = Path(args.gguf).resolve() if args.gguf else None
+  model = str(gguf) if gguf else MODEL
+  async with Cluster(1, "numpy", True, args, log_dir, model=model) as exo, LlamaServer(log_dir, llama_args, gguf=gguf) as llama:
     servers = {"exo": (exo.url, exo.procs[0].pid), "llama": (llama.url, llama.proc.pid)}
     for url, _ in servers.values():  # warm up: kernels compiled, pages touched
-      await burst(url, make_prompts(2, args.prompt_tokens, salt=99), 8)
+      await burst(url, make_prompts(2, args.prompt_tokens, salt=99), 8, model)
     resident = {name: resident_mib(pid) for name, (_, pid) in servers.items()}
     print(f"resident after loading and a warm-up: exo {resident['exo']:.0f} MiB, llama-server {resident['llama']:.0f} MiB", flush=True)
     for repeat in range(args.repeats):
@@ -75,11 +81,11 @@ async def main() -> None:
         prompts = make_prompts(n, args.prompt_tokens, salt=repeat)
         row = {"n": n, "repeat": repeat}
         for name in order:
-          row[name] = await burst(servers[name][0], prompts, args.tokens)
+          row[name] = await burst(servers[name][0], prompts, args.tokens, model)
         rows.append(row)
         print(f"  repeat {repeat} N={n}: exo {row['exo']['tok_s']:.1f} tok/s, llama-server {row['llama']['tok_s']:.1f} tok/s, "
               f"ratio {row['exo']['tok_s'] / row['llama']['tok_s']:.2f}x", flush=True)
-      long = {name: (await burst(servers[name][0], long_prompt, 1))["ttft"] for name in order}
+      long = {name: (await burst(servers[name][0], long_prompt, 1, model))["ttft"] for name in order}
       rows.append({"long_ttft": long, "repeat": repeat})
       print(f"  repeat {repeat} {args.long_prompt_tokens}-token prompt TTFT: exo {long['exo']:.3f} s, llama-server {long['llama']:.3f} s", flush=True)
     resident_after = {name: resident_mib(pid) for name, (_, pid) in servers.items()}
