@@ -13,6 +13,12 @@ caches only the store holds count against its budget and go least recently used 
 a cache no live request uses (no copy at all): the entry then keeps only the blocks the two share, since the new
 request writes past them.
 
+A model with sliding-window layers is the exception to "only ever appends": a cache may hand back the pages of a
+sliding layer's positions its next query no longer sees (the numpy engine's does, exo/inference/numpy/cache.py). A
+prefix is then reused only while its cache still holds the window that prefix's next query sees (`starts_from`):
+the next turn of a chat, whose prefix ends where the last answer did, always is; a prompt another request has since
+decoded a window past is not, and is computed again.
+
 PrefixReuse, at the end, is the engine's side: the prefix methods of the engine contract for an engine that keeps one
 KV cache per request."""
 import hashlib
@@ -51,6 +57,13 @@ class Entry:
     self.positions = {key: (i + 1) * BLOCK for i, key in enumerate(self.keys)}
 
 
+def starts_from(cache, positions: int) -> bool:
+  """Whether the cache's first `positions` positions can start a request. A cache that keeps only a sliding
+  layer's window (the numpy engine's) may have let go of what such a request would see; the others keep them all."""
+  holds = getattr(cache, "holds_prefix", None)
+  return holds is None or holds(positions)
+
+
 class PrefixStore:
   """Entries by the keys they hold, least recently used first. `live()` gives the ids of the caches live requests
   use; `nbytes(cache)` what a cache occupies."""
@@ -71,14 +84,14 @@ class PrefixStore:
       self._evict()
 
   def longest(self, keys: List[str], limit: int) -> Tuple[Optional[Entry], int]:
-    """The entry holding the longest prefix of `keys` of at most `limit` positions, and that many positions."""
+    """The entry holding the longest prefix of `keys` of at most `limit` positions that can start a request, and
+    that many positions."""
     with self._lock:
       for key in reversed(keys[:limit // BLOCK]):  # a key held means every key before it is held too
-        held = self.by_key.get(key)
-        if held:
-          entry = held[-1]
-          self.entries.move_to_end(id(entry))
-          return entry, entry.positions[key]
+        for entry in reversed(self.by_key.get(key, ())):
+          if starts_from(entry.cache, entry.positions[key]):
+            self.entries.move_to_end(id(entry))
+            return entry, entry.positions[key]
     return None, 0
 
   def add(self, cache, keys: List[str], request_id: Optional[str] = None) -> None:
@@ -87,7 +100,8 @@ class PrefixStore:
       return
     with self._lock:
       held = self.by_key.get(keys[-1])
-      if held:  # the same prefix: the older entry stays, freshly used (and is this request's, if it took its cache over)
+      if held and starts_from(held[-1].cache, held[-1].positions[keys[-1]]):
+        # the same prefix: the older entry stays, freshly used (and is this request's, if it took its cache over)
         older = held[-1]
         self.entries.move_to_end(id(older))
         if older.cache is cache:

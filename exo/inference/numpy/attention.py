@@ -85,8 +85,10 @@ class DecodeRun:
     adds no value). A slot of one plane (latent attention) holds keys that are their own values."""
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
-    keys = widened(slots[:, 0, :, :width])  # (n, kv heads, width, head dim)
-    values = keys if slots.shape[1] == 1 else widened(slots[:, -1, :, :width])
+    # a sliding layer reads from the first position any row sees (those before went back to the kernel: cache.py)
+    lo = 0 if window is None else max(0, int(self.ends.min()) - window)
+    keys = widened(slots[:, 0, :, lo:width])  # (n, kv heads, width - lo, head dim)
+    values = keys if slots.shape[1] == 1 else widened(slots[:, -1, :, lo:width])
     sink_logits = None if sinks is None else sinks.reshape(n_kv, -1).T[:, None, :, None]  # as the scores' (group, n, kv heads, 1)
     # Each query head a column of its own: numpy hands a product whose last dimension is 1 to sgemv. A KV head's 3
     # query heads as one 3-row sgemm cost more to set up than to compute: for 64 requests of 131 positions, a layer's
@@ -95,7 +97,7 @@ class DecodeRun:
     scores = np.matmul(keys, queries)[..., 0]  # (group, n, kv heads, width)
     if softcap is not None:
       soft_cap(scores, softcap)
-    scores += self.mask_for(window)
+    scores += self.mask_for(window)[..., lo:]
     shift = None
     if shifted:
       shift = scores.max(axis=-1, keepdims=True) if sink_logits is None else np.maximum(scores.max(axis=-1, keepdims=True), sink_logits)
@@ -158,7 +160,8 @@ class PromptChunk:
     keys = self.slab[self.slot, li, 0]  # (kv heads, positions, head dim)
     queries = q[self.first + a:self.first + b].reshape(n, n_kv, n_heads // n_kv, hd).transpose(1, 2, 0, 3).reshape(n_kv, -1, hd)
     block = max(MIN_KEY_BLOCK, SCORE_TILE_BYTES // (4 * n_heads * n))
-    for k0 in range(0, width, block):
+    first_seen = 0 if window is None else max(0, self.start + a + 1 - window)  # row a's window starts there
+    for k0 in range(first_seen, width, block):
       k1 = min(k0 + block, width)
       scores = np.matmul(queries, keys[:, k0:k1].swapaxes(-1, -2))  # (kv heads, group * n, k1 - k0)
       if softcap is not None:

@@ -16,7 +16,10 @@ seeded sample at a high temperature.
 
 Memory follows use. A slot is only address space until written: the kernel maps 4 KiB pages as positions are
 written (no huge pages: a huge page may first need the kernel to compact memory, which stalled steps by up to 250
-ms), and they go back to it when the request ends. `nbytes` counts the pages written positions occupy.
+ms), and they go back to it when the request ends. A sliding-window layer's query never sees a position `window` or
+more before its own, so as a request advances, the pages of its sliding layers' rows that hold only such positions
+go back to the kernel too (one madvise per row whenever the window's start crosses a page): a sliding layer holds
+its window, not the request. `nbytes` counts the pages a cache really holds.
 
 Slots are reference-counted. The prefix cache (exo/inference/prefix_cache.py) keeps a finished request's cache
 object, and with it its slot, while its prompt may serve later requests; a request that reuses it copies those
@@ -26,7 +29,7 @@ import mmap
 import sys
 import threading
 import weakref
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -47,13 +50,23 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith
 class KVPool:
   """Slots of `positions` positions for n_layers layers; `slabs[i]` is (SLAB_SLOTS, layers, planes, kv heads,
   positions, head dim) and slot number n lies in slab n // SLAB_SLOTS. Two planes hold keys and values; one, keys
-  that are their own values (latent attention's latent and RoPE key: one KV head, read as both)."""
+  that are their own values (latent attention's latent and RoPE key: one KV head, read as both).
 
-  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int, planes: int = 2, dtype=None):
+  `sliding`: the slot's layers (0 for the shard's first) whose queries see only the last `window` positions."""
+
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, positions: int, planes: int = 2, dtype=None,
+               window: Optional[int] = None, sliding: Sequence[int] = ()):
     self.positions = -(-positions // 1024) * 1024  # a whole number of pages per (layer, k/v, head) row
     self.slot_shape = (n_layers, planes, n_kv_heads, self.positions, head_dim)
     self.dtype = kv_dtype() if dtype is None else np.dtype(dtype)
     self.slot_bytes = math.prod(self.slot_shape) * self.dtype.itemsize
+    self.position_bytes = head_dim * self.dtype.itemsize  # of one position in one row
+    self.row_bytes = self.positions * self.position_bytes
+    self.window = window if window is not None and len(sliding) else None
+    self.sliding = tuple(sorted(sliding)) if self.window is not None else ()
+    # where each sliding layer's rows start in a slot, in bytes
+    self.sliding_rows = [((layer * planes + plane) * n_kv_heads + head) * self.row_bytes
+                         for layer in self.sliding for plane in range(planes) for head in range(n_kv_heads)]
     self.slabs: List[np.ndarray] = []
     self._maps: List[mmap.mmap] = []
     self.refs: List[int] = []  # per slot
@@ -90,6 +103,21 @@ class KVPool:
         slab, index = divmod(slot, SLAB_SLOTS)
         self._maps[slab].madvise(mmap.MADV_DONTNEED, index * self.slot_bytes, self.slot_bytes)
 
+  def forget(self, slot: int, start: int, end: int) -> None:
+    """Hand back bytes start..end (whole pages) of each sliding row of the slot: positions no query sees again."""
+    slab, index = divmod(slot, SLAB_SLOTS)
+    buffer, base = self._maps[slab], index * self.slot_bytes
+    for row in self.sliding_rows:
+      buffer.madvise(mmap.MADV_DONTNEED, base + row + start, end - start)
+
+  def unseen_bytes(self, length: int) -> int:
+    """Bytes at the start of a sliding row, whole pages, that hold only positions the next query of a request of
+    `length` positions no longer sees (it sees from length + 1 - window on)."""
+    if self.window is None:
+      return 0
+    first_seen = max(0, length + 1 - self.window)
+    return first_seen * self.position_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+
   def where(self, slot: int) -> Tuple[np.ndarray, int]:
     """(its slab, its index there)."""
     slab, index = divmod(slot, SLAB_SLOTS)
@@ -98,11 +126,25 @@ class KVPool:
 
 class KVCache:
   """One request's place in the pool: its slot and how many positions are written. The slot is released when the
-  cache is dropped (the engine drops it when the request ends)."""
+  cache is dropped (the engine drops it when the request ends). `forgotten`: bytes at the start of each sliding
+  row handed back already (they read as zeros)."""
 
   def __init__(self, pool: KVPool):
-    self.pool, self.slot, self.length = pool, pool.take(), 0
+    self.pool, self.slot, self.length, self.forgotten = pool, pool.take(), 0, 0
     weakref.finalize(self, pool.release, self.slot)
+
+  def advance(self, positions: int) -> None:
+    """`positions` more are written: the sliding rows' pages the next query no longer sees go back."""
+    self.length += positions
+    unseen = self.pool.unseen_bytes(self.length)
+    if unseen > self.forgotten:
+      self.pool.forget(self.slot, self.forgotten, unseen)
+      self.forgotten = unseen
+
+  def holds_prefix(self, positions: int) -> bool:
+    """Whether its first `positions` positions can start another request: every position that request's next
+    query sees is still held (a sliding layer's older pages may have gone back)."""
+    return positions <= self.length and self.pool.unseen_bytes(positions) >= self.forgotten
 
   @property
   def capacity(self) -> int:
@@ -115,13 +157,24 @@ class KVCache:
     return slab[index]
 
   def copy_prefix(self, source: "KVCache", positions: int) -> None:
-    """Start with the first `positions` positions of `source`: a copy of a few MB, far cheaper than computing them."""
-    self.data[:, :, :, :positions] = source.data[:, :, :, :positions]
+    """Start with the first `positions` positions of `source`: a copy of a few MB, far cheaper than computing them.
+    A sliding layer's rows take only the pages its next query sees (source.holds_prefix(positions) must hold)."""
+    pool = self.pool
+    self.forgotten = pool.unseen_bytes(positions)  # never written here: nothing to hand back
+    first = self.forgotten // pool.position_bytes
+    mine, theirs = self.data, source.data
+    if not pool.sliding:
+      mine[:, :, :, :positions] = theirs[:, :, :, :positions]
+    for layer in range(pool.slot_shape[0]) if pool.sliding else ():
+      start = first if layer in pool.sliding else 0
+      mine[layer, :, :, start:positions] = theirs[layer, :, :, start:positions]
     self.length = positions
 
   @property
   def nbytes(self) -> int:
-    """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row."""
-    layers, planes, heads, _, head_dim = self.pool.slot_shape
-    row_bytes = self.length * head_dim * self.pool.dtype.itemsize
-    return layers * planes * heads * -(-row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    """Memory in use: the pages the written positions occupy in each (layer, k/v, head) row, less the pages the
+    sliding rows have handed back."""
+    layers, planes, heads, _, _ = self.pool.slot_shape
+    row = -(-self.length * self.pool.position_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    sliding = len(self.pool.sliding_rows)
+    return (layers * planes * heads - sliding) * row + sliding * max(0, row - self.forgotten)

@@ -92,10 +92,12 @@ class Llama:
     self.embed = None if ends.shared or ends.embed is None else weight_matrix(ends.embed)  # shared: tokens are looked up in the head
     self.layer_ids = list(range(shard.start_layer, shard.end_layer + 1))
     self.rope_tables, self.rope_of_layer = rope_tables(config, self.layer_ids)
+    # a sliding layer's rows keep only its window (cache.py)
+    sliding = dict(window=c.sliding_window, sliding=[li for li, layer in enumerate(self.layer_ids) if c.slides(layer)])
     if c.latent_attention:  # one plane, one head: the latent and the RoPE key, read as keys and as values (latent_attention.py)
-      self.pool = KVPool(len(self.layers), 1, c.kv_values_per_position, c.max_position_embeddings, planes=1, dtype=kv_dtype)
+      self.pool = KVPool(len(self.layers), 1, c.kv_values_per_position, c.max_position_embeddings, planes=1, dtype=kv_dtype, **sliding)
     else:
-      self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings, dtype=kv_dtype)
+      self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings, dtype=kv_dtype, **sliding)
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)
@@ -152,7 +154,7 @@ class Llama:
     step = Step(self.pool, caches, lengths)
     h = self._layers(h, step, workers)
     for cache, n in zip(caches, lengths):
-      cache.length += n
+      cache.advance(n)
     return h, step, order
 
   def _layers(self, h: np.ndarray, step: Step, workers: Optional[Workers] = None) -> np.ndarray:
