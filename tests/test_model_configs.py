@@ -118,8 +118,12 @@ def test_gpt_oss_sizes_count_every_expert():
   assert model_config(small).max_position_embeddings == 131072  # its sliding layers do not limit the context
 
 
-def test_a_sliding_window_narrower_than_the_context_limits_the_context():
-  assert model_config(config_json(model_type="mistral", max_position_embeddings=32768, sliding_window=4096)).max_position_embeddings == 4096
+def test_a_sliding_window_narrower_than_the_context_limits_the_context_unless_the_family_slides():
+  v01 = model_config(config_json(model_type="mistral", max_position_embeddings=32768, sliding_window=4096))
+  # Mistral 7B v0.1: every layer slides, over the whole context (the engines keep the window; transformers likewise)
+  assert (v01.max_position_embeddings, v01.sliding_window, v01.sliding_layers) == (32768, 4096, tuple(range(v01.n_layers)))
+  assert model_config(config_json(model_type="qwen2", max_position_embeddings=32768, sliding_window=4096, use_sliding_window=True,
+                                  max_window_layers=0)).max_position_embeddings == 4096  # Qwen2's sliding layers: not implemented, so limited
   assert model_config(config_json(model_type="mistral", max_position_embeddings=32768, sliding_window=None)).max_position_embeddings == 32768
   qwen = config_json(model_type="qwen2", max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False)
   assert model_config(qwen).max_position_embeddings == 32768
