@@ -34,8 +34,8 @@ def test_the_numpy_engines_cache_is_float32_or_as_set_and_says_so(monkeypatch):
 def test_admission_counts_a_request_at_the_engines_width(float16_kv):
   config = model_config(SMOLLM2)
   limits = ModelLimits.of(config, NumpyDynamicShardInferenceEngine(None).kv_bytes_per_value(config))
-  assert limits.kv_bytes(positions=100, layers=30) == 100 * 30 * 2 * 3 * 64 * 2  # K and V, 3 heads of 64, float16
-  assert ModelLimits.of(config, 4).kv_bytes(100, 30) == 2 * limits.kv_bytes(100, 30)
+  assert limits.kv_bytes(positions=100, layers=range(30)) == 100 * 30 * 2 * 3 * 64 * 2  # K and V, 3 heads of 64, float16
+  assert ModelLimits.of(config, 4).kv_bytes(100, range(30)) == 2 * limits.kv_bytes(100, range(30))
 
 
 def test_a_cache_holds_and_reports_two_bytes_a_value(float16_kv):

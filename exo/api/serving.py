@@ -188,7 +188,8 @@ class ServingCore:
     seed is given), and its own reading of tool calls when it may make some."""
     eos = eos_ids(tokenizer)
     cap = self.node.max_generate_tokens
-    layers_here = self.node.own_shard(build_base_shard(request.model, self.engine_classname)).get_layer_count()
+    here = self.node.own_shard(build_base_shard(request.model, self.engine_classname))
+    layers_here = range(here.start_layer, here.end_layer + 1)
     complete = plan.completed_by(tokenizer)
     stop = request.stop or default_stop(request.model)  # a request's own replace the model's (an Ollama model's params), as in Ollama
     choices: List[Choice] = []

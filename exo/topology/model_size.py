@@ -7,13 +7,14 @@ checkpoint's own config for a local checkpoint. A model whose shape is unknown h
 on one pipeline over every node, as exo always did)."""
 import functools
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
 
 from exo.inference.gguf_header import is_gguf
 from exo.models import get_repo, model_cards
 
-KV_RESERVE_POSITIONS = 16384  # KV positions a copy of a model keeps room for (e.g. 16 streams of 1,024 positions)
+KV_RESERVE_POSITIONS = 16384  # KV positions a copy of a model keeps room for: KV_RESERVE_STREAMS streams of 1,024 positions
+KV_RESERVE_STREAMS = 16
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,27 @@ class ModelShape:
   kv_dim: int  # key/value heads x head dimension
   tied: bool  # the output head is the embedding's matrix
   q_dim: int = 0  # query heads x head dimension, where it differs from hidden (0: hidden)
+  # One layer's weights, on average over the layers, where the config gives them exactly (a checkpoint's: latent
+  # attention's projections, every expert, shared experts and dense layers as the model has them); 0: from the above
+  layer_total: int = 0
+  window: int = 0  # the sliding layers' window (0: no layer slides)
+  sliding_layers: Tuple[int, ...] = ()
 
   @property
   def layer_weights(self) -> int:
     """Attention (q and o hidden x q_dim, k and v hidden x kv_dim), the gated MLP's three matrices, two norms."""
+    if self.layer_total:
+      return self.layer_total
     h = self.hidden
     return 2 * h * (self.q_dim or h) + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
+
+  def kv_reserve(self, start: int, end: int) -> int:
+    """Elements the KV caches of layers start..end keep room for: KV_RESERVE_POSITIONS positions a layer, in
+    KV_RESERVE_STREAMS streams, of which a sliding layer holds at most its window each."""
+    sliding = sum(1 for layer in self.sliding_layers if start <= layer <= end) if self.window else 0
+    stream = KV_RESERVE_POSITIONS // KV_RESERVE_STREAMS
+    positions = (end - start + 1 - sliding) * KV_RESERVE_POSITIONS + sliding * KV_RESERVE_STREAMS * min(stream, self.window)
+    return positions * self.kv_per_position
 
   @property
   def head_weights(self) -> int:
@@ -95,6 +111,19 @@ SHAPES.update({
 })
 
 
+def sliding(shape: ModelShape, model_id: str, window: int, full_every: int) -> ModelShape:
+  """The shape with every layer of the card's but each `full_every`-th sliding over `window` positions (Gemma 2 and
+  gpt-oss: every other; Gemma 3: five of six)."""
+  layers = model_cards[model_id]["layers"]
+  return replace(shape, window=window, sliding_layers=tuple(i for i in range(layers) if (i + 1) % full_every))
+
+
+for model_id, window, full_every in [("gpt-oss-20b", 128, 2), ("gpt-oss-120b", 128, 2), ("gemma-2-2b", 4096, 2), ("gemma-2-9b", 4096, 2),
+                                     ("gemma-2-27b", 4096, 2), ("gemma-3-1b", 512, 6), ("gemma-3-4b", 1024, 6), ("gemma-3-12b", 1024, 6),
+                                     ("gemma-3-27b", 1024, 6)]:
+  SHAPES[model_id] = sliding(SHAPES[model_id], model_id, window, full_every)
+
+
 def shape_of(model_id: str) -> Optional[ModelShape]:
   """The model's shape: the table's, or a local checkpoint's own config; None when neither is known."""
   if model_id in SHAPES:
@@ -116,7 +145,10 @@ def _checkpoint_shape(path: str) -> Optional[ModelShape]:
   intermediate = c.mlp_parameters() // (3 * c.hidden_size * c.n_layers)
   # the KV width as the cache holds it: half of a position's values (a key and a value each; MLA's latent and RoPE key)
   q_dim = 0 if c.latent_attention else c.n_heads * c.head_dim
-  return ModelShape(c.hidden_size, intermediate, c.vocab_size, -(-c.kv_values_per_position // 2), c.tie_word_embeddings, q_dim)
+  # each layer's weights as the model has them, averaged over the layers
+  layer_total = -(-c.layer_parameters() // c.n_layers)
+  return ModelShape(c.hidden_size, intermediate, c.vocab_size, -(-c.kv_values_per_position // 2), c.tie_word_embeddings, q_dim,
+                    layer_total, c.sliding_window or 0, c.sliding_layers if c.sliding_window else ())
 
 
 # Bytes a weight of each GGUF type takes held quantized (exo/inference/gguf_quants.py: 16-bit scale and bias a block

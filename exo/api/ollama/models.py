@@ -32,9 +32,8 @@ def _files(path: Path) -> List[Path]:
 
 
 def parameter_count(config: LlamaConfig) -> int:
-  layer = config.attention_parameters() + 2 * config.hidden_size  # and two norms
   embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-  return config.n_layers * layer + config.mlp_parameters() + embeddings + config.hidden_size  # gate, up, down (every expert's)
+  return config.layer_parameters() + embeddings + config.hidden_size  # and the final norm
 
 
 def _size_label(count: int) -> str:

@@ -122,6 +122,19 @@ class ModelConfig:
     experts += 3 * self.hidden_size * self.shared_expert_intermediate_size
     return sum(experts if self.is_moe(layer) else dense for layer in range(self.n_layers))
 
+  def layer_parameters(self) -> int:
+    """Every layer's weights together, as the checkpoint holds them: attention with its norms and biases, and every
+    MLP (each expert's, with the router's bias and the experts' where the model has them)."""
+    h, heads, kv_heads, hd = self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
+    layer = self.attention_parameters() + h * len(self.layer_norms)
+    layer += (heads + 2 * kv_heads) * hd if self.qkv_bias else 0
+    layer += h if self.o_bias else 0
+    layer += {"head": 2 * hd, "projection": (heads + kv_heads) * hd}.get(self.qk_norm, 0)
+    layer += heads if self.attention_sinks else 0
+    layer += self.q_lora_rank + self.kv_lora_rank if self.latent_attention else 0  # the two latents' norms
+    per_expert = (self.router_bias or self.router == "sigmoid_grouped") + (2 * self.expert_intermediate_size + h if self.expert_bias else 0)
+    return self.n_layers * layer + self.mlp_parameters() + len(self.moe_layers) * self.n_experts * per_expert
+
   def slides(self, layer: int) -> bool:
     return self.sliding_window is not None and layer in self.sliding_layers
 
