@@ -80,17 +80,32 @@ def assert_equal_but_close_steps(name: str, chosen: list) -> None:
 
 
 @pytest.mark.parametrize("name", list(FIXTURE_OF))
-@pytest.mark.parametrize("engine, kv_dtype, chunk", [("numpy", np.float32, 0), ("numpy", np.float16, 3), ("mlx", None, 0)])
+@pytest.mark.parametrize("engine, kv_dtype, chunk", [("numpy", np.float32, 0), ("numpy", np.float16, 3), ("mlx", None, 0), ("mlx", None, 3)])
 def test_greedy_tokens_far_past_the_window_equal_transformers(engine, kv_dtype, chunk, name, tmp_path):
   """200 steps, the window 4: the numpy cache has handed back most of its sliding rows' pages by the end (float16
-  rows, 64 or 128 positions a page, with the prompt in chunks of 3)."""
+  rows, 64 or 128 positions a page, with the prompt in chunks of 3), the MLX cache cut its sliding layers' arrays
+  down to their window twice or more."""
   if engine == "mlx":
     pytest.importorskip("mlx.core")
   llama = model(engine, checkpoint(name, tmp_path), kv_dtype)
   chosen, cache = forced_decode(llama, LONG[name]["tokens"], chunk)
   assert_equal_but_close_steps(name, chosen)
-  if engine == "numpy":
-    assert cache.forgotten > 0, "the sliding rows handed nothing back"
+  assert not cache.holds_prefix(len(LONG["prompt"])), "the sliding layers let go of nothing"
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
+def test_an_mlx_sliding_layer_keeps_a_window_or_two(name, tmp_path):
+  pytest.importorskip("mlx.core")
+  from exo.inference.mlx.cache import MIN_CAPACITY
+  llama = model("mlx", checkpoint(name, tmp_path))
+  _, cache = forced_decode(llama, LONG[name]["tokens"])
+  length, window = cache.length, llama.config.sliding_window
+  for layer, keys in enumerate(cache.keys):
+    if layer in cache.sliding:
+      assert keys.shape[1] <= window + 2 * MIN_CAPACITY < length
+      assert cache.start <= length + 1 - window  # what the next query sees is held
+    else:
+      assert keys.shape[1] >= length
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss", "mistral_window"])
@@ -129,7 +144,8 @@ class LocalFiles:
     return Path(shard.model_id)
 
 
-async def test_a_prefix_longer_than_the_window_is_reused_only_while_its_window_is_held_and_answers_as_a_fresh_run(tmp_path):
+@pytest.mark.parametrize("engine_name", ["numpy", "mlx"])
+async def test_a_prefix_longer_than_the_window_is_reused_only_while_its_window_is_held_and_answers_as_a_fresh_run(engine_name, tmp_path):
   """A chat's next turn (its prefix ends where the last answer did) reuses the whole prefix, 3 blocks past the
   window, and answers as the same prompt computed whole. A prompt whose window the first request has since decoded
   past is not reused from that cache (its sliding rows read as zeros there) and is computed again, still right."""
@@ -138,7 +154,9 @@ async def test_a_prefix_longer_than_the_window_is_reused_only_while_its_window_i
   from tests.support.checkpoints import fixture_checkpoint
   path = fixture_checkpoint("gemma2", tmp_path / "gemma2")
   shard = Shard(str(path), 0, 1, 2)
-  engine = get_inference_engine("numpy", LocalFiles())
+  if engine_name == "mlx":
+    pytest.importorskip("mlx.core")
+  engine = get_inference_engine(engine_name, LocalFiles())
   await engine.ensure_shard(shard)
   prompt = np.array(LONG["prompt"] + LONG["gemma2"]["tokens"][:39])  # 48 positions: 6 blocks
   answer = LONG["gemma2"]["tokens"][39:159]  # 120 more: the prompt's last window goes back to the kernel
@@ -152,7 +170,10 @@ async def test_a_prefix_longer_than_the_window_is_reused_only_while_its_window_i
     await step("first", [token])
   conversation = np.concatenate([prompt, answer])
   cache = engine.caches["first"]
-  assert cache.forgotten > len(prompt) * cache.pool.position_bytes, "the prompt's window should have gone back by now"
+  assert not cache.holds_prefix(len(prompt)), "the prompt's window should have gone by now"
+  assert engine.request_kv_bytes("first") == cache.nbytes  # what /v1/state reports: what the cache holds
+  if engine_name == "numpy":
+    assert cache.nbytes == resident_bytes(cache.data)
   engine.extend_prefix("first", block_keys(shard.model_id, conversation))
   await engine.finish_request("first")
 

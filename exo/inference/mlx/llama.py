@@ -85,9 +85,11 @@ class Llama:
 
   def new_cache(self) -> KVCache:
     c = self.config
+    # a sliding layer's arrays keep only its window (cache.py)
+    sliding = dict(window=c.sliding_window, sliding=[li for li, layer in enumerate(self.layer_ids) if c.slides(layer)])
     if c.latent_attention:  # the latent and the RoPE key, one head read as keys and values (latent_attention's docstring)
-      return KVCache(len(self.layers), 1, c.kv_values_per_position, self.dtype, planes=1)
-    return KVCache(len(self.layers), c.n_kv_heads, c.head_dim, self.dtype)
+      return KVCache(len(self.layers), 1, c.kv_values_per_position, self.dtype, planes=1, **sliding)
+    return KVCache(len(self.layers), c.n_kv_heads, c.head_dim, self.dtype, **sliding)
 
   def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
@@ -103,10 +105,11 @@ class Llama:
     masks = {window: [] for window in windows}  # per request, for each window the shard's layers use (None: causal only)
     for cache, s, n in zip(caches, step.starts, step.lengths):
       cache.reserve(s + n)
-      keys, queries = np.arange(s + n)[None, :], (s + np.arange(n))[:, None]
+      queries = (s + np.arange(n))[:, None]
       for window in windows:
-        # causal: query i (at position s+i) sees keys up to s+i; a sliding layer's, no more than `window` back.
-        # One new token with everything in sight needs no mask.
+        # causal: query i (at position s+i) sees keys up to s+i; a sliding layer's, no more than `window` back (its
+        # arrays hold the positions from cache.start on). One new token with everything in sight needs no mask.
+        keys = np.arange(cache.start if window is not None else 0, s + n)[None, :]
         visible = (keys <= queries) & (keys > queries - window) if window is not None else keys <= queries
         masks[window].append(None if visible.all() else mx.array(visible))
 
@@ -133,10 +136,10 @@ class Llama:
       q, k = rope(q, cos, sin), rope(k, cos, sin)
       outs = []
       for r, (cache, s, n) in enumerate(zip(caches, step.starts, step.lengths)):
-        a = int(step.offsets[r])
-        cache.keys[li][:, s:s + n, :] = k[a:a + n].transpose(1, 0, 2)
-        cache.values[li][:, s:s + n, :] = v[a:a + n].transpose(1, 0, 2)
-        keys, values = cache.keys[li][None, :, :s + n], cache.values[li][None, :, :s + n]
+        a, o = int(step.offsets[r]), cache.origin(li)
+        cache.keys[li][:, s - o:s + n - o, :] = k[a:a + n].transpose(1, 0, 2)
+        cache.values[li][:, s - o:s + n - o, :] = v[a:a + n].transpose(1, 0, 2)
+        keys, values = cache.keys[li][None, :, :s + n - o], cache.values[li][None, :, :s + n - o]
         queries = q[a:a + n].transpose(1, 0, 2)[None]
         if c.attn_softcap is None:
           out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=masks[window][r], sinks=layer["sinks"])
@@ -149,7 +152,7 @@ class Llama:
       h = h + residual(rms_norm(attn, layer["post_attn_norm"], c.rms_norm_eps), c.residual_scale)
       h = self._mlp(h, layer)
     for cache, s, n in zip(caches, step.starts, step.lengths):
-      cache.length = s + n
+      cache.advance(s + n)
 
     if not self.shard.is_last_layer():
       h = h.astype(mx.float32)  # hidden states travel as float32
@@ -220,9 +223,9 @@ class Llama:
                         rope(queries[..., nope:], cos, sin) * (factor * factor)], axis=-1)
     outs = []
     for r, (cache, s, n) in enumerate(zip(caches, step.starts, step.lengths)):
-      a = int(step.offsets[r])
-      cache.keys[li][:, s:s + n, :] = entry[a:a + n][None]
-      keys = cache.keys[li][None, :, :s + n]
+      a, o = int(step.offsets[r]), cache.origin(li)
+      cache.keys[li][:, s - o:s + n - o, :] = entry[a:a + n][None]
+      keys = cache.keys[li][None, :, :s + n - o]
       out = mx.fast.scaled_dot_product_attention(q[a:a + n].transpose(1, 0, 2)[None], keys, keys[..., :rank], scale=c.attention_scale, mask=masks[r])
       outs.append(out[0])  # (heads, n, latent)
     latents = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
