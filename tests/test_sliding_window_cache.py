@@ -118,7 +118,8 @@ def test_a_sliding_layer_holds_its_window_and_the_cache_counts_what_the_kernel_h
   assert cache.length == length
   layers, planes, heads, _, head_dim = pool.slot_shape
   row = -(-length * pool.position_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # a full layer's row: every position
-  window_pages = -(-(config.sliding_window + 1) * pool.position_bytes // mmap.PAGESIZE) + 1  # the window, across a page boundary
+  # the window, across a page boundary, and what may wait to go back with the next step's
+  window_pages = -(-(config.sliding_window + 1) * pool.position_bytes // mmap.PAGESIZE) + pool.forget_step // mmap.PAGESIZE
   for layer in range(layers):
     held = resident_bytes(cache.data[layer])
     rows = planes * heads
@@ -135,6 +136,21 @@ def test_a_pool_without_sliding_layers_hands_nothing_back():
   cache.data[:, :, :, :300] = 1.0
   cache.advance(300)
   assert cache.forgotten == 0 and cache.nbytes == resident_bytes(cache.data) == 2 * 2 * -(-300 * 128 // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def test_a_sliding_row_goes_back_a_quarter_window_at_a_time():
+  """Window 256, 128 bytes a position: a quarter window is 8 KiB, two pages; layer 1 slides, layer 0 does not."""
+  pool = KVPool(n_layers=2, n_kv_heads=1, head_dim=32, positions=2048, dtype=np.float32, window=256, sliding=[1])
+  assert pool.forget_step == 2 * mmap.PAGESIZE
+  cache = KVCache(pool)
+  seen = []
+  for length in range(1, 1025):
+    cache.data[:, :, :, length - 1] = 1.0
+    cache.advance(1)
+    seen.append(cache.forgotten)
+  assert sorted(set(seen)) == list(range(0, (1024 - 255) * 128 // mmap.PAGESIZE * mmap.PAGESIZE + 1, 2 * mmap.PAGESIZE))
+  assert cache.holds_prefix(1024) and not cache.holds_prefix(1024 - 256)
+  assert resident_bytes(cache.data[1]) == 2 * (1024 * 128 - cache.forgotten) and cache.nbytes == resident_bytes(cache.data)
 
 
 class LocalFiles:

@@ -18,8 +18,10 @@ Memory follows use. A slot is only address space until written: the kernel maps 
 written (no huge pages: a huge page may first need the kernel to compact memory, which stalled steps by up to 250
 ms), and they go back to it when the request ends. A sliding-window layer's query never sees a position `window` or
 more before its own, so as a request advances, the pages of its sliding layers' rows that hold only such positions
-go back to the kernel too (one madvise per row whenever the window's start crosses a page): a sliding layer holds
-its window, not the request. `nbytes` counts the pages a cache really holds.
+go back to the kernel too: a sliding layer holds its window, not the request. They go a quarter of a window at a
+time (at least a page), one madvise per row: a madvise of a mapped page took 13 us on this VM, so one per row per
+page crossed would cost a 2B Gemma about 1 ms a token a request, and the quarter keeps the cost to a few calls a
+window for at most a quarter more memory. `nbytes` counts the pages a cache really holds.
 
 Slots are reference-counted. The prefix cache (exo/inference/prefix_cache.py) keeps a finished request's cache
 object, and with it its slot, while its prompt may serve later requests; a request that reuses it copies those
@@ -67,6 +69,8 @@ class KVPool:
     # where each sliding layer's rows start in a slot, in bytes
     self.sliding_rows = [((layer * planes + plane) * n_kv_heads + head) * self.row_bytes
                          for layer in self.sliding for plane in range(planes) for head in range(n_kv_heads)]
+    # bytes of a row handed back at a time: a quarter of the window's, whole pages, at least one
+    self.forget_step = max(mmap.PAGESIZE, (self.window or 0) * self.position_bytes // 4 // mmap.PAGESIZE * mmap.PAGESIZE)
     self.slabs: List[np.ndarray] = []
     self._maps: List[mmap.mmap] = []
     self.refs: List[int] = []  # per slot
@@ -134,10 +138,11 @@ class KVCache:
     weakref.finalize(self, pool.release, self.slot)
 
   def advance(self, positions: int) -> None:
-    """`positions` more are written: the sliding rows' pages the next query no longer sees go back."""
+    """`positions` more are written: the sliding rows' pages the next query no longer sees go back, once they
+    make pool.forget_step."""
     self.length += positions
     unseen = self.pool.unseen_bytes(self.length)
-    if unseen > self.forgotten:
+    if unseen >= self.forgotten + self.pool.forget_step:
       self.pool.forget(self.slot, self.forgotten, unseen)
       self.forgotten = unseen
 
