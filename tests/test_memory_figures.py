@@ -28,30 +28,37 @@ def tensor_sizes(name: str) -> dict:
   return sizes
 
 
-def test_a_sliding_layer_counts_at_most_its_window_in_admission():
+def test_a_sliding_layer_counts_at_most_its_window_in_admission_where_the_engine_keeps_only_the_window():
   """gpt-oss's fixture: layer 0 slides over 4 positions, layer 1 attends to all; K and V of 2 heads of 16."""
+  from exo.inference.dummy_inference_engine import DummyInferenceEngine
+  from exo.inference.mlx.engine import MLXDynamicShardInferenceEngine
+  from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
+  from exo.inference.tinygrad.engine import TinygradDynamicShardInferenceEngine
+  assert NumpyDynamicShardInferenceEngine.kv_keeps_window and MLXDynamicShardInferenceEngine.kv_keeps_window
+  assert not TinygradDynamicShardInferenceEngine.kv_keeps_window and not DummyInferenceEngine.kv_keeps_window
   config = load_config(FIXTURES / "gpt_oss")
-  limits = ModelLimits.of(config, 4)
+  limits = ModelLimits.of(config, 4, keeps_window=True)
   per_layer = 2 * 2 * 16 * 4
   assert limits.kv_bytes_per_position_per_layer == per_layer and (limits.sliding_window, limits.sliding_layers) == (4, (0,))
   assert limits.kv_bytes(100, range(2)) == (4 + 100) * per_layer
   assert limits.kv_bytes(100, range(0, 1)) == 4 * per_layer  # a node that holds the sliding layer only
   assert limits.kv_bytes(100, range(1, 2)) == 100 * per_layer
   assert limits.kv_bytes(3, range(2)) == 2 * 3 * per_layer  # within the window: every position
+  assert ModelLimits.of(config, 4).kv_bytes(100, range(2)) == 2 * 100 * per_layer  # tinygrad's cache keeps every position
 
 
 def test_gemma3s_five_sliding_layers_of_six_and_a_model_without_a_window():
   full_size = replace(load_config(FIXTURES / "gemma3_text"), n_layers=12, sliding_window=1024,
                       sliding_layers=tuple(i for i in range(12) if (i + 1) % 6))
-  limits = ModelLimits.of(full_size, 2)
+  limits = ModelLimits.of(full_size, 2, keeps_window=True)
   assert limits.kv_bytes(32768, range(12)) == (10 * 1024 + 2 * 32768) * limits.kv_bytes_per_position_per_layer
-  plain = ModelLimits.of(load_config(FIXTURES / "mistral"), 4)
+  plain = ModelLimits.of(load_config(FIXTURES / "mistral"), 4, keeps_window=True)
   assert plain.kv_bytes(5000, range(2)) == 2 * 5000 * plain.kv_bytes_per_position_per_layer
 
 
 def test_latent_attention_counts_its_latent_in_admission():
   """DeepSeek-V3's fixture caches kv_lora_rank + qk_rope_head_dim (32 + 8) values a position and layer."""
-  limits = ModelLimits.of(load_config(FIXTURES / "deepseek_v3"), 4)
+  limits = ModelLimits.of(load_config(FIXTURES / "deepseek_v3"), 4, keeps_window=True)
   assert limits.kv_bytes(100, range(3)) == 100 * 3 * (32 + 8) * 4
 
 
@@ -92,6 +99,11 @@ def test_placements_kv_reserve_holds_a_sliding_layers_window_per_stream():
   gemma3 = shape_of("gemma-3-1b")  # 26 layers, five of six sliding over 512
   assert len(gemma3.sliding_layers) == 26 - 4 and 5 not in gemma3.sliding_layers
   assert gemma3.kv_reserve(0, 5) == (KV_RESERVE_POSITIONS + 5 * KV_RESERVE_STREAMS * 512) * gemma3.kv_per_position
+  assert gpt_oss.kv_reserve(0, 23, keeps_window=False) == 24 * KV_RESERVE_POSITIONS * gpt_oss.kv_per_position  # tinygrad's cache
+  tinygrad = MemberFacts("a", "TinygradDynamicShardInferenceEngine", 4, 1000, 1.0, "auto")
+  numpy = MemberFacts("a", NUMPY, 4, 1000, 1.0, "auto")
+  costs = _Costs("gpt-oss-20b", 24, gpt_oss)
+  assert costs.bytes(tinygrad, 0, 23) - costs.bytes(numpy, 0, 23) == 12 * (KV_RESERVE_POSITIONS - KV_RESERVE_STREAMS * 128) * gpt_oss.kv_per_position * 4
   gemma2 = shape_of("gemma-2-9b")  # a window wider than a stream: every position counts
   assert gemma2.kv_reserve(0, 41) == 42 * KV_RESERVE_POSITIONS * gemma2.kv_per_position
   local = _checkpoint_shape(str(FIXTURES / "gemma3_text"))  # a checkpoint's own: its layer_types

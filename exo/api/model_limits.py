@@ -17,9 +17,11 @@ class ModelLimits:
   sliding_layers: Tuple[int, ...] = ()
 
   @staticmethod
-  def of(config: LlamaConfig, kv_bytes_per_value: int) -> "ModelLimits":
+  def of(config: LlamaConfig, kv_bytes_per_value: int, keeps_window: bool = False) -> "ModelLimits":
+    """`keeps_window`: the engine's sliding layers keep only their window (InferenceEngine.kv_keeps_window)."""
+    sliding = keeps_window and config.sliding_window is not None
     return ModelLimits(config.max_position_embeddings, config.kv_values_per_position * kv_bytes_per_value,  # K and V, or MLA's latent
-                       config.sliding_window, config.sliding_layers if config.sliding_window else ())
+                       config.sliding_window if sliding else None, config.sliding_layers if sliding else ())
 
   def kv_bytes(self, positions: int, layers: Iterable[int]) -> int:
     """The KV cache a request of `positions` positions takes in `layers` (the model's layer numbers a node holds):

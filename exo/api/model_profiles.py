@@ -58,7 +58,8 @@ class ModelProfiles:
             base = build_base_shard(model_id, self.engine_classname)
             local = await self.node.shard_downloader.ensure_shard(self.node.own_shard(base), self.engine_classname)
           config = await asyncio.to_thread(model_config_of, model_id, local, self.engine_classname)  # first: a refused model needs no tokenizer
-          limits = ModelLimits.of(config, self.node.inference_engine.kv_bytes_per_value(config))
+          engine = self.node.inference_engine
+          limits = ModelLimits.of(config, engine.kv_bytes_per_value(config), engine.kv_keeps_window)
           profile = (await asyncio.to_thread(resolve_tokenizer, local), limits)
         self._profiles[model_id] = profile
     return self._profiles[model_id]

@@ -86,6 +86,10 @@ class InferenceEngine(ABC):
   async def finish_request(self, request_id: str) -> None:
     """Free what the engine holds for a request that has ended (its KV cache)."""
 
+  # Whether a sliding-window layer's KV cache keeps only its window (admission and placement then count it so);
+  # an engine whose cache keeps every position of every layer is counted that way.
+  kv_keeps_window = False
+
   def kv_bytes_per_value(self, config) -> int:
     """Bytes one cached key or value element takes in this engine's KV cache for a model of `config` (admission
     counts a request's cache at this width)."""

@@ -39,10 +39,11 @@ class ModelShape:
     h = self.hidden
     return 2 * h * (self.q_dim or h) + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
 
-  def kv_reserve(self, start: int, end: int) -> int:
+  def kv_reserve(self, start: int, end: int, keeps_window: bool = True) -> int:
     """Elements the KV caches of layers start..end keep room for: KV_RESERVE_POSITIONS positions a layer, in
-    KV_RESERVE_STREAMS streams, of which a sliding layer holds at most its window each."""
-    sliding = sum(1 for layer in self.sliding_layers if start <= layer <= end) if self.window else 0
+    KV_RESERVE_STREAMS streams, of which a sliding layer holds at most its window each (where the engine's cache
+    `keeps_window`: KEEPS_WINDOW)."""
+    sliding = sum(1 for layer in self.sliding_layers if start <= layer <= end) if self.window and keeps_window else 0
     stream = KV_RESERVE_POSITIONS // KV_RESERVE_STREAMS
     positions = (end - start + 1 - sliding) * KV_RESERVE_POSITIONS + sliding * KV_RESERVE_STREAMS * min(stream, self.window)
     return positions * self.kv_per_position
@@ -155,6 +156,7 @@ def _checkpoint_shape(path: str) -> Optional[ModelShape]:
 # of 32 for the simple types; K-quants with float32 scales and biases, 5- and 6-bit codes one a byte).
 GGUF_HELD_BYTES = {"Q4_0": 20 / 32, "Q4_1": 20 / 32, "Q8_0": 36 / 32, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.5}
 KEEPS_QUANTIZED = ("NumpyDynamicShardInferenceEngine", "MLXDynamicShardInferenceEngine")
+KEEPS_WINDOW = ("NumpyDynamicShardInferenceEngine", "MLXDynamicShardInferenceEngine")  # their kv_keeps_window
 
 
 @functools.lru_cache(maxsize=64)

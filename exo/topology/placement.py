@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from exo.inference.shard import Shard
-from exo.topology.model_size import ModelShape, kv_value_bytes, weight_bytes
+from exo.topology.model_size import KEEPS_WINDOW, ModelShape, kv_value_bytes, weight_bytes
 
 MODES = ("auto", "pipeline", "replicas")
 MIB = 2**20
@@ -123,7 +123,7 @@ class _Costs:
       weights += shape.embedding_weights
     if end == self.n_layers - 1 and not (shape.tied and start == 0):
       weights += shape.head_weights
-    kv = shape.kv_reserve(start, end) * kv_value_bytes(facts.engine, facts.float_bytes)
+    kv = shape.kv_reserve(start, end, facts.engine in KEEPS_WINDOW) * kv_value_bytes(facts.engine, facts.float_bytes)
     return weights * weight_bytes(facts.engine, facts.float_bytes, self.model_id) + kv
 
   def capacity(self, facts: MemberFacts) -> float:

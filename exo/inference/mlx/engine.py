@@ -11,6 +11,7 @@ def _mlx_device() -> str:
 class MLXDynamicShardInferenceEngine(LlamaShardEngine):
   """Llama in MLX (Metal on Apple silicon, CPU elsewhere), quantized checkpoints kept quantized, on one worker thread."""
   keeps_quantized = True
+  kv_keeps_window = True  # cache.py cuts a sliding layer's arrays down to its window
 
   def __init__(self, shard_downloader):
     super().__init__(shard_downloader, ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-engine"))

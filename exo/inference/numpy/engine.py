@@ -13,6 +13,7 @@ class NumpyDynamicShardInferenceEngine(LlamaShardEngine):
   """Llama in float32 numpy, on one worker thread with single-threaded BLAS (llama.py spreads big steps itself).
   Quantized weights (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, MLX affine 4/8-bit) stay quantized in memory (packed.py)."""
   keeps_quantized = True
+  kv_keeps_window = True  # cache.py hands a sliding layer's older pages back
 
   def __init__(self, shard_downloader):
     super().__init__(shard_downloader, ThreadPoolExecutor(max_workers=1, thread_name_prefix="numpy-engine"))
