@@ -98,8 +98,6 @@ class PackedMatrix:
       if direct is not out:
         out[...] = direct
       return out
-    if self.bits == 4:  # the inputs in the order the tiles are written in
-      x = np.concatenate((x[:, 0::2], x[:, 1::2]), axis=1)
     # Many rows (prefill): x @ tile.T straight into the output; BLAS runs it nearly as fast as float32 (in, out)
     # weights once the tile is large. Fewer: BLAS multiplies the tile by the inputs transposed 1.2-2x faster than
     # the inputs by the tile transposed, so the product is computed transposed, (b - a, rows), and turned at the end.
