@@ -18,6 +18,7 @@ from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import Workers, product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
+from exo.inference.numpy.rotary import rope
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig
 
@@ -31,12 +32,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
   out = np.multiply(x, weight)
   out *= scale[:, None]
   return out
-
-
-def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-  half = x.shape[-1] // 2
-  x1, x2 = x[..., :half], x[..., half:]
-  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
@@ -191,7 +186,7 @@ class Llama:
           if kind != "v" and c.qk_norm == "head":
             part = rms_norm(part.reshape(-1, hd), layer[f"{kind}_norm"], c.rms_norm_eps).reshape(part.shape)
           if kind == "q":
-            q[:, lo:hi] = rope(part, cos, sin) * scale
+            rope(part, cos, sin, scale, out=q[:, lo:hi])
             continue
           values = rope(part, cos, sin) if kind == "k" else part
           for slab, row_range, slots, positions in step.writes:
