@@ -8,7 +8,9 @@ bias. Scales and biases are 16-bit floats kept as their bits (numba has no float
 
 `product_rows_4`/`_8` are the few-rows path (a decode step): each weight row is read once from memory and used for
 every input row; a group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd
-inputs gathered apart first so that the inner loop runs unit-stride and vectorises. `dequantize_rows` writes
+inputs gathered apart first so that the inner loop runs unit-stride and vectorises. A byte's two 4-bit codes are
+split in float32 (high = floor(byte / 16), low = byte - 16 * high, both exact): numba does integer arithmetic in
+64 bits, so masks and shifts ran at half the vector width (the direct kernel 1.2x faster, tiles 1.05x). `dequantize_rows` writes
 weight rows as float32 (embedding lookups); `widen_tile_4`/`_8` write a range of them into a tile for the many-rows
 path, which hands the tile to BLAS (packed.py).
 
@@ -86,8 +88,9 @@ def product_rows_4(x, codes, scales, biases, table, lo, hi, out):
         s = np.float32(0.0)
         base = g * half_group
         for k in range(half_group):  # from 0: a loop from g * half_group did not vectorise (6x slower)
-          c = np.int32(row[base + k])
-          s += e[base + k] * np.float32(c & 15) + o[base + k] * np.float32(c >> 4)
+          code = np.float32(row[base + k])
+          high = np.floor(code * np.float32(0.0625))
+          s += e[base + k] * (code - np.float32(16.0) * high) + o[base + k] * high
         acc += s * _value(row_scales, g, table) + sums[r, g] * _value(row_biases, g, table)
       out[r, j - lo] = acc
 
@@ -128,9 +131,10 @@ def widen_tile_4(codes, scales, biases, table, lo, hi, out):
       scale, bias = _value(row_scales, g, table), _value(row_biases, g, table)
       group_codes, group_dest = row[g * half_group:(g + 1) * half_group], dest[g * group:(g + 1) * group]
       for k in range(half_group):
-        c = np.int32(group_codes[k])
-        group_dest[2 * k] = np.float32(c & 15) * scale + bias
-        group_dest[2 * k + 1] = np.float32(c >> 4) * scale + bias
+        code = np.float32(group_codes[k])
+        high = np.floor(code * np.float32(0.0625))
+        group_dest[2 * k] = (code - np.float32(16.0) * high) * scale + bias
+        group_dest[2 * k + 1] = high * scale + bias
 
 
 @numba.njit(**_JIT)
