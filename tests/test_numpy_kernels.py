@@ -1,5 +1,5 @@
 """The numpy engine's parts, without the model: the KV pool's slots, the products shared among the cores (and their
-worker threads), and the attention jobs (decode runs, prompt chunks) shared among the cores."""
+worker threads), the attention jobs (decode runs, prompt chunks) shared among the cores, and RoPE's kernel."""
 import gc
 import os
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exo.inference.numpy import attention, kernels
+from exo.inference.numpy import attention, kernels, rotary
 from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
 from tests.support.waiting import eventually
 
@@ -191,3 +191,24 @@ async def test_a_forked_child_still_splits_its_products():
     os.waitpid(child, 0)
     raise
   assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_rope_kernel_gives_numpys_bits_on_strided_heads(rows):
+  """The compiled RoPE runs the same float32 operations in the same order as numpy's form, so a model's outputs do
+  not move with it; heads are read from a slice of a product's output and written into a slice of the queries."""
+  rng = np.random.default_rng(rows)
+  projected = rng.standard_normal((rows, 15, 64), dtype=np.float32)
+  heads = projected[:, 3:12]  # strided: every row skips the other heads
+  angles = rng.uniform(-50, 50, (rows, 1, 32)).astype(np.float32)
+  cos, sin = np.cos(angles), np.sin(angles)
+  x1, x2 = heads[..., :32], heads[..., 32:]
+  expected = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  scale = np.float32(0.125)
+  queries = np.zeros((rows, 20, 64), dtype=np.float32)
+  rotary.rope(heads, cos, sin, scale, out=queries[:, 2:11])
+  assert np.array_equal(queries[:, 2:11], expected * scale)
+  assert not queries[:, :2].any() and not queries[:, 11:].any()
+  assert np.array_equal(rotary.rope(heads, cos, sin), expected)
+  # shapes the kernel does not take (cos shared by every row) go through numpy's form, same result
+  assert np.array_equal(rotary.rope(heads, cos[:1], sin[:1]), np.concatenate([x1 * cos[:1] - x2 * sin[:1], x2 * cos[:1] + x1 * sin[:1]], axis=-1))
