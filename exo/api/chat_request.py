@@ -1,37 +1,70 @@
 """OpenAI chat completions (POST /v1/chat/completions) read into a GenerationRequest: the model, the messages, the
 sampling parameters, tools and response_format. Bad input raises BadRequest naming the field and saying why; a
 parameter this server does not implement is refused the same way, never silently ignored."""
-from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
-from exo.api.reasoning import SWITCH, parse_effort
-from exo.api.request_fields import (parse_flag, parse_logprobs_count, parse_n, parse_stop, parse_stream_options, parse_user, refuse_unimplemented,
-                                    resolve_model, sampling_params)
+from exo.api.reasoning import SWITCH, Effort, parse_effort
+from exo.api.request_fields import (Closed, MAX_CHOICES, Flag, Switch, LogprobCount, MaxTokens, OpenAISampling, Text, checked, integer, invalid, resolve_model, sampling_params,
+                                    stop_strings)
 from exo.api.structured import parse_response_format
 from exo.api.tools import check_tool_messages, parse_tool_use
 
 IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
 ROLES = {"system", "user", "assistant", "tool", "developer"}
-IMPLEMENTED = {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-               "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n", "ignore_eos", "user",
-               "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-               "chat_template_kwargs", "reasoning_effort"}
 # What the template is given by the server itself, which chat_template_kwargs may not replace.
 TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
-# OpenAI parameters this server does not implement, with the values that ask for nothing (null is always one).
-NEUTRAL_VALUES: Dict[str, list] = {}
 
 
-def _chat_logprobs(body: dict) -> Optional[int]:
-  """OpenAI's chat fields: `logprobs` true asks for each token's logprob, `top_logprobs` for that many alternatives."""
-  top = parse_logprobs_count(body, "top_logprobs")
-  if not parse_flag(body, "logprobs"):
-    if top is not None:
-      raise BadRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
-    return None
-  return top or 0
+class StreamOptions(Closed):
+  include_usage: Flag = None
+
+
+class TemplateKwargs(BaseModel):
+  """vLLM's `chat_template_kwargs`: variables for the chat template, `enable_thinking` (Qwen3's switch) among them."""
+  model_config = ConfigDict(extra="allow")
+  enable_thinking: Switch = None
+
+  @model_validator(mode="before")
+  @classmethod
+  def _not_the_requests_own(cls, value: Any) -> Any:
+    reserved = sorted(set(value) & TEMPLATE_OWN) if isinstance(value, dict) else []
+    if reserved:
+      raise invalid("is the request's own to set", at=f".{reserved[0]}")
+    return value
+
+
+class ChatBody(OpenAISampling):
+  """OpenAI's chat completion body (the messages, tools and response_format are read by the functions below)."""
+  model: Any = None
+  messages: Any = None
+  stream: Flag = None
+  stream_options: checked(StreamOptions, 'must be an object like {"include_usage": true}') = None
+  max_completion_tokens: MaxTokens = None
+  stop: stop_strings() = None
+  tools: Any = None
+  tool_choice: Any = None
+  parallel_tool_calls: Any = None
+  response_format: Any = None
+  n: integer(1, f"must be an integer between 1 and {MAX_CHOICES}", MAX_CHOICES) = None
+  user: Text = None
+  logprobs: Flag = None
+  top_logprobs: LogprobCount = None
+  chat_template_kwargs: checked(TemplateKwargs, 'must be an object such as {"enable_thinking": false}') = None
+  reasoning_effort: Effort = None
+
+  def budget(self) -> Optional[int]:
+    return self.max_completion_tokens or self.max_tokens  # (OpenAI's newer name wins)
+
+  @field_validator("top_logprobs")
+  @classmethod
+  def _top_needs_logprobs(cls, top: Optional[int], info) -> Optional[int]:
+    if top is not None and not info.data.get("logprobs"):
+      raise invalid("needs logprobs set to true")
+    return top
 
 
 def text_of(content: Any, where: str) -> str:
@@ -78,36 +111,18 @@ def parse_tools(body: dict) -> Optional[List[Any]]:
   return None if body.get("tool_choice") == "none" else body.get("tools")
 
 
-def parse_template_kwargs(body: dict) -> Tuple[Optional[bool], Dict[str, Any]]:
-  """vLLM's `chat_template_kwargs`: variables for the chat template, `enable_thinking` (Qwen3's switch) among them.
-  Returns (whether to think, or None; the other variables)."""
-  value = body.get("chat_template_kwargs")
-  if value is None:
-    return None, {}
-  if not isinstance(value, dict):
-    raise BadRequest('chat_template_kwargs must be an object such as {"enable_thinking": false}', param="chat_template_kwargs")
-  reserved = sorted(set(value) & TEMPLATE_OWN)
-  if reserved:
-    raise BadRequest(f"chat_template_kwargs.{reserved[0]} is the request's own to set", param=f"chat_template_kwargs.{reserved[0]}")
-  thinking = value.get(SWITCH)
-  if thinking is not None and not isinstance(thinking, bool):
-    raise BadRequest(f"chat_template_kwargs.{SWITCH} must be true or false", param=f"chat_template_kwargs.{SWITCH}")
-  return thinking, {k: v for k, v in value.items() if k != SWITCH}
-
-
 def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
-  refuse_unimplemented(body, IMPLEMENTED, NEUTRAL_VALUES)
-  model = resolve_model(body.get("model"), default_model, engine_classname)
-  messages = parse_messages(body.get("messages"))
+  chat = ChatBody.read(body)
+  model = resolve_model(chat.model, default_model, engine_classname)
+  messages = parse_messages(chat.messages)
   check_tool_messages(messages)
-  stream = parse_flag(body, "stream")
-  parse_user(body)
-  params = replace(sampling_params(body, default_temperature), logprobs=_chat_logprobs(body))
-  thinking, template_kwargs = parse_template_kwargs(body)
+  params = sampling_params(chat, default_temperature, max_tokens=chat.budget(), logprobs=(chat.top_logprobs or 0) if chat.logprobs else None)
+  kwargs = chat.chat_template_kwargs or TemplateKwargs()
   # OpenAI's reasoning_effort: "none" turns thinking off where the template can; gpt-oss's template reads the degree.
   # chat_template_kwargs, the more explicit, win where both speak.
-  effort_thinking, effort_kwargs = parse_effort(body.get("reasoning_effort"), "reasoning_effort")
-  thinking, template_kwargs = (thinking if thinking is not None else effort_thinking), {**effort_kwargs, **template_kwargs}
-  return GenerationRequest(model, messages=messages, params=params, stop=parse_stop(body), tool_use=parse_tool_use(body),
-                           response_format=parse_response_format(body), n=parse_n(body), stream=stream, stream_usage=parse_stream_options(body),
-                           thinking=thinking, template_kwargs=template_kwargs)
+  effort_thinking, effort_kwargs = parse_effort(chat.reasoning_effort)
+  thinking = kwargs.enable_thinking if kwargs.enable_thinking is not None else effort_thinking
+  return GenerationRequest(model, messages=messages, params=params, stop=chat.stop, tool_use=parse_tool_use(body),
+                           response_format=parse_response_format(body), n=chat.n or 1, stream=bool(chat.stream),
+                           stream_usage=bool(chat.stream_options and chat.stream_options.include_usage), thinking=thinking,
+                           template_kwargs={**effort_kwargs, **kwargs.model_extra})

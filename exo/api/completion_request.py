@@ -1,17 +1,31 @@
 """OpenAI legacy text completions (POST /v1/completions) read into a GenerationRequest: raw prompts, no chat template.
 Validated the way chat requests are: bad input is a 400 naming the field, unimplemented parameters are refused."""
-from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
+from exo.api.chat_request import StreamOptions
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest, Prompt
-from exo.api.request_fields import (MAX_CHOICES, MAX_INT32, parse_flag, parse_logprobs_count, parse_n, parse_stop, parse_stream_options, parse_user,
-                                    refuse_unimplemented, resolve_model, sampling_params)
+from exo.api.request_fields import (MAX_CHOICES, MAX_INT32, Flag, LogprobCount, OpenAISampling, Text, checked, integer, neutral, resolve_model,
+                                    sampling_params, stop_strings)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route (vLLM's too): a completion is a continuation, not an answer
-IMPLEMENTED = {"model", "prompt", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "n",
-               "logprobs", "echo", "ignore_eos", "user", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
-NEUTRAL_VALUES = {"best_of": [1], "suffix": [""]}
+
+
+class CompletionBody(OpenAISampling):
+  model: Any = None
+  prompt: Any = None
+  stream: Flag = None
+  stream_options: checked(StreamOptions, 'must be an object like {"include_usage": true}') = None
+  stop: stop_strings() = None
+  n: integer(1, f"must be an integer between 1 and {MAX_CHOICES}", MAX_CHOICES) = None
+  logprobs: LogprobCount = None
+  echo: Flag = None
+  user: Text = None
+  best_of: neutral(1) = None
+  suffix: neutral("") = None
+
+  def budget(self) -> Optional[int]:
+    return self.max_tokens or DEFAULT_MAX_TOKENS
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -34,20 +48,16 @@ def parse_prompts(value: Any) -> List[Prompt]:
 
 
 def parse_completion_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
-  refuse_unimplemented(body, IMPLEMENTED, NEUTRAL_VALUES)
-  model = resolve_model(body.get("model"), default_model, engine_classname)
-  prompts = parse_prompts(body.get("prompt"))
-  n = parse_n(body)
+  completion = CompletionBody.read(body)
+  model = resolve_model(completion.model, default_model, engine_classname)
+  prompts, n = parse_prompts(completion.prompt), completion.n or 1
   if len(prompts) * n > MAX_CHOICES:
     raise BadRequest(f"{len(prompts)} prompts times n={n} asks for {len(prompts) * n} choices; at most {MAX_CHOICES} in one request",
                      param="n" if n > 1 else "prompt")
-  echo = parse_flag(body, "echo")
-  logprobs: Optional[int] = parse_logprobs_count(body, "logprobs")
-  if logprobs is not None and echo:
+  if completion.logprobs is not None and completion.echo:
     raise BadRequest("logprobs with echo would need the prompt's own logprobs, which this server does not compute; drop one of them",
                      param="logprobs", code="unsupported_parameter")
-  parse_user(body)
-  params = sampling_params({"max_tokens": DEFAULT_MAX_TOKENS, **{k: v for k, v in body.items() if v is not None}}, default_temperature)
-  params = replace(params, logprobs=logprobs)
-  return GenerationRequest(model, prompts=prompts, params=params, stop=parse_stop(body), n=n, echo=echo, stream=parse_flag(body, "stream"),
-                           stream_usage=parse_stream_options(body), fields=FieldNames(prompt="prompt"))
+  params = sampling_params(completion, default_temperature, max_tokens=completion.budget())
+  return GenerationRequest(model, prompts=prompts, params=params, stop=completion.stop, n=n, echo=bool(completion.echo),
+                           stream=bool(completion.stream), stream_usage=bool(completion.stream_options and completion.stream_options.include_usage),
+                           fields=FieldNames(prompt="prompt"))

@@ -10,18 +10,17 @@ tokenises itself includes the model's special tokens ([CLS] ... [SEP] for BERT) 
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Union
+from typing import Annotated, Any, List, Mapping, Optional, Union
+
+from pydantic import Field, PlainValidator
 
 from exo.api.errors import ApiError, BadRequest
-from exo.api.request_fields import MAX_INT32, is_int, is_number, parse_flag, refuse_unimplemented
+from exo.api.request_fields import MAX_INT32, Body, Flag, flag, Object, Text, checked, integer, invalid, is_int, is_number, one_of
 from exo.embeddings.registry import DEFAULT_EMBEDDING_MODEL, FALLBACK_PREFIXES, embedding_cards, embedding_model_id, is_local, local_checkpoint
 from exo.models import model_cards
 
 MAX_INPUTS = 2048  # items in one request, as OpenAI's API
 ENCODING_FORMATS = ("float", "base64")
-OPENAI_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate", "prompt_name"}
-OLLAMA_EMBED_FIELDS = {"model", "input", "truncate", "dimensions", "options", "keep_alive"}
-OLLAMA_EMBEDDINGS_FIELDS = {"model", "prompt", "options", "keep_alive"}
 
 Input = Union[str, List[int]]
 
@@ -105,37 +104,13 @@ def parse_inputs(value: Any, name: str, token_ids: bool) -> tuple:
   return items, False
 
 
-def parse_dimensions(body: Mapping) -> Optional[int]:
-  value = body.get("dimensions")
-  if value is not None and (not is_int(value) or not 1 <= value <= MAX_INT32):
-    raise BadRequest("dimensions must be an integer >= 1", param="dimensions")
-  return value
-
-
-def parse_openai_embedding(body: Mapping) -> EmbeddingRequest:
-  refuse_unimplemented(body, OPENAI_FIELDS, {})
-  fmt = body.get("encoding_format") or "float"
-  if fmt not in ENCODING_FORMATS:
-    raise BadRequest(f"encoding_format must be one of {list(ENCODING_FORMATS)}", param="encoding_format")
-  if body.get("user") is not None and not isinstance(body["user"], str):
-    raise BadRequest("user must be a string", param="user")
-  inputs, single = parse_inputs(body.get("input"), "input", token_ids=True)
-  prompt_name = body.get("prompt_name")
-  if prompt_name is not None and not isinstance(prompt_name, str):
-    raise BadRequest("prompt_name must be a string: the name of a prompt in the model's sentence-transformers configuration", param="prompt_name")
-  if prompt_name is not None and not isinstance(inputs[0], str):
-    raise BadRequest("prompt_name applies to texts; token id inputs already hold whatever prompt they need", param="prompt_name")
-  return EmbeddingRequest(resolve_embedding_model(body.get("model")), inputs, fmt, parse_dimensions(body), parse_flag(body, "truncate"),
-                          single=single, prompt_name=prompt_name)
-
-
 DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-def parse_duration(value: Any, name: str = "keep_alive") -> Optional[float]:
+def parse_duration(value: Any) -> Optional[float]:
   """Seconds from Ollama's keep_alive: a number of seconds, or a Go duration ("5m", "1h30m", "300ms"); negative
-  means forever (math.inf), 0 unload at once. None when not given."""
+  means forever (math.inf), 0 unload at once. None when not given; ValueError saying what it must be otherwise."""
   if value is None:
     return None
   seconds = None
@@ -152,39 +127,69 @@ def parse_duration(value: Any, name: str = "keep_alive") -> Optional[float]:
       if parts and "".join(n + u for n, u in parts) == body:
         seconds = sign * sum(float(n) * UNIT_S[u] for n, u in parts)
   if seconds is None:
-    raise BadRequest(f'{name} must be a number of seconds or a duration such as "5m" or "1h30m" (negative: keep the model loaded)', param=name)
+    raise ValueError('must be a number of seconds or a duration such as "5m" or "1h30m" (negative: keep the model loaded)')
   return math.inf if seconds < 0 else seconds
 
 
-def _ollama_model(body: Mapping) -> str:
-  name = body.get("model")
-  if not isinstance(name, str) or not name:
-    raise BadRequest("model is required", param="model")
-  return resolve_embedding_model(name, fallback_prefixes=(), missing_status=404)
+def _duration(value: Any) -> Optional[float]:
+  try:
+    return parse_duration(value)
+  except ValueError as e:
+    raise invalid(str(e)) from None
 
 
-def _check_options(body: Mapping) -> None:
-  options = body.get("options")
-  if options is not None and not isinstance(options, dict):
-    raise BadRequest("options must be an object", param="options")
+Dimensions = integer(1, "must be an integer >= 1")
+OllamaModel = checked(Annotated[str, Field(strict=True, min_length=1)], "is required", optional=False)
+KeepAlive = Annotated[Optional[float], PlainValidator(_duration)]
+Options = Object  # (Ollama's runtime options: nothing to change for an embedding)
+
+
+class OpenAIEmbeddingBody(Body):
+  model: Any = None
+  input: Any = None
+  encoding_format: one_of(ENCODING_FORMATS + ("",), f"must be one of {list(ENCODING_FORMATS)}") = None
+  dimensions: Dimensions = None
+  user: Text = None
+  truncate: Flag = None
+  prompt_name: checked(Annotated[str, Field(strict=True)], "must be a string: the name of a prompt in the model's sentence-transformers configuration") = None
+
+
+class OllamaEmbedBody(Body):
+  model: OllamaModel = None
+  input: Any = None
+  truncate: flag(True) = True
+  dimensions: Dimensions = None
+  options: Options = None
+  keep_alive: KeepAlive = None
+
+
+class OllamaEmbeddingsBody(Body):
+  model: OllamaModel = None
+  prompt: checked(Annotated[str, Field(strict=True)], "is required, as a string", optional=False) = None
+  options: Options = None
+  keep_alive: KeepAlive = None
+
+
+def parse_openai_embedding(body: Mapping) -> EmbeddingRequest:
+  fields = OpenAIEmbeddingBody.read(body)
+  inputs, single = parse_inputs(fields.input, "input", token_ids=True)
+  if fields.prompt_name is not None and not isinstance(inputs[0], str):
+    raise BadRequest("prompt_name applies to texts; token id inputs already hold whatever prompt they need", param="prompt_name")
+  return EmbeddingRequest(resolve_embedding_model(fields.model), inputs, fields.encoding_format or "float", fields.dimensions, fields.truncate,
+                          single=single, prompt_name=fields.prompt_name)
 
 
 def parse_ollama_embed(body: Mapping) -> EmbeddingRequest:
   """/api/embed: Ollama cuts over-long inputs unless `truncate` is false."""
-  refuse_unimplemented(body, OLLAMA_EMBED_FIELDS, {})
-  _check_options(body)
-  inputs, single = parse_inputs(body.get("input"), "input", token_ids=False)
-  return EmbeddingRequest(_ollama_model(body), inputs, dimensions=parse_dimensions(body), truncate=parse_flag(body, "truncate", True),
-                          single=single, truncate_hint=" (leave truncate unset or true to cut it to the limit)",
-                          keep_alive=parse_duration(body.get("keep_alive")))
+  fields = OllamaEmbedBody.read(body)
+  inputs, single = parse_inputs(fields.input, "input", token_ids=False)
+  return EmbeddingRequest(resolve_embedding_model(fields.model, fallback_prefixes=(), missing_status=404), inputs, dimensions=fields.dimensions,
+                          truncate=fields.truncate, single=single,
+                          truncate_hint=" (leave truncate unset or true to cut it to the limit)", keep_alive=fields.keep_alive)
 
 
 def parse_ollama_embeddings(body: Mapping) -> EmbeddingRequest:
   """/api/embeddings, the older route: one `prompt`, cut to the model's limit as Ollama does."""
-  refuse_unimplemented(body, OLLAMA_EMBEDDINGS_FIELDS, {})
-  _check_options(body)
-  prompt = body.get("prompt")
-  if not isinstance(prompt, str):
-    raise BadRequest("prompt is required, as a string", param="prompt")
-  return EmbeddingRequest(_ollama_model(body), [prompt], truncate=True, fields=EmbeddingFields(input="prompt"), single=True,
-                          keep_alive=parse_duration(body.get("keep_alive")))
+  fields = OllamaEmbeddingsBody.read(body)
+  return EmbeddingRequest(resolve_embedding_model(fields.model, fallback_prefixes=(), missing_status=404), [fields.prompt], truncate=True,
+                          fields=EmbeddingFields(input="prompt"), single=True, keep_alive=fields.keep_alive)

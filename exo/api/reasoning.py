@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 from exo.api.errors import BadRequest
 from exo.api.harmony import HarmonySplit, grammar_after_analysis, writes_harmony
 from exo.api.reply_text import marker_tail
+from exo.api.request_fields import one_of
 from exo.inference import grammar
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -114,14 +115,15 @@ class ReasoningSplit:
     return sent
 
 
-def parse_effort(effort, field: str) -> Tuple[Optional[bool], dict]:
-  """An OpenAI reasoning effort (`field` names it): whether to think ("none": not, where the template can), and the
+Effort = one_of(EFFORTS, f"must be one of {', '.join(EFFORTS)}")  # a body's field that takes one
+
+
+def parse_effort(effort: Optional[str]) -> Tuple[Optional[bool], dict]:
+  """An OpenAI reasoning effort (an `Effort`): whether to think ("none": not, where the template can), and the
   template's variables: the degree as `reasoning_effort` where it is one gpt-oss's templates know, as vLLM passes it
   (other templates do not read it)."""
   if effort is None:
     return None, {}
-  if effort not in EFFORTS:
-    raise BadRequest(f"{field} must be one of {', '.join(EFFORTS)}", param=field)
   return effort != "none", ({EFFORT: effort} if effort in ("low", "medium", "high") else {})
 
 

@@ -1,10 +1,14 @@
-"""The fields every dialect's requests share, read and checked: the body as JSON, the model, numbers, sampling
-parameters, stop strings, flags. Bad input raises BadRequest naming the field (with `prefix`, a field inside an
-object such as Ollama's `options.top_k`) and saying why; a field a dialect does not implement is refused the same
-way (`refuse_unimplemented`), never silently ignored."""
+"""What every dialect's requests share: the body read as JSON, the model resolved, and the pydantic types each
+dialect's body model (`Body`) declares its fields with: numbers in their ranges, sampling parameters, stop strings,
+flags. A body that breaks them is a BadRequest naming the field (`options.top_k` for a field inside an object) and
+saying why; a field a dialect does not implement is refused the same way, never silently ignored."""
 import json
 import re
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from dataclasses import fields
+from typing import Annotated, Any, Dict, Iterable, List, Optional, Tuple, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, WrapValidator, model_validator
+from pydantic_core import PydanticCustomError
 
 from exo.api.errors import BadRequest
 from exo.inference.penalties import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
@@ -98,149 +102,94 @@ def is_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
 
 
-def number(body: Mapping, name: str, default: float, low: float, high: float, why: str, prefix: str = "") -> float:
-  value = body.get(name)
-  if value is None:
-    return default
-  if not is_number(value) or not low <= value <= high:
-    raise BadRequest(f"{prefix}{name} must be {why}", param=prefix + name)
-  return float(value)
+# --- body models: each field's type says what it takes (null always means its default) ---
+
+def invalid(why: str, code: Optional[str] = None, at: str = "", named: bool = False) -> PydanticCustomError:
+  """A field's fault, raised inside a validator: `why` follows the field's name in the message; `at` names the part
+  of the field at fault (`.messages` in chat_template_kwargs), unless `why` already `named` it; `code` is the error's code."""
+  return PydanticCustomError(code or "invalid", why, {"at": at, "named": named})
 
 
-def max_tokens(body: Mapping, names: Iterable[str] = ("max_completion_tokens", "max_tokens"), prefix: str = "") -> Optional[int]:
-  """The first of `names` that is given (OpenAI's max_completion_tokens wins over the older max_tokens)."""
-  for name in names:
-    value = body.get(name)
-    if value is not None:
-      if not is_int(value) or not 1 <= value <= MAX_INT32:
-        raise BadRequest(f"{prefix}{name} must be an integer >= 1 (and at most {MAX_INT32})", param=prefix + name)
-      return value
-  return None
+def _path(loc: Iterable[Any]) -> str:
+  return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 
-def seed(body: Mapping, prefix: str = "") -> Optional[int]:
-  value = body.get("seed")
-  if value is None:
-    return None
-  if not is_int(value) or not -2**63 <= value < 2**64:
-    raise BadRequest(f"{prefix}seed must be an integer (64-bit)", param=prefix + "seed")
-  return value % 2**64  # OpenAI allows negative seeds; the generator wants an unsigned one
+def _own(error: ValidationError, extra: bool) -> Optional[dict]:
+  """The first fault raised by `invalid` (a field's own message), or (`extra`) naming a field not taken, if any."""
+  return next((e for e in error.errors(include_url=False) if (extra and e["type"] == "extra_forbidden") or "at" in (e.get("ctx") or {})), None)
 
 
-def top_k(body: Mapping, prefix: str = "") -> int:
-  value = body.get("top_k")
-  if value is not None and (not is_int(value) or not 0 <= value <= MAX_INT32):
-    raise BadRequest(f"{prefix}top_k must be an integer >= 0 (0 means no limit; at most {MAX_INT32})", param=prefix + "top_k")
-  return value or 0
+def bad_request(error: ValidationError) -> BadRequest:
+  """The 400 for a body's first fault; a field this server does not take is named before any other."""
+  errors = error.errors(include_url=False)
+  first = next((e for e in errors if e["type"] in ("extra_forbidden", "unsupported_parameter")), errors[0])
+  where, ctx = _path(first["loc"]), first.get("ctx") or {}
+  param = (where + ctx.get("at", "")).lstrip(".")
+  if first["type"] == "extra_forbidden":
+    return BadRequest(f"Unrecognized request argument supplied: {param}", param=param, code="unsupported_parameter")
+  why = first["msg"] if "at" in ctx else f"is not valid: {first['msg']}"  # (pydantic's own words: a fault no type below explains)
+  named = where if ctx.get("named") else param
+  message = f"{named}{'' if why[:1] in ':[' else ' '}{why}" if named else why
+  return BadRequest(message, param=param or None, code=first["type"] if "at" in ctx and first["type"] != "invalid" else None)
 
 
-def parse_stop(body: Mapping, name: str = "stop", limit: int = MAX_STOP_STRINGS, prefix: str = "") -> List[str]:
-  value = body.get(name)
-  if value is None:
-    return []
-  stops = [value] if isinstance(value, str) else value
-  if not isinstance(stops, list) or len(stops) > limit or not all(isinstance(s, str) and s for s in stops):
-    raise BadRequest(f"{prefix}{name} must be a non-empty string or a list of at most {limit} non-empty strings", param=prefix + name)
-  return stops
+class Body(BaseModel):
+  """A request body: the fields a dialect takes, each typed below (null means its default); any other is refused."""
+  model_config = ConfigDict(extra="forbid", validate_default=True, arbitrary_types_allowed=True)
+
+  @classmethod
+  def read(cls, body: Any):
+    try:
+      return cls.model_validate(body)
+    except ValidationError as e:
+      raise bad_request(e) from None
 
 
-def parse_flag(body: Mapping, name: str, default: bool = False) -> bool:
-  value = body.get(name)
-  if value is None:
-    return default
-  if not isinstance(value, bool):
-    raise BadRequest(f"{name} must be true or false", param=name)
-  return value
+class Closed(BaseModel):
+  """An object's fields, where another key makes the whole object invalid (the object, not the key, is named)."""
+  model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-def parse_n(body: Mapping) -> int:
-  n = body.get("n")
-  if n is None:
-    return 1
-  if not is_int(n) or not 1 <= n <= MAX_CHOICES:
-    raise BadRequest(f"n must be an integer between 1 and {MAX_CHOICES}", param="n")
-  return n
+def checked(kind: Any, why: str, code: Optional[str] = None, optional: bool = True) -> Any:
+  """A field of type `kind` (with its constraints), or null when `optional`; anything else fails saying `why`."""
+  def explain(value: Any, handler):
+    if value is None and optional:
+      return None
+    try:
+      return handler(value)
+    except ValidationError as e:
+      own = _own(e, isinstance(kind, type) and issubclass(kind, Body))  # a part's own fault, said of that part; any other is the field's
+      if own is None:
+        raise invalid(why, code) from None
+      ctx = own.get("ctx") or {}
+      raise invalid(own["msg"], None if own["type"] == "invalid" else own["type"], f".{_path(own['loc'])}{ctx.get('at', '')}" if own["loc"] else ctx["at"],
+                    ctx.get("named", False)) from None
+  return Annotated[Optional[kind] if optional else kind, WrapValidator(explain)]
 
 
-def parse_logprobs_count(body: Mapping, name: str) -> Optional[int]:
-  """An integer count of alternatives, 0 to MAX_TOP_LOGPROBS, or None."""
-  value = body.get(name)
-  if value is not None and (not is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
-    raise BadRequest(f"{name} must be an integer between 0 and {MAX_TOP_LOGPROBS}", param=name)
-  return value
+def number(low: float, high: float, why: Optional[str] = None) -> Any:
+  """A finite JSON number (never a boolean) in [low, high]."""
+  return checked(Annotated[float, Field(strict=True, ge=low, le=high, allow_inf_nan=False)], why or f"must be a number between {low:g} and {high:g}")
 
 
-def parse_stream_options(body: Mapping) -> bool:
-  """Whether the stream ends with the usage."""
-  options = body.get("stream_options")
-  if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool)):
-    raise BadRequest('stream_options must be an object like {"include_usage": true}', param="stream_options")
-  return bool((options or {}).get("include_usage"))
+def integer(low: int, why: str, high: int = MAX_INT32, optional: bool = True) -> Any:
+  return checked(Annotated[int, Field(strict=True, ge=low, le=high)], why, optional=optional)
 
 
-def parse_string(body: Mapping, name: str, prefix: str = "") -> Optional[str]:
-  value = body.get(name)
-  if value is not None and not isinstance(value, str):
-    raise BadRequest(f"{prefix}{name} must be a string", param=prefix + name)
-  return value
+def one_of(values: Iterable[Any], why: str, code: Optional[str] = None) -> Any:
+  """One of `values` (compared as `_same`: false is not 0), or null."""
+  values = tuple(values)
+
+  def check(value: Any) -> Any:
+    if value is not None and not any(_same(value, v) for v in values):
+      raise invalid(why, code)
+    return value
+  return Annotated[Any, PlainValidator(check)]
 
 
-def parse_user(body: Mapping) -> None:
-  parse_string(body, "user")
-
-
-def sampling_params(body: Mapping, default_temperature: float, max_tokens_names: Iterable[str] = ("max_completion_tokens", "max_tokens"),
-                    prefix: str = "", max_temperature: float = 2.0) -> SamplingParams:
-  """temperature, top_p, top_k, min_p, seed, the reply's token budget, ignore_eos and the logit processors
-  (frequency_penalty, presence_penalty, repetition_penalty, logit_bias, min_tokens), under the names OpenAI and vLLM
-  give them."""
-  budget = max_tokens(body, max_tokens_names, prefix)
-  return SamplingParams(
-    temperature=number(body, "temperature", default_temperature, 0.0, max_temperature, f"a number between 0 and {max_temperature:g}", prefix),
-    top_p=number(body, "top_p", 1.0, 0.0, 1.0, "a number between 0 and 1", prefix),
-    top_k=top_k(body, prefix),
-    min_p=number(body, "min_p", 0.0, 0.0, 1.0, "a number between 0 and 1", prefix),
-    seed=seed(body, prefix),
-    max_tokens=budget,
-    ignore_eos=parse_flag(body, "ignore_eos"),
-    frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0, "a number between -2 and 2", prefix),
-    presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0, "a number between -2 and 2", prefix),
-    repetition_penalty=repetition_penalty(body, "repetition_penalty", prefix),
-    logit_bias=logit_bias(body, prefix),
-    min_tokens=min_tokens(body, budget, prefix),
-  )
-
-
-def repetition_penalty(body: Mapping, name: str, prefix: str = "") -> float:
-  return number(body, name, 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
-                f"a number between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} (1 means none)", prefix)
-
-
-def logit_bias(body: Mapping, prefix: str = "") -> Tuple[Tuple[int, float], ...]:
-  """OpenAI's map of token ids (as strings, JSON's keys) to a bias between -100 and 100."""
-  value = body.get("logit_bias")
-  if value is None:
-    return ()
-  where = prefix + "logit_bias"
-  if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
-    raise BadRequest(f'{where} must be an object mapping token ids to a bias, such as {{"1734": -100}} (at most {MAX_LOGIT_BIAS} tokens)', param=where)
-  out = []
-  for key, bias in value.items():
-    if not re.fullmatch(r"[0-9]{1,10}", str(key)) or int(key) > MAX_INT32:
-      raise BadRequest(f"{where} keys must be token ids (integers >= 0), got {key!r}", param=where)
-    if not is_number(bias) or not -100 <= bias <= 100:
-      raise BadRequest(f"{where}[{key!r}] must be a number between -100 and 100 (-100 bans the token)", param=f"{where}.{key}")
-    out.append((int(key), float(bias)))
-  return tuple(sorted(out))
-
-
-def min_tokens(body: Mapping, budget: Optional[int], prefix: str = "") -> int:
-  value = body.get("min_tokens")
-  if value is None:
-    return 0
-  if not is_int(value) or not 0 <= value <= MAX_INT32 or (budget is not None and value > budget):
-    raise BadRequest(f"{prefix}min_tokens must be an integer >= 0 and at most the token budget", param=prefix + "min_tokens")
-  return value
+def neutral(*values: Any) -> Any:
+  """A parameter this server does not implement: taken only with a value that asks for nothing (null is always one)."""
+  return one_of(values, f"is not supported by this server (only null or {' or '.join(json.dumps(v) for v in values)})", "unsupported_parameter")
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -248,12 +197,82 @@ def _same(value: Any, neutral: Any) -> bool:
   return isinstance(value, bool) == isinstance(neutral, bool) and type(value) in (int, float, bool, dict, str, list) and value == neutral
 
 
-def refuse_unimplemented(body: Mapping, implemented: Iterable[str], neutral_values: Mapping[str, list], prefix: str = "") -> None:
-  """BadRequest for a field that is neither implemented nor given one of its neutral values (null is always one)."""
-  for name, value in body.items():
-    if name in neutral_values:
-      if value is not None and not any(_same(value, n) for n in neutral_values[name]):
-        allowed = " or ".join(json.dumps(n) for n in neutral_values[name])
-        raise BadRequest(f"{prefix}{name} is not supported by this server (only null or {allowed})", param=prefix + name, code="unsupported_parameter")
-    elif name not in implemented:
-      raise BadRequest(f"Unrecognized request argument supplied: {prefix}{name}", param=prefix + name, code="unsupported_parameter")
+def stop_strings(limit: int = MAX_STOP_STRINGS) -> Any:
+  """Stop strings: one, or a list of at most `limit`; a list once read."""
+  text = Annotated[str, Field(strict=True, min_length=1)]
+  return Annotated[checked(Union[text, Annotated[List[text], Field(max_length=limit)]],
+                           f"must be a non-empty string or a list of at most {limit} non-empty strings"),
+                   AfterValidator(lambda value: [value] if isinstance(value, str) else value or [])]
+
+
+def _logit_bias(value: Any) -> Tuple[Tuple[int, float], ...]:
+  """OpenAI's map of token ids (as strings, JSON's keys) to a bias between -100 and 100."""
+  if value is None:
+    return ()
+  if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+    raise invalid(f'must be an object mapping token ids to a bias, such as {{"1734": -100}} (at most {MAX_LOGIT_BIAS} tokens)')
+  for key, bias in value.items():
+    if not re.fullmatch(r"[0-9]{1,10}", str(key)) or int(key) > MAX_INT32:
+      raise invalid(f"keys must be token ids (integers >= 0), got {key!r}")
+    if not is_number(bias) or not -100 <= bias <= 100:
+      raise invalid(f"[{key!r}] must be a number between -100 and 100 (-100 bans the token)", at=f".{key}", named=True)
+  return tuple(sorted((int(key), float(bias)) for key, bias in value.items()))
+
+
+Switch = checked(Annotated[bool, Field(strict=True)], "must be true or false")  # true, false, or null: not said
+
+
+def flag(default: bool) -> Any:
+  """true or false; null (or left out) is `default`."""
+  return Annotated[Switch, AfterValidator(lambda value: default if value is None else value)]
+
+
+Flag = flag(False)
+Text = checked(Annotated[str, Field(strict=True)], "must be a string")
+Object = checked(Dict[str, Any], "must be an object")
+MaxTokens = integer(1, f"must be an integer >= 1 (and at most {MAX_INT32})")
+TopK = integer(0, f"must be an integer >= 0 (0 means no limit; at most {MAX_INT32})")
+Seed = checked(Annotated[int, Field(strict=True, ge=-2**63, lt=2**64)], "must be an integer (64-bit)")
+Penalty = number(-2.0, 2.0)
+RepetitionPenalty = number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                           f"must be a number between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} (1 means none)")
+LogprobCount = integer(0, f"must be an integer between 0 and {MAX_TOP_LOGPROBS}", MAX_TOP_LOGPROBS)
+LogitBias = Annotated[Tuple[Tuple[int, float], ...], PlainValidator(_logit_bias)]
+MinTokens = integer(0, "must be an integer >= 0 and at most the token budget")
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def sampling_params(body: BaseModel, default_temperature: float, **values: Any) -> SamplingParams:
+  """SamplingParams from the body's fields of the same names (a field left out or null keeps its default), with
+  `values` for those a dialect names otherwise; the temperature not given is the server's default."""
+  given = {name: getattr(body, name) for name in SAMPLING_FIELDS & set(type(body).model_fields)}
+  given = {name: value for name, value in {**given, **values}.items() if value is not None}
+  if given.get("seed") is not None:
+    given["seed"] %= 2**64  # OpenAI allows negative seeds; the generator wants an unsigned one
+  return SamplingParams(**{"temperature": default_temperature, **given})
+
+
+class OpenAISampling(Body):
+  """The sampling fields of OpenAI's routes, under the names OpenAI and vLLM give them."""
+  max_tokens: MaxTokens = None
+  temperature: number(0.0, 2.0) = None
+  top_p: number(0.0, 1.0) = None
+  top_k: TopK = None
+  min_p: number(0.0, 1.0) = None
+  seed: Seed = None
+  ignore_eos: Flag = None
+  frequency_penalty: Penalty = None
+  presence_penalty: Penalty = None
+  repetition_penalty: RepetitionPenalty = None
+  logit_bias: LogitBias = None
+  min_tokens: MinTokens = None
+
+  def budget(self) -> Optional[int]:
+    """The reply's token budget, where the request sets one."""
+    return self.max_tokens
+
+  @model_validator(mode="after")
+  def _min_within_budget(self):
+    if self.min_tokens is not None and self.budget() is not None and self.min_tokens > self.budget():
+      raise BadRequest("min_tokens must be an integer >= 0 and at most the token budget", param="min_tokens")
+    return self

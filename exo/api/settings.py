@@ -16,7 +16,6 @@ import psutil
 
 from exo import settings
 from exo.api.embedding_request import parse_duration
-from exo.api.errors import BadRequest
 from exo.embeddings.pool import DEFAULT_KEEP_ALIVE_S
 
 DEFAULT_MAX_RUNNING = 256  # vLLM's default for requests in flight; the KV budget usually binds first
@@ -75,9 +74,9 @@ def api_settings_from(args, environ: Mapping[str, str]) -> ApiSettings:
   kv_mb = _number(args, environ, "kv_budget_mb", 1, integer=False)
   keep_alive, _ = _raw(args, environ, "EXO_KEEP_ALIVE")
   try:
-    keep_alive_s = DEFAULT_KEEP_ALIVE_S if keep_alive is None else parse_duration(keep_alive, "EXO_KEEP_ALIVE")
-  except BadRequest as e:
-    raise ValueError(e.message) from None
+    keep_alive_s = DEFAULT_KEEP_ALIVE_S if keep_alive is None else parse_duration(keep_alive)
+  except ValueError as e:
+    raise ValueError(f"EXO_KEEP_ALIVE {e}") from None
   return ApiSettings(
     max_running=int(number("max_concurrent_requests", DEFAULT_MAX_RUNNING, 1)),
     max_queued=int(number("max_queued_requests", DEFAULT_MAX_QUEUED, 0)),

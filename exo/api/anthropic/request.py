@@ -3,24 +3,72 @@ tool_use and tool_result blocks) as a conversation in the core's form, max_token
 and tool_choice, output_config.format. Bad input is a 400 naming the field; fields this server does not implement
 are refused."""
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional
+
+from pydantic import BaseModel, Field
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
-from exo.api.request_fields import MAX_INT32, is_int, parse_flag, parse_stop, parse_string, refuse_unimplemented, resolve_model, sampling_params
+from exo.api.request_fields import (Closed, MAX_INT32, Body, Flag, Text, TopK, checked, integer, is_int, neutral, number, one_of, resolve_model,
+                                    sampling_params, stop_strings)
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
-MAX_STOP_SEQUENCES = 16
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "output_config", "cache_control", "thinking"}
-# cache_control (here and on blocks) is a caching hint: this node reuses prompt prefixes by itself. user_profile_id and
-# workspace_id say whom a request is for, which changes nothing in its answer here.
-IMPLEMENTED = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "metadata", "user_profile_id", "workspace_id"}
-# Fields that ask for nothing this server does not do, with those values (null is always one).
-NEUTRAL_VALUES = {"service_tier": ["auto", "standard_only"], "speed": ["standard"]}
 # Clients name Anthropic's models by habit (Claude Code asks for claude-* models): those mean the default model.
 FALLBACK_PREFIXES = ("claude-",)
+TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+THINKING = {"enabled": True, "adaptive": True, "disabled": False}
+
+
+class ToolChoice(BaseModel):
+  """{"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}"""
+  type: Literal[tuple(TOOL_CHOICES)]
+  name: Text = None
+  disable_parallel_tool_use: Flag = None
+
+
+class Thinking(BaseModel):
+  type: Literal[tuple(THINKING)]
+  budget_tokens: Any = None
+
+
+class OutputFormat(BaseModel):
+  type: Literal["json_schema"]
+  json_schema: Any = Field(alias="schema")
+
+
+class OutputConfig(Closed):
+  format: checked(OutputFormat, 'must be {"type": "json_schema", "schema": {...}}') = None
+  effort: one_of((), "this model does not reason (leave effort out)", "unsupported_parameter") = None
+
+
+class CountBody(Body):
+  """The fields a token count takes: the prompt's. cache_control (here and on blocks) is a caching hint: this node
+  reuses prompt prefixes by itself."""
+  model: Any = None
+  messages: Any = None
+  system: Any = None
+  tools: Any = None
+  tool_choice: checked(ToolChoice, 'must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}') = None
+  output_config: checked(OutputConfig, 'must be an object such as {"format": {"type": "json_schema", "schema": {...}}}') = None
+  cache_control: Any = None
+  thinking: checked(Thinking, 'must be {"type": "enabled", "budget_tokens": ...}, {"type": "adaptive"} or {"type": "disabled"}') = None
+  service_tier: neutral("auto", "standard_only") = None
+  speed: neutral("standard") = None
+
+
+class MessagesBody(CountBody):
+  """A message's fields. user_profile_id and workspace_id say whom a request is for, which changes nothing in its answer here."""
+  max_tokens: integer(1, f"is required: an integer >= 1 (and at most {MAX_INT32})", optional=False) = None
+  stop_sequences: stop_strings(16) = None
+  stream: Flag = None
+  temperature: number(0.0, 1.0) = None
+  top_p: number(0.0, 1.0) = None
+  top_k: TopK = None
+  metadata: checked(Dict[str, Any], 'must be an object such as {"user_id": ...}') = None
+  user_profile_id: Text = None
+  workspace_id: Text = None
 
 
 def _blocks(content: Any, where: str) -> List[dict]:
@@ -96,15 +144,14 @@ def _assistant_turn(blocks: List[dict], where: str) -> Dict[str, Any]:
   return message
 
 
-def parse_conversation(body: dict) -> List[Dict[str, Any]]:
+def parse_conversation(body: CountBody) -> List[Dict[str, Any]]:
   """`system` and `messages` as the core's conversation (OpenAI chat's form)."""
   out = []
-  system = body.get("system")
-  if system is not None:
-    text = _plain_text(system, "system")
+  if body.system is not None:
+    text = _plain_text(body.system, "system")
     if text:
       out.append({"role": "system", "content": text})
-  messages = body.get("messages")
+  messages = body.messages
   if not isinstance(messages, list) or not messages:
     raise BadRequest('messages is required: a non-empty list of {"role": "user" | "assistant", "content": ...} objects', param="messages")
   for i, message in enumerate(messages):
@@ -128,82 +175,40 @@ def _custom_tool(item: dict, where: str) -> Tool:
   return tool_of(item, where, "input_schema")
 
 
-def _tool_choice(body: dict) -> Tuple[Optional[str], Optional[str], bool]:
-  """(choice, name, parallel) from Anthropic's {"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}."""
-  value = body.get("tool_choice")
-  if value is None:
-    return None, None, True
-  kinds = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
-  if not isinstance(value, dict) or value.get("type") not in kinds:
-    raise BadRequest('tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}', param="tool_choice")
-  if value["type"] == "tool" and not isinstance(value.get("name"), str):
-    raise BadRequest('tool_choice {"type": "tool"} needs the tool\'s "name"', param="tool_choice.name")
-  disable = value.get("disable_parallel_tool_use")
-  if disable is not None and not isinstance(disable, bool):
-    raise BadRequest("tool_choice.disable_parallel_tool_use must be true or false", param="tool_choice.disable_parallel_tool_use")
-  return kinds[value["type"]], value.get("name"), not disable
-
-
-def _output_format(body: dict) -> Optional[ResponseFormat]:
-  """output_config.format: {"type": "json_schema", "schema": {...}} (followed as chat's json_schema with strict false)."""
-  config = body.get("output_config")
-  if config is None:
-    return None
-  if not isinstance(config, dict) or set(config) - {"format", "effort"}:
-    raise BadRequest('output_config must be an object such as {"format": {"type": "json_schema", "schema": {...}}}', param="output_config")
-  if config.get("effort") is not None:
-    raise BadRequest("output_config.effort: this model does not reason (leave effort out)", param="output_config.effort", code="unsupported_parameter")
-  spec = config.get("format")
-  if spec is None:
-    return None
-  if not isinstance(spec, dict) or spec.get("type") != "json_schema" or "schema" not in spec:
-    raise BadRequest('output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config.format")
-  return format_of("json_schema", {"schema": spec["schema"]}, "output_config.format", "output_config.format")
-
-
-def _thinking(body: dict) -> Optional[bool]:
+def _thinking(body: CountBody) -> Optional[bool]:
   """`thinking`: {"type": "enabled", "budget_tokens"} or {"type": "adaptive"} (think first), {"type": "disabled"}
   (answer at once, where the model's template can), or absent (as the model's template does by default). The budget
   is checked as Anthropic checks it; the thinking is bounded by max_tokens with the answer, not cut at the budget."""
-  value = body.get("thinking")
-  if value is None:
+  if body.thinking is None:
     return None
-  kinds = {"enabled": True, "adaptive": True, "disabled": False}
-  if not isinstance(value, dict) or value.get("type") not in kinds:
-    raise BadRequest('thinking must be {"type": "enabled", "budget_tokens": ...}, {"type": "adaptive"} or {"type": "disabled"}', param="thinking")
-  if value["type"] == "enabled":
-    budget, max_tokens = value.get("budget_tokens"), body.get("max_tokens")
-    if not is_int(budget) or budget < 1024 or (is_int(max_tokens) and budget >= max_tokens):
+  if body.thinking.type == "enabled":
+    budget, max_tokens = body.thinking.budget_tokens, getattr(body, "max_tokens", None)
+    if not is_int(budget) or budget < 1024 or (max_tokens is not None and budget >= max_tokens):
       raise BadRequest("thinking.budget_tokens must be an integer of at least 1024, below max_tokens", param="thinking.budget_tokens")
-  return kinds[value["type"]]
+  return THINKING[body.thinking.type]
 
 
-def _parse(body: dict, default_model: str, engine_classname: str, implemented) -> Dict[str, Any]:
+def _parse(body: CountBody, default_model: str, engine_classname: str) -> Dict[str, Any]:
   """The GenerationRequest's fields that a message and a token count share."""
-  refuse_unimplemented(body, implemented, NEUTRAL_VALUES)
-  model = resolve_model(body.get("model"), default_model, engine_classname, FALLBACK_PREFIXES)
+  model = resolve_model(body.model, default_model, engine_classname, FALLBACK_PREFIXES)
   messages = parse_conversation(body)
-  choice, name, parallel = _tool_choice(body)
-  tools = parse_tools(body, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name")
-  return {"model": model, "messages": messages, "tool_use": tool_use(tools, choice, name, parallel), "response_format": _output_format(body),
+  tools = parse_tools({"tools": body.tools}, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name")
+  choice = body.tool_choice or ToolChoice(type="auto")
+  if choice.type == "tool" and choice.name is None:
+    raise BadRequest('tool_choice {"type": "tool"} needs the tool\'s "name"', param="tool_choice.name")
+  spec = body.output_config and body.output_config.format
+  return {"model": model, "messages": messages, "response_format": spec and format_of("json_schema", {"schema": spec.json_schema}, "output_config.format",
+                                                                                          "output_config.format"),
+          "tool_use": tool_use(tools, TOOL_CHOICES[choice.type] if body.tool_choice else None, choice.name, not choice.disable_parallel_tool_use),
           "thinking": _thinking(body), "fields": FieldNames(thinking="thinking")}
 
 
 def parse_messages_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
-  common = _parse(body, default_model, engine_classname, IMPLEMENTED)
-  max_tokens = body.get("max_tokens")
-  if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT32:
-    raise BadRequest(f"max_tokens is required: an integer >= 1 (and at most {MAX_INT32})", param="max_tokens")
-  metadata = body.get("metadata")
-  if metadata is not None and not isinstance(metadata, dict):
-    raise BadRequest('metadata must be an object such as {"user_id": ...}', param="metadata")
-  params = sampling_params({k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")}, default_temperature, ("max_tokens",),
-                           max_temperature=1.0)
-  for name in ("user_profile_id", "workspace_id"):
-    parse_string(body, name)
-  return GenerationRequest(**common, params=params, stop=parse_stop(body, "stop_sequences", MAX_STOP_SEQUENCES), stream=parse_flag(body, "stream"))
+  message = MessagesBody.read(body)
+  params = sampling_params(message, default_temperature)
+  return GenerationRequest(**_parse(message, default_model, engine_classname), params=params, stop=message.stop_sequences, stream=bool(message.stream))
 
 
 def parse_count_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
   """count_tokens takes the prompt's fields only (no sampling: `default_temperature` is unused)."""
-  return GenerationRequest(**_parse(body, default_model, engine_classname, COUNT_FIELDS))
+  return GenerationRequest(**_parse(CountBody.read(body), default_model, engine_classname))

@@ -108,7 +108,8 @@ class OllamaRoutes:
   async def handle_show(self, request: web.Request) -> web.Response:
     body = await self.core.in_thread(parse_json_body, await request.read())
     engine = self.core.engine_classname
-    model = resolve_ollama_model(body, self.core.default_model, engine, "model" if "model" in body else "name")
+    field = "model" if "model" in body else "name"
+    model = resolve_ollama_model(body.get(field), self.core.default_model, engine, field)
     if model not in local_models(engine):
       raise ApiError(404, f"model '{body.get('model') or body.get('name')}' not found", code="model_not_found")
     tokenizer, _ = await self.core.profiles.get(model)

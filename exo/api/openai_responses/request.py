@@ -3,26 +3,66 @@ function_call and function_call_output) after `instructions`, max_output_tokens,
 and tool_choice, text.format. Nothing is stored here, so what needs a stored response (previous_response_id,
 conversation, item references, background) is a 400, as are tools that run on OpenAI's servers."""
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Annotated, Any, Dict, List, Literal, Optional
+
+from pydantic import Field
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
-from exo.api.reasoning import parse_effort
-from exo.api.request_fields import parse_flag, parse_string, refuse_unimplemented, resolve_model, sampling_params
+from exo.api.reasoning import Effort, parse_effort
+from exo.api.request_fields import Closed, Body, Flag, flag, MaxTokens, Text, checked, neutral, number, one_of, resolve_model, sampling_params
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
-IMPLEMENTED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls",
-               "text", "stream", "store", "metadata", "user", "safety_identifier", "prompt_cache_key", "include", "previous_response_id",
-               "conversation", "reasoning"}
-NEUTRAL_VALUES = {"truncation": ["disabled"], "background": [False], "service_tier": ["auto", "default"], "top_logprobs": [0]}
 # What `include` may ask for: encrypted reasoning (Codex asks; nothing is encrypted: a reasoning model's thinking comes as
 # plain reasoning_text).
-INCLUDABLE = {"reasoning.encrypted_content"}
+INCLUDABLE = ("reasoning.encrypted_content",)
 STATELESS = "this server stores no responses: send the whole conversation in `input`"
 TEXT_PARTS = {"input_text", "output_text", "text"}
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
+
+
+class TextSettings(Closed):
+  """`text`: the answer's format (a json_schema's fields sit beside its type, unlike chat's response_format)."""
+  format: checked(Annotated[Dict[str, Any], Field(strict=True)], 'must be an object such as {"type": "json_object"}') = None
+  verbosity: one_of(("medium",), ": only medium is served here", "unsupported_parameter") = None
+
+
+class ReasoningSettings(Closed):
+  """`reasoning`: `summary` is accepted (no summary is written: the thinking itself comes back as reasoning_text)."""
+  effort: Effort = None
+  summary: Any = None
+  generate_summary: Any = None
+
+
+class ResponsesBody(Body):
+  """The Responses API's body (the input and tools are read by the functions below). Nothing is stored here: `store`
+  is taken either way, and what needs a stored response is refused."""
+  model: Any = None
+  previous_response_id: one_of((), f": {STATELESS}", "unsupported_parameter") = None
+  conversation: one_of((), f": {STATELESS}", "unsupported_parameter") = None
+  include: checked(List[Literal[INCLUDABLE]], f"may only hold {list(INCLUDABLE)} here", "unsupported_parameter") = None
+  input: Any = None
+  instructions: Text = None
+  user: Text = None
+  safety_identifier: Text = None
+  prompt_cache_key: Text = None
+  store: Flag = None
+  metadata: checked(Dict[str, Any], "must be an object of strings") = None
+  temperature: number(0.0, 2.0) = None
+  top_p: number(0.0, 1.0) = None
+  max_output_tokens: MaxTokens = None
+  tools: Any = None
+  tool_choice: Any = None
+  parallel_tool_calls: flag(True) = True
+  text: checked(TextSettings, 'must be an object such as {"format": {"type": "json_schema", ...}}') = None
+  reasoning: checked(ReasoningSettings, 'must be an object such as {"effort": "medium"}') = None
+  stream: Flag = None
+  truncation: neutral("disabled") = None
+  background: neutral(False) = None
+  service_tier: neutral("auto", "default") = None
+  top_logprobs: neutral(0) = None
 
 
 @dataclass
@@ -100,9 +140,9 @@ def _function_tool(item: dict, where: str) -> Tool:
   return tool_of({**item, "strict": item.get("strict", True)}, where)  # the Responses API's function tools are strict unless told
 
 
-def _tool_use(body: dict):
-  tools = parse_tools(body, _function_tool, '{"type": "function", "name": ..., "parameters": {...}}', "tools[{i}].name")
-  choice, name = body.get("tool_choice"), None
+def _tool_use(body: ResponsesBody):
+  tools = parse_tools({"tools": body.tools}, _function_tool, '{"type": "function", "name": ..., "parameters": {...}}', "tools[{i}].name")
+  choice, name = body.tool_choice, None
   why = 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}'
   if isinstance(choice, dict):
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -110,66 +150,26 @@ def _tool_use(body: dict):
     choice, name = "function", choice["name"]
   elif choice is not None and choice not in ("none", "auto", "required"):
     raise BadRequest(why, param="tool_choice")
-  return tool_use(tools, choice, name, parse_flag(body, "parallel_tool_calls", default=True))
-
-
-def _text_format(body: dict) -> Tuple[Optional[ResponseFormat], dict]:
-  """text.format (a json_schema's fields sit beside its type, unlike chat's response_format) and the text settings."""
-  text = body.get("text")
-  if text is None:
-    return None, {"format": {"type": "text"}}
-  if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-    raise BadRequest('text must be an object such as {"format": {"type": "json_schema", ...}}', param="text")
-  if text.get("verbosity") not in (None, "medium"):
-    raise BadRequest("text.verbosity: only medium is served here", param="text.verbosity", code="unsupported_parameter")
-  spec = text.get("format") or {"type": "text"}
-  if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
-    raise BadRequest('text.format must be an object such as {"type": "json_object"}', param="text.format")
-  return format_of(spec["type"], spec, "text.format", "text.format"), {"format": spec}
-
-
-def _refuse_state(body: dict) -> None:
-  for name in ("previous_response_id", "conversation"):
-    if body.get(name) is not None:
-      raise BadRequest(f"{name}: {STATELESS}", param=name, code="unsupported_parameter")
-  include = body.get("include")
-  if include is not None and (not isinstance(include, list) or not all(isinstance(i, str) and i in INCLUDABLE for i in include)):
-    raise BadRequest(f"include may only hold {sorted(INCLUDABLE)} here", param="include", code="unsupported_parameter")
-
-
-def _reasoning(body: dict) -> Tuple[Optional[bool], Dict[str, Any]]:
-  """`reasoning`: its `effort` "none" makes a reasoning model answer at once (where its template can), another
-  effort makes it think (a model that does not reason: 400); the degree goes to a template that reads it (gpt-oss's
-  low, medium, high) and otherwise does not change how long it thinks. `summary` is accepted: no summary is
-  written, the thinking itself comes back as reasoning_text. Returns (whether to think, or None; template variables)."""
-  value = body.get("reasoning")
-  if value is None:
-    return None, {}
-  if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
-    raise BadRequest('reasoning must be an object such as {"effort": "medium"}', param="reasoning")
-  return parse_effort(value.get("effort"), "reasoning.effort")
+  return tool_use(tools, choice, name, body.parallel_tool_calls)
 
 
 def parse_responses_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ResponsesRequest:
-  refuse_unimplemented(body, IMPLEMENTED, NEUTRAL_VALUES)
-  _refuse_state(body)
-  model = resolve_model(body.get("model"), default_model, engine_classname)
-  instructions = parse_string(body, "instructions")
-  messages = parse_input(body.get("input"), instructions)
-  for name in ("user", "safety_identifier", "prompt_cache_key"):
-    parse_string(body, name)
-  parse_flag(body, "store")  # (accepted either way: nothing is stored)
-  metadata = body.get("metadata")
-  if metadata is not None and not isinstance(metadata, dict):
-    raise BadRequest("metadata must be an object of strings", param="metadata")
-  params = sampling_params({k: body.get(k) for k in ("temperature", "top_p", "max_output_tokens")}, default_temperature, ("max_output_tokens",))
-  use = _tool_use(body)
-  response_format, text = _text_format(body)
-  thinking, template_kwargs = _reasoning(body)
-  generation = GenerationRequest(model, messages=messages, params=params, tool_use=use, response_format=response_format, thinking=thinking,
-                                 template_kwargs=template_kwargs,
-                                 stream=parse_flag(body, "stream"), fields=FieldNames(prompt="input", max_tokens="max_output_tokens", thinking="reasoning.effort"))
-  echo = {"instructions": instructions, "max_output_tokens": params.max_tokens, "metadata": metadata or {},
-          "parallel_tool_calls": parse_flag(body, "parallel_tool_calls", default=True), "temperature": params.temperature, "text": text,
-          "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [], "top_p": params.top_p, "user": body.get("user")}
+  request = ResponsesBody.read(body)
+  model = resolve_model(request.model, default_model, engine_classname)
+  messages = parse_input(request.input, request.instructions)
+  params = sampling_params(request, default_temperature, max_tokens=request.max_output_tokens)
+  spec = (request.text and request.text.format) or {"type": "text"}
+  if not isinstance(spec.get("type"), str):
+    raise BadRequest('text.format must be an object such as {"type": "json_object"}', param="text.format")
+  # `reasoning.effort` "none" makes a reasoning model answer at once (where its template can), another effort makes it
+  # think (a model that does not reason: 400); the degree goes to a template that reads it (gpt-oss's low, medium, high)
+  # and otherwise does not change how long it thinks.
+  thinking, template_kwargs = parse_effort(request.reasoning and request.reasoning.effort)
+  generation = GenerationRequest(model, messages=messages, params=params, tool_use=_tool_use(request),
+                                 response_format=format_of(spec["type"], spec, "text.format", "text.format"), thinking=thinking,
+                                 template_kwargs=template_kwargs, stream=bool(request.stream),
+                                 fields=FieldNames(prompt="input", max_tokens="max_output_tokens", thinking="reasoning.effort"))
+  echo = {"instructions": request.instructions, "max_output_tokens": params.max_tokens, "metadata": request.metadata or {},
+          "parallel_tool_calls": request.parallel_tool_calls, "temperature": params.temperature, "text": {"format": spec},
+          "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "top_p": params.top_p, "user": request.user}
   return ResponsesRequest(generation, echo)
