@@ -104,14 +104,16 @@ def is_int(value: Any) -> bool:
 
 # --- body models: each field's type says what it takes (null always means its default) ---
 
-def invalid(why: str, code: Optional[str] = None, at: str = "", named: bool = False) -> PydanticCustomError:
+def invalid(why: str, code: Optional[str] = None, at: str = "", said: str = "") -> PydanticCustomError:
   """A field's fault, raised inside a validator: `why` follows the field's name in the message; `at` names the part
-  of the field at fault (`.messages` in chat_template_kwargs), unless `why` already `named` it; `code` is the error's code."""
-  return PydanticCustomError(code or "invalid", why, {"at": at, "named": named})
+  of the field at fault (`.messages` in chat_template_kwargs), less the tail of it that `why` has `said` in its own
+  words; `code` is the error's code."""
+  return PydanticCustomError(code or "invalid", why, {"at": at, "said": said})
 
 
 def _path(loc: Iterable[Any]) -> str:
-  return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+  """A location as a suffix of a field's name: `.content[0]`."""
+  return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
 
 
 def _own(error: ValidationError, extra: bool) -> Optional[dict]:
@@ -123,12 +125,12 @@ def bad_request(error: ValidationError) -> BadRequest:
   """The 400 for a body's first fault; a field this server does not take is named before any other."""
   errors = error.errors(include_url=False)
   first = next((e for e in errors if e["type"] in ("extra_forbidden", "unsupported_parameter")), errors[0])
-  where, ctx = _path(first["loc"]), first.get("ctx") or {}
+  where, ctx = _path(first["loc"]).lstrip("."), first.get("ctx") or {}
   param = (where + ctx.get("at", "")).lstrip(".")
   if first["type"] == "extra_forbidden":
     return BadRequest(f"Unrecognized request argument supplied: {param}", param=param, code="unsupported_parameter")
   why = first["msg"] if "at" in ctx else f"is not valid: {first['msg']}"  # (pydantic's own words: a fault no type below explains)
-  named = where if ctx.get("named") else param
+  named = param[:len(param) - len(ctx.get("said", ""))]
   message = f"{named}{'' if why[:1] in ':[' else ' '}{why}" if named else why
   return BadRequest(message, param=param or None, code=first["type"] if "at" in ctx and first["type"] != "invalid" else None)
 
@@ -162,8 +164,7 @@ def checked(kind: Any, why: str, code: Optional[str] = None, optional: bool = Tr
       if own is None:
         raise invalid(why, code) from None
       ctx = own.get("ctx") or {}
-      raise invalid(own["msg"], None if own["type"] == "invalid" else own["type"], f".{_path(own['loc'])}{ctx.get('at', '')}" if own["loc"] else ctx["at"],
-                    ctx.get("named", False)) from None
+      raise invalid(own["msg"], None if own["type"] == "invalid" else own["type"], _path(own["loc"]) + ctx.get("at", ""), ctx.get("said", "")) from None
   return Annotated[Optional[kind] if optional else kind, WrapValidator(explain)]
 
 
@@ -215,7 +216,7 @@ def _logit_bias(value: Any) -> Tuple[Tuple[int, float], ...]:
     if not re.fullmatch(r"[0-9]{1,10}", str(key)) or int(key) > MAX_INT32:
       raise invalid(f"keys must be token ids (integers >= 0), got {key!r}")
     if not is_number(bias) or not -100 <= bias <= 100:
-      raise invalid(f"[{key!r}] must be a number between -100 and 100 (-100 bans the token)", at=f".{key}", named=True)
+      raise invalid(f"[{key!r}] must be a number between -100 and 100 (-100 bans the token)", at=f".{key}", said=f".{key}")
   return tuple(sorted((int(key), float(bias)) for key, bias in value.items()))
 
 

@@ -6,7 +6,7 @@ unless told not to. Bad input is a 400 naming the field; a model this node does 
 import json
 from typing import Annotated, Any, Dict, List, Optional
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, create_model
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import ApiError, BadRequest
@@ -29,9 +29,8 @@ def _not_zero(predict: int) -> int:
   return predict
 
 
-class Options(Body):
-  """Ollama's `options`: the sampling ones under Ollama's names, then those that say how a node runs (its threads,
-  memory: the node's own settings, so they are accepted and have no effect), then those taken only when neutral."""
+class SamplingOptions(Body):
+  """Ollama's `options` under Ollama's names; those it has and this server does not implement are taken when neutral."""
   temperature: number(0.0, 2.0) = None
   top_p: number(0.0, 1.0) = None
   top_k: TopK = None
@@ -45,21 +44,15 @@ class Options(Body):
   presence_penalty: Penalty = None
   frequency_penalty: Penalty = None
   num_ctx: integer(1, "must be an integer >= 1") = None
-  num_batch: Any = None
-  num_gpu: Any = None
-  main_gpu: Any = None
-  num_thread: Any = None
-  use_mmap: Any = None
-  use_mlock: Any = None
-  numa: Any = None
-  low_vram: Any = None
-  num_keep: Any = None
-  penalize_newline: Any = None
-  mirostat_tau: Any = None
-  mirostat_eta: Any = None
   typical_p: neutral(1) = None
   tfs_z: neutral(1) = None
   mirostat: neutral(0) = None
+
+
+# How a node runs (its threads, memory): the node's own settings, so these options are accepted and have no effect.
+RUNTIME_OPTIONS = ("num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram", "num_keep", "penalize_newline",
+                   "mirostat_tau", "mirostat_eta")
+Options = create_model("Options", __base__=SamplingOptions, **{name: (Any, None) for name in RUNTIME_OPTIONS})
 
 
 class OllamaBody(Body):
