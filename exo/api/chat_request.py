@@ -1,17 +1,17 @@
 """OpenAI chat completions (POST /v1/chat/completions) read into a GenerationRequest: the model, the messages, the
 sampling parameters, tools and response_format. Bad input raises BadRequest naming the field and saying why; a
 parameter this server does not implement is refused the same way, never silently ignored."""
-from typing import Any, Dict, List, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StrictStr, field_validator, model_validator
 
 from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
 from exo.api.reasoning import SWITCH, Effort, parse_effort
-from exo.api.request_fields import (Closed, MAX_CHOICES, Flag, Switch, LogprobCount, MaxTokens, OpenAISampling, Text, checked, integer, invalid, resolve_model, sampling_params,
+from exo.api.request_fields import (Body, Closed, MAX_CHOICES, Flag, Switch, LogprobCount, MaxTokens, OpenAISampling, Text, checked, integer, invalid, resolve_model, sampling_params,
                                     stop_strings)
 from exo.api.structured import parse_response_format
-from exo.api.tools import check_tool_messages, parse_tool_use
+from exo.api.tools import parse_tool_use
 
 IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -37,10 +37,77 @@ class TemplateKwargs(BaseModel):
     return value
 
 
+def text_of(content: Any) -> str:
+  """Message content as the text a text-only model sees: parts joined, images as a placeholder."""
+  if content is None or isinstance(content, str):
+    return content or ""
+  if not isinstance(content, list):
+    raise invalid("must be a string or a list of content parts")
+  texts = []
+  for i, part in enumerate(content):
+    if isinstance(part, str):
+      texts.append(part)
+    elif isinstance(part, dict) and part.get("type") in ("image_url", "image"):
+      texts.append(IMAGE_PLACEHOLDER)
+    elif isinstance(part, dict) and isinstance(part.get("text"), str):
+      texts.append(part["text"])
+    else:
+      raise invalid('must be a text part ({"type": "text", "text": ...}) or an image part', at=f"[{i}]")
+  return "\n".join(texts)
+
+
+class CalledFunction(BaseModel):
+  model_config = ConfigDict(extra="allow")  # (what a client adds is the template's to read or leave)
+  name: StrictStr
+  arguments: StrictStr = ""  # JSON text
+
+
+class ToolCall(BaseModel):
+  model_config = ConfigDict(extra="allow")
+  id: StrictStr = ""
+  type: Literal["function"] = "function"
+  function: CalledFunction
+
+
+class Message(BaseModel):
+  """A message with its content as text, and its other keys (a per-message `tools`) as they are. A `developer`
+  message is what OpenAI now calls a system message, and goes to the template as one."""
+  model_config = ConfigDict(extra="allow")
+  role: Annotated[checked(Literal[tuple(sorted(ROLES))], f"must be one of {', '.join(sorted(ROLES))}", optional=False),
+                  AfterValidator(lambda role: "system" if role == "developer" else role)]
+  content: Annotated[str, PlainValidator(text_of)]
+  tool_calls: checked(List[checked(ToolCall, 'must be {"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}',
+                                   optional=False)], "must be a list, on an assistant message") = None
+  tool_call_id: Text = None
+
+  @field_validator("tool_calls")
+  @classmethod
+  def _on_an_assistant_message(cls, calls: Optional[list], info) -> Optional[list]:
+    if calls is not None and info.data.get("role") != "assistant":
+      raise invalid("must be a list, on an assistant message")
+    return calls
+
+
+Messages = List[checked(Message, 'must be an object with a string "role" and a "content"', optional=False)]
+MESSAGES_WHY = 'is required: a non-empty list of {"role": ..., "content": ...} objects'
+
+
+def as_dicts(messages: Optional[List[Message]]) -> List[Dict[str, Any]]:
+  """The messages as the chat template takes them: the keys each was given."""
+  return [message.model_dump(exclude_unset=True) for message in messages or []]
+
+
+class EncodeBody(Body):
+  """Upstream's token-encode route: the prompt that a chat request's messages and tools make (other keys ignored)."""
+  model_config = ConfigDict(extra="ignore")
+  model: Any = None
+  messages: checked(Messages, MESSAGES_WHY) = None
+
+
 class ChatBody(OpenAISampling):
   """OpenAI's chat completion body (the messages, tools and response_format are read by the functions below)."""
   model: Any = None
-  messages: Any = None
+  messages: checked(Annotated[Messages, Field(min_length=1)], MESSAGES_WHY, optional=False) = None
   stream: Flag = None
   stream_options: checked(StreamOptions, 'must be an object like {"include_usage": true}') = None
   max_completion_tokens: MaxTokens = None
@@ -67,44 +134,6 @@ class ChatBody(OpenAISampling):
     return top
 
 
-def text_of(content: Any, where: str) -> str:
-  """Message content as the text a text-only model sees: parts joined, images as a placeholder."""
-  if content is None or isinstance(content, str):
-    return content or ""
-  if not isinstance(content, list):
-    raise BadRequest(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
-  texts = []
-  for i, part in enumerate(content):
-    if isinstance(part, str):
-      texts.append(part)
-    elif isinstance(part, dict) and part.get("type") in ("image_url", "image"):
-      texts.append(IMAGE_PLACEHOLDER)
-    elif isinstance(part, dict) and isinstance(part.get("text"), str):
-      texts.append(part["text"])
-    else:
-      raise BadRequest(f"{where}.content[{i}] must be a text part ({{\"type\": \"text\", \"text\": ...}}) or an image part", param=f"{where}.content[{i}]")
-  return "\n".join(texts)
-
-
-def parse_messages(messages: Any, required: bool = True) -> List[Dict[str, Any]]:
-  """Validated messages, each a copy with string content (extra keys such as a per-message `tools` kept). A
-  `developer` message is what OpenAI now calls a system message, and goes to the template as one."""
-  if messages is None and not required:
-    return []
-  if not isinstance(messages, list) or (required and not messages):
-    raise BadRequest('messages is required: a non-empty list of {"role": ..., "content": ...} objects', param="messages")
-  out = []
-  for i, message in enumerate(messages):
-    where = f"messages[{i}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-      raise BadRequest(f'{where} must be an object with a string "role" and a "content"', param=where)
-    if message["role"] not in ROLES:
-      raise BadRequest(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {message['role']!r}", param=f"{where}.role")
-    role = "system" if message["role"] == "developer" else message["role"]
-    out.append({**message, "role": role, "content": text_of(message["content"], where)})
-  return out
-
-
 def parse_tools(body: dict) -> Optional[List[Any]]:
   """The tools the chat template is given (none when tool_choice is "none"), each checked (exo/api/tools.py)."""
   parse_tool_use(body)
@@ -114,8 +143,7 @@ def parse_tools(body: dict) -> Optional[List[Any]]:
 def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
   chat = ChatBody.read(body)
   model = resolve_model(chat.model, default_model, engine_classname)
-  messages = parse_messages(chat.messages)
-  check_tool_messages(messages)
+  messages = as_dicts(chat.messages)
   params = sampling_params(chat, default_temperature, max_tokens=chat.budget(), logprobs=(chat.top_logprobs or 0) if chat.logprobs else None)
   kwargs = chat.chat_template_kwargs or TemplateKwargs()
   # OpenAI's reasoning_effort: "none" turns thinking off where the template can; gpt-oss's template reads the degree.

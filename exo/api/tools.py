@@ -134,24 +134,6 @@ def parse_tool_use(body: dict) -> Optional[ToolUse]:
   return tool_use(tools, choice, name, True if parallel is None else parallel)
 
 
-def check_tool_messages(messages: List[Dict[str, Any]]) -> None:
-  """Assistant `tool_calls` and `tool` messages as OpenAI defines them; 400 naming the message otherwise."""
-  for i, message in enumerate(messages):
-    where = f"messages[{i}]"
-    calls = message.get("tool_calls")
-    if calls is not None:
-      if message["role"] != "assistant" or not isinstance(calls, list):
-        raise BadRequest(f"{where}.tool_calls must be a list, on an assistant message", param=f"{where}.tool_calls")
-      for j, call in enumerate(calls):
-        at = f"{where}.tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if (not isinstance(function, dict) or not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function"
-            or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", ""), str)):
-          raise BadRequest(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "<JSON text>"}}}}', param=at)
-    if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
-      raise BadRequest(f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
-
-
 def arguments_object(arguments: str) -> Any:
   """A call's arguments as chat templates expect them (an object), or the text as it is when it is not JSON."""
   try:
