@@ -8,8 +8,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidato
 from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
 from exo.api.reasoning import SWITCH, Effort, parse_effort
-from exo.api.request_fields import (Body, Closed, MAX_CHOICES, Flag, Switch, LogprobCount, MaxTokens, OpenAISampling, Text, checked, integer, invalid, resolve_model, sampling_params,
-                                    stop_strings)
+from exo.api.request_fields import (Body, Flag, LogprobCount, MaxTokens, OpenAIBody, Switch, Text, checked, invalid, resolve_model, sampling_params)
 from exo.api.structured import parse_response_format
 from exo.api.tools import parse_tool_use
 
@@ -17,10 +16,6 @@ IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # What the template is given by the server itself, which chat_template_kwargs may not replace.
 TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
-
-
-class StreamOptions(Closed):
-  include_usage: Flag = None
 
 
 class TemplateKwargs(BaseModel):
@@ -104,20 +99,14 @@ class EncodeBody(Body):
   messages: checked(Messages, MESSAGES_WHY) = None
 
 
-class ChatBody(OpenAISampling):
-  """OpenAI's chat completion body (the messages, tools and response_format are read by the functions below)."""
-  model: Any = None
+class ChatBody(OpenAIBody):
+  """OpenAI's chat completion body (the tools and response_format are read by exo/api/tools.py and exo/api/structured.py)."""
   messages: checked(Annotated[Messages, Field(min_length=1)], MESSAGES_WHY, optional=False) = None
-  stream: Flag = None
-  stream_options: checked(StreamOptions, 'must be an object like {"include_usage": true}') = None
   max_completion_tokens: MaxTokens = None
-  stop: stop_strings() = None
   tools: Any = None
   tool_choice: Any = None
   parallel_tool_calls: Any = None
   response_format: Any = None
-  n: integer(1, f"must be an integer between 1 and {MAX_CHOICES}", MAX_CHOICES) = None
-  user: Text = None
   logprobs: Flag = None
   top_logprobs: LogprobCount = None
   chat_template_kwargs: checked(TemplateKwargs, 'must be an object such as {"enable_thinking": false}') = None

@@ -2,25 +2,17 @@
 Validated the way chat requests are: bad input is a 400 naming the field, unimplemented parameters are refused."""
 from typing import Any, Dict, List, Optional
 
-from exo.api.chat_request import StreamOptions
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest, Prompt
-from exo.api.request_fields import (MAX_CHOICES, MAX_INT32, Flag, LogprobCount, OpenAISampling, Text, checked, integer, neutral, resolve_model,
-                                    sampling_params, stop_strings)
+from exo.api.request_fields import MAX_CHOICES, MAX_INT32, Flag, LogprobCount, OpenAIBody, neutral, resolve_model, sampling_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route (vLLM's too): a completion is a continuation, not an answer
 
 
-class CompletionBody(OpenAISampling):
-  model: Any = None
+class CompletionBody(OpenAIBody):
   prompt: Any = None
-  stream: Flag = None
-  stream_options: checked(StreamOptions, 'must be an object like {"include_usage": true}') = None
-  stop: stop_strings() = None
-  n: integer(1, f"must be an integer between 1 and {MAX_CHOICES}", MAX_CHOICES) = None
   logprobs: LogprobCount = None
   echo: Flag = None
-  user: Text = None
   best_of: neutral(1) = None
   suffix: neutral("") = None
 

@@ -253,20 +253,34 @@ def sampling_params(body: BaseModel, default_temperature: float, **values: Any) 
   return SamplingParams(**{"temperature": default_temperature, **given})
 
 
-class OpenAISampling(Body):
-  """The sampling fields of OpenAI's routes, under the names OpenAI and vLLM give them."""
-  max_tokens: MaxTokens = None
+class Sampling(Body):
+  """The sampling fields every dialect with sampling takes, under the names OpenAI and vLLM give them."""
   temperature: number(0.0, 2.0) = None
   top_p: number(0.0, 1.0) = None
   top_k: TopK = None
   min_p: number(0.0, 1.0) = None
   seed: Seed = None
-  ignore_eos: Flag = None
   frequency_penalty: Penalty = None
   presence_penalty: Penalty = None
+
+
+class StreamOptions(Closed):
+  include_usage: Flag = None
+
+
+class OpenAIBody(Sampling):
+  """The fields OpenAI's chat and text completions share."""
+  model: Any = None
+  stream: Flag = None
+  stream_options: checked(StreamOptions, 'must be an object like {"include_usage": true}') = None
+  max_tokens: MaxTokens = None
+  ignore_eos: Flag = None
   repetition_penalty: RepetitionPenalty = None
   logit_bias: LogitBias = None
   min_tokens: MinTokens = None
+  stop: stop_strings() = None
+  n: integer(1, f"must be an integer between 1 and {MAX_CHOICES}", MAX_CHOICES) = None
+  user: Text = None
 
   def budget(self) -> Optional[int]:
     """The reply's token budget, where the request sets one."""

@@ -12,8 +12,8 @@ from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import ApiError, BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import parse_effort
-from exo.api.request_fields import (MAX_INT32, Body, Flag, flag, LogprobCount, Penalty, RepetitionPenalty, Seed, Text, TopK, checked, integer, neutral,
-                                    number, one_of, resolve_model, sampling_params, stop_strings)
+from exo.api.request_fields import (MAX_INT32, Body, Flag, LogprobCount, RepetitionPenalty, Sampling, Text, checked, flag, integer, neutral, one_of,
+                                    resolve_model, sampling_params, stop_strings)
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import parse_tool_use
 
@@ -29,20 +29,13 @@ def _not_zero(predict: int) -> int:
   return predict
 
 
-class SamplingOptions(Body):
+class SamplingOptions(Sampling):
   """Ollama's `options` under Ollama's names; those it has and this server does not implement are taken when neutral."""
-  temperature: number(0.0, 2.0) = None
-  top_p: number(0.0, 1.0) = None
-  top_k: TopK = None
-  min_p: number(0.0, 1.0) = None
-  seed: Seed = None
   num_predict: checked(Annotated[int, Field(strict=True, ge=-2, le=MAX_INT32), AfterValidator(_not_zero)],
                        "must be an integer >= 1, or -1 (until the context is full)") = None
   stop: stop_strings(16) = None
   repeat_penalty: RepetitionPenalty = None
   repeat_last_n: integer(-1, "must be an integer >= 0, or -1 (the whole context)") = None
-  presence_penalty: Penalty = None
-  frequency_penalty: Penalty = None
   num_ctx: integer(1, "must be an integer >= 1") = None
   typical_p: neutral(1) = None
   tfs_z: neutral(1) = None
