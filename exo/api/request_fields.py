@@ -7,7 +7,8 @@ import re
 from dataclasses import fields
 from typing import Annotated, Any, Dict, Iterable, List, Optional, Tuple, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, WrapValidator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag, ValidationError, WrapValidator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from exo.api.errors import BadRequest
@@ -112,8 +113,8 @@ def invalid(why: str, code: Optional[str] = None, at: str = "", said: str = "") 
 
 
 def _path(loc: Iterable[Any]) -> str:
-  """A location as a suffix of a field's name: `.content[0]`."""
-  return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+  """A location as a suffix of a field's name: `.content[0]` (a `tagged` object's <tag> is no part of it)."""
+  return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc if not (str(p).startswith("<") and str(p).endswith(">")))
 
 
 def _own(error: ValidationError, extra: bool) -> Optional[dict]:
@@ -165,7 +166,15 @@ def checked(kind: Any, why: str, code: Optional[str] = None, optional: bool = Tr
         raise invalid(why, code) from None
       ctx = own.get("ctx") or {}
       raise invalid(own["msg"], None if own["type"] == "invalid" else own["type"], _path(own["loc"]) + ctx.get("at", ""), ctx.get("said", "")) from None
-  return Annotated[Optional[kind] if optional else kind, WrapValidator(explain)]
+  return Annotated[kind, WrapValidator(explain)]  # (null never reaches `kind`)
+
+
+def tagged(kinds: Dict[str, Any], why: str, key: str = "type", at: str = ".type") -> Any:
+  """An object whose `key` picks its model among `kinds`; one whose `key` is none of them fails saying `why` (of its `at`)."""
+  def kind_of(value: Any) -> Optional[str]:
+    return f"<{value[key]}>" if isinstance(value, dict) and isinstance(value.get(key), str) and value[key] in kinds else None
+  return Annotated[Union[tuple(Annotated[model, Tag(f"<{tag}>")] for tag, model in kinds.items())],
+                   Discriminator(kind_of, custom_error_type="invalid", custom_error_message=why, custom_error_context={"at": at, "said": ""})]
 
 
 def number(low: float, high: float, why: Optional[str] = None) -> Any:
@@ -230,6 +239,7 @@ def flag(default: bool) -> Any:
 
 Flag = flag(False)
 Text = checked(Annotated[str, Field(strict=True)], "must be a string")
+String = checked(Annotated[str, Field(strict=True)], "must be a string", optional=False)
 Object = checked(Dict[str, Any], "must be an object")
 MaxTokens = integer(1, f"must be an integer >= 1 (and at most {MAX_INT32})")
 TopK = integer(0, f"must be an integer >= 0 (0 means no limit; at most {MAX_INT32})")

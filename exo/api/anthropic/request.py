@@ -3,15 +3,15 @@ tool_use and tool_result blocks) as a conversation in the core's form, max_token
 and tool_choice, output_config.format. Bad input is a 400 naming the field; fields this server does not implement
 are refused."""
 import json
-from typing import Any, Dict, List, Literal, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
-from exo.api.request_fields import (Closed, MAX_INT32, Body, Flag, Text, TopK, checked, integer, is_int, neutral, number, one_of, resolve_model,
-                                    sampling_params, stop_strings)
+from exo.api.request_fields import (MAX_INT32, Body, Closed, Flag, String, Text, TopK, checked, integer, invalid, is_int, neutral, number, one_of,
+                                    resolve_model, sampling_params, stop_strings, tagged)
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
@@ -43,12 +43,77 @@ class OutputConfig(Closed):
   effort: one_of((), "this model does not reason (leave effort out)", "unsupported_parameter") = None
 
 
+class Block(BaseModel):
+  """A content block; its fields left out are checked as null (a required one fails naming itself)."""
+  model_config = ConfigDict(validate_default=True)
+  type: str
+
+
+class TextBlock(Block):
+  text: String = None
+
+
+class MediaBlock(Block):  # an image or a document: a text-only model is told that one was there
+  pass
+
+
+class ToolUseBlock(Block):
+  id: StrictStr
+  name: StrictStr
+  input: Dict[str, Any] = {}
+
+
+class ThinkingBlock(Block):
+  pass
+
+
+def _one_text_block(content: Any) -> Any:
+  return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def _a_block(block: Any) -> Any:
+  if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+    raise invalid('must be a content block: an object with a "type"')
+  return block
+
+
+def blocks_of(why: str, optional: bool = False, **kinds: Any) -> Any:
+  """Content: a string (one text block) or a list of blocks of `kinds` (by their type); another type fails saying `why`."""
+  block = Annotated[tagged(kinds, why), BeforeValidator(_a_block)]
+  return Annotated[checked(List[block], "must be a string or a list of content blocks", optional=optional), BeforeValidator(_one_text_block)]
+
+
+PLAIN = {"text": TextBlock, "image": MediaBlock, "document": MediaBlock}
+
+
+class ToolResultBlock(Block):
+  tool_use_id: String = None
+  content: blocks_of('must be "text" or "image" here', **PLAIN) = ""
+  is_error: Any = None
+
+
+class UserMessage(BaseModel):
+  role: str
+  content: blocks_of('must be "text", "image", "document" or "tool_result" in a user message', **PLAIN, tool_result=ToolResultBlock)
+
+
+class AssistantMessage(BaseModel):
+  role: str
+  content: blocks_of('must be "text" or "tool_use" in an assistant message', text=TextBlock, thinking=ThinkingBlock, redacted_thinking=ThinkingBlock,
+                   tool_use=checked(ToolUseBlock, 'must be {"type": "tool_use", "id": ..., "name": ..., "input": {...}}', optional=False))
+
+
+MESSAGE_WHY = 'must be an object with "role" ("user" or "assistant") and "content"'
+Message = checked(tagged({"user": UserMessage, "assistant": AssistantMessage}, MESSAGE_WHY, key="role", at=""), MESSAGE_WHY, optional=False)
+
+
 class CountBody(Body):
   """The fields a token count takes: the prompt's. cache_control (here and on blocks) is a caching hint: this node
   reuses prompt prefixes by itself."""
   model: Any = None
-  messages: Any = None
-  system: Any = None
+  messages: checked(Annotated[List[Message], Field(min_length=1)], 'is required: a non-empty list of {"role": "user" | "assistant", "content": ...} objects',
+                    optional=False) = None
+  system: blocks_of('must be "text" or "image" here', optional=True, **PLAIN) = None
   tools: Any = None
   tool_choice: checked(ToolChoice, 'must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}') = None
   output_config: checked(OutputConfig, 'must be an object such as {"format": {"type": "json_schema", "schema": {...}}}') = None
@@ -71,99 +136,30 @@ class MessagesBody(CountBody):
   workspace_id: Text = None
 
 
-def _blocks(content: Any, where: str) -> List[dict]:
-  """Content as a list of blocks, each an object with a string type."""
-  if isinstance(content, str):
-    return [{"type": "text", "text": content}]
-  if not isinstance(content, list):
-    raise BadRequest(f"{where} must be a string or a list of content blocks", param=where)
-  for j, block in enumerate(content):
-    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-      raise BadRequest(f'{where}[{j}] must be a content block: an object with a "type"', param=f"{where}[{j}]")
-  return content
-
-
-def _text(block: dict, where: str) -> str:
-  if not isinstance(block.get("text"), str):
-    raise BadRequest(f"{where}.text must be a string", param=f"{where}.text")
-  return block["text"]
-
-
-def _plain_text(content: Any, where: str) -> str:
-  """Text and image blocks (a system prompt's, a tool result's) as the text a text-only model sees."""
-  texts = []
-  for j, block in enumerate(_blocks(content, where)):
-    if block["type"] == "text":
-      texts.append(_text(block, f"{where}[{j}]"))
-    elif block["type"] in ("image", "document"):
-      texts.append(IMAGE_PLACEHOLDER)
-    else:
-      raise BadRequest(f'{where}[{j}].type must be "text" or "image" here, got {block["type"]!r}', param=f"{where}[{j}].type")
-  return "\n".join(texts)
-
-
-def _user_turn(blocks: List[dict], where: str) -> List[Dict[str, Any]]:
-  """Tool results become `tool` messages (in their order), the rest one user message after them."""
-  out, texts = [], []
-  for j, block in enumerate(blocks):
-    at = f"{where}[{j}]"
-    if block["type"] == "text":
-      texts.append(_text(block, at))
-    elif block["type"] in ("image", "document"):
-      texts.append(IMAGE_PLACEHOLDER)
-    elif block["type"] == "tool_result":
-      if not isinstance(block.get("tool_use_id"), str):
-        raise BadRequest(f"{at}.tool_use_id must be a string", param=f"{at}.tool_use_id")
-      result = _plain_text(block.get("content", ""), f"{at}.content")
-      out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": f"Error: {result}" if block.get("is_error") else result})
-    else:
-      raise BadRequest(f'{at}.type must be "text", "image", "document" or "tool_result" in a user message, got {block["type"]!r}',
-                       param=f"{at}.type")
-  if texts or not out:
-    out.append({"role": "user", "content": "\n".join(texts)})
-  return out
-
-
-def _assistant_turn(blocks: List[dict], where: str) -> Dict[str, Any]:
-  """Text, and tool_use blocks as OpenAI-style tool_calls. Thinking blocks are left out, as Anthropic's API leaves
-  earlier turns' thinking out of the prompt (and reasoning models' templates drop it)."""
-  texts, calls = [], []
-  for j, block in enumerate(blocks):
-    at = f"{where}[{j}]"
-    if block["type"] == "text":
-      texts.append(_text(block, at))
-    elif block["type"] == "tool_use":
-      if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
-        raise BadRequest(f'{at} must be {{"type": "tool_use", "id": ..., "name": ..., "input": {{...}}}}', param=at)
-      calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
-    elif block["type"] not in ("thinking", "redacted_thinking"):
-      raise BadRequest(f'{at}.type must be "text" or "tool_use" in an assistant message, got {block["type"]!r}', param=f"{at}.type")
-  message: Dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-  if calls:
-    message["tool_calls"] = calls
-  return message
-
-
-def parse_conversation(body: CountBody) -> List[Dict[str, Any]]:
+def _conversation(body: CountBody) -> List[Dict[str, Any]]:
   """`system` and `messages` as the core's conversation (OpenAI chat's form)."""
-  out = []
-  if body.system is not None:
-    text = _plain_text(body.system, "system")
-    if text:
-      out.append({"role": "system", "content": text})
-  messages = body.messages
-  if not isinstance(messages, list) or not messages:
-    raise BadRequest('messages is required: a non-empty list of {"role": "user" | "assistant", "content": ...} objects', param="messages")
-  for i, message in enumerate(messages):
-    where = f"messages[{i}]"
-    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant") or "content" not in message:
-      raise BadRequest(f'{where} must be an object with "role" ("user" or "assistant") and "content"', param=where)
-    blocks = _blocks(message["content"], f"{where}.content")
-    if message["role"] == "user":
-      out += _user_turn(blocks, f"{where}.content")
-    else:
-      out.append(_assistant_turn(blocks, f"{where}.content"))
-  return out
+  system = _plain(body.system or [])
+  return [{"role": "system", "content": system}] * bool(system) + [turn for message in body.messages for turn in _turn(message)]
+
+
+def _plain(blocks: list) -> str:
+  """Text and image blocks as the text a text-only model sees."""
+  return "\n".join(block.text if block.type == "text" else IMAGE_PLACEHOLDER for block in blocks)
+
+
+def _turn(message) -> List[Dict[str, Any]]:
+  """A user turn: its tool results as `tool` messages (in their order), the rest one user message after them. An
+  assistant turn: its text, and its tool_use blocks as OpenAI-style tool_calls; its thinking is left out, as
+  Anthropic's API leaves earlier turns' thinking out of the prompt (and reasoning models' templates drop it)."""
+  blocks = message.content
+  if message.role == "user":
+    out = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": "Error: " * bool(block.is_error) + _plain(block.content)}
+           for block in blocks if block.type == "tool_result"]
+    rest = [block for block in blocks if block.type != "tool_result"]
+    return out + [{"role": "user", "content": _plain(rest)}] * bool(rest or not out)
+  calls = [{"id": block.id, "type": "function", "function": {"name": block.name, "arguments": json.dumps(block.input)}}
+           for block in blocks if block.type == "tool_use"]
+  return [{"role": "assistant", "content": "".join(block.text for block in blocks if block.type == "text"), **({"tool_calls": calls} if calls else {})}]
 
 
 def _custom_tool(item: dict, where: str) -> Tool:
@@ -191,7 +187,7 @@ def _thinking(body: CountBody) -> Optional[bool]:
 def _parse(body: CountBody, default_model: str, engine_classname: str) -> Dict[str, Any]:
   """The GenerationRequest's fields that a message and a token count share."""
   model = resolve_model(body.model, default_model, engine_classname, FALLBACK_PREFIXES)
-  messages = parse_conversation(body)
+  messages = _conversation(body)
   tools = parse_tools({"tools": body.tools}, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name")
   choice = body.tool_choice or ToolChoice(type="auto")
   if choice.type == "tool" and choice.name is None:
