@@ -5,9 +5,8 @@ from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StrictStr, field_validator, model_validator
 
-from exo.api.errors import BadRequest
 from exo.api.generation_request import GenerationRequest
-from exo.api.reasoning import SWITCH, Effort, parse_effort
+from exo.api.reasoning import Effort, parse_effort
 from exo.api.request_fields import (Body, Flag, LogprobCount, MaxTokens, OpenAIBody, Switch, Text, checked, invalid, resolve_model, sampling_params)
 from exo.api.structured import parse_response_format
 from exo.api.tools import parse_tool_use

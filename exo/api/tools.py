@@ -5,7 +5,7 @@ field. How calls are written and read for a given model is exo/api/tool_formats.
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 from exo.api.errors import BadRequest
 from exo.api.structured import check_schema

@@ -12,7 +12,7 @@ from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.request_fields import (MAX_INT32, Body, Closed, Flag, String, Text, TopK, checked, integer, invalid, is_int, neutral, number, one_of,
                                     resolve_model, sampling_params, stop_strings, tagged)
-from exo.api.structured import ResponseFormat, format_of
+from exo.api.structured import format_of
 from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
 # Clients name Anthropic's models by habit (Claude Code asks for claude-* models): those mean the default model.

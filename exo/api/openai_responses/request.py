@@ -12,7 +12,7 @@ from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import Effort, parse_effort
 from exo.api.request_fields import Closed, Body, Flag, flag, MaxTokens, Text, checked, neutral, number, one_of, resolve_model, sampling_params
-from exo.api.structured import ResponseFormat, format_of
+from exo.api.structured import format_of
 from exo.api.tools import Tool, parse_tools, tool_of, tool_use
 
 # What `include` may ask for: encrypted reasoning (Codex asks; nothing is encrypted: a reasoning model's thinking comes as
