@@ -8,7 +8,7 @@ from typing import Callable, List, Tuple
 
 from aiohttp import web
 
-from exo.api.chat_request import EncodeBody, as_dicts, parse_chat_request, parse_tools
+from exo.api.chat_request import EncodeBody, as_dicts, parse_chat_request
 from exo.api.completion_request import parse_completion_request
 from exo.api.event_stream import EventStream
 from exo.api.events import collect
@@ -52,7 +52,7 @@ class OpenAIRoutes:
     body = await self.core.in_thread(parse_json_body, await request.read())
     encode = EncodeBody.read(body)
     model = resolve_model(encode.model, self.core.default_model, self.core.engine_classname)
-    messages, tools = as_dicts(encode.messages), parse_tools(body)
+    messages, tools = as_dicts(encode.messages), encode.template_tools(body)
     tokenizer, _ = await self.core.profiles.get(model)
 
     def encode() -> Tuple[str, list]:

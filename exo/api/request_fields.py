@@ -186,12 +186,12 @@ def integer(low: int, why: str, high: int = MAX_INT32, optional: bool = True) ->
   return checked(Annotated[int, Field(strict=True, ge=low, le=high)], why, optional=optional)
 
 
-def one_of(values: Iterable[Any], why: str, code: Optional[str] = None) -> Any:
-  """One of `values` (compared as `_same`: false is not 0), or null."""
+def one_of(values: Iterable[Any], why: str, code: Optional[str] = None, optional: bool = True) -> Any:
+  """One of `values` (compared as `_same`: false is not 0), or null when `optional`."""
   values = tuple(values)
 
   def check(value: Any) -> Any:
-    if value is not None and not any(_same(value, v) for v in values):
+    if (value is not None or not optional) and not any(_same(value, v) for v in values):
       raise invalid(why, code)
     return value
   return Annotated[Any, PlainValidator(check)]

@@ -3,14 +3,16 @@ auto, required, or one named function), `parallel_tool_calls`, and the conversat
 messages with `tool_calls`, `tool` messages answering them by `tool_call_id`). Each problem is a 400 naming its
 field. How calls are written and read for a given model is exo/api/tool_formats.py's business."""
 import json
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Annotated, Any, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from exo.api.errors import BadRequest
+from exo.api.request_fields import Switch, Text, checked
 from exo.api.structured import check_schema
 
-NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -49,60 +51,59 @@ class ToolUse:
     return self.parallel and self.choice != "function"
 
 
-def tool_of(item: dict, where: str, parameters_key: str = "parameters") -> Tool:
-  """A tool from its fields `name`, `description`, `strict` and its parameters' schema under `parameters_key`;
-  `where` is the request's path to them (errors name their fields under it)."""
-  name = item.get("name")
-  if not isinstance(name, str) or not NAME.match(name):
-    raise BadRequest(f"{where}.name must be 1 to 64 letters, digits, underscores or dashes", param=f"{where}.name")
-  description = item.get("description")
-  if description is not None and not isinstance(description, str):
-    raise BadRequest(f"{where}.description must be a string", param=f"{where}.description")
-  strict = item.get("strict")
-  if strict is not None and not isinstance(strict, bool):
-    raise BadRequest(f"{where}.strict must be true or false", param=f"{where}.strict")
-  parameters = item.get(parameters_key)
-  parameters = NO_PARAMETERS if parameters is None else parameters
-  at = f"{where}.{parameters_key}"
-  check_schema(parameters, at, bool(strict))
-  if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-    raise BadRequest(f'{at} must be a JSON Schema of an object ("type": "object")', param=at)
-  return Tool(name, description or "", parameters, bool(strict))
+class Function(BaseModel):
+  """A tool as a request declares it: its name, description, `strict`, and (`parameters`) the JSON Schema of its
+  arguments object. A dialect's tool adds its `type`, which is checked first."""
+  model_config = ConfigDict(validate_default=True)
+  type: Any = None
+  name: checked(Annotated[str, Field(strict=True, pattern=NAME)], "must be 1 to 64 letters, digits, underscores or dashes", optional=False) = None
+  description: Text = None
+  strict: Switch = None
+  parameters: Any = None
+
+  def tool(self, where: str, strict: bool = False, key: str = "parameters") -> Tool:
+    """The Tool, its schema checked (`where`: its path in the request; `strict`: unless the tool says)."""
+    strict = strict if self.strict is None else self.strict
+    parameters, at = NO_PARAMETERS if self.parameters is None else self.parameters, f"{where}.{key}"
+    check_schema(parameters, at, strict)
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+      raise BadRequest(f'{at} must be a JSON Schema of an object ("type": "object")', param=at)
+    return Tool(self.name, self.description or "", parameters, strict)
 
 
-def parse_tools(body: dict, read: Callable[[dict, str], Tool], example: str, name_path: str) -> List[Tool]:
-  """`tools`, each item (an object) made a Tool by `read(item, where)`; `example` is what an item looks like,
-  `name_path` the path of a tool's name with `{i}` for its index (two tools may not share a name)."""
-  value = body.get("tools")
-  if value is None:
-    return []
-  if not isinstance(value, list) or len(value) > MAX_TOOLS:
-    raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
-  tools, seen = [], set()
-  for i, item in enumerate(value):
-    where = f"tools[{i}]"
-    if not isinstance(item, dict):
-      raise BadRequest(f"{where} must be an object {example}", param=where)
-    tools.append(read(item, where))
-    if tools[-1].name in seen:
-      at = name_path.format(i=i)
-      raise BadRequest(f"{at}: two tools are named {tools[-1].name!r}", param=at)
-    seen.add(tools[-1].name)
+def tool_list(kind: Any, example: str) -> Any:
+  """`tools`: a list of at most MAX_TOOLS objects of `kind` (each looks like `example`)."""
+  return checked(Annotated[List[checked(kind, f"must be an object {example}", optional=False)], Field(max_length=MAX_TOOLS)],
+                 f"must be a list of at most {MAX_TOOLS} tools")
+
+
+def distinct(tools: List[Tool], name_path: str) -> List[Tool]:
+  """`tools`, no two of which may share a name (`name_path`: the path of a tool's name, with `{i}` for its index)."""
+  for i, tool in enumerate(tools):
+    if tool.name in {t.name for t in tools[:i]}:
+      raise BadRequest(f"{name_path.format(i=i)}: two tools are named {tool.name!r}", param=name_path.format(i=i))
   return tools
 
 
-def _function_tool(item: dict, where: str) -> Tool:
-  if item.get("type") != "function":
-    raise BadRequest(f'{where}.type must be "function" (the only kind of tool), got {item.get("type")!r}', param=f"{where}.type")
-  function = item.get("function")
-  if not isinstance(function, dict):
-    raise BadRequest(f'{where}.function must be an object with a "name"', param=f"{where}.function")
-  return tool_of(function, f"{where}.function")
+class ChatTool(BaseModel):
+  """OpenAI chat's tool: {"type": "function", "function": {"name", "description", "parameters", "strict"}}."""
+  model_config = ConfigDict(validate_default=True)
+  type: checked(Literal["function"], 'must be "function" (the only kind of tool)', optional=False) = None
+  function: checked(Function, 'must be an object with a "name"', optional=False) = None
 
 
-def parse_tool_definitions(body: dict) -> List[Tool]:
-  """OpenAI chat's tools: {"type": "function", "function": {"name", "description", "parameters", "strict"}}."""
-  return parse_tools(body, _function_tool, '{"type": "function", "function": {...}}', "tools[{i}].function.name")
+class NamedFunction(BaseModel):
+  name: StrictStr
+
+
+class FunctionChoice(BaseModel):
+  type: Literal["function"]
+  function: NamedFunction
+
+
+ChatTools = tool_list(ChatTool, '{"type": "function", "function": {...}}')
+ChatToolChoice = checked(Union[Literal["none", "auto", "required"], FunctionChoice],
+                         'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
 
 def tool_use(tools: List[Tool], choice: Optional[str], name: Optional[str], parallel: bool, param: str = "tool_choice") -> Optional[ToolUse]:
@@ -117,21 +118,12 @@ def tool_use(tools: List[Tool], choice: Optional[str], name: Optional[str], para
   return ToolUse(tools, choice or "auto", name, parallel)
 
 
-def parse_tool_use(body: dict) -> Optional[ToolUse]:
-  """What the request allows, or None when no tool may be called (no tools, or tool_choice "none")."""
-  tools = parse_tool_definitions(body)
-  choice, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
-  if parallel is not None and not isinstance(parallel, bool):
-    raise BadRequest("parallel_tool_calls must be true or false", param="parallel_tool_calls")
-  name = None
-  if isinstance(choice, dict):
-    function = choice.get("function")
-    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-      raise BadRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', param="tool_choice")
-    name, choice = function["name"], "function"
-  elif choice is not None and choice not in ("none", "auto", "required"):
-    raise BadRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', param="tool_choice")
-  return tool_use(tools, choice, name, True if parallel is None else parallel)
+def chat_tool_use(tools: Optional[List[ChatTool]], choice: Any = None, parallel: bool = True) -> Optional[ToolUse]:
+  """What an OpenAI chat request allows (its `ChatTools` and `ChatToolChoice`), or None when no tool may be called."""
+  defined = distinct([tool.function.tool(f"tools[{i}].function") for i, tool in enumerate(tools or [])], "tools[{i}].function.name")
+  if isinstance(choice, FunctionChoice):
+    return tool_use(defined, "function", choice.function.name, parallel)
+  return tool_use(defined, choice, None, parallel)
 
 
 def arguments_object(arguments: str) -> Any:

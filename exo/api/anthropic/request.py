@@ -5,7 +5,7 @@ are refused."""
 import json
 from typing import Annotated, Any, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, model_validator
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
@@ -13,7 +13,7 @@ from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.request_fields import (MAX_INT32, Body, Closed, Flag, String, Text, TopK, checked, integer, invalid, is_int, neutral, number, one_of,
                                     resolve_model, sampling_params, stop_strings, tagged)
 from exo.api.structured import format_of
-from exo.api.tools import Tool, parse_tools, tool_of, tool_use
+from exo.api.tools import Function, distinct, tool_list, tool_use
 
 # Clients name Anthropic's models by habit (Claude Code asks for claude-* models): those mean the default model.
 FALLBACK_PREFIXES = ("claude-",)
@@ -107,6 +107,20 @@ MESSAGE_WHY = 'must be an object with "role" ("user" or "assistant") and "conten
 Message = checked(tagged({"user": UserMessage, "assistant": AssistantMessage}, MESSAGE_WHY, key="role", at=""), MESSAGE_WHY, optional=False)
 
 
+class CustomTool(Function):
+  """A tool the client runs: its name, description and input_schema. Anthropic's server tools and built-in client tools are not served."""
+  type: one_of(("custom",), ": only custom tools (name, description, input_schema) are served here; Anthropic's server tools and its built-in "
+               "client tools are not", "unsupported_parameter") = None
+  parameters: Any = Field(None, alias="input_schema")
+
+  @model_validator(mode="before")
+  @classmethod
+  def _has_a_schema(cls, value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") in (None, "custom") and "input_schema" not in value:
+      raise invalid("is required: a JSON Schema of the tool's input object", at=".input_schema")
+    return value
+
+
 class CountBody(Body):
   """The fields a token count takes: the prompt's. cache_control (here and on blocks) is a caching hint: this node
   reuses prompt prefixes by itself."""
@@ -114,7 +128,7 @@ class CountBody(Body):
   messages: checked(Annotated[List[Message], Field(min_length=1)], 'is required: a non-empty list of {"role": "user" | "assistant", "content": ...} objects',
                     optional=False) = None
   system: blocks_of('must be "text" or "image" here', optional=True, **PLAIN) = None
-  tools: Any = None
+  tools: tool_list(CustomTool, '{"name": ..., "input_schema": {...}}') = None
   tool_choice: checked(ToolChoice, 'must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}') = None
   output_config: checked(OutputConfig, 'must be an object such as {"format": {"type": "json_schema", "schema": {...}}}') = None
   cache_control: Any = None
@@ -162,15 +176,6 @@ def _turn(message) -> List[Dict[str, Any]]:
   return [{"role": "assistant", "content": "".join(block.text for block in blocks if block.type == "text"), **({"tool_calls": calls} if calls else {})}]
 
 
-def _custom_tool(item: dict, where: str) -> Tool:
-  if item.get("type", "custom") != "custom":
-    raise BadRequest(f'{where}.type {item["type"]!r}: only custom tools (name, description, input_schema) are served here; Anthropic\'s '
-                     "server tools and its built-in client tools are not", param=f"{where}.type", code="unsupported_parameter")
-  if "input_schema" not in item:
-    raise BadRequest(f"{where}.input_schema is required: a JSON Schema of the tool's input object", param=f"{where}.input_schema")
-  return tool_of(item, where, "input_schema")
-
-
 def _thinking(body: CountBody) -> Optional[bool]:
   """`thinking`: {"type": "enabled", "budget_tokens"} or {"type": "adaptive"} (think first), {"type": "disabled"}
   (answer at once, where the model's template can), or absent (as the model's template does by default). The budget
@@ -188,7 +193,7 @@ def _parse(body: CountBody, default_model: str, engine_classname: str) -> Dict[s
   """The GenerationRequest's fields that a message and a token count share."""
   model = resolve_model(body.model, default_model, engine_classname, FALLBACK_PREFIXES)
   messages = _conversation(body)
-  tools = parse_tools({"tools": body.tools}, _custom_tool, '{"name": ..., "input_schema": {...}}', "tools[{i}].name")
+  tools = distinct([tool.tool(f"tools[{i}]", key="input_schema") for i, tool in enumerate(body.tools or [])], "tools[{i}].name")
   choice = body.tool_choice or ToolChoice(type="auto")
   if choice.type == "tool" and choice.name is None:
     raise BadRequest('tool_choice {"type": "tool"} needs the tool\'s "name"', param="tool_choice.name")

@@ -15,7 +15,7 @@ from exo.api.reasoning import parse_effort
 from exo.api.request_fields import (MAX_INT32, Body, Flag, LogprobCount, RepetitionPenalty, Sampling, Text, checked, flag, integer, neutral, one_of,
                                     resolve_model, sampling_params, stop_strings)
 from exo.api.structured import ResponseFormat, format_of
-from exo.api.tools import parse_tool_use
+from exo.api.tools import ChatTools, chat_tool_use
 
 THINK_LEVELS = ("low", "medium", "high")
 REPEAT_LAST_N = 64  # Ollama's default window for its penalties
@@ -62,7 +62,7 @@ class OllamaBody(Body):
 
 class ChatBody(OllamaBody):
   messages: Any = None
-  tools: Any = None
+  tools: ChatTools = None
 
 
 class GenerateBody(OllamaBody):
@@ -170,7 +170,7 @@ def parse_chat(body: Dict[str, Any], default_model: str, engine_classname: str, 
   messages = parse_messages(chat.messages or [])
   if not messages:
     raise BadRequest("messages is required: a non-empty list", param="messages")  # (Ollama loads the model; this node's is always loaded)
-  return GenerationRequest(messages=messages, tool_use=parse_tool_use({"tools": chat.tools}), **common)
+  return GenerationRequest(messages=messages, tool_use=chat_tool_use(chat.tools), **common)
 
 
 def parse_generate(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:

@@ -3,9 +3,9 @@ function_call and function_call_output) after `instructions`, max_output_tokens,
 and tool_choice, text.format. Nothing is stored here, so what needs a stored response (previous_response_id,
 conversation, item references, background) is a 400, as are tools that run on OpenAI's servers."""
 from dataclasses import dataclass
-from typing import Annotated, Any, Dict, List, Literal, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import BaseModel, Field, StrictStr
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
@@ -13,7 +13,7 @@ from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import Effort, parse_effort
 from exo.api.request_fields import Closed, Body, Flag, flag, MaxTokens, Text, checked, neutral, number, one_of, resolve_model, sampling_params
 from exo.api.structured import format_of
-from exo.api.tools import Tool, parse_tools, tool_of, tool_use
+from exo.api.tools import Function, distinct, tool_list, tool_use
 
 # What `include` may ask for: encrypted reasoning (Codex asks; nothing is encrypted: a reasoning model's thinking comes as
 # plain reasoning_text).
@@ -36,6 +36,16 @@ class ReasoningSettings(Closed):
   generate_summary: Any = None
 
 
+class FunctionTool(Function):
+  type: one_of(("function",), ': only "function" tools are served here; the others (web search, file search, computer use, code interpreter, MCP, '
+               "...) run on OpenAI's servers", "unsupported_parameter", optional=False) = None
+
+
+class FunctionChoice(BaseModel):
+  type: Literal["function"]
+  name: StrictStr
+
+
 class ResponsesBody(Body):
   """The Responses API's body (the input and tools are read by the functions below). Nothing is stored here: `store`
   is taken either way, and what needs a stored response is refused."""
@@ -53,8 +63,9 @@ class ResponsesBody(Body):
   temperature: number(0.0, 2.0) = None
   top_p: number(0.0, 1.0) = None
   max_output_tokens: MaxTokens = None
-  tools: Any = None
-  tool_choice: Any = None
+  tools: tool_list(FunctionTool, '{"type": "function", "name": ..., "parameters": {...}}') = None
+  tool_choice: checked(Union[Literal["none", "auto", "required"], FunctionChoice],
+                       'must be "none", "auto", "required" or {"type": "function", "name": ...}') = None
   parallel_tool_calls: flag(True) = True
   text: checked(TextSettings, 'must be an object such as {"format": {"type": "json_schema", ...}}') = None
   reasoning: checked(ReasoningSettings, 'must be an object such as {"effort": "medium"}') = None
@@ -133,24 +144,11 @@ def parse_input(value: Any, instructions: Optional[str]) -> List[Dict[str, Any]]
   return out
 
 
-def _function_tool(item: dict, where: str) -> Tool:
-  if item.get("type") != "function":
-    raise BadRequest(f'{where}.type {item.get("type")!r}: only "function" tools are served here; the others (web search, file search, '
-                     "computer use, code interpreter, MCP, ...) run on OpenAI's servers", param=f"{where}.type", code="unsupported_parameter")
-  return tool_of({**item, "strict": item.get("strict", True)}, where)  # the Responses API's function tools are strict unless told
-
-
 def _tool_use(body: ResponsesBody):
-  tools = parse_tools({"tools": body.tools}, _function_tool, '{"type": "function", "name": ..., "parameters": {...}}', "tools[{i}].name")
-  choice, name = body.tool_choice, None
-  why = 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}'
-  if isinstance(choice, dict):
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-      raise BadRequest(why, param="tool_choice")
-    choice, name = "function", choice["name"]
-  elif choice is not None and choice not in ("none", "auto", "required"):
-    raise BadRequest(why, param="tool_choice")
-  return tool_use(tools, choice, name, body.parallel_tool_calls)
+  tools = distinct([tool.tool(f"tools[{i}]", strict=True) for i, tool in enumerate(body.tools or [])], "tools[{i}].name")  # strict unless told
+  if isinstance(body.tool_choice, FunctionChoice):
+    return tool_use(tools, "function", body.tool_choice.name, body.parallel_tool_calls)
+  return tool_use(tools, body.tool_choice, None, body.parallel_tool_calls)
 
 
 def parse_responses_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ResponsesRequest:
@@ -171,5 +169,5 @@ def parse_responses_request(body: Dict[str, Any], default_model: str, engine_cla
                                  fields=FieldNames(prompt="input", max_tokens="max_output_tokens", thinking="reasoning.effort"))
   echo = {"instructions": request.instructions, "max_output_tokens": params.max_tokens, "metadata": request.metadata or {},
           "parallel_tool_calls": request.parallel_tool_calls, "temperature": params.temperature, "text": {"format": spec},
-          "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "top_p": params.top_p, "user": request.user}
+          "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [], "top_p": params.top_p, "user": request.user}
   return ResponsesRequest(generation, echo)
