@@ -123,9 +123,10 @@ def _own(error: ValidationError, extra: bool) -> Optional[dict]:
 
 
 def bad_request(error: ValidationError) -> BadRequest:
-  """The 400 for a body's first fault; a field this server does not take is named before any other."""
+  """The 400 for a body's first fault; a field this server does not know, then one it does not implement, is named
+  before any other (as a client most needs to hear that its request asks for what it will not get)."""
   errors = error.errors(include_url=False)
-  first = next((e for e in errors if e["type"] in ("extra_forbidden", "unsupported_parameter")), errors[0])
+  first = min(errors, key=lambda e: {"extra_forbidden": 0, "unsupported_parameter": 1}.get(e["type"], 2))  # (the first of its kind)
   where, ctx = _path(first["loc"]).lstrip("."), first.get("ctx") or {}
   param = (where + ctx.get("at", "")).lstrip(".")
   if first["type"] == "extra_forbidden":
