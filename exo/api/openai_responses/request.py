@@ -5,13 +5,14 @@ conversation, item references, background) is a 400, as are tools that run on Op
 from dataclasses import dataclass
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictStr, model_validator
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import Effort, parse_effort
-from exo.api.request_fields import Closed, Body, Flag, flag, MaxTokens, Text, checked, neutral, number, one_of, resolve_model, sampling_params
+from exo.api.request_fields import (Body, Closed, Flag, MaxTokens, String, Text, checked, flag, invalid, neutral, number, one_of, resolve_model,
+                                    sampling_params, tagged)
 from exo.api.structured import format_of
 from exo.api.tools import Function, distinct, tool_list, tool_use
 
@@ -21,6 +22,73 @@ INCLUDABLE = ("reasoning.encrypted_content",)
 STATELESS = "this server stores no responses: send the whole conversation in `input`"
 TEXT_PARTS = {"input_text", "output_text", "text"}
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
+
+
+def _content_text(content: Any) -> str:
+  """A message's content (or a call's output) as the text a text-only model sees."""
+  if isinstance(content, str):
+    return content
+  if not isinstance(content, list):
+    raise invalid("must be a string or a list of content parts")
+  texts = []
+  for j, part in enumerate(content):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+      texts.append(part["text"])
+    elif kind == "refusal" and isinstance(part.get("refusal"), str):
+      texts.append(part["refusal"])
+    elif kind in ("input_image", "input_file", "input_audio"):
+      texts.append(IMAGE_PLACEHOLDER)
+    else:
+      raise invalid('must be a text part ({"type": "input_text", "text": ...}) or an image or file part', at=f"[{j}]")
+  return "\n".join(texts)
+
+
+class Item(BaseModel):
+  """An input item; its fields left out are checked as null (a required one fails naming itself)."""
+  model_config = ConfigDict(validate_default=True)
+  type: str
+
+
+class MessageItem(Item):
+  role: checked(Literal[tuple(sorted(MESSAGE_ROLES))], f"must be one of {', '.join(sorted(MESSAGE_ROLES))}", optional=False) = None
+  content: Annotated[str, PlainValidator(_content_text)] = None
+
+
+class FunctionCallItem(Item):
+  call_id: String = None
+  name: String = None
+  arguments: String = None
+
+
+class FunctionCallOutputItem(Item):
+  call_id: String = None
+  output: Annotated[str, PlainValidator(_content_text)] = None
+
+
+class ItemReference(Item):
+  @model_validator(mode="before")
+  @classmethod
+  def _needs_a_stored_item(cls, value: Any) -> Any:
+    raise invalid(f": an item_reference needs a stored item; {STATELESS}", "unsupported_parameter")
+
+
+def _an_item(item: Any) -> Any:
+  if not isinstance(item, dict):
+    raise invalid("must be an input item (an object)")
+  return {"type": "message", **item}
+
+
+def _one_message(value: Any) -> Any:
+  return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+INPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+               "item_reference": ItemReference, "reasoning": Item}
+InputItem = Annotated[tagged(INPUT_ITEMS, 'is not served here: input items are messages, "function_call" and "function_call_output"'),
+                      BeforeValidator(_an_item)]
+InputItems = Annotated[checked(Annotated[List[InputItem], Field(min_length=1)], "is required: a string, or a non-empty list of input items", optional=False),
+                       BeforeValidator(_one_message)]  # a string is one user message
 
 
 class TextSettings(Closed):
@@ -53,7 +121,7 @@ class ResponsesBody(Body):
   previous_response_id: one_of((), f": {STATELESS}", "unsupported_parameter") = None
   conversation: one_of((), f": {STATELESS}", "unsupported_parameter") = None
   include: checked(List[Literal[INCLUDABLE]], f"may only hold {list(INCLUDABLE)} here", "unsupported_parameter") = None
-  input: Any = None
+  input: InputItems = None
   instructions: Text = None
   user: Text = None
   safety_identifier: Text = None
@@ -82,65 +150,21 @@ class ResponsesRequest:
   echo: Dict[str, Any]  # the request's settings, as the response object repeats them
 
 
-def _content_text(content: Any, where: str) -> str:
-  if isinstance(content, str):
-    return content
-  if not isinstance(content, list):
-    raise BadRequest(f"{where} must be a string or a list of content parts", param=where)
-  texts = []
-  for j, part in enumerate(content):
-    at = f"{where}[{j}]"
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-      texts.append(part["text"])
-    elif kind == "refusal" and isinstance(part.get("refusal"), str):
-      texts.append(part["refusal"])
-    elif kind in ("input_image", "input_file", "input_audio"):
-      texts.append(IMAGE_PLACEHOLDER)
-    else:
-      raise BadRequest(f'{at} must be a text part ({{"type": "input_text", "text": ...}}) or an image or file part', param=at)
-  return "\n".join(texts)
-
-
-def _function_call(item: dict, where: str) -> dict:
-  for key in ("call_id", "name", "arguments"):
-    if not isinstance(item.get(key), str):
-      raise BadRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
-  return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-
-
-def parse_input(value: Any, instructions: Optional[str]) -> List[Dict[str, Any]]:
-  """`instructions` and `input` as the core's conversation (OpenAI chat's form)."""
+def _conversation(items: List[Any], instructions: Optional[str]) -> List[Dict[str, Any]]:
+  """`instructions` and `input` as the core's conversation (OpenAI chat's form); earlier reasoning is left out, as
+  reasoning models' templates drop it."""
   out = [{"role": "system", "content": instructions}] if instructions else []
-  if isinstance(value, str):
-    return out + [{"role": "user", "content": value}]
-  if not isinstance(value, list) or not value:
-    raise BadRequest("input is required: a string, or a non-empty list of input items", param="input")
-  for i, item in enumerate(value):
-    where = f"input[{i}]"
-    if not isinstance(item, dict):
-      raise BadRequest(f"{where} must be an input item (an object)", param=where)
-    kind = item.get("type", "message")
-    if kind == "message":
-      if item.get("role") not in MESSAGE_ROLES:
-        raise BadRequest(f"{where}.role must be one of {', '.join(sorted(MESSAGE_ROLES))}", param=f"{where}.role")
-      role = "system" if item["role"] == "developer" else item["role"]
-      out.append({"role": role, "content": _content_text(item.get("content"), f"{where}.content")})
-    elif kind == "function_call":
-      call = _function_call(item, where)
+  for item in items:
+    if item.type == "message":
+      out.append({"role": "system" if item.role == "developer" else item.role, "content": item.content})
+    elif item.type == "function_call":
+      call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
       if out and out[-1]["role"] == "assistant":  # the calls of one turn, after its text, are one assistant message
         out[-1].setdefault("tool_calls", []).append(call)
       else:
         out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-    elif kind == "function_call_output":
-      if not isinstance(item.get("call_id"), str):
-        raise BadRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")
-      out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content_text(item.get("output"), f"{where}.output")})
-    elif kind == "item_reference":
-      raise BadRequest(f"{where}: an item_reference needs a stored item; {STATELESS}", param=where, code="unsupported_parameter")
-    elif kind != "reasoning":  # (earlier reasoning is not part of the prompt, as reasoning models' templates drop it)
-      raise BadRequest(f'{where}.type {kind!r} is not served here: input items are messages, "function_call" and "function_call_output"',
-                       param=f"{where}.type")
+    elif item.type == "function_call_output":
+      out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
   return out
 
 
@@ -154,7 +178,7 @@ def _tool_use(body: ResponsesBody):
 def parse_responses_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> ResponsesRequest:
   request = ResponsesBody.read(body)
   model = resolve_model(request.model, default_model, engine_classname)
-  messages = parse_input(request.input, request.instructions)
+  messages = _conversation(request.input, request.instructions)
   params = sampling_params(request, default_temperature, max_tokens=request.max_output_tokens)
   spec = (request.text and request.text.format) or {"type": "text"}
   if not isinstance(spec.get("type"), str):
