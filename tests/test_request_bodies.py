@@ -17,7 +17,8 @@ pytestmark = pytest.mark.unit
 USER = [{"role": "user", "content": "x"}]
 BODIES = [(ChatBody, {"messages": USER}), (CompletionBody, {"prompt": "x"}), (MessagesBody, {"messages": USER, "max_tokens": 5}),
           (ResponsesBody, {"input": "x"}), (OllamaChatBody, {"model": "m", "messages": USER}), (GenerateBody, {"model": "m", "prompt": "x"}),
-          (OpenAIEmbeddingBody, {"input": "x"}), (OllamaEmbedBody, {"model": "m", "input": "x"}), (OllamaEmbeddingsBody, {"model": "m", "prompt": "x"})]
+          (OpenAIEmbeddingBody, {"input": "x"}), (OllamaEmbedBody, {"model": "m", "input": "x"}),
+          (OllamaEmbeddingsBody, {"model": "m", "prompt": "x"})]
 
 
 def fault(model, body) -> BadRequest:

@@ -7,9 +7,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidato
 
 from exo.api.generation_request import GenerationRequest
 from exo.api.reasoning import Effort, parse_effort
-from exo.api.request_fields import (Body, Flag, flag, LogprobCount, MaxTokens, OpenAIBody, Switch, Text, checked, invalid, resolve_model, sampling_params)
+from exo.api.request_fields import Body, Flag, LogprobCount, MaxTokens, OpenAIBody, Switch, Text, checked, invalid, resolve_model, sampling_params
 from exo.api.structured import parse_response_format
-from exo.api.tools import ChatToolChoice, ChatTools, chat_tool_use
+from exo.api.tools import ChatToolFields
 
 IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -91,28 +91,22 @@ def as_dicts(messages: Optional[List[Message]]) -> List[Dict[str, Any]]:
   return [message.model_dump(exclude_unset=True) for message in messages or []]
 
 
-class EncodeBody(Body):
+class EncodeBody(ChatToolFields, Body):
   """Upstream's token-encode route: the prompt that a chat request's messages and tools make (other keys ignored)."""
   model_config = ConfigDict(extra="ignore")
   model: Any = None
   messages: checked(Messages, MESSAGES_WHY) = None
-  tools: ChatTools = None
-  tool_choice: ChatToolChoice = None
-  parallel_tool_calls: flag(True) = True
 
   def template_tools(self, body: dict) -> Optional[List[Any]]:
     """The tools the chat template is given, as the request wrote them (none when tool_choice is "none")."""
-    chat_tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+    self.tool_use()
     return None if self.tool_choice == "none" else body.get("tools")
 
 
-class ChatBody(OpenAIBody):
+class ChatBody(ChatToolFields, OpenAIBody):
   """OpenAI's chat completion body (the tools and response_format are read by exo/api/tools.py and exo/api/structured.py)."""
   messages: checked(Annotated[Messages, Field(min_length=1)], MESSAGES_WHY, optional=False) = None
   max_completion_tokens: MaxTokens = None
-  tools: ChatTools = None
-  tool_choice: ChatToolChoice = None
-  parallel_tool_calls: flag(True) = True
   response_format: Any = None
   logprobs: Flag = None
   top_logprobs: LogprobCount = None
@@ -140,7 +134,7 @@ def parse_chat_request(body: Dict[str, Any], default_model: str, engine_classnam
   # chat_template_kwargs, the more explicit, win where both speak.
   effort_thinking, effort_kwargs = parse_effort(chat.reasoning_effort)
   thinking = kwargs.enable_thinking if kwargs.enable_thinking is not None else effort_thinking
-  return GenerationRequest(model, messages=messages, params=params, stop=chat.stop, tool_use=chat_tool_use(chat.tools, chat.tool_choice, chat.parallel_tool_calls),
+  return GenerationRequest(model, messages=messages, params=params, stop=chat.stop, tool_use=chat.tool_use(),
                            response_format=parse_response_format(body), n=chat.n or 1, stream=bool(chat.stream),
                            stream_usage=bool(chat.stream_options and chat.stream_options.include_usage), thinking=thinking,
                            template_kwargs={**effort_kwargs, **kwargs.model_extra})

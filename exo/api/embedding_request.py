@@ -151,23 +151,25 @@ class OpenAIEmbeddingBody(Body):
   dimensions: Dimensions = None
   user: Text = None
   truncate: Flag = None
-  prompt_name: checked(Annotated[str, Field(strict=True)], "must be a string: the name of a prompt in the model's sentence-transformers configuration") = None
+  prompt_name: checked(Annotated[str, Field(strict=True)],
+                       "must be a string: the name of a prompt in the model's sentence-transformers configuration") = None
 
 
-class OllamaEmbedBody(Body):
+class OllamaEmbeddingBody(Body):
+  """What Ollama's two embedding routes take besides their text."""
   model: OllamaModel = None
+  options: Options = None
+  keep_alive: KeepAlive = None
+
+
+class OllamaEmbedBody(OllamaEmbeddingBody):
   input: Any = None
   truncate: flag(True) = True
   dimensions: Dimensions = None
-  options: Options = None
-  keep_alive: KeepAlive = None
 
 
-class OllamaEmbeddingsBody(Body):
-  model: OllamaModel = None
+class OllamaEmbeddingsBody(OllamaEmbeddingBody):
   prompt: checked(Annotated[str, Field(strict=True)], "is required, as a string", optional=False) = None
-  options: Options = None
-  keep_alive: KeepAlive = None
 
 
 def parse_openai_embedding(body: Mapping) -> EmbeddingRequest:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from exo.api.errors import BadRequest
-from exo.api.request_fields import Switch, Text, checked
+from exo.api.request_fields import Switch, Text, checked, flag
 from exo.api.structured import check_schema
 
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -116,6 +116,16 @@ def tool_use(tools: List[Tool], choice: Optional[str], name: Optional[str], para
   if not tools or choice == "none":
     return None
   return ToolUse(tools, choice or "auto", name, parallel)
+
+
+class ChatToolFields(BaseModel):
+  """The tool fields of an OpenAI chat body."""
+  tools: ChatTools = None
+  tool_choice: ChatToolChoice = None
+  parallel_tool_calls: flag(True) = True
+
+  def tool_use(self) -> Optional[ToolUse]:
+    return chat_tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 def chat_tool_use(tools: Optional[List[ChatTool]], choice: Any = None, parallel: bool = True) -> Optional[ToolUse]:

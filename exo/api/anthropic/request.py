@@ -125,8 +125,8 @@ class CountBody(Body):
   """The fields a token count takes: the prompt's. cache_control (here and on blocks) is a caching hint: this node
   reuses prompt prefixes by itself."""
   model: Any = None
-  messages: checked(Annotated[List[Message], Field(min_length=1)], 'is required: a non-empty list of {"role": "user" | "assistant", "content": ...} objects',
-                    optional=False) = None
+  messages: checked(Annotated[List[Message], Field(min_length=1)],
+                    'is required: a non-empty list of {"role": "user" | "assistant", "content": ...} objects', optional=False) = None
   system: blocks_of('must be "text" or "image" here', optional=True, **PLAIN) = None
   tools: tool_list(CustomTool, '{"name": ..., "input_schema": {...}}') = None
   tool_choice: checked(ToolChoice, 'must be {"type": "auto"}, {"type": "any"}, {"type": "tool", "name": ...} or {"type": "none"}') = None
@@ -173,7 +173,8 @@ def _turn(message) -> List[Dict[str, Any]]:
     return out + [{"role": "user", "content": _plain(rest)}] * bool(rest or not out)
   calls = [{"id": block.id, "type": "function", "function": {"name": block.name, "arguments": json.dumps(block.input)}}
            for block in blocks if block.type == "tool_use"]
-  return [{"role": "assistant", "content": "".join(block.text for block in blocks if block.type == "text"), **({"tool_calls": calls} if calls else {})}]
+  text = "".join(block.text for block in blocks if block.type == "text")
+  return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
 
 
 def _thinking(body: CountBody) -> Optional[bool]:
@@ -198,8 +199,8 @@ def _parse(body: CountBody, default_model: str, engine_classname: str) -> Dict[s
   if choice.type == "tool" and choice.name is None:
     raise BadRequest('tool_choice {"type": "tool"} needs the tool\'s "name"', param="tool_choice.name")
   spec = body.output_config and body.output_config.format
-  return {"model": model, "messages": messages, "response_format": spec and format_of("json_schema", {"schema": spec.json_schema}, "output_config.format",
-                                                                                          "output_config.format"),
+  response_format = spec and format_of("json_schema", {"schema": spec.json_schema}, "output_config.format", "output_config.format")
+  return {"model": model, "messages": messages, "response_format": response_format,
           "tool_use": tool_use(tools, TOOL_CHOICES[choice.type] if body.tool_choice else None, choice.name, not choice.disable_parallel_tool_use),
           "thinking": _thinking(body), "fields": FieldNames(thinking="thinking")}
 
@@ -207,7 +208,7 @@ def _parse(body: CountBody, default_model: str, engine_classname: str) -> Dict[s
 def parse_messages_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
   message = MessagesBody.read(body)
   params = sampling_params(message, default_temperature)
-  return GenerationRequest(**_parse(message, default_model, engine_classname), params=params, stop=message.stop_sequences, stream=bool(message.stream))
+  return GenerationRequest(**_parse(message, default_model, engine_classname), params=params, stop=message.stop_sequences, stream=message.stream)
 
 
 def parse_count_request(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:

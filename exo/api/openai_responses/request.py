@@ -87,8 +87,8 @@ INPUT_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "funct
                "item_reference": ItemReference, "reasoning": Item}
 InputItem = Annotated[tagged(INPUT_ITEMS, 'is not served here: input items are messages, "function_call" and "function_call_output"'),
                       BeforeValidator(_an_item)]
-InputItems = Annotated[checked(Annotated[List[InputItem], Field(min_length=1)], "is required: a string, or a non-empty list of input items", optional=False),
-                       BeforeValidator(_one_message)]  # a string is one user message
+InputItems = Annotated[checked(Annotated[List[InputItem], Field(min_length=1)], "is required: a string, or a non-empty list of input items",
+                               optional=False), BeforeValidator(_one_message)]  # a string is one user message
 
 
 class TextSettings(Closed):
