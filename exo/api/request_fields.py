@@ -166,8 +166,8 @@ def checked(kind: Any, why: str, code: Optional[str] = None, optional: bool = Tr
       if own is None:
         raise invalid(why, code) from None
       ctx = own.get("ctx") or {}
-      code = None if own["type"] == "invalid" else own["type"]
-      raise invalid(own["msg"], code, _path(own["loc"]) + ctx.get("at", ""), ctx.get("said", "")) from None
+      own_code = None if own["type"] == "invalid" else own["type"]
+      raise invalid(own["msg"], own_code, _path(own["loc"]) + ctx.get("at", ""), ctx.get("said", "")) from None
   return Annotated[kind, WrapValidator(explain)]  # (null never reaches `kind`)
 
 
