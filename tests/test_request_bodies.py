@@ -1,4 +1,4 @@
-"""The dialects' body models (exo/api/request_fields.py and each dialect's request module): pydantic's faults become
+"""The dialects' body models (exo/api/body_model.py and each dialect's request module): pydantic's faults become
 the project's BadRequest naming the field by its whole path, an unknown field is named before any other fault, a
 field left null takes its default, and a body model's errors never escape as anything but a 400."""
 import pytest

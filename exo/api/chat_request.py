@@ -7,7 +7,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidato
 
 from exo.api.generation_request import GenerationRequest
 from exo.api.reasoning import Effort, parse_effort
-from exo.api.request_fields import Body, Flag, LogprobCount, MaxTokens, OpenAIBody, Switch, Text, checked, invalid, resolve_model, sampling_params
+from exo.api.body_model import Body, Flag, Switch, Text, checked, invalid
+from exo.api.request_fields import LogprobCount, MaxTokens, OpenAIBody, resolve_model, sampling_params
 from exo.api.structured import parse_response_format
 from exo.api.tools import ChatToolFields
 

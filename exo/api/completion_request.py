@@ -4,7 +4,8 @@ from typing import Any, Dict, List, Optional
 
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest, Prompt
-from exo.api.request_fields import MAX_CHOICES, MAX_INT32, Flag, LogprobCount, OpenAIBody, neutral, resolve_model, sampling_params
+from exo.api.body_model import MAX_INT32, Flag, neutral
+from exo.api.request_fields import MAX_CHOICES, LogprobCount, OpenAIBody, resolve_model, sampling_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route (vLLM's too): a completion is a continuation, not an answer
 

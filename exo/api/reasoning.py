@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 from exo.api.errors import BadRequest
 from exo.api.harmony import HarmonySplit, grammar_after_analysis, writes_harmony
 from exo.api.reply_text import marker_tail
-from exo.api.request_fields import one_of
+from exo.api.body_model import one_of
 from exo.inference import grammar
 
 OPEN, CLOSE = "<think>", "</think>"

@@ -9,7 +9,7 @@ from typing import Annotated, Any, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from exo.api.errors import BadRequest
-from exo.api.request_fields import Switch, Text, checked, flag
+from exo.api.body_model import Switch, Text, checked, flag
 from exo.api.structured import check_schema
 
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names

@@ -10,8 +10,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, m
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
-from exo.api.request_fields import (MAX_INT32, Body, Closed, Flag, String, Text, TopK, checked, integer, invalid, is_int, neutral, number, one_of,
-                                    resolve_model, sampling_params, stop_strings, tagged)
+from exo.api.body_model import MAX_INT32, Body, Closed, Flag, String, Text, checked, integer, invalid, neutral, number, one_of, tagged
+from exo.api.request_fields import TopK, is_int, resolve_model, sampling_params, stop_strings
 from exo.api.structured import format_of
 from exo.api.tools import Function, distinct, tool_list, tool_use
 
