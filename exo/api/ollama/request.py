@@ -4,15 +4,15 @@ top_p, top_k, min_p, seed, num_predict, stop, repeat_penalty, repeat_last_n, pre
 num_ctx), `format` ("json" or a JSON Schema), tools on chat. Ollama streams
 unless told not to. Bad input is a 400 naming the field; a model this node does not have is a 404, as Ollama's."""
 import json
-from typing import Annotated, Any, Dict, List, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional
 
-from pydantic import AfterValidator, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, create_model, field_validator
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import ApiError, BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import parse_effort
-from exo.api.body_model import MAX_INT32, Body, Flag, Text, checked, flag, integer, neutral, one_of
+from exo.api.body_model import MAX_INT32, Body, Flag, Text, checked, flag, integer, invalid, neutral, one_of
 from exo.api.request_fields import LogprobCount, RepetitionPenalty, Sampling, resolve_model, sampling_params, stop_strings
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import ChatTools, chat_tool_use
@@ -48,6 +48,9 @@ RUNTIME_OPTIONS = ("num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap",
 Options = create_model("Options", __base__=SamplingOptions, **{name: (Any, None) for name in RUNTIME_OPTIONS})
 
 
+Images = checked(List[Any], "must be a list of base64 images")
+
+
 class OllamaBody(Body):
   """What /api/chat's and /api/generate's bodies share (the model, the messages, tools and format are read below)."""
   model: Any = None
@@ -60,8 +63,36 @@ class OllamaBody(Body):
   top_logprobs: LogprobCount = None
 
 
+class CalledFunction(BaseModel):
+  name: StrictStr
+  arguments: Dict[str, Any] = {}
+
+
+class ToolCall(BaseModel):
+  function: CalledFunction
+
+
+class Message(BaseModel):
+  """A message: its text, images (a text-only model is told they were there), an assistant's tool calls, or a tool's result."""
+  model_config = ConfigDict(validate_default=True)
+  role: Literal[tuple(sorted(ROLES))]
+  content: Text = None
+  images: Images = None
+  tool_calls: checked(List[checked(ToolCall, 'must be {"function": {"name": ..., "arguments": {...}}}', optional=False)],
+                      "must be a list, on an assistant message") = None
+  tool_name: Text = None
+
+  @field_validator("tool_calls")
+  @classmethod
+  def _on_an_assistant_message(cls, calls: Optional[list], info) -> Optional[list]:
+    if calls is not None and info.data.get("role") != "assistant":
+      raise invalid("must be a list, on an assistant message")
+    return calls
+
+
 class ChatBody(OllamaBody):
-  messages: Any = None
+  messages: checked(List[checked(Message, f'must be an object with "role" one of {", ".join(sorted(ROLES))}', optional=False)],
+                    'must be a list of {"role": ..., "content": ...} objects') = None
   tools: ChatTools = None
 
 
@@ -69,7 +100,7 @@ class GenerateBody(OllamaBody):
   prompt: Text = None
   system: Text = None
   raw: Flag = None
-  images: Any = None
+  images: Images = None
   suffix: neutral("") = None
   template: neutral("") = None
   context: neutral([]) = None
@@ -114,49 +145,23 @@ def _common(body: OllamaBody, default_model: str, engine_classname: str, default
           "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict", context="options.num_ctx", thinking="think")}
 
 
-def _images(message: dict, where: str) -> str:
-  images = message.get("images")
-  if images is None:
-    return ""
-  if not isinstance(images, list):
-    raise BadRequest(f"{where}.images must be a list of base64 images", param=f"{where}.images")
-  return "".join("\n" + IMAGE_PLACEHOLDER for _ in images)
+def _images(images: Optional[list]) -> str:
+  return "".join("\n" + IMAGE_PLACEHOLDER for _ in images or [])
 
 
-def _string(message: dict, key: str, where: str) -> Optional[str]:
-  if not isinstance(message.get(key), (str, type(None))):
-    raise BadRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
-  return message.get(key)
-
-
-def parse_messages(value: Any) -> List[Dict[str, Any]]:
+def _conversation(messages: List[Message]) -> List[Dict[str, Any]]:
   """Ollama's messages as the core's conversation: tool calls get ids, and each tool result answers the earliest
   unanswered call of its `tool_name` (or, without one, the earliest unanswered call)."""
-  if not isinstance(value, list):
-    raise BadRequest('messages must be a list of {"role": ..., "content": ...} objects', param="messages")
   out, pending = [], []
-  for i, message in enumerate(value):
-    where = f"messages[{i}]"
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
-      raise BadRequest(f'{where} must be an object with "role" one of {", ".join(sorted(ROLES))}', param=where)
-    content = _string(message, "content", where) or ""
-    converted = {"role": message["role"], "content": content + _images(message, where)}
-    calls = message.get("tool_calls")
-    if calls is not None:
-      if message["role"] != "assistant" or not isinstance(calls, list):
-        raise BadRequest(f"{where}.tool_calls must be a list, on an assistant message", param=f"{where}.tool_calls")
-      converted["tool_calls"] = []
-      for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments", {}), dict):
-          raise BadRequest(f'{where}.tool_calls[{j}] must be {{"function": {{"name": ..., "arguments": {{...}}}}}}', param=f"{where}.tool_calls[{j}]")
-        call_id = f"call_{i}_{j}"
-        converted["tool_calls"].append({"id": call_id, "type": "function", "function": {"name": function["name"],
-                                                                                         "arguments": json.dumps(function.get("arguments", {}))}})
-        pending.append((call_id, function["name"]))
-    if message["role"] == "tool":
-      name = _string(message, "tool_name", where)
-      answered = next((p for p in pending if name is None or p[1] == name), None)
+  for i, message in enumerate(messages):
+    converted = {"role": message.role, "content": (message.content or "") + _images(message.images)}
+    if message.tool_calls is not None:
+      converted["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function", "function": {"name": call.function.name,
+                                                                                            "arguments": json.dumps(call.function.arguments)}}
+                                 for j, call in enumerate(message.tool_calls)]
+      pending += [(call["id"], call["function"]["name"]) for call in converted["tool_calls"]]
+    if message.role == "tool":
+      answered = next((p for p in pending if message.tool_name is None or p[1] == message.tool_name), None)
       if answered is not None:
         pending.remove(answered)
         converted["tool_call_id"] = answered[0]
@@ -167,7 +172,7 @@ def parse_messages(value: Any) -> List[Dict[str, Any]]:
 def parse_chat(body: Dict[str, Any], default_model: str, engine_classname: str, default_temperature: float = 0.0) -> GenerationRequest:
   chat = ChatBody.read(body)
   common = _common(chat, default_model, engine_classname, default_temperature, "messages")
-  messages = parse_messages(chat.messages or [])
+  messages = _conversation(chat.messages or [])
   if not messages:
     raise BadRequest("messages is required: a non-empty list", param="messages")  # (Ollama loads the model; this node's is always loaded)
   return GenerationRequest(messages=messages, tool_use=chat_tool_use(chat.tools), **common)
@@ -184,5 +189,5 @@ def parse_generate(body: Dict[str, Any], default_model: str, engine_classname: s
     if system or generate.images:
       raise BadRequest("a raw prompt is given to the model as it is: put the system prompt and images in it", param="raw")
     return GenerationRequest(prompts=[prompt], **common)
-  messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt + _images(body, "body")}]
+  messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt + _images(generate.images)}]
   return GenerationRequest(messages=messages, **common)
