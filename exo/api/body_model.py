@@ -48,7 +48,7 @@ def bad_request(error: ValidationError) -> BadRequest:
 
 class Body(BaseModel):
   """A request body: the fields a dialect takes, each typed below (null means its default); any other is refused."""
-  model_config = ConfigDict(extra="forbid", validate_default=True, arbitrary_types_allowed=True)
+  model_config = ConfigDict(extra="forbid", validate_default=True)
 
   @classmethod
   def read(cls, body: Any):
@@ -113,9 +113,9 @@ def neutral(*values: Any) -> Any:
   return one_of(values, f"is not supported by this server (only null or {' or '.join(json.dumps(v) for v in values)})", "unsupported_parameter")
 
 
-def _same(value: Any, neutral: Any) -> bool:
+def _same(value: Any, allowed: Any) -> bool:
   """Equal and of the same kind (so `false` is not taken for 0, nor 0 for `false`)."""
-  return isinstance(value, bool) == isinstance(neutral, bool) and type(value) in (int, float, bool, dict, str, list) and value == neutral
+  return isinstance(value, bool) == isinstance(allowed, bool) and type(value) in (int, float, bool, dict, str, list) and value == allowed
 
 
 Switch = checked(Annotated[bool, Field(strict=True)], "must be true or false")  # true, false, or null: not said

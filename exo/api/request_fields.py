@@ -145,7 +145,7 @@ def sampling_params(body: BaseModel, default_temperature: float, **values: Any) 
 
 
 class Sampling(Body):
-  """The sampling fields every dialect with sampling takes, under the names OpenAI and vLLM give them."""
+  """The sampling fields OpenAI's routes and Ollama's options share, under the names OpenAI and vLLM give them."""
   temperature: number(0.0, 2.0) = None
   top_p: number(0.0, 1.0) = None
   top_k: TopK = None
@@ -178,7 +178,7 @@ class OpenAIBody(Sampling):
     return self.max_tokens
 
   @model_validator(mode="after")
-  def _min_within_budget(self):
+  def _min_within_budget(self):  # (a fault of two fields together: the 400 itself, naming the one to change)
     if self.min_tokens is not None and self.budget() is not None and self.min_tokens > self.budget():
       raise BadRequest("min_tokens must be an integer >= 0 and at most the token budget", param="min_tokens")
     return self
