@@ -10,7 +10,7 @@ from exo.api.reasoning import Effort, parse_effort
 from exo.api.body_model import Body, Flag, Switch, Text, checked, invalid
 from exo.api.request_fields import LogprobCount, MaxTokens, OpenAIBody, resolve_model, sampling_params
 from exo.api.structured import parse_response_format
-from exo.api.tools import ChatToolFields
+from exo.api.tools import Calling, ChatToolFields, earlier_calls
 
 IMAGE_PLACEHOLDER = "[An image was uploaded but is not displayed here]"
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -64,23 +64,15 @@ class ToolCall(BaseModel):
   function: CalledFunction
 
 
-class Message(BaseModel):
+class Message(Calling):
   """A message with its content as text, and its other keys (a per-message `tools`) as they are. A `developer`
   message is what OpenAI now calls a system message, and goes to the template as one."""
   model_config = ConfigDict(extra="allow")
   role: Annotated[checked(Literal[tuple(sorted(ROLES))], f"must be one of {', '.join(sorted(ROLES))}", optional=False),
                   AfterValidator(lambda role: "system" if role == "developer" else role)]
   content: Annotated[str, PlainValidator(text_of)]
-  tool_calls: checked(List[checked(ToolCall, 'must be {"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}',
-                                   optional=False)], "must be a list, on an assistant message") = None
+  tool_calls: earlier_calls(ToolCall, '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}') = None
   tool_call_id: Text = None
-
-  @field_validator("tool_calls")
-  @classmethod
-  def _on_an_assistant_message(cls, calls: Optional[list], info) -> Optional[list]:
-    if calls is not None and info.data.get("role") != "assistant":
-      raise invalid("must be a list, on an assistant message")
-    return calls
 
 
 Messages = List[checked(Message, 'must be an object with a string "role" and a "content"', optional=False)]

@@ -6,10 +6,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 from exo.api.errors import BadRequest
-from exo.api.body_model import Switch, Text, checked, flag
+from exo.api.body_model import Switch, Text, checked, flag, invalid
 from exo.api.structured import check_schema
 
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -83,6 +83,22 @@ def distinct(tools: List[Tool], name_path: str) -> List[Tool]:
     if tool.name in {t.name for t in tools[:i]}:
       raise BadRequest(f"{name_path.format(i=i)}: two tools are named {tool.name!r}", param=name_path.format(i=i))
   return tools
+
+
+def earlier_calls(call: Any, example: str) -> Any:
+  """An assistant message's `tool_calls`: a list of `call`s (each looks like `example`); see `Calling`."""
+  return checked(List[checked(call, f"must be {example}", optional=False)], "must be a list, on an assistant message")
+
+
+class Calling(BaseModel):
+  """A message with `tool_calls` (`earlier_calls`), which only an assistant message may hold; `role` comes first."""
+
+  @field_validator("tool_calls", check_fields=False)
+  @classmethod
+  def _on_an_assistant_message(cls, calls: Optional[list], info) -> Optional[list]:
+    if calls is not None and info.data.get("role") != "assistant":
+      raise invalid("must be a list, on an assistant message")
+    return calls
 
 
 class ChatTool(BaseModel):

@@ -6,16 +6,16 @@ unless told not to. Bad input is a 400 naming the field; a model this node does 
 import json
 from typing import Annotated, Any, Dict, List, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, create_model
 
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import ApiError, BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import parse_effort
-from exo.api.body_model import MAX_INT32, Body, Flag, Text, checked, flag, integer, invalid, neutral, one_of
+from exo.api.body_model import MAX_INT32, Body, Flag, Text, checked, flag, integer, neutral, one_of
 from exo.api.request_fields import LogprobCount, RepetitionPenalty, Sampling, resolve_model, sampling_params, stop_strings
 from exo.api.structured import ResponseFormat, format_of
-from exo.api.tools import ChatTools, chat_tool_use
+from exo.api.tools import Calling, ChatTools, chat_tool_use, earlier_calls
 
 THINK_LEVELS = ("low", "medium", "high")
 REPEAT_LAST_N = 64  # Ollama's default window for its penalties
@@ -72,22 +72,14 @@ class ToolCall(BaseModel):
   function: CalledFunction
 
 
-class Message(BaseModel):
+class Message(Calling):
   """A message: its text, images (a text-only model is told they were there), an assistant's tool calls, or a tool's result."""
   model_config = ConfigDict(validate_default=True)
   role: Literal[tuple(sorted(ROLES))]
   content: Text = None
   images: Images = None
-  tool_calls: checked(List[checked(ToolCall, 'must be {"function": {"name": ..., "arguments": {...}}}', optional=False)],
-                      "must be a list, on an assistant message") = None
+  tool_calls: earlier_calls(ToolCall, '{"function": {"name": ..., "arguments": {...}}}') = None
   tool_name: Text = None
-
-  @field_validator("tool_calls")
-  @classmethod
-  def _on_an_assistant_message(cls, calls: Optional[list], info) -> Optional[list]:
-    if calls is not None and info.data.get("role") != "assistant":
-      raise invalid("must be a list, on an assistant message")
-    return calls
 
 
 class ChatBody(OllamaBody):
