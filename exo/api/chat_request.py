@@ -5,9 +5,9 @@ from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StrictStr, field_validator, model_validator
 
+from exo.api.body_model import Body, Flag, Switch, Text, checked, invalid
 from exo.api.generation_request import GenerationRequest
 from exo.api.reasoning import Effort, parse_effort
-from exo.api.body_model import Body, Flag, Switch, Text, checked, invalid
 from exo.api.request_fields import LogprobCount, MaxTokens, OpenAIBody, resolve_model, sampling_params
 from exo.api.structured import parse_response_format
 from exo.api.tools import Calling, ChatToolFields, earlier_calls

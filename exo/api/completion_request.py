@@ -2,9 +2,9 @@
 Validated the way chat requests are: bad input is a 400 naming the field, unimplemented parameters are refused."""
 from typing import Any, Dict, List, Optional
 
+from exo.api.body_model import MAX_INT32, Flag, neutral
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest, Prompt
-from exo.api.body_model import MAX_INT32, Flag, neutral
 from exo.api.request_fields import MAX_CHOICES, LogprobCount, OpenAIBody, resolve_model, sampling_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this route (vLLM's too): a completion is a continuation, not an answer

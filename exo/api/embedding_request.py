@@ -14,8 +14,8 @@ from typing import Annotated, Any, List, Mapping, Optional, Union
 
 from pydantic import Field, PlainValidator
 
-from exo.api.errors import ApiError, BadRequest
 from exo.api.body_model import MAX_INT32, Body, Flag, Object, Text, checked, flag, integer, invalid, one_of
+from exo.api.errors import ApiError, BadRequest
 from exo.api.request_fields import is_int, is_number
 from exo.embeddings.registry import DEFAULT_EMBEDDING_MODEL, FALLBACK_PREFIXES, embedding_cards, embedding_model_id, is_local, local_checkpoint
 from exo.models import model_cards

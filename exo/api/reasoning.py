@@ -12,10 +12,10 @@ Reasoning reads it, with harmony's split and grammar."""
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from exo.api.body_model import one_of
 from exo.api.errors import BadRequest
 from exo.api.harmony import HarmonySplit, grammar_after_analysis, writes_harmony
 from exo.api.reply_text import marker_tail
-from exo.api.body_model import one_of
 from exo.inference import grammar
 
 OPEN, CLOSE = "<think>", "</think>"

@@ -8,8 +8,8 @@ from typing import Annotated, Any, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
-from exo.api.errors import BadRequest
 from exo.api.body_model import Switch, Text, checked, flag, invalid
+from exo.api.errors import BadRequest
 from exo.api.structured import check_schema
 
 NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names

@@ -7,10 +7,10 @@ from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, model_validator
 
+from exo.api.body_model import MAX_INT32, Body, Closed, Flag, String, Text, checked, integer, invalid, neutral, number, one_of, tagged
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
-from exo.api.body_model import MAX_INT32, Body, Closed, Flag, String, Text, checked, integer, invalid, neutral, number, one_of, tagged
 from exo.api.request_fields import TopK, is_int, resolve_model, sampling_params, stop_strings
 from exo.api.structured import format_of
 from exo.api.tools import Function, distinct, tool_list, tool_use

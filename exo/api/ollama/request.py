@@ -8,11 +8,11 @@ from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, create_model
 
+from exo.api.body_model import MAX_INT32, Body, Flag, Text, checked, flag, integer, neutral, one_of
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import ApiError, BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import parse_effort
-from exo.api.body_model import MAX_INT32, Body, Flag, Text, checked, flag, integer, neutral, one_of
 from exo.api.request_fields import LogprobCount, RepetitionPenalty, Sampling, resolve_model, sampling_params, stop_strings
 from exo.api.structured import ResponseFormat, format_of
 from exo.api.tools import Calling, ChatTools, chat_tool_use, earlier_calls

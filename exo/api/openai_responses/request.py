@@ -7,11 +7,11 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictStr, model_validator
 
+from exo.api.body_model import Body, Closed, Flag, String, Text, checked, flag, invalid, neutral, number, one_of, tagged
 from exo.api.chat_request import IMAGE_PLACEHOLDER
 from exo.api.errors import BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import Effort, parse_effort
-from exo.api.body_model import Body, Closed, Flag, String, Text, checked, flag, invalid, neutral, number, one_of, tagged
 from exo.api.request_fields import MaxTokens, resolve_model, sampling_params
 from exo.api.structured import format_of
 from exo.api.tools import Function, distinct, tool_list, tool_use
