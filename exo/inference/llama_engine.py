@@ -64,6 +64,18 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
     _return_freed_memory()
     self.model, self.tokenizer, self.shard = model, tokenizer, shard
 
+  def unload(self) -> None:
+    """Let the model's weights go (the node's model pool unloads an idle model); the next ensure_shard loads again.
+    On the engine's thread, after the work queued before it."""
+    self.shard = None
+    self.executor.submit(self._unload)
+
+  def _unload(self) -> None:
+    if self.shard is None:  # (a load queued meanwhile keeps its model)
+      self.model = self.tokenizer = None
+      self.prefixes.clear()
+      _return_freed_memory()
+
   async def ensure_shard(self, shard: Shard) -> None:
     if self.shard == shard:
       return

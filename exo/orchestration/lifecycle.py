@@ -82,7 +82,7 @@ class Lifecycle:
     if request is None:
       return False
     if request.model is not None:
-      self.release_cache(request_id)  # before the gate lets another model in: the engine loads it only once caches are gone
+      self.release_cache(request_id, request.engine)  # before the gate lets another model in: the engine loads it only once caches are gone
       if status is Status.FINISHED:
         self.node.prefix_protocol.finished(request)
     if status is not Status.FINISHED:
@@ -94,8 +94,9 @@ class Lifecycle:
       watcher.put_nowait(RequestEvent([], True, error or f"the request was {status.value}"))
     return True
 
-  def release_cache(self, request_id: str) -> None:
-    release = asyncio.create_task(self.node.inference_engine.finish_request(request_id))
+  def release_cache(self, request_id: str, engine=None) -> None:
+    """Free the request's KV cache on `engine`, the one its model runs on (the node's own when None)."""
+    release = asyncio.create_task((engine or self.node.inference_engine).finish_request(request_id))
     self.releases.add(release)
     release.add_done_callback(self.releases.discard)
 

@@ -1,15 +1,17 @@
-"""Which model this node's engine serves, and when it may switch to another.
+"""Which models this node's engines serve, and when another may be loaded.
 
-The engine holds one model at a time. A request holds the gate for its model from its first work at this node until
-it ends; the engine switches models only when no request holds the gate, so one user's request for another model
-never wipes the KV caches of the requests in flight. Requests wait in line, in arrival order: the first one that
-needs another model waits until the requests of the loaded one have ended, and those that arrive after it wait
-behind it, whatever their model, so a busy model cannot starve the other. A request that waits longer than
+A request holds the gate for its model from its first work at this node until it ends. The gate's `room` says
+whether a model may be let in beside the models requests hold now (OneModel, the default: only when none is held, the
+node's engine holding one model at a time; the node's ModelPool: while its memory and its limit of loaded models
+allow, unloading idle models to make room). A model is never unloaded under a request that holds it, so one user's
+request for another model never wipes the KV caches of the requests in flight. Requests wait in line, in arrival
+order: the first one whose model has no room waits until enough requests have ended, and those that arrive after it
+wait behind it, whatever their model, so busy models cannot starve another. A request that waits longer than
 `wait_s` ends with ModelBusy. A preload holds the gate like a request while it loads, so no request for another
-model is let in meanwhile (the load would replace that request's model under it)."""
+model is let in meanwhile if there is no room for both (the load would replace that request's model under it)."""
 import asyncio
 from collections import deque
-from typing import Deque, List, Optional, Set, Tuple
+from typing import Collection, Deque, Dict, List, Optional, Set, Tuple
 
 DEFAULT_WAIT_S = 300.0
 
@@ -22,35 +24,58 @@ def gate_key(shard) -> str:
 
 
 class ModelBusy(RuntimeError):
-  """The node served another model for longer than the request could wait."""
+  """The node served other models for longer than the request could wait."""
 
 
 class LeftTheLine(Exception):
   """The request ended while it waited."""
 
 
+class OneModel:
+  """The room of a node whose engine holds one model at a time."""
+
+  def fits(self, model: str, held: Collection[str]) -> bool:
+    """Whether `model` may be loaded while requests hold the models `held` (it is not one of them)."""
+    return not held
+
+  def admit(self, model: str) -> None:
+    """A request (or preload) now holds `model`, and none did before."""
+
+  def release(self, model: str) -> None:
+    """The last request holding `model` has let it go."""
+
+
 class ModelGate:
-  def __init__(self, wait_s: float = DEFAULT_WAIT_S):
+  def __init__(self, wait_s: float = DEFAULT_WAIT_S, room: Optional[OneModel] = None):
     self.wait_s = wait_s
-    self.serving: Optional[str] = None  # the model the holders use
+    self.room = room or OneModel()
+    self.serving: Optional[str] = None  # the model let in last
     self.holders: Set[str] = set()  # request ids
+    self.model_of: Dict[str, str] = {}  # holder -> its model
     self.preloads: Set[str] = set()  # the holders that are preloads, not requests
     self._line: Deque[Tuple[str, str, asyncio.Future]] = deque()  # (model, request id, admitted)
 
   def holds(self, request_id: str) -> bool:
     return request_id in self.holders
 
+  def held(self, besides_preloads: bool = False) -> Set[str]:
+    """The models requests (and preloads, unless `besides_preloads`) hold now."""
+    return {m for h, m in self.model_of.items() if not (besides_preloads and h in self.preloads)}
+
   def in_line(self) -> List[str]:
     """The requests waiting for their turn, first first."""
     return [request_id for _, request_id, admitted in self._line if not admitted.done()]
 
+  def _has_room(self, model: str, held: Set[str]) -> bool:
+    return model in held or self.room.fits(model, held)
+
   def idle_for(self, model: str) -> bool:
     """Nothing would be disturbed by loading `model` now."""
-    return not self._line and (not self.holders or self.serving == model)
+    return not self._line and self._has_room(model, self.held())
 
   def no_request_disturbed_by(self, model: str) -> bool:
     """Whether a request for `model` would wait at most behind a preload and requests for `model` itself."""
-    return all(m == model for m, _, _ in self._line) and (self.serving == model or self.holders <= self.preloads)
+    return all(m == model for m, _, _ in self._line) and self._has_room(model, self.held(besides_preloads=True))
 
   def hold_if_idle(self, holder: str, model: str) -> bool:
     """Hold the gate for `model` now if that disturbs nobody (a preload: it never waits in line). False if not."""
@@ -71,7 +96,8 @@ class ModelGate:
     try:
       await asyncio.wait_for(asyncio.shield(admitted), self.wait_s)
     except asyncio.TimeoutError:
-      raise ModelBusy(f"this node is serving {self.serving} to {len(self.holders)} request(s); the request for {model} "
+      serving = ", ".join(sorted(self.held())) or self.serving
+      raise ModelBusy(f"this node is serving {serving} to {len(self.holders)} request(s); the request for {model} "
                       f"waited {self.wait_s:.0f} s for them to end") from None
     finally:
       if not admitted.done():  # timed out or cancelled: out of the line
@@ -82,14 +108,20 @@ class ModelGate:
     """The request has ended here: it lets go of the model, or leaves the line."""
     self.holders.discard(request_id)
     self.preloads.discard(request_id)
+    model = self.model_of.pop(request_id, None)
+    if model is not None and model not in self.model_of.values():
+      self.room.release(model)
     for _, waiting, admitted in self._line:
       if waiting == request_id and not admitted.done():
         admitted.set_exception(LeftTheLine(request_id))
     self._let_in()
 
   def _admit(self, request_id: str, model: str) -> None:
+    if model not in self.model_of.values():
+      self.room.admit(model)
     self.serving = model
     self.holders.add(request_id)
+    self.model_of[request_id] = model
 
   def _let_in(self) -> None:
     while self._line:
@@ -97,7 +129,7 @@ class ModelGate:
       if admitted.done():  # it gave up
         self._line.popleft()
         continue
-      if self.holders and self.serving != model:
+      if not self._has_room(model, self.held()):
         return
       self._line.popleft()
       self._admit(request_id, model)

@@ -34,6 +34,7 @@ from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.lifecycle import Lifecycle
 from exo.orchestration.membership import Membership
 from exo.orchestration.model_gate import ModelGate
+from exo.orchestration.model_pool import ModelPool
 from exo.orchestration.passes import Passes
 from exo.orchestration.placements import Placements
 from exo.orchestration.prefixes import PrefixProtocol
@@ -78,7 +79,8 @@ class Node(RingMember):
     self.memory_offered_mb: Optional[int] = None  # what this node offers the cluster instead of the machine's memory
     self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()
-    self.model_gate = ModelGate()
+    self.model_pool = ModelPool(self)  # the chat models loaded here, one engine each (inference_engine holds the first)
+    self.model_gate = ModelGate(room=self.model_pool)
     self._on_token = AsyncCallbackSystem[str, Tuple[str, List[int], bool]]()
     self._tasks: Set[asyncio.Task] = set()
     self._background: List[asyncio.Task] = []
@@ -123,6 +125,7 @@ class Node(RingMember):
     for request in self.requests:
       self.end_request(request.id, Status.FAILED, "node stopped")
     await asyncio.gather(*list(self.lifecycle.releases), return_exceptions=True)
+    self.model_pool.close()
     await self.discovery.stop()
     if self.server is not None:
       await self.server.stop()
@@ -153,13 +156,19 @@ class Node(RingMember):
     return {r.id: (r.tokens, False) for r in self.requests if r.tokens}
 
   def state(self) -> dict:
-    """The live view (GET /v1/state): each live request here, its group, and the KV memory it holds."""
-    engine = self.inference_engine
+    """The live view (GET /v1/state): each live request here, its group, and the KV memory it holds; the chat models
+    loaded (ModelPool.describe)."""
+    engines = self.model_pool.all_engines()
     return {"node_id": self.id,
             "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions,
-                          "kv_bytes": engine.request_kv_bytes(r.id), "group": r.group} for r in self.requests],
-            "kv_bytes": engine.kv_cache_bytes(),
-            "prefix_cache": engine.prefix_cache_state()}
+                          "kv_bytes": (r.engine or self.inference_engine).request_kv_bytes(r.id), "group": r.group} for r in self.requests],
+            "kv_bytes": sum(engine.kv_cache_bytes() for engine in engines),
+            "prefix_cache": self.inference_engine.prefix_cache_state(),
+            "models": self.model_pool.describe()}
+
+  def engine_for(self, shard: Shard) -> InferenceEngine:
+    """The engine that runs `shard` here (ModelPool: one per loaded model; inference_engine when none holds it)."""
+    return self.model_pool.engine_of(shard)
 
   # --- how requests start and end (lifecycle.py) ---
 
@@ -262,7 +271,7 @@ class Node(RingMember):
 
   def placement_view(self, bases: Optional[List[Shard]] = None) -> dict:
     """The placement as /v1/topology and the TUI show it: the members, and each model's groups with their layers."""
-    loaded = self.inference_engine.shard
+    loaded = self.placements.loaded(self.id)
     return self.placements.to_json(bases if bases is not None else ([loaded] if loaded is not None else []))
 
   def get_supported_inference_engines(self) -> List[str]:

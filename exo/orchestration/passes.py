@@ -74,7 +74,7 @@ class Passes:
       await self._enter(request, shard)
       tokens = await self._prompt_tokens(shard, prompt, (inference_state or {}).get(PROMPT_IDS))
       request.prompt_tokens = tokens.shape[1]
-      context = self._context_length()
+      context = self._context_length(request)
       if context is not None and tokens.shape[1] >= context:
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
       state = {k: v for k, v in (inference_state or {}).items() if k != PROMPT_IDS}  # the ids go no further than here
@@ -91,7 +91,7 @@ class Passes:
 
   async def _prompt_tokens(self, shard: Shard, prompt: str, ids) -> np.ndarray:
     """The prompt's token ids, (1, L): those it came with (tokenised once, where it arrived), else its text encoded."""
-    engine = self.node.inference_engine
+    engine = self.node.engine_for(shard)
     if ids is None:
       return np.asarray(await engine.encode(shard, prompt)).reshape(1, -1)
     await engine.ensure_shard(shard)  # its tokenizer and context length, as encode would have loaded them
@@ -156,6 +156,7 @@ class Passes:
     (it would load the model under the requests that hold the gate)."""
     if request.admitted is None:  # its first work here
       request.model = shard.model_id
+      self.node.model_pool.expect(shard)
       request.admitted = asyncio.ensure_future(self.node.model_gate.enter(request.id, gate_key(shard)))
       # Its waiters may all be gone (cancelled) when it ends in an error: that error is no one's to log.
       request.admitted.add_done_callback(lambda admitted: admitted.cancelled() or admitted.exception())
@@ -163,6 +164,7 @@ class Passes:
       await asyncio.shield(request.admitted)
     except LeftTheLine:
       raise RequestEnded(request.id) from None
+    request.engine = self.node.engine_for(shard)
     request.advance(Status.PREFILLING)
 
   async def run_pass(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict],
@@ -184,7 +186,7 @@ class Passes:
   def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
     """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
     if not self.node.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again
-      self.node.lifecycle.release_cache(request.id)
+      self.node.lifecycle.release_cache(request.id, request.engine)
       raise RequestEnded(request.id)
     state = self.node.prefix_protocol.ran(shard, request, state)
     request.positions += positions
@@ -193,7 +195,7 @@ class Passes:
 
   async def infer_unbatched(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
     """The engine alone, a long prompt in PROMPT_CHUNK pieces so that an end stops it between two of them."""
-    engine, length = self.node.inference_engine, input_length(tensor)
+    engine, length = self.node.engine_for(shard), input_length(tensor)
     if length <= PROMPT_CHUNK:
       return await engine.infer_tensor(request_id, shard, tensor, inference_state)
     outputs = []
@@ -211,7 +213,7 @@ class Passes:
     (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
     node cannot follow gets an error in place of its token."""
     requests = [self.node.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    return await constrained.sample_requests(self.node.inference_engine, requests, results, f"node {self.node.id}", masks, mask_times,
+    return await constrained.sample_requests(self.node.engine_for(shard), requests, results, f"node {self.node.id}", masks, mask_times,
                                              [self.tokens_left(r) for r in requests])
 
   def token_limit(self, request: Request) -> int:
@@ -221,8 +223,8 @@ class Passes:
     """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
     context's (one fewer than the context would hold, to be sure)."""
     left = self.token_limit(request) - len(request.tokens)
-    context = self._context_length()
+    context = self._context_length(request)
     return left if context is None else min(left, context - request.positions)
 
-  def _context_length(self) -> Optional[int]:
-    return self.node.inference_engine.context_length
+  def _context_length(self, request: Request) -> Optional[int]:
+    return (request.engine or self.node.inference_engine).context_length

@@ -107,7 +107,7 @@ class Placements:
     return None if placement is None else placement.shard_of(self.node.id)
 
   def loaded(self, node_id: str) -> Optional[Shard]:
-    return self.node.inference_engine.shard if node_id == self.node.id else self.peer_loaded.get(node_id)
+    return self.node.model_pool.latest() or self.node.inference_engine.shard if node_id == self.node.id else self.peer_loaded.get(node_id)
 
   def ready(self, group: Group, base: Shard) -> bool:
     """Every node of the group holds its layers now."""
@@ -122,14 +122,14 @@ class Placements:
     disturbing a request, at most after a preload (nodes that have not heard the same facts yet plan other cuts for a
     moment, and a node that just started may still be loading the model it expected)."""
     node = self.node
-    return node.inference_engine.shard == shard or self.own_shard(shard) == shard or node.model_gate.no_request_disturbed_by(gate_key(shard))
+    return node.model_pool.holds(shard) or self.own_shard(shard) == shard or node.model_gate.no_request_disturbed_by(gate_key(shard))
 
   # --- what peers announce ---
 
   async def announce(self) -> None:
     if self.mode is None:
       return
-    loaded = self.node.inference_engine.shard
+    loaded = self.loaded(self.node.id)
     facts = self.own_facts()
     status = statuses.placement_member(self.node.id, {"engine": facts.engine, "float_bytes": facts.float_bytes, "memory_mb": facts.memory_mb,
                                                        "speed": facts.speed, "placement": facts.mode}, loaded)
@@ -149,7 +149,7 @@ class Placements:
       return  # only a peer speaks for itself
     self.peer_facts[node_id] = MemberFacts(node_id, status.engine, int(status.float_bytes), int(status.memory_mb), status.speed, status.placement)
     self.peer_loaded[node_id] = status.loaded
-    if status.loaded and self.node.inference_engine.shard is None:
+    if status.loaded and self.loaded(self.node.id) is None:
       self.settle()  # a node that joins loads its layers of the model the others serve
 
   def peers_changed(self, added: List, removed: List) -> None:
@@ -182,15 +182,15 @@ class Placements:
     model this node cannot hold."""
     if not self.active or any(p.id() not in self.peer_facts for p in self.node.peers):
       return
-    engine = self.node.inference_engine
-    model = engine.shard or self._most_loaded() or self.expected
+    loaded = self.loaded(self.node.id)
+    model = loaded or self._most_loaded() or self.expected
     if model is not None and (self._preloading is None or self._preloading.done()):
       own = self.own_shard(model)
-      if own is not None and own != engine.shard:
+      if own is not None and own != loaded:
         self._preloading = self.node.spawn(self.preload(model))
         if model is self.expected:
           self.expected = None  # tried once (a model still to download waits for a request instead)
-    if repr(engine.shard) != self._announced:
+    if repr(loaded) != self._announced:
       self.node.spawn(self.announce())
 
   def _most_loaded(self) -> Optional[Shard]:
@@ -231,12 +231,13 @@ class Placements:
     holder = f"preload-{uuid.uuid4()}"
     try:
       await node.shard_downloader.ensure_shard(own, node.inference_engine.__class__.__name__)
+      node.model_pool.expect(own)
       if not node.model_gate.hold_if_idle(holder, gate_key(own)):
         return
-      await node.inference_engine.ensure_shard(own)
+      await node.engine_for(own).ensure_shard(own)
     except Exception as e:
       log.log(VERBOSE, "Preloading %s failed: %r", shard.model_id, e)
     finally:
       node.model_gate.leave(holder)
-    if self.mode is not None and node.inference_engine.shard == own:
+    if self.mode is not None and node.model_pool.holds(own):
       await self.announce()  # the routers of the others may send it requests now

@@ -35,6 +35,7 @@ class PrefixProtocol:
 
   @property
   def engine(self):
+    """The node's own engine: whether it reuses prefixes says for every engine of its class (the model pool's)."""
     return self.node.inference_engine
 
   def reused_on_route(self, request: Request) -> bool:
@@ -62,7 +63,7 @@ class PrefixProtocol:
     keys = block_keys(shard.model_id, tokens)
     if self.filings:  # an answer that just finished may be what this prompt starts with: a few ms
       await asyncio.wait(list(self.filings))
-    reused = await self.engine.start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
+    reused = await self.node.engine_for(shard).start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
     request.positions = reused
     request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
     request.sequence = tokens[0].tolist()
@@ -88,7 +89,7 @@ class PrefixProtocol:
     status, peers = statuses.prefix_extend(request.id, keys), [p for p in self.node.peers if p.id() in request.ring]
     # A peer the status misses answers a later request with prefix_miss, which stays correct.
     await asyncio.gather(*[asyncio.wait_for(p.send_opaque_status(request.id, status), FILING_TIMEOUT_S) for p in peers], return_exceptions=True)
-    self.engine.extend_prefix(request.id, keys)
+    (request.engine or self.engine).extend_prefix(request.id, keys)
 
   def _heard_miss(self, request_id: str, status: statuses.PrefixMiss, sender_host: Optional[str]) -> None:
     request = self.node.requests.get(status.request_id)
@@ -115,7 +116,7 @@ class PrefixProtocol:
       return True
     prefix = checked_prefix(prefix)
     reuse = prefix["reuse"]
-    held = await self.engine.start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
+    held = await self.node.engine_for(shard).start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
     if held != reuse:
       log.warning("exo: request %s was sent to reuse %d cached positions that this node does not hold; its prompt runs again, whole", request.id, reuse)
       self.node.spawn(self.node.lifecycle.tell_route(request, statuses.prefix_miss(request.id, self.node.id)))
@@ -129,12 +130,13 @@ class PrefixProtocol:
     prefix = (state or {}).get("prefix")
     if prefix is None:
       return state
-    self.engine.remember_prefix(request.id, prefix["keys"])
+    self.node.engine_for(shard).remember_prefix(request.id, prefix["keys"])
     return {k: v for k, v in state.items() if k != "prefix"} if shard.is_last_layer() else state
 
   def _heard_extend(self, request_id: str, status: statuses.PrefixExtend, sender_host: Optional[str]) -> None:
     if sender_host is None or self.node.peers_at(sender_host):
-      self.engine.extend_prefix(status.request_id, status.keys)
+      for engine in self.node.model_pool.all_engines():  # (the request has ended here: the engine that holds its entry files it, the others ignore it)
+        engine.extend_prefix(status.request_id, status.keys)
 
   def _heard_cache(self, request_id: str, status: statuses.PrefixCache, sender_host: Optional[str]) -> None:
     if status.node_id in self.node.peer_hosts:

@@ -65,6 +65,7 @@ class Request:
   origin: Optional[str] = None  # the node whose client asked (None for requests from upstream nodes)
   status: Status = Status.QUEUED
   model: Optional[str] = None  # the model it runs on here, once it has work here
+  engine: Optional[object] = None  # the engine its model runs on here (the node's model pool), once the gate let it in
   admitted: Optional["asyncio.Future"] = None  # the asyncio task of its turn at the model gate here, once it has asked
   ring: Tuple[str, ...] = ()  # ids of the nodes of its route: the nodes it needs
   route: Optional["Route"] = None  # the Route it follows here (routing/route.py), once it has work here or was routed here

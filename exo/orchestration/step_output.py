@@ -75,7 +75,7 @@ class StepCore:
   and the bookkeeping after a pass."""
 
   def __init__(self, node):
-    self.node = node  # its public parts: requests, inference_engine, passes (sampler, budget, bookkeeping), forwarding, the hook
+    self.node = node  # its public parts: requests, engine_for, passes (sampler, budget, bookkeeping), forwarding, the hook
 
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at
@@ -128,9 +128,10 @@ class StepCore:
       return
     request.tokens.append(token)
     logprobs, request.sampled_logprobs = request.sampled_logprobs, None
-    if request.eos_ids is None:  # the engine serves the request's model (ModelGate), so its tokenizer is the request's
-      request.eos_ids = eos_ids(node.inference_engine.tokenizer)
-    limit, context = node.passes.token_limit(request), node.inference_engine.context_length
+    engine = node.engine_for(shard)  # the engine of the request's model (ModelPool), so its tokenizer is the request's
+    if request.eos_ids is None:
+      request.eos_ids = eos_ids(engine.tokenizer)
+    limit, context = node.passes.token_limit(request), engine.context_length
     finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
                 or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
     log.debug("[%s] token %d (%d/%d) finished=%s", request_id, token, len(request.tokens), limit, finished)  # (the cluster tests read it)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from exo.inference.shard import Shard
-from exo.topology.model_size import KEEPS_WINDOW, ModelShape, kv_value_bytes, weight_bytes
+from exo.topology.model_size import KEEPS_WINDOW, ModelShape, kv_value_bytes, shape_of, weight_bytes
 
 MODES = ("auto", "pipeline", "replicas")
 MIB = 2**20
@@ -130,6 +130,12 @@ class _Costs:
     """The share of a whole copy this node's memory holds."""
     whole = self.bytes(facts, 0, self.n_layers - 1)
     return math.inf if whole <= 0 else facts.memory_mb * MIB / whole
+
+
+def stage_bytes(facts: MemberFacts, shard: Shard) -> float:
+  """Bytes a node of `facts` holds for a shard: its weights and its KV reserve, as placement counts them (0 when the
+  model's shape is unknown)."""
+  return _Costs(shard.model_id, shard.n_layers, shape_of(shard.model_id)).bytes(facts, shard.start_layer, shard.end_layer)
 
 
 def place(model_id: str, n_layers: int, facts: Sequence[MemberFacts], shape: Optional[ModelShape]) -> Placement:

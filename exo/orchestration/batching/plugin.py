@@ -42,7 +42,8 @@ STAGE_TIMING_FRESH_S = 10.0  # a stage's report older than this is not used
 class BatchingPlugin:
   def __init__(self, node, config: BatchingConfig):
     self.node, self.config = node, config
-    self.steps = StepLoop(node.inference_engine, self._new_scheduler, node.requests.is_live, self._step_done, finishing_for=self._finishing_for)
+    self.steps = StepLoop(node.inference_engine, self._new_scheduler, node.requests.is_live, self._step_done, finishing_for=self._finishing_for,
+                          engine_for=node.engine_for)
     self.sampling_stats = BatchStats()  # rows per sampling call
     self.mask_times = MaskTimes()  # grammar masks computed during steps
     self.stage_costs: Dict[Tuple[str, str], Tuple[StepCost, float]] = {}  # (node id, model) -> its stage's step cost, when heard
@@ -127,7 +128,7 @@ class BatchingPlugin:
     if shard.is_last_layer():
       finishing = [self.node.requests.get(row.request_id) for row, take in step.rows if take == row.length]
       finishing = [r for r in finishing if r is not None]
-      masks = asyncio.ensure_future(self._masks(finishing)) if any(r.params.grammar for r in finishing) else None
+      masks = asyncio.ensure_future(self._masks(shard, finishing)) if any(r.params.grammar for r in finishing) else None
 
     async def finish(done: Done):
       sampled = await self._sample(shard, done, masks) if shard.is_last_layer() else {}
@@ -141,8 +142,8 @@ class BatchingPlugin:
       return send
     return finish
 
-  async def _masks(self, requests) -> Dict[str, np.ndarray]:
-    prepared = await constrained.prepare(requests, self.node.inference_engine.tokenizer)
+  async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
+    prepared = await constrained.prepare(requests, self.node.engine_for(shard).tokenizer)
     ready = [(r.id, c) for r, c in zip(requests, prepared) if isinstance(c, Constraint)]
     masks = await constrained.masks_of([c for _, c in ready], self.mask_times)
     return {request_id: mask for (request_id, _), mask in zip(ready, masks)}

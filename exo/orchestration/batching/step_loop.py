@@ -1,5 +1,7 @@
-"""The step loop: one per engine. It asks each shard's Scheduler for the next step, runs it on the engine (one step
-at a time, whatever the shard), hands the results back to the Scheduler and to the requests waiting for them.
+"""The step loop: one per node. It asks each shard's Scheduler for the next step, runs it on the engine of that shard
+(`engine_for`: a node may hold several models, one engine each; one step at a time, whatever the shard, so a step
+holds rows of one model only), hands the results back to the Scheduler and to the requests waiting for them. When
+several shards have a step due, the one that stepped least recently goes first: models with work take turns.
 
 Callers wait in `infer`. A request that ends leaves at once (`forget`), its waiter failing with RequestEnded; rows
 whose request ended while their step was queued are dropped just before the engine call. A message's acceptance
@@ -32,10 +34,14 @@ class StepLoop:
   def __init__(self, engine, new_scheduler: Callable[[Shard], Scheduler], is_live: Callable[[str], bool] = lambda request_id: True,
                on_step: Callable[[Scheduler, Step, Done], None] = lambda scheduler, step, done: None,
                clock: Callable[[], float] = time.monotonic,
-               finishing_for: Callable[[Scheduler, Step], Optional[Callable[[Done], Awaitable[Callable[[], None]]]]] = lambda scheduler, step: None):
+               finishing_for: Callable[[Scheduler, Step], Optional[Callable[[Done], Awaitable[Callable[[], None]]]]] = lambda scheduler, step: None,
+               engine_for: Optional[Callable[[Shard], object]] = None):
     self.engine, self.new_scheduler, self.is_live, self.on_step, self.clock = engine, new_scheduler, is_live, on_step, clock
     self.finishing_for = finishing_for
+    self.engine_for = engine_for or (lambda shard: self.engine)
     self.schedulers: Dict[Shard, Scheduler] = {}
+    self._turns: Dict[Shard, int] = {}  # shard -> the number of the step it ran last (which shard's turn it is)
+    self._steps_run = 0
     self._waiters: Dict[str, Tuple[asyncio.Future, Optional[asyncio.Future]]] = {}  # request id -> (result, acceptance)
     self._coming: Set[str] = set()  # rows a step sent on to this node itself, until they are in a line again (or end)
     self._wake = asyncio.Event()
@@ -110,9 +116,12 @@ class StepLoop:
   async def _next(self) -> None:
     await self._let_arrivals_in()
     now = self.clock()
-    for shard, scheduler in sorted(self.schedulers.items(), key=lambda item: item[1].due(now)):
+    # Due now or overdue alike: of those, the shard that stepped least recently goes first.
+    for shard, scheduler in sorted(self.schedulers.items(), key=lambda item: (max(item[1].due(now), now), self._turns.get(item[0], -1))):
       step = scheduler.schedule(now)
       if step is not None:
+        self._steps_run += 1
+        self._turns[shard] = self._steps_run
         await self._step(scheduler, step)
         return
     due = min((s.due(now) for s in self.schedulers.values()), default=float("inf"))
@@ -130,13 +139,17 @@ class StepLoop:
     next step would start first and leave them a whole step behind (a burst's prompts would trickle in, one step each).
     At most ARRIVAL_WAIT_S."""
     deadline = time.monotonic() + ARRIVAL_WAIT_S
-    while (getattr(self.engine, "prefix_starts_queued", 0) > 0 or self._coming) and not self._stopped:
+    while (self._prefix_starts_queued() > 0 or self._coming) and not self._stopped:
       self._wake.clear()
       try:
         await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
       except asyncio.TimeoutError:
         self._coming.clear()  # (one that never came, e.g. its prefix was missing here, is not waited for again)
         return
+
+  def _prefix_starts_queued(self) -> int:
+    engines = {id(self.engine): self.engine, **{id(e): e for e in map(self.engine_for, self.schedulers)}}
+    return sum(getattr(e, "prefix_starts_queued", 0) for e in engines.values())
 
   async def _step(self, scheduler: Scheduler, step: Step) -> None:
     for row, _ in list(step.rows):  # a request may have ended while its step was queued
@@ -151,7 +164,7 @@ class StepLoop:
     items = step.items()
     finish = self.finishing_for(scheduler, step)
     try:
-      results = list(await self.engine.infer_batch(scheduler.shard, items))
+      results = list(await self.engine_for(scheduler.shard).infer_batch(scheduler.shard, items))
       if len(results) != len(items):
         raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
       results = [_checked(r) for r in results]

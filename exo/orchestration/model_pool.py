@@ -1,0 +1,178 @@
+"""The chat models this node holds at once, one engine each, and the room the model gate gives another model.
+
+The node's engine (`node.inference_engine`, the class it was started with) takes the first model; each further model
+gets an engine of the same class, built as exo builds engines (exo/inference/engines.py) and set up like the first
+(quantize-on-load, prefix budget). A node whose engine exo cannot build again (a subclass: a test's, a plugin's) holds
+one model at a time, as it always did. A request runs on the engine of its model (`engine_of`), from its turn at the
+gate to its end.
+
+Room: another model is let in while the models requests hold, with it, number at most `max_models` and weigh at most
+the memory this node offers the cluster (its device capabilities, EXO_MEMORY_MB), each weighed as placement weighs it
+(its weights and KV reserve). Idle models go first to make room, least recently used first; a model alone always gets
+in (as before, a node loads what it is asked for). An idle model is unloaded after its keep-alive (exo/keep_alive.py:
+the node's EXO_KEEP_ALIVE, or what the latest request for it asked, Ollama's `keep_alive`)."""
+import logging
+import math
+import time
+from typing import Callable, Collection, Dict, List, Optional
+
+from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
+from exo.inference.shard import Shard
+from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive
+from exo.orchestration.model_gate import OneModel, gate_key
+from exo.topology.placement import stage_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LOADED_MODELS = 3  # as Ollama's OLLAMA_MAX_LOADED_MODELS on a machine without GPUs
+SHARDS_KEPT = 256  # the models asked for that are not loaded, remembered for their size (a bound against made-up names)
+
+
+class ModelPool(OneModel):
+  def __init__(self, node, keep_alive: float = DEFAULT_KEEP_ALIVE_S, max_models: int = DEFAULT_MAX_LOADED_MODELS,
+               clock: Callable[[], float] = time.monotonic):
+    self.node = node
+    self.max_models = max_models
+    self.engines: Dict[str, InferenceEngine] = {}  # gate key -> the engine that holds it
+    self.shards: Dict[str, Shard] = {}  # gate key -> its shard, for its size
+    self.free: List[InferenceEngine] = [node.inference_engine]  # engines that hold no model now
+    self.residents = KeepAlive(self._unload, keep_alive, clock)
+    self.asked_keep_alive: Dict[str, float] = {}  # model id -> the keep-alive its latest request asked for
+    self.loads = 0  # models loaded so far: how tests and logs see that nothing was loaded twice
+
+  @property
+  def keep_alive(self) -> float:
+    return self.residents.keep_alive
+
+  @keep_alive.setter
+  def keep_alive(self, seconds: float) -> None:
+    self.residents.keep_alive = seconds
+
+  # --- engines ---
+
+  def engine_of(self, shard: Shard) -> InferenceEngine:
+    """The engine that holds (or is loading) `shard`; the node's own engine when none does."""
+    return self.engines.get(gate_key(shard)) or self.node.inference_engine
+
+  def all_engines(self) -> List[InferenceEngine]:
+    return list(self.engines.values()) + [e for e in self.free if e not in self.engines.values()]
+
+  def _engine_name(self) -> Optional[str]:
+    """The short name exo builds the node's engine class by; None for a class it does not build (a subclass)."""
+    classname = type(self.node.inference_engine).__name__
+    return next((name for name, cls in inference_engine_classes.items() if cls == classname), None)
+
+  def _build_engine(self) -> InferenceEngine:
+    from exo.inference.engines import get_inference_engine
+    first = self.node.inference_engine
+    engine = get_inference_engine(self._engine_name(), self.node.shard_downloader)
+    if getattr(first, "quantize_bits", None) is not None:
+      engine.quantize_bits = first.quantize_bits
+    prefixes = getattr(first, "prefixes", None)
+    if prefixes is not None:
+      engine.set_prefix_budget(prefixes.budget_bytes)
+    return engine
+
+  def capacity(self) -> int:
+    return max(1, self.max_models) if self._engine_name() is not None else 1
+
+  # --- the gate's room ---
+
+  def expect(self, shard: Shard) -> None:
+    """A request (or preload) is about to ask the gate for `shard`: its size is known from here on."""
+    if len(self.shards) >= SHARDS_KEPT:
+      self.shards = {k: s for k, s in self.shards.items() if k in self.engines}
+    self.shards[gate_key(shard)] = shard
+
+  def bytes_of(self, key: str) -> float:
+    shard = self.shards.get(key)
+    return 0.0 if shard is None else stage_bytes(self.node.placements.own_facts(), shard)
+
+  def memory_bytes(self) -> float:
+    caps = getattr(self.node, "device_capabilities", None)
+    return caps.memory * 2**20 if caps is not None and caps.memory > 0 else math.inf
+
+  def fits(self, model: str, held: Collection[str]) -> bool:
+    held = [key for key in self.engines if key in held]
+    if not held:
+      return True
+    return len(held) < self.capacity() and sum(map(self.bytes_of, held)) + self.bytes_of(model) <= self.memory_bytes()
+
+  def admit(self, model: str) -> None:
+    if model not in self.residents:
+      self._make_room(model)
+      self.engines[model] = self.free.pop(0) if self.free else self._build_engine()
+      self.residents.add(model)
+      self.loads += 1
+      log.info("exo: loading %s beside %s", model, ", ".join(k for k in self.engines if k != model) or "nothing")
+    self.residents.take(model)
+
+  def release(self, model: str) -> None:
+    shard = self.shards.get(model)
+    self.residents.release(model, self.asked_keep_alive.pop(shard.model_id, None) if shard is not None else None)
+
+  def _make_room(self, model: str) -> None:
+    """Unload idle models, least recently used first, until `model` fits beside the rest."""
+    def fits() -> bool:
+      rest = list(self.engines)
+      return not rest or (len(rest) < self.capacity() and sum(map(self.bytes_of, rest)) + self.bytes_of(model) <= self.memory_bytes())
+    for idle in self.residents.idle():
+      if fits():
+        return
+      log.info("exo: unloading %s (idle) to make room for %s", idle, model)
+      self.residents.remove(idle)
+
+  def _unload(self, key: str) -> None:
+    engine = self.engines.pop(key, None)
+    if engine is None:
+      return
+    log.info("exo: unloaded %s", key)
+    unload = getattr(engine, "unload", None)  # the Llama engines let their weights go; another engine's go when it loads the next
+    if unload is not None:
+      unload()
+    self.free.append(engine)
+
+  # --- keep-alive ---
+
+  def keep(self, model_id: str, seconds: float) -> None:
+    """A request for `model_id` asks that it stay `seconds` after its requests end (Ollama's keep_alive; 0: unload it
+    when they end, at once if none runs)."""
+    self.asked_keep_alive[model_id] = seconds
+    for key, shard in self.shards.items():
+      resident = self.residents.residents.get(key)
+      if shard.model_id == model_id and resident is not None and resident.in_use == 0:
+        resident.keep_alive = self.asked_keep_alive.pop(model_id)
+        self.residents.sweep()
+        return
+
+  def sweep(self) -> List[str]:
+    return self.residents.sweep()
+
+  def close(self) -> None:
+    if self.residents.timer is not None:
+      self.residents.timer.cancel()
+
+  def holds(self, shard: Shard) -> bool:
+    """Whether the shard is loaded here (its engine has it, not only the gate's leave to load it)."""
+    engine = self.engines.get(gate_key(shard))
+    return engine is not None and engine.shard == shard
+
+  def latest(self) -> Optional[Shard]:
+    """The loaded shard used last, one in use first (None: none is loaded)."""
+    loaded = [k for k in self.residents.residents if self.holds(self.shards[k])]
+    if not loaded:
+      return None
+    key = max(loaded, key=lambda k: (self.residents.residents[k].in_use > 0, self.residents.residents[k].last_used))
+    return self.shards[key]
+
+  def describe(self) -> List[dict]:
+    """The chat models loaded, for /api/ps, /v1/models and /v1/state: the model, its layers here, the requests using
+    it, seconds loaded and seconds until unloaded (None: never, or in use). What has expired is unloaded first."""
+    self.sweep()
+    now = self.residents.clock()
+    rows = []
+    for key, resident in self.residents.residents.items():
+      shard = self.shards[key]
+      rows.append({"model": shard.model_id, "layers": [shard.start_layer, shard.end_layer], "n_layers": shard.n_layers,
+                   "requests": resident.in_use, "bytes": self.bytes_of(key), **resident.times(now)})
+    return rows
