@@ -8,7 +8,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 DEFAULT_KEEP_ALIVE_S = 300.0  # as Ollama's
 
@@ -29,6 +29,14 @@ class Resident:
     """Seconds loaded, and seconds until unloaded (None: never, or in use)."""
     return {"loaded_s": now - self.loaded_at,
             "expires_in_s": None if self.in_use or not math.isfinite(self.expires_at) else max(0.0, self.expires_at - now)}
+
+
+def wall_times(row: dict) -> Tuple[float, Optional[float]]:
+  """(loaded at, expires at) as Unix times, from a described model's seconds loaded and until unloaded (None: never,
+  or in use)."""
+  now = time.time()
+  expires_in = row["expires_in_s"]
+  return now - row["loaded_s"], None if expires_in is None or expires_in > 1e9 else now + expires_in
 
 
 class KeepAlive:

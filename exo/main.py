@@ -14,6 +14,7 @@ from exo import logs, settings
 from exo.helpers import VERSION, find_available_port, get_or_create_node_id
 from exo.inference.inference_engine import inference_engine_classes
 from exo.inference.prefix_cache import DEFAULT_BUDGET_BYTES
+from exo.orchestration.model_pool import max_loaded_models
 
 os.environ.setdefault("GRPC_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -239,6 +240,7 @@ async def main(args) -> int:
   try:
     prefix_budget = prefix_cache_budget(args, os.environ)
     placement, memory_mb = placement_settings(args, os.environ)
+    max_models = max_loaded_models(args, os.environ)
     quantize_bits = quantize_setting(args, os.environ)
     peer_upload_rate = upload_rate(os.environ)
   except ValueError as e:
@@ -285,6 +287,7 @@ async def main(args) -> int:
     register_batching(node, batching)
   from exo.topology.model_size import engine_float_bytes
   node.memory_offered_mb = memory_mb
+  node.model_pool.max_models = max_models
   node.placements.enable(placement, engine_float_bytes(engine_name), await asyncio.to_thread(measure_gflops))
   print(f"exo: placement {placement}, offering {caps.memory:,} MiB, measured {node.placements.speed:g} GFLOP/s", file=sys.stderr, flush=True)
 

@@ -41,6 +41,8 @@ SETTINGS: Tuple[Setting, ...] = (
   _s("--default-temp", None, float, 0.0, "temperature when a request gives none"),
   _s("--quantize", "EXO_QUANTIZE", str, None, "`8` or `4`: a float checkpoint's weights are quantized as they load, kept at that many bits "
      "(numpy and MLX engines; `0` = off); see \"Checkpoints\"", "off"),
+  _s("--max-loaded-models", "EXO_MAX_LOADED_MODELS", int, None, "chat models a node holds loaded at once, while its memory (`--memory-mb`) "
+     "allows; 1 = one at a time; see \"Several models\"", "3"),
   _s("--system-prompt", None, str, None, "a system message for chat requests that bring none", "none"),
   _s("--prompt", None, str, None, "`exo run`'s prompt; repeat to run several concurrently", "\"Who are you?\"", action="append"),
   _s("--prompts-file", None, str, None, "`exo run`: one prompt a line, run concurrently", "none"),
@@ -55,7 +57,8 @@ SETTINGS: Tuple[Setting, ...] = (
   _s("--allowed-origins", "EXO_ALLOWED_ORIGINS", str, None, "comma-separated web origins, besides the node's own, whose pages may use the API "
      "(`*` for any)", "none"),
   _s("--api-key", "EXO_API_KEY", str, None, "require `Authorization: Bearer <key>`", "off"),
-  _s(None, "EXO_KEEP_ALIVE", str, None, "how long an idle embedding model stays loaded: seconds or a duration such as `5m` (negative: always)", "5m"),
+  _s(None, "EXO_KEEP_ALIVE", str, None, "how long an idle model (chat or embedding) stays loaded: seconds or a duration such as `5m` (negative: "
+     "always); a request's Ollama `keep_alive` sets its model's", "5m"),
   # Batching and the prefix cache
   _s("--batch-size", "EXO_BATCH_SIZE", int, None, "most requests in one step or sampling call (1 = off); see \"Batching\"", "off"),
   _s("--batch-timeout-ms", "EXO_BATCH_TIMEOUT_MS", float, None, "longest a request waits for others to join its batch; see \"Batching\"", "5"),

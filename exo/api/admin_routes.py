@@ -16,6 +16,7 @@ from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
 from exo.download.shard_download import repo_dir
 from exo.embeddings.registry import checkpoint_path, embedding_cards
+from exo.keep_alive import wall_times
 from exo.models import build_base_shard, build_full_shard, get_pretty_name, get_repo, model_cards
 
 
@@ -49,8 +50,16 @@ class AdminRoutes:
   # --- models, downloads, topology ---
 
   async def handle_models(self, request: web.Request) -> web.Response:
+    """Every model this node can serve; those loaded now (chat and embedding) with `loaded_at` and `expires_at`
+    (Unix seconds; null: kept while in use, or forever), a checkpoint served by path among them."""
+    loaded = {held["model"]: held for held in self.node.model_pool.describe() + self.core.embeddings.pool.describe()}
+    chat = [{"id": m, "object": "model", "owned_by": "exo", "ready": True} for m in [*model_cards, *(m for m in loaded if m not in model_cards and m not in embedding_cards)]]
     embedding = [{"id": m, "object": "model", "owned_by": "exo", "ready": checkpoint_path(m) is not None, "type": "embedding"} for m in embedding_cards]
-    return json_reply({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "exo", "ready": True} for m in model_cards] + embedding})
+    for entry in chat + embedding:
+      if entry["id"] in loaded:
+        loaded_at, expires_at = wall_times(loaded[entry["id"]])
+        entry.update(loaded_at=int(loaded_at), expires_at=None if expires_at is None else int(expires_at))
+    return json_reply({"object": "list", "data": chat + embedding})
 
   async def handle_initial_models(self, request: web.Request) -> web.Response:
     return json_reply({
@@ -125,7 +134,7 @@ class AdminRoutes:
   async def handle_topology(self, request: web.Request) -> web.Response:
     """The topology as upstream shows it, and the placement: the groups of each model (this node's default model and
     the one its engine holds) with each node's layers."""
-    models = [build_base_shard(self.core.default_model, self.engine_classname), self.node.inference_engine.shard]
+    models = [build_base_shard(self.core.default_model, self.engine_classname), *self.node.model_pool.shards_loaded()]
     bases = list({(s.model_id, s.n_layers): s for s in models if s is not None}.values())
     return json_reply({**self.node.current_topology.to_json(), "placement": self.node.placement_view(bases)})
 
@@ -133,8 +142,9 @@ class AdminRoutes:
     return json_reply({"status": "ok"})
 
   async def handle_state(self, request: web.Request) -> web.Response:
-    """This node's live requests (id, model, status, positions, KV bytes) and its KV memory in all; the embedding
-    models loaded beside its chat model (seconds loaded, seconds until unloaded, requests using each)."""
+    """This node's live requests (id, model, status, positions, KV bytes) and its KV memory in all; the chat models
+    it holds (`models`) and the embedding models loaded beside them (`embedding_models`): seconds loaded, seconds until
+    unloaded, requests using each."""
     return json_reply({**self.node.state(), "embedding_models": self.core.embeddings.pool.describe()})
 
   async def handle_health(self, request: web.Request) -> web.Response:

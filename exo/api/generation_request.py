@@ -38,6 +38,7 @@ class GenerationRequest:
   context: Optional[int] = None  # a context the client asks for (Ollama's num_ctx): prompt and reply must fit it too
   thinking: Optional[bool] = None  # whether a reasoning model thinks first (None: as its chat template does by default)
   template_kwargs: Dict[str, Any] = field(default_factory=dict)  # more variables for the chat template (chat_template_kwargs)
+  keep_alive: Optional[float] = None  # seconds its model stays loaded after it (Ollama's keep_alive; the node's default when None)
   fields: FieldNames = field(default_factory=FieldNames)
 
   @property

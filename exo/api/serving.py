@@ -58,6 +58,7 @@ class ServingCore:
     self.prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="exo-api-prompt")
     self.on_request: Optional[Callable] = None  # (request_id, request, prompt) for each templated request, before it runs
     # Embedding requests run on this node, beside the ring's generations, giving way to them while there are any here.
+    node.model_pool.keep_alive = settings.keep_alive_s  # the chat models' too
     self.embeddings = Embeddings(self.in_thread, settings.keep_alive_s, busy=lambda: len(node.requests) > 0, downloader=node.shard_downloader)
 
   def close(self) -> None:

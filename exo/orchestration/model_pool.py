@@ -16,6 +16,7 @@ import math
 import time
 from typing import Callable, Collection, Dict, List, Optional
 
+from exo import settings
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference.shard import Shard
 from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive
@@ -26,6 +27,20 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LOADED_MODELS = 3  # as Ollama's OLLAMA_MAX_LOADED_MODELS on a machine without GPUs
 SHARDS_KEPT = 256  # the models asked for that are not loaded, remembered for their size (a bound against made-up names)
+
+
+def max_loaded_models(args, environ) -> int:
+  """--max-loaded-models / EXO_MAX_LOADED_MODELS (ValueError naming it if it is not a whole number from 1)."""
+  raw, name = settings.given(args, environ, "max_loaded_models")
+  if raw is None:
+    return DEFAULT_MAX_LOADED_MODELS
+  try:
+    value = int(str(raw).strip())
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise ValueError(f"{name} must be a whole number of models, at least 1, got {raw!r}")
+  return value
 
 
 class ModelPool(OneModel):
@@ -156,6 +171,10 @@ class ModelPool(OneModel):
     """Whether the shard is loaded here (its engine has it, not only the gate's leave to load it)."""
     engine = self.engines.get(gate_key(shard))
     return engine is not None and engine.shard == shard
+
+  def shards_loaded(self) -> List[Shard]:
+    """The shards of the models loaded (or loading) here, in the order they loaded."""
+    return [self.shards[key] for key in self.residents.residents]
 
   def latest(self) -> Optional[Shard]:
     """The loaded shard used last, one in use first (None: none is loaded)."""

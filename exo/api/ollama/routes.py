@@ -19,10 +19,20 @@ from exo.api.reasoning import reasoning_of
 from exo.api.replies import NDJSON, json_reply
 from exo.api.request_fields import parse_json_body
 from exo.api.serving import ServingCore
+from exo.keep_alive import wall_times
 
 # The version of Ollama's API these routes follow (clients check it before using newer fields), not exo's own.
 OLLAMA_API_VERSION = "0.12.0"
 FOREVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at of a model that stays loaded
+
+
+def _iso(unix: float) -> str:
+  return datetime.fromtimestamp(unix, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _times(held: dict) -> dict:
+  loaded_at, expires_at = wall_times(held)
+  return {"expires_at": FOREVER if expires_at is None else _iso(expires_at), "loaded_at": _iso(loaded_at)}
 
 
 class OllamaRoutes:
@@ -48,11 +58,15 @@ class OllamaRoutes:
   async def handle_generate(self, request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic_ns()
     generation = await self.core.read(await request.read(), parse_generate)
-    if generation.prompts == [""]:  # an empty prompt loads the model, which is always loaded here
+    if generation.prompts == [""]:  # Ollama's way to load a model (it loads with the first request here) or, with keep_alive 0, unload it
+      if generation.keep_alive is not None:
+        self.core.node.model_pool.keep(generation.model, generation.keep_alive)
       return json_reply({"model": tagged(generation.model), "created_at": now(), "response": "", "done": True, "done_reason": "load"})
     return await self._reply(request, generation, False, arrived)
 
   async def _reply(self, request: web.Request, generation, chat: bool, arrived_ns: int) -> web.StreamResponse:
+    if generation.keep_alive is not None:
+      self.core.node.model_pool.keep(generation.model, generation.keep_alive)
     reply = OllamaReply(generation.model, chat, arrived_ns)
     events = self.core.generate(generation, arrived_ns / 1e9)
     if generation.stream:
@@ -87,19 +101,16 @@ class OllamaRoutes:
     return json_reply({"models": models})
 
   async def handle_ps(self, request: web.Request) -> web.Response:
-    """The model this node's engine holds (its shard of it), kept until another is asked for; the embedding models
-    loaded beside it, each until its keep-alive runs out."""
+    """The chat models this node holds (its shards of them) and the embedding models loaded beside them, each until its
+    keep-alive runs out (`expires_at`: far in the future while requests use it); `loaded_at`, exo's, when it loaded."""
     models = []
-    shard = self.core.node.inference_engine.shard
-    if shard is not None:
-      entry = await asyncio.to_thread(describe, shard.model_id, self.core.engine_classname)
-      _, limits = await self.core.profiles.get(shard.model_id)
-      models.append({**entry, "expires_at": FOREVER, "size_vram": 0, "context_length": limits.context_length})
+    for held in self.core.node.model_pool.describe():
+      entry = await asyncio.to_thread(describe, held["model"], self.core.engine_classname)
+      _, limits = await self.core.profiles.get(held["model"])
+      models.append({**entry, **_times(held), "size_vram": 0, "context_length": limits.context_length})
     for held in self.core.embeddings.pool.describe():
       entry = await asyncio.to_thread(describe_embedding, held["model"])
-      expires = FOREVER if held["expires_in_s"] is None or held["expires_in_s"] > 1e9 else \
-        datetime.fromtimestamp(time.time() + held["expires_in_s"], timezone.utc).isoformat().replace("+00:00", "Z")
-      models.append({**entry, "expires_at": expires, "size_vram": 0, "context_length": held["max_tokens"]})
+      models.append({**entry, **_times(held), "size_vram": 0, "context_length": held["max_tokens"]})
     return json_reply({"models": models})
 
   async def handle_version(self, request: web.Request) -> web.Response:
