@@ -19,6 +19,7 @@ class Resident:
   last_used: float
   keep_alive: float
   in_use: int = 0
+  uses: int = 0  # which use of any model its latest was (the order of uses, whatever the clock says)
 
   @property
   def expires_at(self) -> float:
@@ -46,6 +47,7 @@ class KeepAlive:
     self.unload, self.keep_alive, self.clock = unload, keep_alive, clock
     self.residents: Dict[str, Resident] = {}
     self.timer: Optional[asyncio.TimerHandle] = None
+    self.uses = 0
 
   def __contains__(self, key: str) -> bool:
     return key in self.residents
@@ -58,6 +60,8 @@ class KeepAlive:
   def take(self, key: str) -> None:
     """A request uses the model: it is not unloaded until the request lets it go."""
     self.residents[key].in_use += 1
+    self.uses += 1
+    self.residents[key].uses = self.uses
 
   def release(self, key: str, keep_alive: Optional[float] = None) -> None:
     """A request has let the model go: it stays for `keep_alive` (the node's when None: as Ollama's, each request
@@ -72,7 +76,7 @@ class KeepAlive:
 
   def idle(self) -> List[str]:
     """The keys no request uses, least recently used first."""
-    return sorted((k for k, r in self.residents.items() if r.in_use == 0), key=lambda k: self.residents[k].last_used)
+    return sorted((k for k, r in self.residents.items() if r.in_use == 0), key=lambda k: (self.residents[k].last_used, self.residents[k].uses))
 
   def remove(self, key: str) -> None:
     """Unload the model now (its memory is needed for another)."""

@@ -181,7 +181,7 @@ class ModelPool(OneModel):
     loaded = [k for k in self.residents.residents if self.holds(self.shards[k])]
     if not loaded:
       return None
-    key = max(loaded, key=lambda k: (self.residents.residents[k].in_use > 0, self.residents.residents[k].last_used))
+    key = max(loaded, key=lambda k: (self.residents.residents[k].in_use > 0, self.residents.residents[k].last_used, self.residents.residents[k].uses))
     return self.shards[key]
 
   def describe(self) -> List[dict]:
