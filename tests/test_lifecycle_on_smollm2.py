@@ -1,6 +1,7 @@
-"""A request's life on the real SmolLM2, through the HTTP API of one node: a request for another model waits for the
-loaded one's requests instead of wiping them (and a peer's prompt does not make the node preload that model
-meanwhile), and an error reported mid-prefill ends the prefill within a chunk and frees its cache."""
+"""A request's life on the real SmolLM2, through the HTTP API of one node: a request for another model that has no
+room beside the loaded one (here one model at a time) waits for the loaded one's requests instead of wiping them (and
+a peer's prompt does not make the node preload that model meanwhile), and an error reported mid-prefill ends the
+prefill within a chunk and frees its cache."""
 import functools
 import json
 import threading
@@ -49,6 +50,7 @@ def smol_server(request, tmp_path_factory):
     patch.setenv("EXO_HOME", str(home))
     install_random_model("llama-3.2-1b")
     server = ApiServer("numpy", batching=BATCHING[request.param]).start()
+    server.node.model_pool.max_models = 1  # one model at a time (EXO_MAX_LOADED_MODELS=1): another waits for the loaded one's requests
     try:
       yield server
     finally:
