@@ -107,3 +107,24 @@ class KeepAlive:
     if self.timer is not None:
       self.timer.cancel()
     self.residents.clear()
+
+
+class KeptPool:
+  """A pool of models a KeepAlive keeps (`self.residents`): the node's keep-alive and the clock, read and set on it."""
+  residents: KeepAlive
+
+  @property
+  def keep_alive(self) -> float:
+    return self.residents.keep_alive
+
+  @keep_alive.setter
+  def keep_alive(self, seconds: float) -> None:
+    self.residents.keep_alive = seconds
+
+  @property
+  def clock(self) -> Callable[[], float]:
+    return self.residents.clock
+
+  @clock.setter
+  def clock(self, clock: Callable[[], float]) -> None:
+    self.residents.clock = clock

@@ -42,7 +42,7 @@ async def started_node(memory_mb: int = 64_000, engine=None) -> Node:
   node = Node("solo", None, engine or DummyInferenceEngine(), NoDiscovery(), NoopShardDownloader(), partitioning_strategy=RingMemoryWeightedPartitioningStrategy())
   node.memory_offered_mb = memory_mb
   await node.start()
-  node.model_pool.residents.clock = FakeClock()
+  node.model_pool.clock = FakeClock()
   return node
 
 
@@ -132,7 +132,7 @@ async def test_with_no_idle_model_to_unload_a_request_waits_in_line_and_those_be
 
 async def test_an_idle_model_is_unloaded_after_its_keep_alive_or_as_its_request_asked():
   node = await started_node()
-  pool, clock = node.model_pool, node.model_pool.residents.clock
+  pool, clock = node.model_pool, node.model_pool.clock
   try:
     await answer(node, SMALL, "s1")
     await answer(node, MEDIUM, "m1")

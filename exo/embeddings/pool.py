@@ -6,34 +6,18 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Dict, List, Optional
 
 from exo.embeddings.model import EmbeddingModel
-from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive
+from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive, KeptPool
 
 __all__ = ["DEFAULT_KEEP_ALIVE_S", "EmbeddingPool"]
 
 
-class EmbeddingPool:
+class EmbeddingPool(KeptPool):
   def __init__(self, load: Callable[[str], EmbeddingModel], keep_alive: float = DEFAULT_KEEP_ALIVE_S, clock: Callable[[], float] = time.monotonic):
     self.load = load
     self.models: Dict[str, EmbeddingModel] = {}
     self.residents = KeepAlive(lambda model_id: self.models.pop(model_id, None), keep_alive, clock)
     self.loading: Dict[str, asyncio.Future] = {}
     self.loads = 0  # models loaded so far: how tests and logs see that nothing was loaded twice
-
-  @property
-  def clock(self) -> Callable[[], float]:
-    return self.residents.clock
-
-  @clock.setter
-  def clock(self, clock: Callable[[], float]) -> None:
-    self.residents.clock = clock
-
-  @property
-  def keep_alive(self) -> float:
-    return self.residents.keep_alive
-
-  @keep_alive.setter
-  def keep_alive(self, seconds: float) -> None:
-    self.residents.keep_alive = seconds
 
   @asynccontextmanager
   async def use(self, model_id: str, keep_alive: Optional[float] = None) -> AsyncIterator[EmbeddingModel]:

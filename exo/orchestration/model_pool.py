@@ -19,7 +19,7 @@ from typing import Callable, Collection, Dict, List, Optional
 from exo import settings
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference.shard import Shard
-from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive
+from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive, KeptPool
 from exo.orchestration.model_gate import OneModel, gate_key
 from exo.topology.placement import stage_bytes
 
@@ -43,7 +43,7 @@ def max_loaded_models(args, environ) -> int:
   return value
 
 
-class ModelPool(OneModel):
+class ModelPool(OneModel, KeptPool):
   def __init__(self, node, keep_alive: float = DEFAULT_KEEP_ALIVE_S, max_models: int = DEFAULT_MAX_LOADED_MODELS,
                clock: Callable[[], float] = time.monotonic):
     self.node = node
@@ -54,14 +54,6 @@ class ModelPool(OneModel):
     self.residents = KeepAlive(self._unload, keep_alive, clock)
     self.asked_keep_alive: Dict[str, float] = {}  # model id -> the keep-alive its latest request asked for
     self.loads = 0  # models loaded so far: how tests and logs see that nothing was loaded twice
-
-  @property
-  def keep_alive(self) -> float:
-    return self.residents.keep_alive
-
-  @keep_alive.setter
-  def keep_alive(self, seconds: float) -> None:
-    self.residents.keep_alive = seconds
 
   # --- engines ---
 
