@@ -71,7 +71,7 @@ class StepLog:
 async def test_two_chat_models_and_an_embedding_model_are_served_side_by_side_each_loaded_once(servers):
   several, alone = servers
   expected = {(model, prompt): await ask(alone, model, prompt) for model in (SMOL, LLAMA) for prompt in PROMPTS}
-  assert alone.node.model_pool.loads == 2 * 1 + 1  # (one at a time: the reference switched SmolLM2 -> Llama)
+  assert [m["model"] for m in alone.node.model_pool.describe()] == [LLAMA]  # one at a time: the reference switched
   log = StepLog(several)
   embedder = ollama.AsyncClient(host=several.url, timeout=180)
   for _ in range(2):  # requests for both models, alternating, all in flight together, and embeddings beside them
@@ -82,20 +82,20 @@ async def test_two_chat_models_and_an_embedding_model_are_served_side_by_side_ea
 
   pool = several.node.model_pool
   assert pool.loads == 2 and several.api.core.embeddings.pool.loads == 1  # nothing loaded twice
-  assert pool.engines[SMOL] is several.node.inference_engine and pool.engines[LLAMA] is not several.node.inference_engine
+  assert pool.engines[SMOL] is not pool.engines[LLAMA] and several.node.inference_engine in (pool.engines[SMOL], pool.engines[LLAMA])
   assert all(rows == {model} for model, rows, _ in log.steps), "an engine step held one model's rows only"
   assert any(live == {SMOL, LLAMA} for _, _, live in log.steps), "both models' requests ran at once"
   turns = [model for model, _, _ in log.steps]
   assert sum(a != b for a, b in zip(turns, turns[1:])) >= 4, turns
 
   ps = (await embedder.ps()).models
-  assert [m.model for m in ps] == [f"{SMOL}:latest", f"{LLAMA}:latest", f"{EMBEDDER}:latest"]
+  assert sorted(m.model for m in ps[:2]) == [f"{LLAMA}:latest", f"{SMOL}:latest"] and ps[2].model == f"{EMBEDDER}:latest"  # chat models first
   assert all(m.expires_at.year < 9999 for m in ps)  # each until its keep-alive runs out
   listed = {m["id"]: m for m in (await get(several, "/v1/models"))["data"]}
   assert all(listed[m]["expires_at"] - listed[m]["loaded_at"] >= 299 for m in (SMOL, LLAMA, EMBEDDER))
   assert "loaded_at" not in listed["llama-3.2-3b"]
   state = await get(several, "/v1/state")
-  assert [(m["model"], m["requests"]) for m in state["models"]] == [(SMOL, 0), (LLAMA, 0)]
+  assert sorted((m["model"], m["requests"]) for m in state["models"]) == [(LLAMA, 0), (SMOL, 0)]
   assert [m["model"] for m in state["embedding_models"]] == [EMBEDDER] and state["kv_bytes"] == 0
 
   await embedder.generate(model=LLAMA, prompt="", keep_alive=0)  # Ollama's way to unload a model
