@@ -13,7 +13,7 @@ import pytest
 
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import PLUGIN_NAME
-from tests.support.api_server import ApiServer
+from tests.support.api_server import ApiServer, scrape
 from tests.support.checkpoints import install_random_model
 
 pytestmark = pytest.mark.model
@@ -97,6 +97,7 @@ async def test_two_chat_models_and_an_embedding_model_are_served_side_by_side_ea
   state = await get(several, "/v1/state")
   assert sorted((m["model"], m["requests"]) for m in state["models"]) == [(LLAMA, 0), (SMOL, 0)]
   assert [m["model"] for m in state["embedding_models"]] == [EMBEDDER] and state["kv_bytes"] == 0
+  assert (await scrape(several.url))[("exo_loaded_models", ())] == 2
 
   await embedder.generate(model=LLAMA, prompt="", keep_alive=0)  # Ollama's way to unload a model
   assert [m.model for m in (await embedder.ps()).models] == [f"{SMOL}:latest", f"{EMBEDDER}:latest"]

@@ -40,8 +40,9 @@ class EngineCollector:
       yield CounterMetricFamily("exo_grammar_mask_seconds", "Seconds spent computing grammar masks for steps' constrained rows", value=masks.seconds)
       yield CounterMetricFamily("exo_grammar_mask_steps", "Steps whose constrained rows had their masks computed", value=masks.batches)
       yield CounterMetricFamily("exo_grammar_mask_rows", "Constrained rows whose masks were computed", value=masks.rows)
-    kv_bytes = self.node.inference_engine.kv_cache_bytes()
-    yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engine holds for live requests", value=kv_bytes)
+    kv_bytes = sum(engine.kv_cache_bytes() for engine in self.node.model_pool.all_engines())
+    yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engines hold for live requests", value=kv_bytes)
+    yield GaugeMetricFamily("exo_loaded_models", "Chat models this node holds loaded", value=len(self.node.model_pool.describe()))
 
   def _routing(self):
     """Where this node sent its requests: by reason, and each group's requests as this node knows them."""
