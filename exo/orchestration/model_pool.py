@@ -168,6 +168,12 @@ class ModelPool(OneModel, KeptPool):
     """The shards of the models loaded (or loading) here, in the order they loaded."""
     return [self.shards[key] for key in self.residents.residents]
 
+  def announced(self) -> Optional[Shard]:
+    """The shard this node tells the ring it holds (one, as the placement status carries it): the node's own engine's
+    while it holds it, so that it does not change as requests alternate between models; else the one used last."""
+    own = self.node.inference_engine.shard
+    return own if own is not None and self.holds(own) else self.latest() or own
+
   def latest(self) -> Optional[Shard]:
     """The loaded shard used last, one in use first (None: none is loaded)."""
     loaded = [k for k in self.residents.residents if self.holds(self.shards[k])]

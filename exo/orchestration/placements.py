@@ -107,7 +107,7 @@ class Placements:
     return None if placement is None else placement.shard_of(self.node.id)
 
   def loaded(self, node_id: str) -> Optional[Shard]:
-    return self.node.model_pool.latest() or self.node.inference_engine.shard if node_id == self.node.id else self.peer_loaded.get(node_id)
+    return self.node.model_pool.announced() if node_id == self.node.id else self.peer_loaded.get(node_id)
 
   def ready(self, group: Group, base: Shard) -> bool:
     """Every node of the group holds its layers now."""

@@ -96,7 +96,7 @@ class Forwarding:
     placements = self.node.placements
     if own is not None and not placements.can_serve(own):
       raise LookupError(f"node {self.node.id} cannot serve layers {own.start_layer}-{own.end_layer} of {own.model_id} for this route "
-                        f"(placement {route.version}): it holds {_layers(self.node.model_pool.latest() or self.node.inference_engine.shard)} for requests in flight and "
+                        f"(placement {route.version}): it holds {_layers(self.node.model_pool.announced())} for requests in flight and "
                         f"is placed to hold {_layers(placements.own_shard(own))}")
 
   def ring_route(self, base: Shard) -> Route:
