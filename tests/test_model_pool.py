@@ -17,7 +17,7 @@ from exo.networking.discovery import NoDiscovery
 from exo.orchestration.batching.scheduler import Scheduler
 from exo.orchestration.batching.step_loop import StepLoop
 from exo.orchestration.generation import generate
-from exo.orchestration.model_gate import ModelBusy
+from exo.orchestration.model_gate import ModelBusy, gate_key
 from exo.orchestration.model_pool import max_loaded_models
 from exo.orchestration.node import Node
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
@@ -60,7 +60,7 @@ def loaded(node: Node) -> list:
 async def hold(node: Node, holder: str, shard: Shard) -> None:
   """A request holding the gate for `shard` (as one does from its first work here to its end)."""
   node.model_pool.expect(shard)
-  await node.model_gate.enter(holder, shard.model_id)
+  await node.model_gate.enter(holder, gate_key(shard))
 
 
 async def test_two_models_are_served_side_by_side_each_on_its_own_engine_and_loaded_once():
@@ -150,6 +150,21 @@ async def test_an_idle_model_is_unloaded_after_its_keep_alive_or_as_its_request_
     assert loaded(node) == [MEDIUM.model_id]
     pool.keep(MEDIUM.model_id, 0)  # an idle model told to go, goes
     assert loaded(node) == [] and pool.loads == 3
+  finally:
+    await node.stop()
+
+
+async def test_other_layers_of_a_loaded_model_wait_for_its_requests_and_then_replace_it():
+  node = await started_node()
+  first_half = Shard(SMALL.model_id, 0, 14, 30)
+  try:
+    await hold(node, "whole", SMALL)
+    await answer(node, MEDIUM, "m1")  # another model loads beside it
+    half = asyncio.ensure_future(hold(node, "half", first_half))
+    await eventually(lambda: node.model_gate.in_line() == ["half"], 5)
+    node.model_gate.leave("whole")
+    await asyncio.wait_for(half, 5)
+    assert [(r["model"], r["layers"]) for r in node.model_pool.describe()] == [(MEDIUM.model_id, [0, 15]), (SMALL.model_id, [0, 14])]
   finally:
     await node.stop()
 

@@ -99,11 +99,18 @@ class ModelPool(OneModel, KeptPool):
     caps = getattr(self.node, "device_capabilities", None)
     return caps.memory * 2**20 if caps is not None and caps.memory > 0 else math.inf
 
+  def _other_layers(self, key: str, keys: Collection[str]) -> List[str]:
+    """Those of `keys` that are other layers of the same model (never held beside each other: a second partial copy
+    would only serve a route planned on facts this node has not heard yet)."""
+    shard = self.shards.get(key)
+    return [k for k in keys if k != key and shard is not None and k in self.shards and self.shards[k].model_id == shard.model_id]
+
   def fits(self, model: str, held: Collection[str]) -> bool:
     held = [key for key in self.engines if key in held]
     if not held:
       return True
-    return len(held) < self.capacity() and sum(map(self.bytes_of, held)) + self.bytes_of(model) <= self.memory_bytes()
+    return (not self._other_layers(model, held) and len(held) < self.capacity()
+            and sum(map(self.bytes_of, held)) + self.bytes_of(model) <= self.memory_bytes())
 
   def admit(self, model: str) -> None:
     if model not in self.residents:
@@ -119,13 +126,14 @@ class ModelPool(OneModel, KeptPool):
     self.residents.release(model, self.asked_keep_alive.pop(shard.model_id, None) if shard is not None else None)
 
   def _make_room(self, model: str) -> None:
-    """Unload idle models, least recently used first, until `model` fits beside the rest."""
+    """Unload idle models, least recently used first, until `model` fits beside the rest; and other layers of its model."""
     def fits() -> bool:
       rest = list(self.engines)
       return not rest or (len(rest) < self.capacity() and sum(map(self.bytes_of, rest)) + self.bytes_of(model) <= self.memory_bytes())
+    other_layers = self._other_layers(model, self.engines)
     for idle in self.residents.idle():
-      if fits():
-        return
+      if fits() and idle not in other_layers:
+        continue
       log.info("exo: unloading %s (idle) to make room for %s", idle, model)
       self.residents.remove(idle)
 
