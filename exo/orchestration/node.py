@@ -164,7 +164,7 @@ class Node(RingMember):
                           "kv_bytes": (r.engine or self.inference_engine).request_kv_bytes(r.id), "group": r.group} for r in self.requests],
             "kv_bytes": sum(engine.kv_cache_bytes() for engine in engines),
             "prefix_cache": self.inference_engine.prefix_cache_state(),
-            "models": self.model_pool.describe()}
+            "models": self.model_pool.describe(), "model_loads": self.model_pool.loads}
 
   def engine_for(self, shard: Shard) -> InferenceEngine:
     """The engine that runs `shard` here (ModelPool: one per loaded model; inference_engine when none holds it)."""
