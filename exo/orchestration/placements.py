@@ -122,6 +122,7 @@ class Placements:
     disturbing a request, at most after a preload (nodes that have not heard the same facts yet plan other cuts for a
     moment, and a node that just started may still be loading the model it expected)."""
     node = self.node
+    node.model_pool.expect(shard)  # (its size and model, for whether it fits beside the models held here)
     return node.model_pool.holds(shard) or self.own_shard(shard) == shard or node.model_gate.no_request_disturbed_by(gate_key(shard))
 
   # --- what peers announce ---
