@@ -214,3 +214,15 @@ async def test_the_step_loop_steps_one_model_at_a_time_taking_turns():
   await loop.stop()
   assert all(rows[0].startswith(model) for model, rows in engine.steps)
   assert [model for model, _ in engine.steps] == [SMALL.model_id, MEDIUM.model_id] * 8
+
+
+def test_ollamas_keep_alive_on_a_chat_or_generate_request_is_read_as_seconds_and_a_bad_one_names_the_field():
+  from exo.api.errors import BadRequest
+  from exo.api.ollama.request import parse_chat, parse_generate
+  chat = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}
+  assert parse_chat({**chat, "keep_alive": "10m"}, "smollm2-135m", "NumpyDynamicShardInferenceEngine").keep_alive == 600
+  assert parse_chat(chat, "smollm2-135m", "NumpyDynamicShardInferenceEngine").keep_alive is None
+  assert parse_generate({"model": "smollm2-135m", "prompt": "", "keep_alive": -1}, "smollm2-135m", "NumpyDynamicShardInferenceEngine").keep_alive == math.inf
+  with pytest.raises(BadRequest) as bad:
+    parse_chat({**chat, "keep_alive": "soon"}, "smollm2-135m", "NumpyDynamicShardInferenceEngine")
+  assert bad.value.param == "keep_alive"
