@@ -174,7 +174,7 @@ class ModelPool(OneModel, KeptPool):
 
   def shards_loaded(self) -> List[Shard]:
     """The shards of the models loaded (or loading) here, in the order they loaded."""
-    return [self.shards[key] for key in self.residents.residents]
+    return [self.shards[key] for key in self.residents.residents if key in self.shards]
 
   def announced(self) -> Optional[Shard]:
     """The shard this node tells the ring it holds (one, as the placement status carries it): the node's own engine's
@@ -184,7 +184,7 @@ class ModelPool(OneModel, KeptPool):
 
   def latest(self) -> Optional[Shard]:
     """The loaded shard used last, one in use first (None: none is loaded)."""
-    loaded = [k for k in self.residents.residents if self.holds(self.shards[k])]
+    loaded = [k for k in self.residents.residents if k in self.shards and self.holds(self.shards[k])]
     if not loaded:
       return None
     key = max(loaded, key=lambda k: (self.residents.residents[k].in_use > 0, self.residents.residents[k].last_used, self.residents.residents[k].uses))
@@ -197,7 +197,9 @@ class ModelPool(OneModel, KeptPool):
     now = self.residents.clock()
     rows = []
     for key, resident in self.residents.residents.items():
-      shard = self.shards[key]
+      shard = self.shards.get(key)
+      if shard is None:  # held through the gate alone, by a name and not a shard (no request runs on it)
+        continue
       rows.append({"model": shard.model_id, "layers": [shard.start_layer, shard.end_layer], "n_layers": shard.n_layers,
                    "requests": resident.in_use, "bytes": self.bytes_of(key), **resident.times(now)})
     return rows
