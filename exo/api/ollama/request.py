@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, cr
 
 from exo.api.body_model import MAX_INT32, Body, Flag, Text, checked, flag, integer, neutral, one_of
 from exo.api.chat_request import IMAGE_PLACEHOLDER
-from exo.api.embedding_request import parse_duration
+from exo.api.embedding_request import KeepAlive
 from exo.api.errors import ApiError, BadRequest
 from exo.api.generation_request import FieldNames, GenerationRequest
 from exo.api.reasoning import parse_effort
@@ -58,7 +58,7 @@ class OllamaBody(Body):
   format: Any = None
   options: checked(Options, 'must be an object such as {"temperature": 0}') = None
   stream: flag(True) = True
-  keep_alive: Any = None
+  keep_alive: KeepAlive = None  # seconds its model stays loaded after it (Ollama's; the node's default when None)
   think: one_of((True, False) + THINK_LEVELS, f"must be true, false or one of {', '.join(THINK_LEVELS)}", "unsupported_parameter") = None
   logprobs: Flag = None
   top_logprobs: LogprobCount = None
@@ -134,7 +134,7 @@ def _common(body: OllamaBody, default_model: str, engine_classname: str, default
   thinking, template_kwargs = parse_effort(body.think) if isinstance(body.think, str) else (body.think, {})
   return {"model": resolve_ollama_model(body.model, default_model, engine_classname), "params": params, "stop": options.stop,
           "response_format": _format(body.format), "context": options.num_ctx, "stream": body.stream, "thinking": thinking,
-          "template_kwargs": template_kwargs, "keep_alive": parse_duration(body.keep_alive),
+          "template_kwargs": template_kwargs, "keep_alive": body.keep_alive,
           "fields": FieldNames(prompt=prompt_field, max_tokens="options.num_predict", context="options.num_ctx", thinking="think")}
 
 
