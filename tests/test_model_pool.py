@@ -134,21 +134,24 @@ async def test_an_idle_model_is_unloaded_after_its_keep_alive_or_as_its_request_
   node = await started_node()
   pool, clock = node.model_pool, node.model_pool.clock
   try:
-    await answer(node, SMALL, "s1")
+    await answer(node, SMALL, "s1")  # on the node's own engine: kept unless a request asks otherwise
     await answer(node, MEDIUM, "m1")
     clock.now += 299
     assert loaded(node) == [SMALL.model_id, MEDIUM.model_id]
-    assert [r["expires_in_s"] for r in pool.describe()] == [pytest.approx(1), pytest.approx(1)]
+    assert [r["expires_in_s"] for r in pool.describe()] == [None, pytest.approx(1)]
     await answer(node, MEDIUM, "m2")  # used again: its five minutes start afresh
+    clock.now += 299
+    assert loaded(node) == [SMALL.model_id, MEDIUM.model_id]
     clock.now += 1
-    assert loaded(node) == [MEDIUM.model_id]
-    pool.keep(MEDIUM.model_id, math.inf)  # Ollama's keep_alive -1 for an idle model
+    assert loaded(node) == [SMALL.model_id]
+    await answer(node, MEDIUM, "m3")
+    pool.keep(MEDIUM.model_id, math.inf, now=True)  # Ollama's keep_alive -1 for an idle model
     clock.now += 10 ** 6
-    assert loaded(node) == [MEDIUM.model_id] and pool.describe()[0]["expires_in_s"] is None
+    assert loaded(node) == [SMALL.model_id, MEDIUM.model_id] and [r["expires_in_s"] for r in pool.describe()] == [None, None]
     pool.keep(SMALL.model_id, 0)  # the next request for it asks it to go as soon as it ends
     await answer(node, SMALL, "s2")
     assert loaded(node) == [MEDIUM.model_id]
-    pool.keep(MEDIUM.model_id, 0)  # an idle model told to go, goes
+    pool.keep(MEDIUM.model_id, 0, now=True)  # an idle model told to go, goes
     assert loaded(node) == [] and pool.loads == 3
   finally:
     await node.stop()

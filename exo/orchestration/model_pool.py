@@ -10,7 +10,8 @@ Room: another model is let in while the models requests hold, with it, number at
 the memory this node offers the cluster (its device capabilities, EXO_MEMORY_MB), each weighed as placement weighs it
 (its weights and KV reserve). Idle models go first to make room, least recently used first; a model alone always gets
 in (as before, a node loads what it is asked for). An idle model is unloaded after its keep-alive (exo/keep_alive.py:
-the node's EXO_KEEP_ALIVE, or what the latest request for it asked, Ollama's `keep_alive`)."""
+the node's EXO_KEEP_ALIVE, or what the latest request for it asked, Ollama's `keep_alive`); the model on the node's own
+engine is kept unless a request asks otherwise."""
 import logging
 import math
 import time
@@ -123,7 +124,12 @@ class ModelPool(OneModel, KeptPool):
 
   def release(self, model: str) -> None:
     shard = self.shards.get(model)
-    self.residents.release(model, self.asked_keep_alive.pop(shard.model_id, None) if shard is not None else None)
+    asked = self.asked_keep_alive.pop(shard.model_id, None) if shard is not None else None
+    if asked is None and self.engines.get(model) is self.node.inference_engine:
+      # The node's own engine's model (the one placement placed here, or its default) stays unless a request asks
+      # otherwise or room is needed: unloading it would only have placement load it again.
+      asked = math.inf
+    self.residents.release(model, asked)
 
   def _make_room(self, model: str) -> None:
     """Unload idle models, least recently used first, until `model` fits beside the rest; and other layers of its model."""
@@ -149,16 +155,16 @@ class ModelPool(OneModel, KeptPool):
 
   # --- keep-alive ---
 
-  def keep(self, model_id: str, seconds: float) -> None:
+  def keep(self, model_id: str, seconds: float, now: bool = False) -> None:
     """A request for `model_id` asks that it stay `seconds` after its requests end (Ollama's keep_alive; 0: unload it
-    when they end, at once if none runs)."""
-    self.asked_keep_alive[model_id] = seconds
+    when they end). `now` (no request follows: Ollama's empty-prompt generate) applies it to an idle model at once."""
     for key, shard in self.shards.items():
       resident = self.residents.residents.get(key)
-      if shard.model_id == model_id and resident is not None and resident.in_use == 0:
-        resident.keep_alive = self.asked_keep_alive.pop(model_id)
+      if now and shard.model_id == model_id and resident is not None and resident.in_use == 0:
+        resident.keep_alive = seconds
         self.residents.sweep()
         return
+    self.asked_keep_alive[model_id] = seconds
 
   def sweep(self) -> List[str]:
     return self.residents.sweep()

@@ -60,7 +60,7 @@ class OllamaRoutes:
     generation = await self.core.read(await request.read(), parse_generate)
     if generation.prompts == [""]:  # Ollama's way to load a model (it loads with the first request here) or, with keep_alive 0, unload it
       if generation.keep_alive is not None:
-        self.core.node.model_pool.keep(generation.model, generation.keep_alive)
+        self.core.node.model_pool.keep(generation.model, generation.keep_alive, now=True)
       return json_reply({"model": tagged(generation.model), "created_at": now(), "response": "", "done": True, "done_reason": "load"})
     return await self._reply(request, generation, False, arrived)
 
