@@ -238,19 +238,35 @@ def test_gpt_oss_in_mlx_lms_layout_answers_as_mlx_lm(engine, tmp_path):
   assert tokens[0] == expected_tokens
 
 
-@pytest.mark.parametrize("name", [n for n in MLX_LM_READS if n not in MOE])  # quantized experts: not yet (the loader refuses them)
+# mlx-lm's 4-bit conversions: every family it reads, and the mixtures of experts as mlx-lm reads them
+# (mlx_lm_readable_checkpoint): experts stacked by projection (`switch_mlp`), quantized expert by expert. DeepSeek
+# also in groups of 32, which quantize more of its small matrices: q_b and kv_b's output half (`unembed_out`).
+QUANTIZED_MOE = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3_v4"]
+
+
+@pytest.mark.parametrize("name, group_size", [(n, 64) for n in MLX_LM_READS if n not in MOE] + [(n, 64) for n in QUANTIZED_MOE] + [("deepseek_v3_v4", 32)])
 @pytest.mark.parametrize("engine", ["mlx", "numpy"])
-def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name, tmp_path):
+def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name, group_size, tmp_path):
   """mlx-lm's own 4-bit conversion of the checkpoint, kept quantized by exo's MLX and numpy engines, answers as
   mlx-lm does."""
-  from tests.support.checkpoints import fixture_checkpoint, mlx_convert
-  quantized = mlx_convert(fixture_checkpoint(name, tmp_path / "float"), tmp_path / "q4")
+  from tests.support.checkpoints import mlx_convert, mlx_lm_readable_checkpoint
+  quantized = mlx_convert(mlx_lm_readable_checkpoint(name, tmp_path / "float"), tmp_path / "q4", q_group_size=group_size)
   expected_tokens, expected_logits = mlx_lm_greedy(name, len(EXPECTED[name]["tokens"]), quantized)
   n_layers = layer_count(quantized)
   shard = Shard(name, 0, n_layers - 1, n_layers)
   config, weights = load_shard_weights(quantized, shard, keep_quantized=True)
   assert any(type(w).__name__ == "QuantizedWeight" for w in weights.values())
-  tokens, logits = greedy([model_class(engine)(config, shard, weights)], [EXPECTED[name]["prompt"]], len(expected_tokens))
+  if name in MOE:  # the experts came quantized, and the model keeps them so
+    assert any(n.endswith("switch_mlp.gate_proj.weight") or n.endswith("experts.gate_proj.weight") for n, w in weights.items()
+               if type(w).__name__ == "QuantizedWeight")
+  model = model_class(engine)(config, shard, weights)
+  if name in MOE:
+    moe_layer = model.layers[max(config.moe_layers)]
+    if engine == "numpy":
+      assert type(moe_layer["experts"][0][0]).__name__ == "PackedMatrix"
+    else:
+      assert moe_layer["experts_gate_up"].quantized is not None
+  tokens, logits = greedy([model], [EXPECTED[name]["prompt"]], len(expected_tokens))
   np.testing.assert_allclose(logits[0], expected_logits, atol=logits_atol(engine))
   assert tokens[0] == expected_tokens
 

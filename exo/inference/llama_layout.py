@@ -10,7 +10,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from exo.inference.quantized import QuantizedWeight, stack_rows
+from exo.inference.quantized import QuantizedWeight, stack_rows, take_rows
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig
 
@@ -75,6 +75,17 @@ def fused(parts: Sequence[Weight]) -> Union[Weight, Tuple[Weight, ...]]:
   return tuple(parts)
 
 
+def fused_one(parts: Sequence[Weight]) -> Weight:
+  """As fused, always one matrix: parts quantized differently are dequantised (an expert's gate and up, which a
+  mixture of experts' products take as one)."""
+  joined = fused(parts)
+  return np.concatenate([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in joined]) if isinstance(joined, tuple) else joined
+
+
+def as_float(w: Weight) -> np.ndarray:
+  return w.dequantize() if isinstance(w, QuantizedWeight) else w
+
+
 @dataclass
 class LayerWeights:
   """One decoder layer, in Hugging Face orientation (out, in). Norm weights are as the layer multiplies by them
@@ -92,11 +103,11 @@ class LayerWeights:
   q_norm: Optional[np.ndarray] = None  # RMS norm weights before RoPE (ModelConfig.qk_norm): (head_dim,) over each
   k_norm: Optional[np.ndarray] = None  # head, or (n_heads * head_dim,) / (n_kv_heads * head_dim,) over the projection
   router: Optional[np.ndarray] = None  # (n_experts, hidden), in a mixture-of-experts layer (ModelConfig.is_moe)
-  experts: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # each expert's fused gate/up (2 * inter, hidden) and down
+  experts: Optional[List[Tuple[Weight, Weight]]] = None  # each expert's fused gate/up (2 * inter, hidden) and down, float or quantized
   router_bias: Optional[np.ndarray] = None  # (n_experts,) on the router's logits (gpt-oss)
   score_correction: Optional[np.ndarray] = None  # (n_experts,) added to the scores to choose experts by (DeepSeek)
   expert_biases: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # each expert's gate/up (2 * inter,) and down (hidden,)
-  shared_expert: Optional[Tuple[np.ndarray, np.ndarray]] = None  # gate/up and down of the MLP beside the experts (DeepSeek)
+  shared_expert: Optional[Tuple[Weight, Weight]] = None  # gate/up and down of the MLP beside the experts (DeepSeek)
   sinks: Optional[np.ndarray] = None  # (n_heads,) learned logits (ModelConfig.attention_sinks)
   latent: Optional["LatentAttentionWeights"] = None  # multi-head latent attention's matrices, where qkv is None
 
@@ -110,7 +121,10 @@ class LatentAttentionWeights:
   q_b: Weight  # (heads * (nope + rope), q_lora_rank)
   kv_a: Weight  # (kv_lora_rank + rope, hidden): the latent, then the key's RoPE part shared by every head
   kv_a_norm: np.ndarray  # (kv_lora_rank,)
-  kv_b: np.ndarray  # (heads * (nope + v), kv_lora_rank): each head's key (nope rows) and value (v rows) from the latent
+  # kv_b split by head, as mlx-lm stores it: each head's query nope part into the latent space (heads, latent, nope),
+  # and its output out of it (heads, v, latent); float, or quantized stacks (mlx-lm's conversions)
+  embed_q: Weight
+  unembed_out: Weight
 
 
 def rope_half_order(rows: int, rope: int) -> np.ndarray:
@@ -130,14 +144,19 @@ def latent_attention_weights(w, prefix: str, config: LlamaConfig) -> LatentAtten
   kv_order = np.concatenate([np.arange(c.kv_lora_rank), c.kv_lora_rank + rope_half_order(rope, rope)])
   if not c.rope_interleaved:
     q_order, kv_order = np.arange(len(q_order)), np.arange(len(kv_order))
-  for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
-    if isinstance(w.get(f"self_attn.{name}.weight"), QuantizedWeight):
-      raise ValueError(f"{prefix}self_attn.{name}: quantized latent attention is not implemented (use a float checkpoint)")
+  kv_b = w.get("self_attn.kv_b_proj.weight")
+  if kv_b is not None:  # (heads * (nope + v), latent) as transformers stores it; a quantized one dequantised, as its key
+    # part is used transposed (grouped along the latent, not along nope)
+    kv_b = as_float(kv_b).reshape(c.n_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    embed_q, unembed_out = np.ascontiguousarray(kv_b[:, :c.qk_nope_head_dim].transpose(0, 2, 1)), np.ascontiguousarray(kv_b[:, c.qk_nope_head_dim:])
+  else:
+    embed_q, unembed_out = w["self_attn.embed_q.weight"], w["self_attn.unembed_out.weight"]
   one_projection = w.get("self_attn.q_proj.weight") is not None
+  rows = lambda m, order: take_rows(m, order) if isinstance(m, QuantizedWeight) else m[order]
   return LatentAttentionWeights(
     q_a=None if one_projection else w["self_attn.q_a_proj.weight"], q_a_norm=None if one_projection else w["self_attn.q_a_layernorm.weight"],
-    q_b=(w["self_attn.q_proj.weight"] if one_projection else w["self_attn.q_b_proj.weight"])[q_order],
-    kv_a=w["self_attn.kv_a_proj_with_mqa.weight"][kv_order], kv_a_norm=w["self_attn.kv_a_layernorm.weight"], kv_b=w["self_attn.kv_b_proj.weight"])
+    q_b=rows(w["self_attn.q_proj.weight"] if one_projection else w["self_attn.q_b_proj.weight"], q_order),
+    kv_a=rows(w["self_attn.kv_a_proj_with_mqa.weight"], kv_order), kv_a_norm=w["self_attn.kv_a_layernorm.weight"], embed_q=embed_q, unembed_out=unembed_out)
 
 
 def layer_weights(weights: Dict[str, Weight], shard: Shard, config: LlamaConfig) -> Iterator[LayerWeights]:
@@ -189,34 +208,36 @@ def expert_weights(w: LayerTensors, prefix: str, config: LlamaConfig) -> dict:
   (2 * inter, hidden), gate rows first, from any layout checkpoints store them in: one matrix per expert
   (`experts.<e>.<gate>.weight`...); every expert's in one (in, out) tensor, gate and up columns interleaved
   (gpt-oss as transformers writes it: `experts.gate_up_proj`, `experts.down_proj` and their `_bias`); or each
-  projection of every expert stacked (experts, out, in) (gpt-oss as mlx-lm writes it: `experts.<gate>.weight`...)."""
+  projection of every expert stacked (experts, out, in), as mlx-lm writes them (`switch_mlp.gate_proj.weight`...;
+  gpt-oss's `experts.<gate>.weight`...), float or quantized expert by expert. Quantized experts stay so (each
+  expert's matrices views of the stack); a quantized router, a few rows, is dequantised."""
   block, gate, up, down = config.expert_names
   router = "router" if w.get(f"{block}.router.weight") is not None else "gate"
-  if any(isinstance(w.get(name), QuantizedWeight) for name in (f"{block}.{router}.weight", f"{block}.experts.0.{gate}.weight",
-                                                                f"{block}.experts.gate_up_proj", f"{block}.experts.{gate}.weight")):
-    raise ValueError(f"{prefix}{block}: quantized experts are not implemented (use a float checkpoint)")
-  parts = {"router": w[f"{block}.{router}.weight"]}
+  parts = {"router": as_float(w[f"{block}.{router}.weight"])}
   if config.router_bias:
     parts["router_bias"] = w[f"{block}.router.bias"]
   elif config.router == "sigmoid_grouped":
     parts["score_correction"] = w[f"{block}.gate.e_score_correction_bias"]
+  stacked_names = next(((f"{block}.{stack}.{g}", f"{block}.{stack}.{u}", f"{block}.{stack}.{d}")
+                        for stack, (g, u, d) in (("switch_mlp", ("gate_proj", "up_proj", "down_proj")), ("experts", (gate, up, down)))
+                        if w.get(f"{block}.{stack}.{g}.weight") is not None), None)
   if w.get(f"{block}.experts.gate_up_proj") is not None:
     stacked_gate_up, stacked_down = w[f"{block}.experts.gate_up_proj"], w[f"{block}.experts.down_proj"]  # (experts, in, out)
     gate_first = np.concatenate([np.arange(0, stacked_gate_up.shape[-1], 2), np.arange(1, stacked_gate_up.shape[-1], 2)])
     parts["experts"] = [(np.ascontiguousarray(gu.T[gate_first]), np.ascontiguousarray(d.T)) for gu, d in zip(stacked_gate_up, stacked_down)]
     if config.expert_bias:
       parts["expert_biases"] = [(gu[gate_first], d) for gu, d in zip(w[f"{block}.experts.gate_up_proj_bias"], w[f"{block}.experts.down_proj_bias"])]
-  elif w.get(f"{block}.experts.{gate}.weight") is not None:
-    stacked = [w[f"{block}.experts.{name}.weight"] for name in (gate, up, down)]
-    parts["experts"] = [(np.concatenate([g, u]), d) for g, u, d in zip(*stacked)]
+  elif stacked_names is not None:
+    stacked = [w[f"{name}.weight"] for name in stacked_names]
+    parts["experts"] = [(fused_one([stacked[0][e], stacked[1][e]]), stacked[2][e]) for e in range(config.n_experts)]
     if config.expert_bias:
-      biases = [w[f"{block}.experts.{name}.bias"] for name in (gate, up, down)]
+      biases = [w[f"{name}.bias"] for name in stacked_names]
       parts["expert_biases"] = [(np.concatenate([g, u]), d) for g, u, d in zip(*biases)]
   else:
-    parts["experts"] = [(np.concatenate([w[f"{block}.experts.{e}.{gate}.weight"], w[f"{block}.experts.{e}.{up}.weight"]]),
+    parts["experts"] = [(fused_one([w[f"{block}.experts.{e}.{gate}.weight"], w[f"{block}.experts.{e}.{up}.weight"]]),
                          w[f"{block}.experts.{e}.{down}.weight"]) for e in range(config.n_experts)]
   if config.shared_expert_intermediate_size:
-    parts["shared_expert"] = (np.concatenate([w[f"{block}.shared_experts.{gate}.weight"], w[f"{block}.shared_experts.{up}.weight"]]),
+    parts["shared_expert"] = (fused_one([w[f"{block}.shared_experts.{gate}.weight"], w[f"{block}.shared_experts.{up}.weight"]]),
                               w[f"{block}.shared_experts.{down}.weight"])
   return parts
 

@@ -5,7 +5,8 @@ packed little-endian, code j of a row at bit j * bits), `P.scales` ((out, in / g
 `group_size` inputs) and, in "affine" mode, `P.biases`: w = scale * code + bias. The "mxfp4"/"mxfp8" modes store
 FP4 (E2M1) / FP8 (E4M3) codes and power-of-two (E8M0) scales, no biases. config.json's `quantization` holds the
 defaults (`group_size`, `bits`, `mode`) and per-layer overrides keyed by the layer's path; a layer is quantized
-exactly when its `.scales` tensor exists (mlx-lm's own rule)."""
+exactly when its `.scales` tensor exists (mlx-lm's own rule). A mixture of experts' projections come stacked, every
+expert's matrix one after another along a leading dimension (experts, out, ...), each quantized on its own."""
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -16,8 +17,8 @@ MODES = ("affine", "mxfp4", "mxfp8")  # what dequantize() below reads; MLX itsel
 
 @dataclass
 class QuantizedWeight:
-  packed: np.ndarray  # uint32 (out, in * bits / 32)
-  scales: np.ndarray  # (out, in / group_size): float32 in "affine" mode, uint8 exponents in the mx modes
+  packed: np.ndarray  # uint32 (out, in * bits / 32), or (stacked, out, in * bits / 32)
+  scales: np.ndarray  # (out, in / group_size) likewise: float32 in "affine" mode, uint8 exponents in the mx modes
   biases: Optional[np.ndarray]
   group_size: int
   bits: int
@@ -25,13 +26,27 @@ class QuantizedWeight:
 
   @property
   def shape(self):
-    return self.packed.shape[0], self.packed.shape[1] * 32 // self.bits
+    return (*self.packed.shape[:-1], self.packed.shape[-1] * 32 // self.bits)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(a.nbytes for a in (self.packed, self.scales, self.biases) if a is not None)
+
+  def __getitem__(self, index: int) -> "QuantizedWeight":
+    """One matrix of a stack (an expert's, a head's): views of the stack's arrays, no copy."""
+    pick = lambda a: None if a is None else a[index]
+    return QuantizedWeight(pick(self.packed), pick(self.scales), pick(self.biases), self.group_size, self.bits, self.mode)
+
+  def __len__(self) -> int:
+    return self.packed.shape[0]
 
   def same_format(self, other: "QuantizedWeight") -> bool:
     return (self.group_size, self.bits, self.mode) == (other.group_size, other.bits, other.mode)
 
   def dequantize(self) -> np.ndarray:
-    """The float32 (out, in) matrix."""
+    """The float32 (out, in) matrix (a stack's (stacked, out, in))."""
+    if self.packed.ndim > 2:
+      return np.stack([self[i].dequantize() for i in range(len(self))])
     out, n_in = self.shape
     codes = unpack_codes(self.packed, self.bits, n_in).reshape(out, -1, self.group_size)
     if self.mode == "affine":
@@ -44,9 +59,10 @@ class QuantizedWeight:
     return np.ascontiguousarray(w.reshape(out, n_in), dtype=np.float32)
 
 
-def stack_rows(parts) -> QuantizedWeight:
-  """Matrices quantized alike, one above the other (rows are quantized independently): fused q/k/v, gate/up."""
-  join = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)
+def stack_rows(parts, new_axis: bool = False) -> QuantizedWeight:
+  """Matrices quantized alike, one above the other (rows are quantized independently): fused q/k/v, gate/up; with
+  `new_axis`, as a stack of matrices (experts, out, ...)."""
+  join = lambda arrays: None if arrays[0] is None else (np.stack if new_axis else np.concatenate)(arrays)
   first = parts[0]
   return QuantizedWeight(join([p.packed for p in parts]), join([p.scales for p in parts]), join([p.biases for p in parts]),
                          first.group_size, first.bits, first.mode)
@@ -98,7 +114,7 @@ def group_quantized(tensors: Dict[str, np.ndarray], quantization: Optional[dict]
     q = QuantizedWeight(packed.view(np.uint32), out.pop(name), out.pop(f"{layer}.biases", None), fmt["group_size"], fmt["bits"], fmt["mode"])
     if q.mode == "affine" and q.biases is None:
       raise ValueError(f"{layer}: affine quantization without biases")
-    if q.shape[1] != q.scales.shape[1] * q.group_size:
+    if q.shape[-1] != q.scales.shape[-1] * q.group_size:
       raise ValueError(f"{layer}: {q.packed.shape} packed at {q.bits} bits does not fit scales {q.scales.shape} with group size {q.group_size}")
     out[f"{layer}.weight"] = q
   return out

@@ -104,9 +104,6 @@ def gpt_oss_in_mlx_lms_layout(source: Path, dest: Path, **config_fields) -> Path
   """A gpt-oss checkpoint as transformers writes it (experts stacked (in, out), gate and up interleaved) rewritten as
   mlx-lm keeps one: each projection of every expert stacked (experts, out, in), the config in transformers 4's form
   with `config_fields` over it."""
-  import sys
-  sys.path.insert(0, str(FIXTURE_MODELS.parent))
-  from make_models import transformers4_form
   from exo.inference.weights import _read_safetensors, _safetensors_header
   file = source / "model.safetensors"
   weights = _read_safetensors(file, [n for n in _safetensors_header(file)[0] if n != "__metadata__"])
@@ -126,6 +123,28 @@ def gpt_oss_in_mlx_lms_layout(source: Path, dest: Path, **config_fields) -> Path
   save_file({name: np.ascontiguousarray(w) for name, w in out.items()}, str(dest / "model.safetensors"))
   (dest / "config.json").write_text(json.dumps({**transformers4_form(json.loads((source / "config.json").read_text())), **config_fields}))
   return dest
+
+
+def mlx_lm_readable_checkpoint(name: str, dest: Path) -> Path:
+  """The fixture `name` (with SmolLM2's tokenizer) in a form mlx-lm reads as transformers does: gpt-oss in mlx-lm's
+  own layout (gpt_oss_in_mlx_lms_layout, SwiGLU clamped at mlx-lm's fixed 7); Qwen3-MoE with its config in
+  transformers 4's form, whose `num_experts` mlx-lm reads; the others as they are."""
+  if name == "gpt_oss":
+    gpt_oss_in_mlx_lms_layout(FIXTURE_MODELS / "gpt_oss", dest, swiglu_limit=7.0)
+    return write_tokenizer(dest, tokenizer_from_gguf(embedded_model_path(SMOLLM2_REPO)))
+  path = fixture_checkpoint(name, dest)
+  if name == "qwen3_moe":
+    config = transformers4_form(json.loads((path / "config.json").read_text()))
+    config["num_experts"] = config.pop("num_local_experts")
+    (path / "config.json").write_text(json.dumps(config))
+  return path
+
+
+def transformers4_form(config: dict) -> dict:
+  import sys
+  sys.path.insert(0, str(FIXTURE_MODELS.parent))
+  from make_models import transformers4_form as rewrite
+  return rewrite(config)
 
 
 def random_llama(n_layers: int, hidden: int = 64):

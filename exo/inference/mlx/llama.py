@@ -13,7 +13,7 @@ import numpy as np
 
 from exo.inference.llama_layout import StepRows, layer_weights, rope_tables, shard_ends, step_input
 from exo.inference.mlx.cache import KVCache
-from exo.inference.mlx.matrix import Matrix, compute_dtype, matrix
+from exo.inference.mlx.matrix import Experts, Matrix, compute_dtype, matrix
 from exo.inference.models.config import rope_attention_factor
 from exo.inference.shard import Shard
 from exo.inference.weights import LlamaConfig
@@ -62,18 +62,17 @@ class Llama:
       if layer.experts is None:
         matrices.update(gate_up=matrix(layer.gate_up, dtype), down=Matrix(layer.down, dtype))
       vectors = {name: None if getattr(layer, name) is None else vector(getattr(layer, name)) for name in VECTORS}
-      # a mixture of experts: the router (hidden, experts), and every expert's matrices stacked as (in, out) for gather_mm
-      stacked = lambda pairs, i: None if pairs is None else vector(np.stack([pair[i].T if pair[i].ndim == 2 else pair[i] for pair in pairs]))
-      vectors.update(router=None if layer.router is None else vector(layer.router.T), experts_gate_up=stacked(layer.experts, 0),
-                     experts_down=stacked(layer.experts, 1), experts_gate_up_bias=stacked(layer.expert_biases, 0),
+      # a mixture of experts: the router (hidden, experts), and every expert's matrices stacked for gather_(q)mm
+      stacked = lambda pairs, i: None if pairs is None else vector(np.stack([pair[i] for pair in pairs]))
+      vectors.update(router=None if layer.router is None else vector(layer.router.T), experts_gate_up_bias=stacked(layer.expert_biases, 0),
                      experts_down_bias=stacked(layer.expert_biases, 1))
+      if layer.experts is not None:
+        matrices.update(experts_gate_up=Experts([pair[0] for pair in layer.experts], dtype), experts_down=Experts([pair[1] for pair in layer.experts], dtype))
       if layer.shared_expert is not None:
         matrices.update(shared_gate_up=Matrix(layer.shared_expert[0], dtype), shared_down=Matrix(layer.shared_expert[1], dtype))
       if layer.latent is not None:
         vectors.update({name: None if getattr(layer.latent, name) is None else vector(getattr(layer.latent, name)) for name in ("q_a_norm", "kv_a_norm")})
-        kv_b = layer.latent.kv_b.reshape(config.n_heads, config.qk_nope_head_dim + config.v_head_dim, config.kv_lora_rank)
-        vectors.update(key_up=vector(kv_b[:, :config.qk_nope_head_dim]), value_up=vector(kv_b[:, config.qk_nope_head_dim:].transpose(0, 2, 1)))
-      mx.eval([m.arrays() for m in matrices.values()], [a for a in vectors.values() if a is not None])  # now, before the next layer is fused
+      mx.eval([m.arrays() for m in matrices.values() if m is not None], [a for a in vectors.values() if a is not None])  # now, before the next layer is fused
       self.layers.append({"latent": layer.latent is not None, "shared_gate_up": None, **matrices, **vectors})
     ends = shard_ends(weights, shard, config)
     self.embed = None if ends.embed is None else Matrix(ends.embed, dtype)
@@ -195,10 +194,10 @@ class Llama:
     if layer["router_bias"] is not None:
       logits = logits + layer["router_bias"].astype(mx.float32)
     chosen, weights = route(logits, self.config, layer["score_correction"])
-    gate_up = mx.gather_mm(mx.expand_dims(x, (-2, -3)), layer["experts_gate_up"], rhs_indices=chosen)  # (rows, k, 1, 2 inter)
+    gate_up = layer["experts_gate_up"](mx.expand_dims(x, (-2, -3)), chosen)  # (rows, k, 1, 2 inter)
     if layer["experts_gate_up_bias"] is not None:
       gate_up = gate_up + mx.expand_dims(layer["experts_gate_up_bias"][chosen], -2)
-    out = mx.gather_mm(self._gated(gate_up), layer["experts_down"], rhs_indices=chosen)  # (rows, k, 1, hidden)
+    out = layer["experts_down"](self._gated(gate_up), chosen)  # (rows, k, 1, hidden)
     if layer["experts_down_bias"] is not None:
       out = out + mx.expand_dims(layer["experts_down_bias"][chosen], -2)
     out = (out.squeeze(-2) * weights[..., None].astype(out.dtype)).sum(axis=1)
@@ -219,7 +218,7 @@ class Llama:
     entry = mx.concatenate([mx.fast.rms_norm(compressed[:, :rank], layer["kv_a_norm"], c.rms_norm_eps),
                             rope(compressed[:, None, rank:], cos, sin)[:, 0]], axis=-1)
     factor = rope_attention_factor(c.rope_scaling)  # yarn's cos and sin factor, on the RoPE part alone
-    q = mx.concatenate([(queries[..., :nope].transpose(1, 0, 2) @ layer["key_up"]).transpose(1, 0, 2),
+    q = mx.concatenate([layer["embed_q"](queries[..., :nope].transpose(1, 0, 2)).transpose(1, 0, 2),
                         rope(queries[..., nope:], cos, sin) * (factor * factor)], axis=-1)
     outs = []
     for r, (cache, s, n) in enumerate(zip(caches, step.starts, step.lengths)):
@@ -229,11 +228,13 @@ class Llama:
       out = mx.fast.scaled_dot_product_attention(q[a:a + n].transpose(1, 0, 2)[None], keys, keys[..., :rank], scale=c.attention_scale, mask=masks[r])
       outs.append(out[0])  # (heads, n, latent)
     latents = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-    return (latents @ layer["value_up"]).transpose(1, 0, 2).reshape(rows, n_heads * c.v_head_dim)
+    return layer["unembed_out"](latents).transpose(1, 0, 2).reshape(rows, n_heads * c.v_head_dim)
 
 
 def latent_matrices(weights, dtype) -> dict:
-  return {"q_a": None if weights.q_a is None else Matrix(weights.q_a, dtype), "q_b": Matrix(weights.q_b, dtype), "kv_a": Matrix(weights.kv_a, dtype)}
+  """Latent attention's projections; kv_b's halves as each head's own matrix (Matrix over a stack)."""
+  return {"q_a": None if weights.q_a is None else Matrix(weights.q_a, dtype), "q_b": Matrix(weights.q_b, dtype), "kv_a": Matrix(weights.kv_a, dtype),
+          "embed_q": Matrix(weights.embed_q, dtype), "unembed_out": Matrix(weights.unembed_out, dtype)}
 
 
 def route(logits: mx.array, c: LlamaConfig, score_correction: Optional[mx.array]):

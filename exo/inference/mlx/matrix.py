@@ -10,7 +10,9 @@ from typing import List
 
 import mlx.core as mx
 
-from exo.inference.quantized import QuantizedWeight
+import numpy as np
+
+from exo.inference.quantized import QuantizedWeight, stack_rows
 from exo.inference.weights import LlamaConfig
 
 QMM_MAX_ROWS = 6
@@ -25,7 +27,8 @@ def compute_dtype(config: LlamaConfig) -> mx.Dtype:
 
 
 class Matrix:
-  """An (out, in) weight for x @ W.T and row lookups: float, or MLX-quantized (packed codes, scales, biases)."""
+  """An (out, in) weight for x @ W.T and row lookups: float, or MLX-quantized (packed codes, scales, biases). A stack
+  of them (heads, out, in) multiplies a stack of inputs (heads, rows, in), each by its own."""
 
   def __init__(self, w, dtype: mx.Dtype):
     self.dtype = dtype
@@ -48,9 +51,9 @@ class Matrix:
 
   def __call__(self, x: mx.array) -> mx.array:
     if self.scales is None:
-      return x @ self.weight.T  # (out, in) kept as stored: a transposed BLAS call, no copy
-    if not ON_GPU and x.shape[0] > QMM_MAX_ROWS:
-      return x @ self._dense(self.weight, self.scales, self.biases).T
+      return x @ mx.swapaxes(self.weight, -1, -2)  # (out, in) kept as stored: a transposed BLAS call, no copy
+    if not ON_GPU and x.shape[-2] > QMM_MAX_ROWS:
+      return x @ mx.swapaxes(self._dense(self.weight, self.scales, self.biases), -1, -2)
     return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True, **self.format)
 
   def rows(self, ids: mx.array) -> mx.array:
@@ -70,6 +73,30 @@ class Stacked:
 
   def __call__(self, x: mx.array) -> mx.array:
     return mx.concatenate([m(x) for m in self.matrices], axis=-1)
+
+
+class Experts:
+  """One projection of every expert of a layer, stacked, for rows that each go through their chosen experts:
+  mx.gather_qmm over the experts' quantized matrices where all are quantized alike (as mlx-lm runs them), else
+  mx.gather_mm over float (experts, in, out)."""
+
+  def __init__(self, matrices: list, dtype: mx.Dtype):
+    if all(isinstance(m, QuantizedWeight) and m.same_format(matrices[0]) and m.group_size in GROUP_SIZES for m in matrices):
+      self.quantized = Matrix(stack_rows(matrices, new_axis=True), dtype)
+      self.weight = None
+    else:
+      self.quantized = None
+      self.weight = mx.array(np.stack([(m.dequantize() if isinstance(m, QuantizedWeight) else m).T for m in matrices])).astype(dtype)
+
+  def arrays(self) -> List[mx.array]:
+    return self.quantized.arrays() if self.quantized is not None else [self.weight]
+
+  def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
+    """x (rows, 1, 1, in) times each row's chosen experts' matrices (rows, k): (rows, k, 1, out)."""
+    if self.weight is not None:
+      return mx.gather_mm(x, self.weight, rhs_indices=chosen)
+    q = self.quantized
+    return mx.gather_qmm(x, q.weight, q.scales, q.biases, rhs_indices=chosen, transpose=True, **q.format)
 
 
 def matrix(w, dtype: mx.Dtype):

@@ -198,6 +198,11 @@ def product(x: np.ndarray, w, a: int, b: int, out: Optional[np.ndarray] = None) 
   return w.product(x, a, b, out)
 
 
+def full_product(x: np.ndarray, w) -> np.ndarray:
+  """x (rows, in) @ every output column of the weight, on the calling core."""
+  return product(x, w, 0, w.shape[1] if isinstance(w, np.ndarray) else w.shape[0])
+
+
 def weight_rows(w, ids: np.ndarray) -> np.ndarray:
   """Output rows `ids` of a weight as float32 (len(ids), in): a tied head's embedding lookups."""
   if isinstance(w, np.ndarray):

@@ -16,7 +16,7 @@ import numpy as np
 from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tables, route, shard_ends, step_input
 from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
-from exo.inference.numpy.kernels import Workers, product, split_columns, split_over_cores, weight_matrix, weight_rows
+from exo.inference.numpy.kernels import Workers, full_product, product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.numpy.rotary import rope
 from exo.inference.shard import Shard
@@ -72,7 +72,7 @@ class Llama:
       raise ValueError(f"activation {c.activation!r} is not implemented by the numpy engine")
     # A product's output columns are what the cores share (kernels.weight_matrix: float (in, out), or kept quantized).
     # The rest as the layout gives it (None where the family has no such part).
-    in_out = lambda pair: None if pair is None else (np.ascontiguousarray(pair[0].T), np.ascontiguousarray(pair[1].T))
+    in_out = lambda pair: None if pair is None else (weight_matrix(pair[0]), weight_matrix(pair[1]))  # an expert's, kept quantized where it is
     self.layers = [{**layer.__dict__, "qkv": None if layer.qkv is None else weight_matrix(layer.qkv), "o": weight_matrix(layer.o),
                     "gate_up": None if layer.gate_up is None else weight_matrix(layer.gate_up, interleaved_pairs(2 * c.intermediate_size)),
                     "down": None if layer.down is None else weight_matrix(layer.down),
@@ -276,7 +276,8 @@ class Llama:
 
   def _experts(self, x: np.ndarray, layer: dict) -> np.ndarray:
     """A mixture-of-experts MLP: each expert computes only the rows routed to it (one core; the experts' products
-    are small and many), and a shared expert, where the model has one, every row."""
+    are small and many), from its matrices as kept (float, or quantized: only its own codes are read), and a shared
+    expert, where the model has one, every row."""
     c = self.config
     logits = x @ layer["router"]
     if layer["router_bias"] is not None:
@@ -287,16 +288,16 @@ class Llama:
       rows, slot = np.nonzero(chosen == e)  # a row picks an expert at most once
       gate_up, down = layer["experts"][e]
       biases = None if layer["expert_biases"] is None else layer["expert_biases"][e]
-      projected = x[rows] @ gate_up
+      projected = full_product(x[rows], gate_up)
       if biases is not None:
         projected += biases[0]
-      expert_out = gated(projected, c) @ down
+      expert_out = full_product(gated(projected, c), down)
       if biases is not None:
         expert_out += biases[1]
       out[rows] += expert_out * weights[rows, slot][:, None]
     if layer["shared_expert"] is not None:
       gate_up, down = layer["shared_expert"]
-      out += gated(x @ gate_up, c) @ down
+      out += full_product(gated(full_product(x, gate_up), c), down)
     return out
 
 
