@@ -55,7 +55,7 @@ def shard_models(engine: str, name: str, cuts: List[int] = ()) -> list:
   models = []
   for start, end in zip(bounds, bounds[1:]):
     shard = Shard(name, start + 1, end, n_layers)
-    config, weights = load_shard_weights(path, shard, keep_quantized=engine == "mlx")
+    config, weights = load_shard_weights(path, shard, keep_quantized=engine != "tinygrad")  # as each engine loads
     models.append(model_class(engine)(config, shard, weights))
   return models
 
@@ -107,6 +107,8 @@ MOE = ["mixtral", "qwen3_moe"]  # mixtures of experts (Qwen3-MoE's layer 1 dense
 # DeepSeek-V3: latent attention, a dense layer then two MoE layers with grouped routing and a shared expert, yarn;
 # in both config forms.
 MOE += ["gpt_oss", "deepseek_v3", "deepseek_v3_v4"]
+# gpt-oss as OpenAI ships it: the experts in MXFP4 (tests/fixtures/make_mxfp4.py), against transformers' dequantised model
+MOE += ["gpt_oss_mxfp4"]
 
 
 @pytest.mark.parametrize("name", DENSE + SLIDING + MOE)
@@ -269,6 +271,19 @@ def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name,
   tokens, logits = greedy([model], [EXPECTED[name]["prompt"]], len(expected_tokens))
   np.testing.assert_allclose(logits[0], expected_logits, atol=logits_atol(engine))
   assert tokens[0] == expected_tokens
+
+
+@pytest.mark.parametrize("engine", ["numpy", "mlx"])
+def test_gpt_oss_mxfp4_experts_stay_quantized(engine):
+  """The MXFP4 experts are held quantized: by MLX in its own mxfp4 mode (the checkpoint's bytes), by numpy as exact
+  8-bit affine codes (quantized.mxfp4_as_affine_8bit), each expert's own matrices."""
+  [model] = shard_models(engine, "gpt_oss_mxfp4")
+  for layer in model.layers:
+    if engine == "numpy":
+      gate_up, down = layer["experts"][0]
+      assert type(gate_up).__name__ == type(down).__name__ == "PackedMatrix" and gate_up.bits == down.bits == 8
+    else:
+      assert layer["experts_gate_up"].quantized.format == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
 
 class LocalFiles:

@@ -207,7 +207,8 @@ def expert_weights(w: LayerTensors, prefix: str, config: LlamaConfig) -> dict:
   """A mixture-of-experts layer's router and experts (LayerWeights' fields), each expert's gate/up fused as
   (2 * inter, hidden), gate rows first, from any layout checkpoints store them in: one matrix per expert
   (`experts.<e>.<gate>.weight`...); every expert's in one (in, out) tensor, gate and up columns interleaved
-  (gpt-oss as transformers writes it: `experts.gate_up_proj`, `experts.down_proj` and their `_bias`); or each
+  (gpt-oss as transformers writes it: `experts.gate_up_proj`, `experts.down_proj` and their `_bias`), or the same
+  as (experts, out, in) MXFP4 (gpt-oss as OpenAI ships it, `experts.gate_up_proj.weight` once loaded); or each
   projection of every expert stacked (experts, out, in), as mlx-lm writes them (`switch_mlp.gate_proj.weight`...;
   gpt-oss's `experts.<gate>.weight`...), float or quantized expert by expert. Quantized experts stay so (each
   expert's matrices views of the stack); a quantized router, a few rows, is dequantised."""
@@ -225,6 +226,13 @@ def expert_weights(w: LayerTensors, prefix: str, config: LlamaConfig) -> dict:
     stacked_gate_up, stacked_down = w[f"{block}.experts.gate_up_proj"], w[f"{block}.experts.down_proj"]  # (experts, in, out)
     gate_first = np.concatenate([np.arange(0, stacked_gate_up.shape[-1], 2), np.arange(1, stacked_gate_up.shape[-1], 2)])
     parts["experts"] = [(np.ascontiguousarray(gu.T[gate_first]), np.ascontiguousarray(d.T)) for gu, d in zip(stacked_gate_up, stacked_down)]
+    if config.expert_bias:
+      parts["expert_biases"] = [(gu[gate_first], d) for gu, d in zip(w[f"{block}.experts.gate_up_proj_bias"], w[f"{block}.experts.down_proj_bias"])]
+  elif w.get(f"{block}.experts.gate_up_proj.weight") is not None:  # gpt-oss's MXFP4 (quantized.group_mxfp4_blocks): (experts, out, in), gate and up rows interleaved
+    stacked_gate_up, stacked_down = w[f"{block}.experts.gate_up_proj.weight"], w[f"{block}.experts.down_proj.weight"]
+    gate_first = np.concatenate([np.arange(0, stacked_gate_up.shape[-2], 2), np.arange(1, stacked_gate_up.shape[-2], 2)])
+    rows = lambda m: take_rows(m, gate_first) if isinstance(m, QuantizedWeight) else np.ascontiguousarray(m[gate_first])
+    parts["experts"] = [(rows(stacked_gate_up[e]), stacked_down[e]) for e in range(config.n_experts)]
     if config.expert_bias:
       parts["expert_biases"] = [(gu[gate_first], d) for gu, d in zip(w[f"{block}.experts.gate_up_proj_bias"], w[f"{block}.experts.down_proj_bias"])]
   elif stacked_names is not None:

@@ -92,6 +92,37 @@ _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, 
 _E4M3 = _e4m3_table()
 
 
+def group_mxfp4_blocks(tensors: Dict[str, object]) -> Dict[str, object]:
+  """gpt-oss's own MXFP4 experts, as OpenAI's repositories store them (`quantization_config.quant_method` "mxfp4"):
+  `P_blocks`, uint8 (..., out, in / 32, 16), two E2M1 codes a byte, the lower input in the low nibble, and `P_scales`,
+  uint8 (..., out, in / 32), an E8M0 exponent (2 ** (e - 127)) a block of 32 inputs. Those are MLX's "mxfp4" mode
+  in groups of 32, byte for byte: each pair becomes one QuantizedWeight under `P.weight`, no copy."""
+  out = dict(tensors)
+  for name in [n for n in tensors if n.endswith("_blocks")]:
+    layer = name[:-len("_blocks")]
+    blocks, scales = out.pop(name), out.pop(f"{layer}_scales", None)
+    if scales is None or blocks.shape[:-1] != scales.shape or blocks.shape[-1] % 4:
+      raise ValueError(f"{layer}: MXFP4 blocks {blocks.shape} without matching scales {None if scales is None else scales.shape}")
+    packed = np.ascontiguousarray(blocks).reshape(*blocks.shape[:-2], -1).view(np.uint32)
+    out[f"{layer}.weight"] = QuantizedWeight(packed, np.ascontiguousarray(scales), None, blocks.shape[-1] * 2, 4, "mxfp4")
+  return out
+
+
+# An E2M1 value v (in _E2M1's order) as the code of an 8-bit affine group that holds -6..6 in steps of 0.5: 2 * (v + 6)
+_E2M1_AS_HALF_STEPS = ((_E2M1 + 6) * 2).astype(np.uint8)
+
+
+def mxfp4_as_affine_8bit(w: QuantizedWeight) -> QuantizedWeight:
+  """An mxfp4 matrix as 8-bit affine groups holding exactly the same values, for kernels that read affine codes
+  only: a block's E2M1 values times 2 ** e all lie on the grid scale * code + bias with scale 2 ** (e - 1) and bias
+  -6 * 2 ** e (codes 0..24). E2M1's values are not evenly spaced (0.5 apart up to 2, then 1 and 2), so no 4-bit
+  affine grid holds them all: this takes 8 bits a code (and a scale and bias a block) to stay exact."""
+  out, n_in = w.shape
+  codes = _E2M1_AS_HALF_STEPS[unpack_codes(w.packed, 4, n_in)]
+  power = np.ldexp(np.float32(1.0), w.scales.astype(np.int32) - 127).astype(np.float32)
+  return QuantizedWeight(np.ascontiguousarray(codes).view(np.uint32), power * np.float32(0.5), power * np.float32(-6.0), w.group_size, 8)
+
+
 def layer_format(quantization: dict, layer: str) -> dict:
   """group_size, bits and mode for one layer path (e.g. "model.layers.0.mlp.down_proj"), overrides applied."""
   base = {"group_size": 64, "bits": 4, "mode": "affine"}

@@ -3,7 +3,8 @@
 Every engine reads its weights through `load_shard_weights`, so they all see the same tensors under the same
 (Hugging Face) names, in Hugging Face orientation (out_features, in_features) and rotate-half RoPE layout. MLX
 quantized checkpoints and GGUF's 4- to 8-bit tensors (gguf_quants.py) are dequantised, or kept packed
-(exo/inference/quantized.py) for an engine that runs them; GGUF's other types are always dequantised."""
+(exo/inference/quantized.py) for an engine that runs them, as are gpt-oss's MXFP4 experts; GGUF's other types are
+always dequantised."""
 import json
 import re
 from functools import lru_cache
@@ -17,7 +18,7 @@ from exo.inference.gguf_quants import GGUF_AFFINE_TYPES, from_gguf_blocks
 from exo.inference.models import ModelConfig, UnsupportedModel, model_config
 from exo.inference.quantize import quantize as quantize_matrix, quantizes
 from exo.inference.models.gemma3 import text_weight_name
-from exo.inference.quantized import QuantizedWeight, group_quantized, take_rows
+from exo.inference.quantized import QuantizedWeight, group_mxfp4_blocks, group_quantized, take_rows
 from exo.inference.shard import Shard
 
 
@@ -168,7 +169,7 @@ def load_hf_dir(path: Union[str, Path], shard: Shard, keep_quantized: bool = Fal
     weights.update(_read_safetensors(path / file, names, convert))
   # grouped under the stored names, which a quantization config's per-layer settings use
   weights = group_quantized(weights, config_json.get("quantization") or config_json.get("quantization_config"))
-  weights = {text_names[stored]: w for stored, w in weights.items()}
+  weights = group_mxfp4_blocks({text_names[stored]: w for stored, w in weights.items()})
   if not keep_quantized:
     weights = {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}
   return config, weights

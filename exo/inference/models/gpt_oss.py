@@ -2,15 +2,15 @@
 head in every softmax, biases on q/k/v/o, yarn RoPE, and in every layer a mixture of experts with biases whose
 router takes the top k logits and a softmax over those, each expert a SwiGLU clamped at swiglu_limit.
 
-OpenAI's own repositories store the experts in MXFP4, which is refused here (a bfloat16 conversion loads)."""
+OpenAI's own repositories store the experts in MXFP4 (exo/inference/quantized.py's group_mxfp4_blocks reads it)."""
 from exo.inference.models.config import ModelConfig, dense_decoder, refuse
 from exo.inference.models.gemma2 import sliding_layers
 
 
 def config(config_json: dict) -> ModelConfig:
-  quantization = config_json.get("quantization_config") or {}
-  if quantization.get("quant_method") == "mxfp4":
-    raise refuse("quantization_config.quant_method", "mxfp4", "(gpt-oss's MXFP4 experts) is not implemented yet (use a bfloat16 checkpoint)")
+  method = (config_json.get("quantization_config") or {}).get("quant_method")
+  if method not in (None, "mxfp4"):
+    raise refuse("quantization_config.quant_method", method, "is not implemented for gpt-oss (only its own mxfp4, or mlx-lm's quantization)")
   bias = bool(config_json.get("attention_bias", True))
   n_layers = config_json["num_hidden_layers"]
   return dense_decoder(config_json, qkv_bias=bias, o_bias=bias, attention_sinks=True, sliding_window=config_json.get("sliding_window"),
