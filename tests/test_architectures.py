@@ -286,6 +286,35 @@ def test_gpt_oss_mxfp4_experts_stay_quantized(engine):
       assert layer["experts_gate_up"].quantized.format == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
 
+@pytest.mark.parametrize("engine", ["numpy", "mlx"])
+def test_placement_counts_mxfp4_experts_at_the_bytes_the_engine_holds(engine):
+  """Placement's bytes a weight (model_size.weight_bytes, from the checkpoint's headers) for gpt-oss in MXFP4 are
+  what the engine's model really holds: its experts' matrices as kept, every other matrix at the float width."""
+  from exo.topology.model_size import _checkpoint_weight_bytes
+  path = FIXTURES / "gpt_oss_mxfp4"
+  classname = {"numpy": "NumpyDynamicShardInferenceEngine", "mlx": "MLXDynamicShardInferenceEngine"}[engine]
+  per_weight = _checkpoint_weight_bytes(str(path), 4.0, classname)
+  [model] = shard_models(engine, "gpt_oss_mxfp4")
+  expert_weights, expert_bytes = 0, 0
+  for layer in model.layers:
+    for name in ("gate_up", "down"):
+      if engine == "numpy":
+        matrices = [pair[name == "down"] for pair in layer["experts"]]
+        expert_bytes += sum(m.nbytes for m in matrices)
+        expert_weights += sum(m.shape[0] * m.shape[1] for m in matrices)
+      else:
+        experts = layer[f"experts_{name}"].quantized
+        expert_bytes += sum(a.nbytes for a in experts.arrays())
+        expert_weights += experts.weight.size * 8  # eight 4-bit codes a word
+  config = model.config
+  assert expert_weights == config.n_layers * config.n_experts * 3 * config.hidden_size * config.expert_intermediate_size
+  from exo.inference.weights import _safetensors_header
+  header = _safetensors_header(path / "model.safetensors")[0]
+  float_weights = sum(int(np.prod(m["shape"])) for n, m in header.items() if n != "__metadata__" and len(m["shape"]) >= 2 and not n.endswith(("_blocks", "_scales")))
+  assert per_weight == pytest.approx((expert_bytes + 4 * float_weights) / (expert_weights + float_weights))
+  assert per_weight < 4.0
+
+
 class LocalFiles:
   """A downloader for checkpoints already on disk: the shard's model id is its path."""
 

@@ -160,7 +160,7 @@ KEEPS_WINDOW = ("NumpyDynamicShardInferenceEngine", "MLXDynamicShardInferenceEng
 
 
 @functools.lru_cache(maxsize=64)
-def _checkpoint_weight_bytes(repo: str, float_bytes: float) -> Optional[float]:
+def _checkpoint_weight_bytes(repo: str, float_bytes: float, engine_classname: str) -> Optional[float]:
   """Bytes a weight of a checkpoint on this machine (a local path, or the embedded model) takes held as an engine that
   keeps quantized weights holds it, averaged over its matrices; None for a checkpoint not here or not quantized."""
   from exo.download.shard_files import local_model_path
@@ -171,16 +171,46 @@ def _checkpoint_weight_bytes(repo: str, float_bytes: float) -> Optional[float]:
     if is_gguf(path):
       from exo.inference.weights import gguf_reader
       matrices = [(int(t.n_elements), t.tensor_type.name) for t in gguf_reader(str(path)).tensors if len(t.shape) == 2]
-      count = sum(n for n, _ in matrices)
-      held = sum(n * GGUF_HELD_BYTES.get(kind, float_bytes) for n, kind in matrices)
-      return held / count if count and held < count * float_bytes else None
-    import json
-    quantization = json.loads((path / "config.json").read_text()).get("quantization")
+    else:
+      matrices = _safetensors_matrices(path, engine_classname)
   except (OSError, ValueError, KeyError):
     return None
-  if not quantization:
-    return None
-  return quantization.get("bits", 4) / 8 + 4 / quantization.get("group_size", 64)  # 16-bit scale and bias a group
+  count = sum(n for n, _ in matrices)
+  held = sum(n * (float_bytes if kind is None else GGUF_HELD_BYTES.get(kind, float_bytes) if isinstance(kind, str) else kind) for n, kind in matrices)
+  return held / count if count and held < count * float_bytes else None
+
+
+# An MXFP4 weight (gpt-oss's experts): MLX holds its 4-bit code and a byte's exponent a block of 32; numpy the same
+# values as 8-bit affine codes with a 16-bit scale and bias a block (exo/inference/quantized.py's mxfp4_as_affine_8bit).
+MXFP4_HELD_BYTES = {"MLXDynamicShardInferenceEngine": 0.5 + 1 / 32, "NumpyDynamicShardInferenceEngine": 1 + 4 / 32}
+
+
+def _safetensors_matrices(path, engine_classname: str) -> list:
+  """(weights, bytes a weight held) of each quantized matrix of a Hugging Face / MLX directory, from the safetensors
+  headers alone (mlx-lm's stacked experts and per-layer overrides included), and (weights, None) of each float one."""
+  import json
+  import math
+  from exo.inference.quantized import layer_format
+  from exo.inference.weights import _safetensors_header
+  config = json.loads((path / "config.json").read_text())
+  quantization = config.get("quantization") or {}
+  headers = {}
+  for file in sorted(path.glob("*.safetensors")):
+    headers.update({name: meta for name, meta in _safetensors_header(file)[0].items() if name != "__metadata__"})
+  matrices = []
+  for name, meta in headers.items():
+    elements = math.prod(meta["shape"])
+    if len(meta["shape"]) < 2 or name.endswith((".scales", ".biases", "_scales")):
+      continue  # vectors; a quantized matrix's scales and biases are counted with it
+    if name.endswith("_blocks"):
+      matrices.append((2 * elements, MXFP4_HELD_BYTES.get(engine_classname, 0.5 + 1 / 32)))
+    elif meta["dtype"] == "U32" and name.endswith(".weight") and name[:-len("weight")] + "scales" in headers:
+      layer = layer_format(quantization, name[:-len(".weight")])
+      # affine: a 16-bit scale and bias a group; the mx modes: a byte's exponent
+      matrices.append((elements * 32 // layer["bits"], layer["bits"] / 8 + (4 if layer["mode"] == "affine" else 1) / layer["group_size"]))
+    else:
+      matrices.append((elements, None))
+  return matrices
 
 
 def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> float:
@@ -189,7 +219,7 @@ def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> fl
   if engine_classname == "DummyInferenceEngine":
     return 0.0
   if engine_classname in KEEPS_QUANTIZED:
-    held = _checkpoint_weight_bytes(get_repo(model_id, engine_classname) or "", float(float_bytes))
+    held = _checkpoint_weight_bytes(get_repo(model_id, engine_classname) or "", float(float_bytes), engine_classname)
     if held is not None:
       return held
   if engine_classname == "MLXDynamicShardInferenceEngine":
