@@ -64,11 +64,12 @@ model_cards: Dict[str, dict] = {
   "qwen-3-8b": _card(36, "Qwen/Qwen3-8B", "mlx-community/Qwen3-8B-4bit"),
   "qwen-3-14b": _card(40, "Qwen/Qwen3-14B", "mlx-community/Qwen3-14B-4bit"),
   "qwen-3-32b": _card(64, "Qwen/Qwen3-32B", "mlx-community/Qwen3-32B-4bit"),
-  # Mixtures of experts, from bfloat16 checkpoints (the engines do not yet run quantized experts; tinygrad not gpt-oss's)
+  # Mixtures of experts: Qwen3's from bfloat16 checkpoints; gpt-oss as OpenAI ships it, its experts in MXFP4 (numpy
+  # and MLX keep them quantized; tinygrad does not compute gpt-oss's experts)
   "qwen-3-30b-a3b": _card(48, "Qwen/Qwen3-30B-A3B"),
   "qwen-3-235b-a22b": _card(94, "Qwen/Qwen3-235B-A22B"),
-  "gpt-oss-20b": _card(24, "unsloth/gpt-oss-20b-BF16", tinygrad=False),
-  "gpt-oss-120b": _card(36, "unsloth/gpt-oss-120b-BF16", tinygrad=False),
+  "gpt-oss-20b": _card(24, "openai/gpt-oss-20b", tinygrad=False),
+  "gpt-oss-120b": _card(36, "openai/gpt-oss-120b", tinygrad=False),
   # Mistral (the ungated copies of the 7B), Gemma (Gemma 3 1B: the text-only size), Phi-4, Granite, OLMo 2
   "mistral-7b": _card(32, "unsloth/mistral-7b-instruct-v0.3", "mlx-community/Mistral-7B-Instruct-v0.3-4bit"),
   "mistral-nemo": _card(40, "mistralai/Mistral-Nemo-Instruct-2407", "mlx-community/Mistral-Nemo-Instruct-2407-4bit"),

@@ -4,7 +4,8 @@ or 8 bits, scale and bias float16. The numpy and MLX engines then hold and run t
 
 Which matrices: the ones every token's step multiplies by, as mlx-lm quantizes its Linear and Embedding layers: the
 layers' projections, the token embedding and the output head (a tied head is the quantized embedding). Norms,
-biases, mixture-of-experts routers and experts stay float (the engines run experts in float only). A matrix whose
+biases, mixture-of-experts routers and experts stay float (checkpoints quantized by mlx-lm, experts included, load
+quantized as they are). A matrix whose
 inputs are no multiple of 32 stays float too.
 
 Each matrix is quantized as soon as it is read, so a load holds the quantized model and one float matrix, never the
