@@ -124,8 +124,10 @@ def test_rows_moved_whole_keep_their_scales():
 
 
 def test_formats_the_kernels_do_not_run_are_dequantised():
+  """(mxfp4 runs packed, as exact 8-bit codes: tests/test_quantized_experts_units.py.)"""
   w = mlx_matrix(4, 32, "float16")
-  for other in (QuantizedWeight(w.packed, w.scales.astype(np.uint8), None, 32, 4, "mxfp4"),
+  codes = np.random.default_rng(5).integers(0, 0x7e, size=(80, 256), dtype=np.uint8)  # E4M3 codes short of NaN
+  for other in (QuantizedWeight(codes.view(np.uint32), np.full((80, 8), 120, dtype=np.uint8), None, 32, 8, "mxfp8"),
                 QuantizedWeight(np.zeros((80, 256 * 3 // 32), dtype=np.uint32), w.scales, w.biases, 32, 3)):
     matrix = weight_matrix(other)
     assert isinstance(matrix, np.ndarray) and matrix.shape == (256, 80)
