@@ -275,13 +275,13 @@ def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name,
 
 @pytest.mark.parametrize("engine", ["numpy", "mlx"])
 def test_gpt_oss_mxfp4_experts_stay_quantized(engine):
-  """The MXFP4 experts are held quantized: by MLX in its own mxfp4 mode (the checkpoint's bytes), by numpy as exact
-  8-bit affine codes (quantized.mxfp4_as_affine_8bit), each expert's own matrices."""
+  """The MXFP4 experts are held as the checkpoint's bytes, each expert's own matrices: by MLX in its own mxfp4 mode,
+  by numpy's 4-bit kernels reading E2M1 codes."""
   [model] = shard_models(engine, "gpt_oss_mxfp4")
   for layer in model.layers:
     if engine == "numpy":
       gate_up, down = layer["experts"][0]
-      assert type(gate_up).__name__ == type(down).__name__ == "PackedMatrix" and gate_up.bits == down.bits == 8
+      assert type(gate_up).__name__ == type(down).__name__ == "PackedMatrix" and gate_up.bits == down.bits == 4 and gate_up.fp4
     else:
       assert layer["experts_gate_up"].quantized.format == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
@@ -292,8 +292,7 @@ def test_placement_counts_mxfp4_experts_at_the_bytes_the_engine_holds(engine):
   what the engine's model really holds: its experts' matrices as kept, every other matrix at the float width."""
   from exo.topology.model_size import _checkpoint_weight_bytes
   path = FIXTURES / "gpt_oss_mxfp4"
-  classname = {"numpy": "NumpyDynamicShardInferenceEngine", "mlx": "MLXDynamicShardInferenceEngine"}[engine]
-  per_weight = _checkpoint_weight_bytes(str(path), 4.0, classname)
+  per_weight = _checkpoint_weight_bytes(str(path), 4.0)
   [model] = shard_models(engine, "gpt_oss_mxfp4")
   expert_weights, expert_bytes = 0, 0
   for layer in model.layers:

@@ -1,11 +1,11 @@
-"""Quantized mixture-of-experts weights, read without a model: gpt-oss's MXFP4 blocks as MLX's mxfp4 mode, the exact
-8-bit affine form the numpy kernels compute them in, and mlx-lm's stacked experts one expert at a time."""
+"""Quantized mixture-of-experts weights, read without a model: gpt-oss's MXFP4 blocks as MLX's mxfp4 mode, the numpy
+kernels' products over them kept at 4 bits, and mlx-lm's stacked experts one expert at a time."""
 import numpy as np
 import pytest
 
 from exo.inference.numpy.kernels import full_product, weight_matrix
 from exo.inference.quantize import quantize
-from exo.inference.quantized import QuantizedWeight, group_mxfp4_blocks, group_quantized, mxfp4_as_affine_8bit, stack_rows
+from exo.inference.quantized import QuantizedWeight, group_mxfp4_blocks, group_quantized, stack_rows
 
 pytestmark = pytest.mark.unit
 
@@ -39,21 +39,23 @@ def test_blocks_without_their_scales_are_refused_by_name():
 
 
 @pytest.mark.parametrize("exponents", [(115, 135), (1, 10), (240, 250)])
-def test_mxfp4_as_8_bit_affine_codes_holds_exactly_the_same_values(exponents):
-  """Every E2M1 value times any power of two lies on the 8-bit grid; the numpy engine's products over it equal the
-  float product to float32 rounding."""
+def test_the_numpy_kernels_run_mxfp4_kept_at_4_bits(exponents):
+  """An MXFP4 matrix held as its own bytes (4-bit codes, a byte's exponent a block, biases taking no memory): rows
+  read back exactly, and products equal the float product to float32 rounding, through the direct kernel (a few rows)
+  and the widened tiles (many), for powers of two from the smallest the scales hold to nearly the largest."""
   rng = np.random.default_rng(1)
   blocks, scales, values = random_mxfp4(rng, 1, 16, 96, exponents)
   w = group_mxfp4_blocks({"e_blocks": blocks, "e_scales": scales})["e.weight"][0]
-  affine = mxfp4_as_affine_8bit(w)
-  assert (affine.bits, affine.mode, affine.group_size) == (8, "affine", 32)
-  assert np.array_equal(affine.dequantize(), w.dequantize())
-  if exponents == (115, 135):
-    packed = weight_matrix(w)
-    assert type(packed).__name__ == "PackedMatrix" and packed.bits == 8
-    for rows in (1, 5):  # the direct kernel and the widened tiles
-      x = rng.standard_normal((rows, 96)).astype(np.float32)
-      np.testing.assert_allclose(full_product(x, packed), x @ values[0].T, rtol=1e-4, atol=1e-5)
+  packed = weight_matrix(w)
+  assert type(packed).__name__ == "PackedMatrix" and packed.bits == 4
+  assert packed.nbytes == blocks.nbytes + scales.nbytes  # the checkpoint's bytes
+  assert np.array_equal(packed.dequantize(), values[0].astype(np.float32))
+  reordered = packed.take_rows(np.arange(16)[::-1])
+  assert reordered.nbytes == packed.nbytes and np.array_equal(reordered.dequantize(), values[0, ::-1].astype(np.float32))
+  for rows in (1, 5, 80) if exponents == (115, 135) else (1,):  # (products of the extreme ones leave float32's range)
+    x = rng.standard_normal((rows, 96)).astype(np.float32) * np.float32(2.0 ** -100 if exponents[0] > 127 else 1.0)
+    want = x @ values[0].T
+    np.testing.assert_allclose(full_product(x, packed), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_stacked_experts_read_one_expert_at_a_time():

@@ -52,7 +52,7 @@ class QuantizedWeight:
     if self.mode == "affine":
       w = codes.astype(np.float32) * self.scales[..., None] + self.biases[..., None]
     elif self.mode in ("mxfp4", "mxfp8"):
-      table = _E2M1 if self.mode == "mxfp4" else _E4M3
+      table = E2M1 if self.mode == "mxfp4" else _E4M3
       w = table[codes] * np.ldexp(np.float32(1.0), self.scales.astype(np.int32) - 127)[..., None]
     else:
       raise ValueError(f"quantization mode {self.mode!r} is not supported (only {', '.join(MODES)})")
@@ -88,7 +88,7 @@ def _e4m3_table() -> np.ndarray:
   return (sign * value).astype(np.float32)
 
 
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 _E4M3 = _e4m3_table()
 
 
@@ -106,21 +106,6 @@ def group_mxfp4_blocks(tensors: Dict[str, object]) -> Dict[str, object]:
     packed = np.ascontiguousarray(blocks).reshape(*blocks.shape[:-2], -1).view(np.uint32)
     out[f"{layer}.weight"] = QuantizedWeight(packed, np.ascontiguousarray(scales), None, blocks.shape[-1] * 2, 4, "mxfp4")
   return out
-
-
-# An E2M1 value v (in _E2M1's order) as the code of an 8-bit affine group that holds -6..6 in steps of 0.5: 2 * (v + 6)
-_E2M1_AS_HALF_STEPS = ((_E2M1 + 6) * 2).astype(np.uint8)
-
-
-def mxfp4_as_affine_8bit(w: QuantizedWeight) -> QuantizedWeight:
-  """An mxfp4 matrix as 8-bit affine groups holding exactly the same values, for kernels that read affine codes
-  only: a block's E2M1 values times 2 ** e all lie on the grid scale * code + bias with scale 2 ** (e - 1) and bias
-  -6 * 2 ** e (codes 0..24). E2M1's values are not evenly spaced (0.5 apart up to 2, then 1 and 2), so no 4-bit
-  affine grid holds them all: this takes 8 bits a code (and a scale and bias a block) to stay exact."""
-  out, n_in = w.shape
-  codes = _E2M1_AS_HALF_STEPS[unpack_codes(w.packed, 4, n_in)]
-  power = np.ldexp(np.float32(1.0), w.scales.astype(np.int32) - 127).astype(np.float32)
-  return QuantizedWeight(np.ascontiguousarray(codes).view(np.uint32), power * np.float32(0.5), power * np.float32(-6.0), w.group_size, 8)
 
 
 def layer_format(quantization: dict, layer: str) -> dict:

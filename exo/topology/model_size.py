@@ -160,7 +160,7 @@ KEEPS_WINDOW = ("NumpyDynamicShardInferenceEngine", "MLXDynamicShardInferenceEng
 
 
 @functools.lru_cache(maxsize=64)
-def _checkpoint_weight_bytes(repo: str, float_bytes: float, engine_classname: str) -> Optional[float]:
+def _checkpoint_weight_bytes(repo: str, float_bytes: float) -> Optional[float]:
   """Bytes a weight of a checkpoint on this machine (a local path, or the embedded model) takes held as an engine that
   keeps quantized weights holds it, averaged over its matrices; None for a checkpoint not here or not quantized."""
   from exo.download.shard_files import local_model_path
@@ -172,7 +172,7 @@ def _checkpoint_weight_bytes(repo: str, float_bytes: float, engine_classname: st
       from exo.inference.weights import gguf_reader
       matrices = [(int(t.n_elements), t.tensor_type.name) for t in gguf_reader(str(path)).tensors if len(t.shape) == 2]
     else:
-      matrices = _safetensors_matrices(path, engine_classname)
+      matrices = _safetensors_matrices(path)
   except (OSError, ValueError, KeyError):
     return None
   count = sum(n for n, _ in matrices)
@@ -180,12 +180,11 @@ def _checkpoint_weight_bytes(repo: str, float_bytes: float, engine_classname: st
   return held / count if count and held < count * float_bytes else None
 
 
-# An MXFP4 weight (gpt-oss's experts): MLX holds its 4-bit code and a byte's exponent a block of 32; numpy the same
-# values as 8-bit affine codes with a 16-bit scale and bias a block (exo/inference/quantized.py's mxfp4_as_affine_8bit).
-MXFP4_HELD_BYTES = {"MLXDynamicShardInferenceEngine": 0.5 + 1 / 32, "NumpyDynamicShardInferenceEngine": 1 + 4 / 32}
+# An MXFP4 weight (gpt-oss's experts), as numpy and MLX hold it: its 4-bit code and a byte's exponent a block of 32.
+MXFP4_HELD_BYTES = 0.5 + 1 / 32
 
 
-def _safetensors_matrices(path, engine_classname: str) -> list:
+def _safetensors_matrices(path) -> list:
   """(weights, bytes a weight held) of each quantized matrix of a Hugging Face / MLX directory, from the safetensors
   headers alone (mlx-lm's stacked experts and per-layer overrides included), and (weights, None) of each float one."""
   import json
@@ -203,7 +202,7 @@ def _safetensors_matrices(path, engine_classname: str) -> list:
     if len(meta["shape"]) < 2 or name.endswith((".scales", ".biases", "_scales")):
       continue  # vectors; a quantized matrix's scales and biases are counted with it
     if name.endswith("_blocks"):
-      matrices.append((2 * elements, MXFP4_HELD_BYTES.get(engine_classname, 0.5 + 1 / 32)))
+      matrices.append((2 * elements, MXFP4_HELD_BYTES))
     elif meta["dtype"] == "U32" and name.endswith(".weight") and name[:-len("weight")] + "scales" in headers:
       layer = layer_format(quantization, name[:-len(".weight")])
       # affine: a 16-bit scale and bias a group; the mx modes: a byte's exponent
@@ -219,7 +218,7 @@ def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> fl
   if engine_classname == "DummyInferenceEngine":
     return 0.0
   if engine_classname in KEEPS_QUANTIZED:
-    held = _checkpoint_weight_bytes(get_repo(model_id, engine_classname) or "", float(float_bytes), engine_classname)
+    held = _checkpoint_weight_bytes(get_repo(model_id, engine_classname) or "", float(float_bytes))
     if held is not None:
       return held
   if engine_classname == "MLXDynamicShardInferenceEngine":

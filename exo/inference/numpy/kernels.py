@@ -174,17 +174,13 @@ def matmul(x: np.ndarray, w: np.ndarray, bias: Optional[np.ndarray] = None, work
 
 def weight_matrix(w, order: Optional[np.ndarray] = None):
   """A loaded (out, in) weight as the engine computes with it, its outputs in `order` if given: float32 as an (in,
-  out) array; a QuantizedWeight the kernels run kept packed (rows = outputs; mxfp4 as exact 8-bit affine codes), any
-  other dequantised; parts quantized
+  out) array; a QuantizedWeight the kernels run kept packed (rows = outputs), any other dequantised; parts quantized
   differently (a tuple) dequantised and joined."""
   from exo.inference.quantized import QuantizedWeight
   if isinstance(w, tuple):
     w = np.concatenate([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in w])
   if isinstance(w, QuantizedWeight):
     from exo.inference.numpy.packed import PackedMatrix
-    if w.mode == "mxfp4":  # gpt-oss's experts: exactly, in codes the kernels read
-      from exo.inference.quantized import mxfp4_as_affine_8bit
-      w = mxfp4_as_affine_8bit(w)
     if not PackedMatrix.supports(w):
       w = w.dequantize()
     else:

@@ -41,32 +41,41 @@ def _half_bits(values: np.ndarray) -> tuple:
   return values, "float32"
 
 
-class PackedMatrix:
-  """An (out, in) matrix of 4- or 8-bit codes in groups along its inputs, each group with a scale and a bias."""
+def _no_biases(shape) -> np.ndarray:
+  """Zero biases for MXFP4, read by the same kernels: one float32 zero seen at every place (no memory)."""
+  return np.broadcast_to(np.zeros(1, dtype=np.float32), shape)
 
-  def __init__(self, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, table: str, bits: int):
-    self.codes, self.scales, self.biases, self.table_name, self.bits = codes, scales, biases, table, bits
+
+class PackedMatrix:
+  """An (out, in) matrix of 4- or 8-bit codes in groups along its inputs, each group with a scale and a bias; or of
+  MXFP4 codes (`fp4`: E2M1 values) with a power of two a group and no bias (zeros that take no memory)."""
+
+  def __init__(self, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, table: str, bits: int, fp4: Optional[bool] = None):
+    self.codes, self.scales, self.biases, self.table_name, self.bits, self.fp4 = codes, scales, biases, table, bits, fp4
     self.table = qkernels.TABLES[table]
     self._product = qkernels.product_rows_4 if bits == 4 else qkernels.product_rows_8
     self._widen = qkernels.widen_tile_4 if bits == 4 else qkernels.widen_tile_8
 
   @classmethod
   def supports(cls, w: QuantizedWeight) -> bool:
-    return w.mode == "affine" and w.bits in (4, 8) and (w.shape[1] // w.scales.shape[1]) % 2 == 0
+    return ((w.mode == "affine" and w.bits in (4, 8)) or (w.mode == "mxfp4" and w.bits == 4)) and (w.shape[1] // w.scales.shape[1]) % 2 == 0
 
   @classmethod
   def from_quantized(cls, w: QuantizedWeight) -> "PackedMatrix":
-    scales, table = _half_bits(w.scales)
-    biases, bias_table = _half_bits(w.biases)
-    if bias_table != table:  # one table reads both
-      scales, biases, table = w.scales.astype(np.float32), w.biases.astype(np.float32), "float32"
     codes = np.ascontiguousarray(w.packed).view(np.uint8)
-    matrix = cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
-    if (w.bits, table) not in _ready:  # at load, not in a request's first step: reading the cached code takes ~1 s
+    if w.mode == "mxfp4":
+      matrix = cls(codes, np.ascontiguousarray(w.scales, dtype=np.uint8), _no_biases(w.scales.shape), "e8m0", 4, True)
+    else:
+      scales, table = _half_bits(w.scales)
+      biases, bias_table = _half_bits(w.biases)
+      if bias_table != table:  # one table reads both
+        scales, biases, table = w.scales.astype(np.float32), w.biases.astype(np.float32), "float32"
+      matrix = cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
+    if (w.bits, matrix.table_name) not in _ready:  # at load, not in a request's first step: reading the cached code takes ~1 s
       for rows in (1, DIRECT_ROWS + 1):
         matrix.product(np.zeros((rows, matrix.shape[1]), dtype=np.float32), 0, 1)
       matrix.rows(np.zeros(1, dtype=np.int64))
-      _ready.add((w.bits, table))
+      _ready.add((w.bits, matrix.table_name))
     return matrix
 
   @property
@@ -75,17 +84,18 @@ class PackedMatrix:
 
   @property
   def nbytes(self) -> int:
-    return self.codes.nbytes + self.scales.nbytes + self.biases.nbytes
+    return self.codes.nbytes + self.scales.nbytes + (0 if self.fp4 is not None else self.biases.nbytes)
 
   def take_rows(self, index: np.ndarray) -> "PackedMatrix":
     pick = lambda a: np.ascontiguousarray(a[index])
-    return PackedMatrix(pick(self.codes), pick(self.scales), pick(self.biases), self.table_name, self.bits)
+    biases = _no_biases((len(index), self.scales.shape[1])) if self.fp4 is not None else pick(self.biases)
+    return PackedMatrix(pick(self.codes), pick(self.scales), biases, self.table_name, self.bits, self.fp4)
 
   def rows(self, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` as float32 (len(ids), in): embedding lookups."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
-    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.bits, ids, out)
+    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.fp4, self.bits, ids, out)
     return out
 
   def product(self, x: np.ndarray, a: int, b: int, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -96,7 +106,7 @@ class PackedMatrix:
     if x.shape[0] <= DIRECT_ROWS:
       # the kernel is compiled for contiguous outputs only (a slice of the logits is not one)
       direct = out if out.flags.c_contiguous else np.empty(out.shape, dtype=np.float32)
-      self._product(x, self.codes, self.scales, self.biases, self.table, a, b, direct)
+      self._product(x, self.codes, self.scales, self.biases, self.table, self.fp4, a, b, direct)
       if direct is not out:
         out[...] = direct
       return out
@@ -109,7 +119,7 @@ class PackedMatrix:
     tile = self._tile(max(1, min(b - a, tile_bytes // (4 * self.shape[1]))))
     for lo in range(a, b, len(tile)):
       hi = min(b, lo + len(tile))
-      self._widen(self.codes, self.scales, self.biases, self.table, lo, hi, tile)
+      self._widen(self.codes, self.scales, self.biases, self.table, self.fp4, lo, hi, tile)
       if transposed:
         np.matmul(tile[:hi - lo], x.T, out=result[lo - a:hi - a])
       else:

@@ -6,6 +6,9 @@ bias. Scales and biases are 16-bit floats kept as their bits (numba has no float
 65,536 float32 values of float16 or of bfloat16 (256 KiB: it stays in the core's cache), or float32 as they are
 (a checkpoint quantized from float32 weights: a second compilation, made only when one is loaded).
 
+The 4-bit kernels also read MXFP4 (gpt-oss's experts): with `fp4` True each code stands for an E2M1 value (None:
+affine codes), the scales are E8M0 exponents (uint8) read through a table of powers of two, and the biases are zero.
+
 `product_rows_4`/`_8` are the few-rows path (a decode step): each weight row is read once from memory and used for
 every input row; a group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd
 inputs gathered apart first so that the inner loop runs unit-stride and vectorises. A byte's two 4-bit codes are
@@ -34,18 +37,43 @@ def _bf16_table() -> np.ndarray:
   return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
 
 
-TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table(), "float32": np.zeros(1, dtype=np.float32)}
+TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table(), "float32": np.zeros(1, dtype=np.float32),
+          # E8M0's 2 ** (e - 127), a quarter of it (_level's E2M1 values are four times theirs); 255 is NaN
+          "e8m0": np.append(np.ldexp(np.float32(1.0), np.arange(255) - 129), np.nan).astype(np.float32)}
 
 
 def _value(values, i, table):
-  """values[i] as float32: 16-bit floats' bits read through the table, float32 as they are."""
+  """values[i] as float32: 16-bit floats' bits (or 8-bit exponents) read through the table, float32 as they are."""
 
 
 @overload(_value, inline='always')
 def _value_impl(values, i, table):
-  if values.dtype == types.uint16:
+  if values.dtype in (types.uint16, types.uint8):
     return lambda values, i, table: table[values[i]]
   return lambda values, i, table: values[i]
+
+
+def _level(code, fp4):
+  """A 4-bit code (a float32 0..15) as the value it stands for: the code itself (affine: `fp4` None); or, with `fp4`
+  True, four times its E2M1 value (MXFP4: the scales' table holds a quarter of each power of two), in float steps
+  without branches or lookups, which vectorise: magnitude codes m = 0, 1 are 0, 2 (0 and 0.5 times 4); m >= 2 are
+  (2 + m mod 2) * 2 ** floor(m / 2), the power e * e - e + 2 for e = 1..3; code 8 and up negative."""
+
+
+@overload(_level, inline='always')
+def _level_impl(code, fp4):
+  if isinstance(fp4, types.NoneType):
+    return lambda code, fp4: code
+
+  def e2m1_times_4(code, fp4):
+    negative = np.floor(code * np.float32(0.125))
+    m = code - np.float32(8.0) * negative
+    e = np.floor(m * np.float32(0.5))
+    odd = m - np.float32(2.0) * e
+    small = np.float32(m < np.float32(2.0))
+    magnitude = small * (m + m) + (np.float32(1.0) - small) * (np.float32(2.0) + odd) * (e * e - e + np.float32(2.0))
+    return magnitude * (np.float32(1.0) - np.float32(2.0) * negative)
+  return e2m1_times_4
 
 
 @numba.njit(**_JIT)
@@ -65,7 +93,7 @@ def _group_sums(x, n_groups):
 
 
 @numba.njit(**_JIT)
-def product_rows_4(x, codes, scales, biases, table, lo, hi, out):
+def product_rows_4(x, codes, scales, biases, table, fp4, lo, hi, out):
   """out[:, j - lo] = x @ w[j] for weight rows j in [lo, hi). x: float32 (rows, in)."""
   rows, n_in = x.shape
   n_groups = scales.shape[1]
@@ -90,14 +118,14 @@ def product_rows_4(x, codes, scales, biases, table, lo, hi, out):
         for k in range(half_group):  # from 0: a loop from g * half_group did not vectorise (6x slower)
           code = np.float32(row[base + k])
           high = np.floor(code * np.float32(0.0625))
-          s += e[base + k] * (code - np.float32(16.0) * high) + o[base + k] * high
+          s += e[base + k] * _level(code - np.float32(16.0) * high, fp4) + o[base + k] * _level(high, fp4)
         acc += s * _value(row_scales, g, table) + sums[r, g] * _value(row_biases, g, table)
       out[r, j - lo] = acc
 
 
 @numba.njit(**_JIT)
-def product_rows_8(x, codes, scales, biases, table, lo, hi, out):
-  """As product_rows_4, one code a byte."""
+def product_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
+  """As product_rows_4, one code a byte (affine only: `fp4` is None)."""
   rows, n_in = x.shape
   n_groups = scales.shape[1]
   group = n_in // n_groups
@@ -117,7 +145,7 @@ def product_rows_8(x, codes, scales, biases, table, lo, hi, out):
 
 
 @numba.njit(**_JIT)
-def widen_tile_4(codes, scales, biases, table, lo, hi, out):
+def widen_tile_4(codes, scales, biases, table, fp4, lo, hi, out):
   """out[j - lo] = 4-bit row w[j] as float32 for j in [lo, hi), inputs in order. Each group is sliced out and looped
   over from 0: numba cannot tell that an index sum is never negative, and the check it adds for one kept this loop
   from vectorising (3x slower). Writing a code's two values side by side vectorises as well as writing even and
@@ -133,12 +161,12 @@ def widen_tile_4(codes, scales, biases, table, lo, hi, out):
       for k in range(half_group):
         code = np.float32(group_codes[k])
         high = np.floor(code * np.float32(0.0625))
-        group_dest[2 * k] = (code - np.float32(16.0) * high) * scale + bias
-        group_dest[2 * k + 1] = high * scale + bias
+        group_dest[2 * k] = _level(code - np.float32(16.0) * high, fp4) * scale + bias
+        group_dest[2 * k + 1] = _level(high, fp4) * scale + bias
 
 
 @numba.njit(**_JIT)
-def widen_tile_8(codes, scales, biases, table, lo, hi, out):
+def widen_tile_8(codes, scales, biases, table, fp4, lo, hi, out):
   """out[j - lo] = 8-bit row w[j] as float32 for j in [lo, hi), inputs in order (as widen_tile_4)."""
   n_groups = scales.shape[1]
   group = codes.shape[1] // n_groups
@@ -153,11 +181,11 @@ def widen_tile_8(codes, scales, biases, table, lo, hi, out):
 
 
 @numba.njit(**_JIT)
-def dequantize_rows(codes, scales, biases, table, bits, ids, out):
+def dequantize_rows(codes, scales, biases, table, fp4, bits, ids, out):
   """out[i] = w[ids[i]] as float32; out is (len(ids), in)."""
   for i in range(ids.shape[0]):
     j = ids[i]
     if bits == 4:
-      widen_tile_4(codes, scales, biases, table, j, j + 1, out[i:i + 1])
+      widen_tile_4(codes, scales, biases, table, fp4, j, j + 1, out[i:i + 1])
     else:
-      widen_tile_8(codes, scales, biases, table, j, j + 1, out[i:i + 1])
+      widen_tile_8(codes, scales, biases, table, fp4, j, j + 1, out[i:i + 1])
