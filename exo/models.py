@@ -6,9 +6,10 @@ from exo.inference.shard import Shard
 _NP, _TG, _MLX = "NumpyDynamicShardInferenceEngine", "TinygradDynamicShardInferenceEngine", "MLXDynamicShardInferenceEngine"
 
 
-def _card(layers: int, hf: Optional[str] = None, mlx: Optional[str] = None, tinygrad: bool = True) -> dict:
+def _card(layers: int, hf: Optional[str] = None, mlx: Optional[str] = None, tinygrad: bool = True, mxfp4_experts: bool = False) -> dict:
   """`hf` is a Hugging Face safetensors repo (numpy and tinygrad engines); `mlx` the MLX repo (defaults to `hf`).
-  tinygrad=False: a model the tinygrad engine does not compute (gpt-oss's experts)."""
+  tinygrad=False: a model the tinygrad engine does not compute (gpt-oss's experts). mxfp4_experts: the repo stores the
+  experts in MXFP4 (gpt-oss as OpenAI ships it), which placement counts before the files are here."""
   repo = {}
   if hf:
     repo[_NP] = hf
@@ -16,7 +17,7 @@ def _card(layers: int, hf: Optional[str] = None, mlx: Optional[str] = None, tiny
       repo[_TG] = hf
   if mlx or hf:
     repo[_MLX] = mlx or hf
-  return {"layers": layers, "repo": repo}
+  return {"layers": layers, "repo": repo, **({"mxfp4_experts": True} if mxfp4_experts else {})}
 
 
 model_cards: Dict[str, dict] = {
@@ -68,8 +69,8 @@ model_cards: Dict[str, dict] = {
   # and MLX keep them quantized; tinygrad does not compute gpt-oss's experts)
   "qwen-3-30b-a3b": _card(48, "Qwen/Qwen3-30B-A3B"),
   "qwen-3-235b-a22b": _card(94, "Qwen/Qwen3-235B-A22B"),
-  "gpt-oss-20b": _card(24, "openai/gpt-oss-20b", tinygrad=False),
-  "gpt-oss-120b": _card(36, "openai/gpt-oss-120b", tinygrad=False),
+  "gpt-oss-20b": _card(24, "openai/gpt-oss-20b", tinygrad=False, mxfp4_experts=True),
+  "gpt-oss-120b": _card(36, "openai/gpt-oss-120b", tinygrad=False, mxfp4_experts=True),
   # Mistral (the ungated copies of the 7B), Gemma (Gemma 3 1B: the text-only size), Phi-4, Granite, OLMo 2
   "mistral-7b": _card(32, "unsloth/mistral-7b-instruct-v0.3", "mlx-community/Mistral-7B-Instruct-v0.3-4bit"),
   "mistral-nemo": _card(40, "mistralai/Mistral-Nemo-Instruct-2407", "mlx-community/Mistral-Nemo-Instruct-2407-4bit"),

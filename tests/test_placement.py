@@ -125,6 +125,21 @@ def test_quantized_weights_take_less_memory():
   assert len(smol(member("a", fits_quantized, **tinygrad), member("b", fits_quantized, **tinygrad)).groups) == 1
 
 
+def test_gpt_oss_cards_count_their_mxfp4_experts_before_the_files_are_here():
+  """gpt-oss as OpenAI ships it: its experts (19 of the 20b's 21 billion weights) in MXFP4, 0.53 bytes a
+  weight as numpy and MLX hold them, the rest at the node's float width; tinygrad does not run it at all."""
+  from exo.topology.model_size import SHAPES
+  shape = SHAPES["gpt-oss-20b"]
+  total = 24 * shape.layer_weights + shape.embedding_weights + shape.head_weights
+  assert 20.5e9 < total < 21.5e9  # OpenAI's count: 20.9 billion
+  for engine, float_bytes in ((NUMPY, 4), ("MLXDynamicShardInferenceEngine", 2)):
+    held = weight_bytes(engine, float_bytes, "gpt-oss-20b")
+    experts = 24 * 3 * shape.hidden * shape.intermediate
+    assert held * total == pytest.approx(experts * (0.5 + 1 / 32) + (total - experts) * float_bytes)
+    assert held < 1.0  # numpy: 17 GB (float32 outside the experts), against 84 GB all in float32
+  assert weight_bytes(NUMPY, 4, "qwen-3-30b-a3b") == 4  # a bfloat16 repo, held in float32
+
+
 def test_a_stage_takes_no_more_layers_than_its_memory_holds():
   need = whole_copy_mb()
   placement = smol(member("a", int(need * 0.6)), member("b", int(need * 0.6)))

@@ -212,6 +212,17 @@ def _safetensors_matrices(path) -> list:
   return matrices
 
 
+def _mxfp4_experts_weight_bytes(model_id: str, float_bytes: float) -> Optional[float]:
+  """A card whose experts come in MXFP4 and everything else in float, not yet on this machine: bytes a weight
+  averaged over the whole model, from its shape (ModelShape.intermediate counts every expert's width)."""
+  shape, layers = SHAPES.get(model_id), model_cards[model_id]["layers"]
+  if shape is None:
+    return None
+  experts = layers * 3 * shape.hidden * shape.intermediate
+  total = layers * shape.layer_weights + shape.embedding_weights + (0 if shape.tied else shape.head_weights)
+  return (experts * MXFP4_HELD_BYTES + (total - experts) * float_bytes) / total
+
+
 def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> float:
   """Bytes one weight takes on a node: the numpy and MLX engines hold quantized checkpoints as they are (4 or 8 bits
   and a scale and bias a group); other weights are held at the engine's float width; the dummy engine holds nothing."""
@@ -219,6 +230,8 @@ def weight_bytes(engine_classname: str, float_bytes: float, model_id: str) -> fl
     return 0.0
   if engine_classname in KEEPS_QUANTIZED:
     held = _checkpoint_weight_bytes(get_repo(model_id, engine_classname) or "", float(float_bytes))
+    if held is None and model_cards.get(model_id, {}).get("mxfp4_experts"):
+      held = _mxfp4_experts_weight_bytes(model_id, float(float_bytes))
     if held is not None:
       return held
   if engine_classname == "MLXDynamicShardInferenceEngine":
