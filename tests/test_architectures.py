@@ -273,6 +273,57 @@ def test_mlx_lms_4_bit_conversion_kept_quantized_answers_as_mlx_lm(engine, name,
   assert tokens[0] == expected_tokens
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_tinygrad_dequantises_mlx_lms_quantized_experts_and_answers_as_mlx_lm(name, tmp_path):
+  from tests.support.checkpoints import mlx_convert, mlx_lm_readable_checkpoint
+  quantized = mlx_convert(mlx_lm_readable_checkpoint(name, tmp_path / "float"), tmp_path / "q4")
+  expected_tokens, expected_logits = mlx_lm_greedy(name, len(EXPECTED[name]["tokens"]), quantized)
+  n_layers = layer_count(quantized)
+  shard = Shard(name, 0, n_layers - 1, n_layers)
+
+  def run():
+    config, weights = load_shard_weights(quantized, shard)
+    return greedy([model_class("tinygrad")(config, shard, weights)], [EXPECTED[name]["prompt"]], len(expected_tokens))
+  from exo.inference.tinygrad.engine import tinygrad_thread
+  tokens, logits = tinygrad_thread().submit(run).result()
+  np.testing.assert_allclose(logits[0], expected_logits, atol=LOGITS_ATOL)
+  assert tokens[0] == expected_tokens
+
+
+@pytest.mark.parametrize("engine", ["numpy", "mlx"])
+def test_deepseeks_kv_b_proj_quantized_whole_answers_as_its_dequantised_values(engine, tmp_path):
+  """kv_b_proj quantized whole (heads * (nope + v), latent), as mlx-lm's conversions stored it before splitting it by
+  head: read dequantised (its key half is used transposed, across its quantization groups), it answers as the same
+  checkpoint with those values in float. (mlx-lm cannot read it here: it requantizes the key half along nope, 16
+  wide in the fixture, narrower than any group.)"""
+  from safetensors.numpy import save_file
+  from exo.inference.quantize import quantize
+  from exo.inference.weights import _read_safetensors, _safetensors_header
+  from tests.support.checkpoints import fixture_checkpoint
+  source = FIXTURES / "deepseek_v3_v4" / "model.safetensors"
+  weights = _read_safetensors(source, [n for n in _safetensors_header(source)[0] if n != "__metadata__"])
+  quantized, dequantised = dict(weights), dict(weights)
+  for name in [n for n in weights if n.endswith("kv_b_proj.weight")]:
+    q = quantize(weights[name], 4)
+    layer = name[:-len(".weight")]
+    quantized.update({name: q.packed, f"{layer}.scales": q.scales.astype(np.float32), f"{layer}.biases": q.biases.astype(np.float32)})
+    dequantised[name] = q.dequantize()
+  shard = Shard("deepseek_v3_v4", 0, 2, 3)
+  answers = []
+  for kind, tensors in (("quantized", quantized), ("dequantised", dequantised)):
+    path = fixture_checkpoint("deepseek_v3_v4", tmp_path / kind)
+    save_file(tensors, str(path / "model.safetensors"))
+    if kind == "quantized":
+      config = json.loads((path / "config.json").read_text())
+      (path / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    config, loaded = load_shard_weights(path, shard, keep_quantized=True)
+    assert (type(loaded["model.layers.1.self_attn.kv_b_proj.weight"]).__name__ == "QuantizedWeight") == (kind == "quantized")
+    answers.append(greedy([model_class(engine)(config, shard, loaded)], [EXPECTED["deepseek_v3_v4"]["prompt"]], 12))
+  (tokens, logits), (expected_tokens, expected_logits) = answers
+  np.testing.assert_allclose(logits[0], expected_logits[0], atol=1e-5)
+  assert tokens[0] == expected_tokens[0]
+
+
 @pytest.mark.parametrize("engine", ["numpy", "mlx"])
 def test_gpt_oss_mxfp4_experts_stay_quantized(engine):
   """The MXFP4 experts are held as the checkpoint's bytes, each expert's own matrices: by MLX in its own mxfp4 mode,
