@@ -10,7 +10,7 @@ import pytest
 
 from exo.api.model_limits import ModelLimits
 from exo.inference.weights import _safetensors_header, load_config
-from exo.topology.model_size import KV_RESERVE_POSITIONS, KV_RESERVE_STREAMS, _checkpoint_shape, shape_of
+from exo.topology.model_size import KV_RESERVE_POSITIONS, KV_RESERVE_STREAMS, _checkpoint_shape, shape_of, weight_bytes
 from exo.topology.placement import MemberFacts, _Costs
 
 pytestmark = pytest.mark.unit
@@ -20,11 +20,13 @@ NUMPY = "NumpyDynamicShardInferenceEngine"
 
 
 def tensor_sizes(name: str) -> dict:
-  """Each tensor's element count, as the fixture's safetensors header gives it."""
+  """Each tensor's element count, as the fixture's safetensors header gives it; an MXFP4 tensor's (`_blocks`, two
+  weights a byte) its weights, its scales none."""
   sizes = {}
   for file in (FIXTURES / name).glob("*.safetensors"):
     header, _ = _safetensors_header(file)
-    sizes.update({tensor: math.prod(t["shape"]) for tensor, t in header.items() if tensor != "__metadata__"})
+    sizes.update({tensor: math.prod(t["shape"]) * (2 if tensor.endswith("_blocks") else 1) for tensor, t in header.items()
+                  if tensor != "__metadata__" and not tensor.endswith("_scales")})
   return sizes
 
 
@@ -103,7 +105,9 @@ def test_placements_kv_reserve_holds_a_sliding_layers_window_per_stream():
   tinygrad = MemberFacts("a", "TinygradDynamicShardInferenceEngine", 4, 1000, 1.0, "auto")
   numpy = MemberFacts("a", NUMPY, 4, 1000, 1.0, "auto")
   costs = _Costs("gpt-oss-20b", 24, gpt_oss)
-  assert costs.bytes(tinygrad, 0, 23) - costs.bytes(numpy, 0, 23) == 12 * (KV_RESERVE_POSITIONS - KV_RESERVE_STREAMS * 128) * gpt_oss.kv_per_position * 4
+  weights = 24 * gpt_oss.layer_weights + gpt_oss.embedding_weights + gpt_oss.head_weights
+  kv = lambda facts: costs.bytes(facts, 0, 23) - weights * weight_bytes(facts.engine, 4, "gpt-oss-20b")  # numpy holds the MXFP4 experts smaller
+  assert kv(tinygrad) - kv(numpy) == pytest.approx(12 * (KV_RESERVE_POSITIONS - KV_RESERVE_STREAMS * 128) * gpt_oss.kv_per_position * 4, rel=1e-9)
   gemma2 = shape_of("gemma-2-9b")  # a window wider than a stream: every position counts
   assert gemma2.kv_reserve(0, 41) == 42 * KV_RESERVE_POSITIONS * gemma2.kv_per_position
   local = _checkpoint_shape(str(FIXTURES / "gemma3_text"))  # a checkpoint's own: its layer_types
