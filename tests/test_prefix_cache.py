@@ -113,7 +113,7 @@ async def test_a_tiny_budget_evicts_ended_prompts_and_never_a_live_requests_cach
       reference = await answer(node, long_prompt, 64, ignore_eos=True)
     # While the long answer streams, other prompts come and go; its cache is filed, and must stay filed and intact.
     long_task = asyncio.ensure_future(answer(node, long_prompt, 64, ignore_eos=True))
-    await eventually(lambda: any(r.tokens for r in node.requests), 60)
+    await eventually(lambda: any(r.sampling and r.sampling.tokens for r in node.requests), 60)
     (live_cache,) = engine.caches.values()
     for _ in range(2):
       await answer(node, short_prompt, 2)

@@ -12,7 +12,7 @@ import numpy as np
 from exo.inference.closing import within_budget
 from exo.inference.grammar import CannotConstrain, Constraint, GrammarError, MaskTimes, compute_masks, in_grammar_thread
 from exo.inference.penalties import rows_to_sample
-from exo.inference.sampling import SamplingParams, allowed, draw_then_check, last_rows, make_generator, masked, sample_rows, token_logprobs
+from exo.inference.sampling import SamplingParams, allowed, draw_then_check, last_rows, masked, sample_rows, token_logprobs
 from exo.inference.tokenizers import eos_ids
 
 
@@ -33,13 +33,14 @@ async def prepare(requests: Sequence, tokenizer) -> List[Union[None, Constraint,
 
 def start(request, tokenizer) -> Optional[Constraint]:
   """The request's Constraint (made on first call) with its compilation started; None if it has no grammar."""
-  if request.params.grammar and request.constraint is None:
+  sampling = request.sampled_here()
+  if request.params.grammar and sampling.constraint is None:
     if tokenizer is None:
       raise CannotConstrain("it has no tokenizer for the request's model")
-    request.constraint = Constraint(request.params.grammar, request.params.bounded_numbers is not False)
-  if request.constraint is not None:
-    request.constraint.prepare(tokenizer)
-  return request.constraint
+    sampling.constraint = Constraint(request.params.grammar, request.params.bounded_numbers is not False)
+  if sampling.constraint is not None:
+    sampling.constraint.prepare(tokenizer)
+  return sampling.constraint
 
 
 async def masks_of(constraints: Sequence[Optional[Constraint]], times: Optional[MaskTimes] = None) -> List[Optional[np.ndarray]]:
@@ -116,9 +117,6 @@ async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarr
   grammars), its logprobs set on the record when it asked, its matcher advanced; a request whose grammar `sampler`
   (the node, for the error) cannot follow gets an error in place of its token. `budgets`: each request's tokens
   left, this one included (a constrained answer is closed within them)."""
-  for request in requests:
-    if request.generator is None:
-      request.generator = make_generator(request.params.seed)
   prepared = await prepare(requests, engine.tokenizer)
   out: List[Union[int, Exception]] = [CannotConstrain(f"{sampler} cannot constrain this request's output, so it does not answer it: {c}")
                                       if isinstance(c, Exception) else 0 for c in prepared]
@@ -128,16 +126,16 @@ async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarr
   params, constraints = [requests[i].params for i in rows], [prepared[i] for i in rows]
   asked = [requests[i] for i in rows]
   processed = rows_to_sample([results[i] for i in rows], asked, end_tokens(engine))
-  drawn, logits = await sample(engine, processed, params, [requests[i].generator for i in rows], constraints,
+  drawn, logits = await sample(engine, processed, params, [requests[i].sampled_here().generator for i in rows], constraints,
                                masks and [masks[i] for i in rows], times, budgets and [budgets[i] for i in rows])
   tokens = [int(t) for t in drawn]
   if any(p.logprobs is not None for p in params):  # from the logits each was drawn from, for every row that asked, in one pass
     logits = last_rows(processed) if logits is None else logits
     for i, logprobs in zip(rows, token_logprobs(logits, params, tokens)):
-      requests[i].sampled_logprobs = logprobs
+      requests[i].sampled_here().logprobs = logprobs
   for request, token in zip(asked, tokens):
-    if request.penalty_counts is not None:
-      request.penalty_counts.add(token)
+    if (counts := request.sampled_here().penalty_counts) is not None:
+      counts.add(token)
   for i, token, error in zip(rows, tokens, advance(constraints, tokens)):
     out[i] = token if error is None else error
   return out

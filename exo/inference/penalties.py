@@ -125,11 +125,12 @@ def counts_for(request) -> Optional[TokenCounts]:
   """A request's TokenCounts (exo/orchestration/requests.py's record), made on first use; None if it asks for none."""
   if not processes(request.params):
     return None
-  if request.penalty_counts is None:
-    request.penalty_counts = TokenCounts(request.params)
-    for token in request.tokens:
-      request.penalty_counts.add(token)
-  return request.penalty_counts
+  sampling = request.sampled_here()
+  if sampling.penalty_counts is None:
+    sampling.penalty_counts = TokenCounts(request.params)
+    for token in sampling.tokens:
+      sampling.penalty_counts.add(token)
+  return sampling.penalty_counts
 
 
 def rows_to_sample(results: Sequence[np.ndarray], requests: Sequence, end_tokens: Collection[int]) -> List[np.ndarray]:

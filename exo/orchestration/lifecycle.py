@@ -127,9 +127,10 @@ class Lifecycle:
       return
     logprobs = None
     if request is not None:
+      delivery = request.delivered_here()
       if request.params.logprobs is not None:
-        logprobs = [request.peer_logprobs.pop(request.tokens_received + i, None) for i in range(len(result))]
-      request.tokens_received += len(result)
+        logprobs = [delivery.logprobs_ahead.pop(delivery.received + i, None) for i in range(len(result))]
+      delivery.received += len(result)
       request.advance(Status.DECODING)
     self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
     if is_finished and request is not None:

@@ -21,7 +21,7 @@ from exo.inference.shard import Shard
 from exo.orchestration import statuses
 from exo.orchestration.acceptance import accept
 from exo.orchestration.model_gate import LeftTheLine, gate_key
-from exo.orchestration.requests import Request, RequestEnded, Status
+from exo.orchestration.requests import FirstStage, Request, RequestEnded, Status
 from exo.orchestration.routing.packing import ROWS, unpack
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Passes:
         return
       await self._enter(request, shard)
       tokens = await self._prompt_tokens(shard, prompt, (inference_state or {}).get(PROMPT_IDS))
-      request.prompt_tokens = tokens.shape[1]
+      request.first_stage = FirstStage(tokens.shape[1])
       context = self._context_length(request)
       if context is not None and tokens.shape[1] >= context:
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
@@ -222,7 +222,7 @@ class Passes:
   def tokens_left(self, request: Request) -> int:
     """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
     context's (one fewer than the context would hold, to be sure)."""
-    left = self.token_limit(request) - len(request.tokens)
+    left = self.token_limit(request) - len(request.sampled_here().tokens)
     context = self._context_length(request)
     return left if context is None else min(left, context - request.positions)
 

@@ -65,17 +65,17 @@ class PrefixProtocol:
       await asyncio.wait(list(self.filings))
     reused = await self.node.engine_for(shard).start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
     request.positions = reused
-    request.prompt = (shard, tokens) if reused else None  # kept while another node may lack the prefix
-    request.sequence = tokens[0].tolist()
+    request.first_stage.rerun = (shard, tokens) if reused else None  # kept while another node may lack the prefix
+    request.first_stage.sequence = tokens[0].tolist()
     await self.node.passes.run_pass(shard, tokens[:, reused:], request, {**state, "prefix": {"keys": keys, "reuse": reused}}, accepted)
 
   def fed_back(self, request: Request, tensor: np.ndarray) -> None:
     """A token came back to the first node: its cache holds it too."""
-    if request.sequence is not None:
-      request.sequence += np.asarray(tensor).reshape(-1).tolist()
+    if request.first_stage is not None and request.first_stage.sequence is not None:
+      request.first_stage.sequence += np.asarray(tensor).reshape(-1).tolist()
 
   def finished(self, request: Request) -> None:
-    if request.sequence is not None:
+    if request.first_stage is not None and request.first_stage.sequence is not None:
       filing = self.node.spawn(self._file_answer(request))
       self.filings.add(filing)
       filing.add_done_callback(self.filings.discard)
@@ -83,8 +83,8 @@ class PrefixProtocol:
   async def _file_answer(self, request: Request) -> None:
     """Once the request has finished: every node files the blocks its cache holds, the answer's included. The others
     are told first, so that no later request is sent to reuse blocks a peer never heard of."""
-    keys = block_keys(request.model, np.array(request.sequence, dtype=np.int64))
-    if len(keys) * BLOCK <= request.prompt_tokens:  # the answer completed no block past the prompt's
+    keys = block_keys(request.model, np.array(request.first_stage.sequence, dtype=np.int64))
+    if len(keys) * BLOCK <= request.first_stage.prompt_tokens:  # the answer completed no block past the prompt's
       return
     status, peers = statuses.prefix_extend(request.id, keys), [p for p in self.node.peers if p.id() in request.ring]
     # A peer the status misses answers a later request with prefix_miss, which stays correct.
@@ -93,12 +93,12 @@ class PrefixProtocol:
 
   def _heard_miss(self, request_id: str, status: statuses.PrefixMiss, sender_host: Optional[str]) -> None:
     request = self.node.requests.get(status.request_id)
-    if request is not None and request.prompt is not None and (sender_host is None or self.node.on_path(request, sender_host)):
+    if request is not None and request.first_stage is not None and request.first_stage.rerun is not None and (sender_host is None or self.node.on_path(request, sender_host)):
       self.node.spawn(self._prefill_again(request))
 
   async def _prefill_again(self, request: Request) -> None:
     """A node lacked the prefix the request reused: its whole prompt runs again, on every node, from position 0."""
-    (shard, tokens), request.prompt = request.prompt, None
+    (shard, tokens), request.first_stage.rerun = request.first_stage.rerun, None
     try:
       await self._run_from_prefix(shard, tokens, request, {}, reuse=False)
     except RequestEnded:

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
-from exo.inference.sampling import SamplingParams, TokenLogprobs
+from exo.inference.sampling import SamplingParams, TokenLogprobs, make_generator
 from exo.inference.shard import Shard
 
 if TYPE_CHECKING:  # (annotations only: these modules need nothing from here, but importing them here would be slow or circular)
   import asyncio
 
   from exo.inference.grammar import Constraint
+  from exo.inference.inference_engine import InferenceEngine
   from exo.inference.penalties import TokenCounts
   from exo.orchestration.routing.route import Route
 
@@ -58,34 +59,61 @@ class Status(Enum):
 _ORDER = {status: i for i, status in enumerate(Status)}
 
 
+@dataclass
+class Sampling:
+  """What the node that samples a request (the one with its model's last layers) keeps of it."""
+  generator: np.random.Generator  # its random stream
+  tokens: List[int] = field(default_factory=list)  # tokens sampled for it here
+  eos_ids: Optional[Set[int]] = None  # its model's end tokens
+  constraint: Optional["Constraint"] = None  # its grammar's matcher (exo/inference/grammar.py)
+  penalty_counts: Optional["TokenCounts"] = None  # what its penalties count (exo/inference/penalties.py)
+  logprobs: Optional[TokenLogprobs] = None  # the logprobs of the token just sampled, until the step core sends it
+
+
+@dataclass
+class Delivery:
+  """What the node its tokens are delivered to (its origin, whose client asked) keeps of a request."""
+  received: int = 0  # tokens a peer has sent here
+  logprobs_ahead: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
+
+
+@dataclass
+class FirstStage:
+  """What the node with a request's first layers keeps of its prompt."""
+  prompt_tokens: int  # its prompt's length
+  rerun: Optional[Tuple[Shard, np.ndarray]] = None  # (shard, prompt ids) while a reused prefix may need undoing
+  sequence: Optional[List[int]] = None  # in a ring that reuses prefixes: the ids its KV cache holds here
+
+
 @dataclass(eq=False)
 class Request:
+  """What every node on its path knows of a request; a role's own state only where the role is."""
   id: str
   params: SamplingParams
   origin: Optional[str] = None  # the node whose client asked (None for requests from upstream nodes)
   status: Status = Status.QUEUED
   model: Optional[str] = None  # the model it runs on here, once it has work here
-  engine: Optional[object] = None  # the engine its model runs on here (the node's model pool), once the gate let it in
-  admitted: Optional["asyncio.Future"] = None  # the asyncio task of its turn at the model gate here, once it has asked
+  engine: Optional["InferenceEngine"] = None  # the engine its model runs on here (the node's model pool), once the gate let it in
+  admitted: Optional["asyncio.Future[None]"] = None  # its turn at the model gate here, once it has asked
   ring: Tuple[str, ...] = ()  # ids of the nodes of its route: the nodes it needs
   route: Optional["Route"] = None  # the Route it follows here (routing/route.py), once it has work here or was routed here
   group: Optional[str] = None  # the placement group its route is (travelling routes only)
   told_next: bool = False  # this node has sent it on along its route once (its parameters went with it)
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
-  prompt_tokens: int = 0  # its prompt's length, where known (on the node with the first layers)
-  tokens: List[int] = field(default_factory=list)  # tokens sampled for it here (on the node with the last layers)
-  generator: Optional[np.random.Generator] = None  # its random stream, on the node that samples it
-  eos_ids: Optional[Set[int]] = None  # its model's end tokens, on the node that samples it
-  constraint: Optional["Constraint"] = None  # its grammar's matcher (exo/inference/grammar.py), on the node that samples it
-  penalty_counts: Optional["TokenCounts"] = None  # what its penalties count (exo/inference/penalties.py), on the node that samples it
-  sampled_logprobs: Optional[TokenLogprobs] = None  # the logprobs of the token just sampled, until the step core sends it
-  tokens_received: int = 0  # tokens a peer has sent here, its origin
-  peer_logprobs: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
   busy: bool = False  # a pass of it is running here
   came_packed: bool = False  # its latest message here was a packed one: a whole step of the stage before
-  prompt: Optional[Tuple[Shard, np.ndarray]] = None  # (shard, prompt ids) on the first node, while a reused prefix may need undoing
-  sequence: Optional[List[int]] = None  # on the first node of a ring that reuses prefixes: the ids its KV cache holds here
+  sampling: Optional[Sampling] = None  # on the node that samples it, from its first step there (sampled_here)
+  delivery: Optional[Delivery] = None  # where its tokens are delivered, from the first (delivered_here)
+  first_stage: Optional[FirstStage] = None  # on the node with its first layers, once its prompt is tokenised there
   created: float = field(default_factory=time.monotonic)
+
+  def sampled_here(self) -> Sampling:
+    self.sampling = self.sampling or Sampling(make_generator(self.params.seed))
+    return self.sampling
+
+  def delivered_here(self) -> Delivery:
+    self.delivery = self.delivery or Delivery()
+    return self.delivery
 
   def advance(self, status: Status) -> None:
     """Move forward to `status`; never back, and never out of an end."""

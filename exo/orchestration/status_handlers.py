@@ -55,11 +55,11 @@ class StatusHandlers:
     node on its path, for a token not yet received and at most PEER_LOGPROBS_AHEAD tokens ahead."""
     request, position = self.node.requests.get(status.request_id), status.position
     if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status.top) > request.params.logprobs
-        or not request.tokens_received <= position < request.tokens_received + PEER_LOGPROBS_AHEAD
+        or not 0 <= position - request.delivered_here().received < PEER_LOGPROBS_AHEAD
         or (sender_host is not None and not self.node.on_path(request, sender_host))):
       log.log(VERBOSE, "Ignoring token logprobs for %s (position %s) from %s", status.request_id, position, sender_host)
       return
-    request.peer_logprobs[position] = status.logprobs
+    request.delivered_here().logprobs_ahead[position] = status.logprobs
 
   def _heard_node_status(self, request_id: str, status: statuses.NodeStatus, sender_host: Optional[str]) -> None:
     if status.status.startswith("start_"):

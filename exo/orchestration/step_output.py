@@ -126,15 +126,16 @@ class StepCore:
       return
     if not node.requests.is_live(request_id):  # it ended while it was being sampled
       return
-    request.tokens.append(token)
-    logprobs, request.sampled_logprobs = request.sampled_logprobs, None
+    sampling = request.sampled_here()
+    sampling.tokens.append(token)
+    logprobs, sampling.logprobs = sampling.logprobs, None
     engine = node.engine_for(shard)  # the engine of the request's model (ModelPool), so its tokenizer is the request's
-    if request.eos_ids is None:
-      request.eos_ids = eos_ids(engine.tokenizer)
+    if sampling.eos_ids is None:
+      sampling.eos_ids = eos_ids(engine.tokenizer)
     limit, context = node.passes.token_limit(request), engine.context_length
-    finished = ((token in request.eos_ids and not request.params.ignore_eos) or len(request.tokens) >= limit
-                or (context is not None and request.positions >= context) or (request.constraint is not None and request.constraint.finished))
-    log.debug("[%s] token %d (%d/%d) finished=%s", request_id, token, len(request.tokens), limit, finished)  # (the cluster tests read it)
+    finished = ((token in sampling.eos_ids and not request.params.ignore_eos) or len(sampling.tokens) >= limit
+                or (context is not None and request.positions >= context) or (sampling.constraint is not None and sampling.constraint.finished))
+    log.debug("[%s] token %d (%d/%d) finished=%s", request_id, token, len(sampling.tokens), limit, finished)  # (the cluster tests read it)
     if finished:
       output.finished.append(request_id)
     else:

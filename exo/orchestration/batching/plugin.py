@@ -21,7 +21,6 @@ import numpy as np
 
 from exo.inference import constrained
 from exo.inference.grammar import Constraint, MaskTimes
-from exo.inference.sampling import make_generator
 from exo.inference.shard import Shard
 from exo.logs import VERBOSE
 from exo.orchestration import statuses
@@ -167,10 +166,7 @@ class BatchingPlugin:
   async def _sample_rows(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: List[Optional[np.ndarray]]) -> List[Union[int, Exception]]:
     """One vectorised call for every row; if it fails, each row on its own so that a bad row fails alone."""
     states = [self.node.requests.get(request_id) for request_id in request_ids]
-    for state in states:
-      if state.generator is None:
-        state.generator = make_generator(state.params.seed)
-    saved = [state.generator.bit_generator.state for state in states]
+    saved = [state.sampled_here().generator.bit_generator.state for state in states]
     try:
       return list(await self.node.passes.sample_tokens(shard, results, request_ids, masks, self.mask_times))
     except Exception as e:
@@ -179,7 +175,7 @@ class BatchingPlugin:
       log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(results), e)
     tokens: List[Union[int, Exception]] = []
     for state, generator_state, result, request_id, mask in zip(states, saved, results, request_ids, masks):
-      state.generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
+      state.sampled_here().generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
       try:
         tokens.append((await self.node.passes.sample_tokens(shard, [result], [request_id], [mask], self.mask_times))[0])
       except Exception as e:

@@ -210,7 +210,7 @@ class Forwarding:
     node = self.node
     to = None if finished or request.origin is None else request.origin
     if any(to is None or peer.id() == to for peer in node.peers):
-      preface = {request.origin: statuses.token_logprobs(request.id, len(request.tokens) - 1, logprobs)} if logprobs and request.origin else None
+      preface = {request.origin: statuses.token_logprobs(request.id, len(request.sampled_here().tokens) - 1, logprobs)} if logprobs and request.origin else None
       node.spawn(node.broadcast_result(request.id, [token], finished, to, preface))
 
   def _post(self, destination: str, row: list) -> None:
@@ -236,7 +236,8 @@ class Forwarding:
     for rid, tokens, finished, top in status.rows:
       request = node.requests.get(rid)
       if top is not None and request is not None and request.origin == node.id and request.params.logprobs is not None:
-        request.peer_logprobs[request.tokens_received] = TokenLogprobs(float(top[0]), [(int(t), float(lp)) for t, lp in top[1]])
+        delivery = request.delivered_here()
+        delivery.logprobs_ahead[delivery.received] = TokenLogprobs(float(top[0]), [(int(t), float(lp)) for t, lp in top[1]])
       node.on_result(rid, tokens, finished, sender_host)
 
   # --- statuses about a request ---
@@ -263,10 +264,11 @@ class Forwarding:
       if route is None or not route.travels or route.first.node_id != self.node.id:
         continue
       share = loads.setdefault(route.group, {}).setdefault(request.origin, [0, 0, 0])
-      if request.status is Status.DECODING and request.positions >= request.prompt_tokens:
+      prompt_tokens = request.first_stage.prompt_tokens if request.first_stage is not None else 0
+      if request.status is Status.DECODING and request.positions >= prompt_tokens:
         share[1] += 1
       else:
-        share[0] += max(1, request.prompt_tokens - request.positions)
+        share[0] += max(1, prompt_tokens - request.positions)
         share[2] += 1
     return loads
 
