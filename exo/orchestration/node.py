@@ -153,7 +153,7 @@ class Node(RingMember):
   @property
   def buffered_token_output(self) -> Dict[str, Tuple[List[int], bool]]:
     """Tokens sampled here for each live request (on the node with the last layers)."""
-    return {r.id: (r.tokens, False) for r in self.requests if r.tokens}
+    return {r.id: (r.sampling.tokens, False) for r in self.requests if r.sampling and r.sampling.tokens}
 
   def state(self) -> dict:
     """The live view (GET /v1/state): each live request here, its group, and the KV memory it holds; the chat models
