@@ -65,7 +65,6 @@ async def main() -> None:
   llama_args = ["-np", str(max(ns)), "-cb", "-t", str(args.threads), "-c", str(max(ns) * max(context, args.long_prompt_tokens + 64))]
   print(f"exo against llama-server {' '.join(llama_args)}: N = {ns}, {args.repeats} repeat(s), {args.tokens} tokens, "
         f"{os.cpu_count()} CPUs; logs in {log_dir}", flush=True)
-  long_prompt = make_prompts(1, args.long_prompt_tokens, salt=11)
   rows = []
   gguf = Path(args.gguf).resolve() if args.gguf else None
   model = str(gguf) if gguf else MODEL
@@ -85,6 +84,7 @@ async def main() -> None:
         rows.append(row)
         print(f"  repeat {repeat} N={n}: exo {row['exo']['tok_s']:.1f} tok/s, llama-server {row['llama']['tok_s']:.1f} tok/s, "
               f"ratio {row['exo']['tok_s'] / row['llama']['tok_s']:.2f}x", flush=True)
+      long_prompt = make_prompts(1, args.long_prompt_tokens, salt=11 + repeat)  # new to both servers' prompt caches
       long = {name: (await burst(servers[name][0], long_prompt, 1, model))["ttft"] for name in order}
       rows.append({"long_ttft": long, "repeat": repeat})
       print(f"  repeat {repeat} {args.long_prompt_tokens}-token prompt TTFT: exo {long['exo']:.3f} s, llama-server {long['llama']:.3f} s", flush=True)
