@@ -8,7 +8,8 @@ to first token on a long prompt, and each server's resident memory.
 Both servers run at once on the embedded SmolLM2 (GGUF Q4_1), or on --gguf (exo serves it from its path), and take turns (each idle while the other serves),
 the first one alternating by repeat, so a shared machine's drift falls on both alike; ratios are exo ÷ llama-server
 per repeat, then their median. llama-server runs as a user would start it for many users: `-np <largest N> -cb -t
-<threads> -c <slots × context>`; exo with EXO_BATCH_SIZE = the largest N and its BLAS on the same thread count.
+<threads> -c <slots × context>`; exo with EXO_BATCH_SIZE = the largest N, its engine splitting work over the cores
+itself (OPENBLAS_NUM_THREADS left unset: set, BLAS's threads would compete with the engine's).
 Tokens are counted by each server's own usage figures; every request generates --tokens tokens (ignore_eos)."""
 import argparse
 import asyncio
@@ -59,7 +60,6 @@ async def main() -> None:
     sys.exit("llama-server is not on PATH (see bench/llama_server.py for how to build it)")
   ns = [int(n) for n in args.ns.split(",")]
   args.batch_size, args.batch_timeout_ms, args.prefill_chunk = max(ns), 5.0, None
-  os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
   log_dir = Path(tempfile.mkdtemp(prefix="exo-versus-llama-"))
   context = args.prompt_tokens + args.tokens + 64
   llama_args = ["-np", str(max(ns)), "-cb", "-t", str(args.threads), "-c", str(max(ns) * max(context, args.long_prompt_tokens + 64))]
