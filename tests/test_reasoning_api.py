@@ -47,6 +47,7 @@ def api(tmp_path_factory):
   with served_checkpoints() as local:
     models = dict(zip(("qwen3", "r1", "plain", "qwen3-full", "r1-full"), local.serve([str(p) for p in paths], [str(root)])))
     server = ApiServer("numpy", default_model=models["qwen3"]).start()
+    server.node.model_pool.max_models = 1  # every model on the node's own engine, the one Script stands in for
     try:
       yield server, models
     finally:
