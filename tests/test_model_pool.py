@@ -193,26 +193,40 @@ def test_the_limit_of_loaded_models_is_a_whole_number_from_one():
 
 
 class TwoModelEngine:
-  """Records the model of every step; each step lets the event loop turn, so every caller is back in line by the next."""
+  """Records the model of every step. A step ends once every other request is back in line (or done), so the model the
+  loop steps next never depends on how soon a caller got back."""
 
-  def __init__(self):
+  def __init__(self, request_ids):
     self.steps = []
+    self.away = set(request_ids)  # requests neither in line nor done
+    self.returned = asyncio.Event()
+
+  def back(self, request_id):
+    """In line again (its caller has just asked for its next step), or done."""
+    self.away.discard(request_id)
+    self.returned.set()
 
   async def infer_batch(self, shard, items):
-    self.steps.append((shard.model_id, sorted(rid for rid, _, _ in items)))
-    for _ in range(3):
-      await asyncio.sleep(0)
+    ids = {rid for rid, _, _ in items}
+    self.steps.append((shard.model_id, sorted(ids)))
+    while self.away - ids:
+      self.returned.clear()
+      await self.returned.wait()
+    self.away |= ids
     return [(np.asarray(x) + 1, state) for _, x, state in items]
 
 
 async def test_the_step_loop_steps_one_model_at_a_time_taking_turns():
   """Two models, each with more rows ready than a step takes: the models take turns, a step never mixes them."""
-  engine = TwoModelEngine()
+  request_ids = [f"{shard.model_id}-{i}" for shard in (SMALL, MEDIUM) for i in range(2)]
+  engine = TwoModelEngine(request_ids)
   loop = StepLoop(engine, lambda shard: Scheduler(shard, 1, 0.0, 0), engine_for=lambda shard: engine)
 
   async def passes(shard, request_id, n):
     for _ in range(n):
+      engine.back(request_id)  # (infer puts the row in line before it first waits)
       await loop.infer(shard, request_id, np.array([[1]]), None)
+    engine.back(request_id)
   await asyncio.wait_for(asyncio.gather(*[passes(shard, f"{shard.model_id}-{i}", 4) for shard in (SMALL, MEDIUM) for i in range(2)]), 5)
   await loop.stop()
   assert all(rows[0].startswith(model) for model, rows in engine.steps)
