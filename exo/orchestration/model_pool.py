@@ -106,12 +106,13 @@ class ModelPool(OneModel, KeptPool):
     shard = self.shards.get(key)
     return [k for k in keys if k != key and shard is not None and k in self.shards and self.shards[k].model_id == shard.model_id]
 
+  def _room_for(self, model: str, keys: Collection[str]) -> bool:
+    """Whether `model` fits beside the models `keys`: fewer than the limit, and their weight with it within memory."""
+    return not keys or (len(keys) < self.capacity() and sum(map(self.bytes_of, keys)) + self.bytes_of(model) <= self.memory_bytes())
+
   def fits(self, model: str, held: Collection[str]) -> bool:
     held = [key for key in self.engines if key in held]
-    if not held:
-      return True
-    return (not self._other_layers(model, held) and len(held) < self.capacity()
-            and sum(map(self.bytes_of, held)) + self.bytes_of(model) <= self.memory_bytes())
+    return not held or (not self._other_layers(model, held) and self._room_for(model, held))
 
   def admit(self, model: str) -> None:
     if model not in self.residents:
@@ -133,12 +134,9 @@ class ModelPool(OneModel, KeptPool):
 
   def _make_room(self, model: str) -> None:
     """Unload idle models, least recently used first, until `model` fits beside the rest; and other layers of its model."""
-    def fits() -> bool:
-      rest = list(self.engines)
-      return not rest or (len(rest) < self.capacity() and sum(map(self.bytes_of, rest)) + self.bytes_of(model) <= self.memory_bytes())
     other_layers = self._other_layers(model, self.engines)
     for idle in self.residents.idle():
-      if fits() and idle not in other_layers:
+      if self._room_for(model, list(self.engines)) and idle not in other_layers:
         continue
       log.info("exo: unloading %s (idle) to make room for %s", idle, model)
       self.residents.remove(idle)
