@@ -30,7 +30,7 @@ VERSIONS = iter(range(1, 1 << 30))
 
 def announcement(node_id: str, verified=(), fetching=(), wants=False, offline=False, files=(WEIGHTS, CONFIG), port=5000, version=None) -> str:
   repo = {"commit": "c1", "files": {f.path: entry(f) for f in files}, "verified": list(verified), "fetching": list(fetching), "wants": wants}
-  return statuses.peer_files(node_id, next(VERSIONS) if version is None else version, port, offline, {REPO: repo})
+  return statuses.PeerFiles.build(node_id=node_id, version=next(VERSIONS) if version is None else version, port=port, offline=offline, repos={REPO: repo})
 
 
 class Peer:

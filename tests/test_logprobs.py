@@ -17,6 +17,10 @@ from tests.support.toy import TOY, ToyEngine, encode, make_node, settle, toy_log
 pytestmark = pytest.mark.unit
 
 
+def logprobs_status(request_id: str, position: int, logprobs: TokenLogprobs) -> str:
+  return statuses.TokenLogprobsStatus.build(request_id=request_id, position=position, logprob=logprobs.logprob, top=logprobs.top)
+
+
 def expected_logprobs(history, token, temperature):
   scaled = toy_logits(history).astype(np.float64) / (temperature if temperature > 0 else 1.0)
   log_softmax = scaled - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())
@@ -68,12 +72,12 @@ async def test_the_origin_joins_a_peers_logprobs_with_its_tokens():
     await node.start_request("r1", SamplingParams(logprobs=1))
     watcher = node.watch("r1")
     first, second = TokenLogprobs(-0.5, [(7, -0.5)]), TokenLogprobs(-0.25, [(9, -0.25)])
-    node.receive_status("r1", statuses.token_logprobs("r1", 0, first))
-    node.receive_status("r1", statuses.token_logprobs("r1", 500, second))  # too far ahead: ignored
+    node.receive_status("r1", logprobs_status("r1", 0, first))
+    node.receive_status("r1", logprobs_status("r1", 500, second))  # too far ahead: ignored
     node.receive_status("r1", json.dumps({"type": "token_logprobs", "request_id": "r1", "position": 1, "logprob": 0.5, "top": []}))  # invalid
-    node.receive_status("r1", statuses.token_logprobs("r1", 1, TokenLogprobs(-0.1, [(1, -0.1), (2, -0.2)])))  # more than asked for
+    node.receive_status("r1", logprobs_status("r1", 1, TokenLogprobs(-0.1, [(1, -0.1), (2, -0.2)])))  # more than asked for
     node.on_result("r1", [7], False)
-    node.receive_status("r1", statuses.token_logprobs("r1", 1, second))
+    node.receive_status("r1", logprobs_status("r1", 1, second))
     node.on_result("r1", [9], False)
     node.on_result("r1", [3], True)
     events = [watcher.get_nowait() for _ in range(3)]
@@ -84,7 +88,7 @@ async def test_the_origin_joins_a_peers_logprobs_with_its_tokens():
 
 
 def test_a_token_logprobs_status_is_checked_before_anything_uses_it():
-  good = statuses.token_logprobs("r", 3, TokenLogprobs(-1.0, [(4, -1.0), (2, -2.0)]))
+  good = logprobs_status("r", 3, TokenLogprobs(-1.0, [(4, -1.0), (2, -2.0)]))
   kind, status = statuses.parse(good)
   assert kind == statuses.TOKEN_LOGPROBS and status.logprobs == TokenLogprobs(-1.0, [(4, -1.0), (2, -2.0)])
   base = json.loads(good)

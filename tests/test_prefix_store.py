@@ -95,7 +95,7 @@ def test_a_peers_unusable_prefix_is_refused(bad):
 @pytest.mark.parametrize("bad", [{"keys": ["0" * 24]}, {"request_id": "r", "keys": "0" * 24}, {"request_id": "r", "keys": ["x"]},
                                  {"request_id": "r", "keys": ["0" * 24] * (MAX_KEYS + 1)}, {"request_id": "", "keys": ["0" * 24]}])
 def test_a_peers_unusable_answer_blocks_are_refused(bad):
-  assert statuses.parse(statuses.prefix_extend("r", ["0" * 24]))[1].keys == ["0" * 24]
+  assert statuses.parse(statuses.PrefixExtend.build(request_id="r", keys=["0" * 24]))[1].keys == ["0" * 24]
   with pytest.raises(statuses.InvalidStatus):
     statuses.parse(json.dumps({"type": statuses.PREFIX_EXTEND, **bad}))
 

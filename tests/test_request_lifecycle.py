@@ -344,8 +344,8 @@ async def test_a_newcomers_placement_facts_heard_before_it_is_known_count_once_i
   node.placements.enable("auto", 4, 50.0)
   newcomer, impostor = PeerStandIn("newcomer", "10.0.0.1"), PeerStandIn("impostor", "10.0.0.2")
   facts = {"engine": "DummyInferenceEngine", "float_bytes": 4, "memory_mb": 8000, "speed": 50.0, "placement": "auto"}
-  node.receive_status("", statuses.placement_member("newcomer", facts, None), "10.0.0.1")
-  node.receive_status("", statuses.placement_member("impostor", facts, None), "10.0.0.9")  # not where it is reached
+  node.receive_status("", statuses.PlacementMember.build(node_id="newcomer", **facts), "10.0.0.1")
+  node.receive_status("", statuses.PlacementMember.build(node_id="impostor", **facts), "10.0.0.9")  # not where it is reached
   assert [f.node_id for f in node.placements.members()] == ["here"]
   node.peers = [newcomer, impostor]
   node.peer_hosts = {"newcomer": {"10.0.0.1"}, "impostor": {"10.0.0.2"}}

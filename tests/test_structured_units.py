@@ -189,7 +189,7 @@ def test_each_bad_structured_field_is_a_400_naming_it(fields, param):
 
 
 def test_a_peers_grammar_is_checked_like_its_other_parameters():
-  good = statuses.request_params("r", SamplingParams(grammar="start: \"x\""), "n")
+  good = statuses.RequestParams.build(request_id="r", params=SamplingParams(grammar="start: \"x\""), origin="n")
   assert statuses.sampling_params(json.loads(good)["params"]).grammar == 'start: "x"'
   for bad in (5, "", "x" * (grammar.MAX_GRAMMAR_CHARS + 1)):
     with pytest.raises(statuses.InvalidStatus, match="grammar"):

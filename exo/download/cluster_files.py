@@ -126,7 +126,7 @@ class ClusterFiles:
                         "wants": self.wanted.get(repo_id, 0) > 0}
     # The state as of now, stamped so: an announcement that overtakes an older one on the way is not undone by it.
     self._version = max(self._version + 1, time.time_ns())
-    status = statuses.peer_files(self.node_id, self._version, self.port, hub.offline(), repos)
+    status = statuses.PeerFiles.build(node_id=self.node_id, version=self._version, port=self.port, offline=hub.offline(), repos=repos)
     await self.node.broadcast_opaque_status("", status, to={p.id() for p in self.node.peers})
 
   def announce_now(self) -> None:

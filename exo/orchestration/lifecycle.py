@@ -54,13 +54,13 @@ class Lifecycle:
                             "it may run an exo without structured output, so the request is not run")
     if route is not None:
       return
-    await self.node.broadcast_opaque_status(request_id, statuses.request_params(request_id, params, self.node.id))
+    await self.node.broadcast_opaque_status(request_id, statuses.RequestParams.build(request_id=request_id, params=params, origin=self.node.id))
 
   async def cancel_request(self, request_id: str) -> None:
     """Stop the request everywhere (its client left or has what it wanted)."""
     request = self.node.requests.get(request_id)
     if self.end_request(request_id, Status.CANCELLED):
-      await self.node.forwarding.tell(request, request_id, statuses.cancel_request(request_id))
+      await self.node.forwarding.tell(request, request_id, statuses.CancelRequest.build(request_id=request_id))
 
   async def fail_request(self, request_id: str, error: BaseException | str) -> None:
     """End a request with an error on every node of its route, so its client gets the error instead of waiting."""
@@ -70,7 +70,7 @@ class Lifecycle:
       log.debug("Request %s failed here with", request_id, exc_info=error)
     request = self.node.requests.get(request_id)
     if self.end_request(request_id, Status.FAILED, message):
-      await self.node.forwarding.tell(request, request_id, statuses.request_error(request_id, message))
+      await self.node.forwarding.tell(request, request_id, statuses.RequestError.build(request_id=request_id, error=message))
 
   async def tell_route(self, request: Request, status: str) -> None:
     await self.node.forwarding.tell(request, request.id, status)

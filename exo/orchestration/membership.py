@@ -49,7 +49,7 @@ class Membership:
       message = f"node {lost[0].id()} at {lost[0].addr()} left the ring during the request" if lost else why
       node.spawn(node.fail_request(request.id, message))
       for peer in lost:
-        errors_for.setdefault(peer.id(), []).append((request.id, statuses.request_error(request.id, message)))
+        errors_for.setdefault(peer.id(), []).append((request.id, statuses.RequestError.build(request_id=request.id, error=message)))
     for peer_id, errors in errors_for.items():
       node.spawn(self._tell_departed(gone[peer_id], errors))
 

@@ -15,7 +15,6 @@ origin), the prompt-prefix protocol (prefixes.py) and membership and health (mem
 request lifecycle, the public API upstream's callers use, and the plugin hooks around the engine's passes and
 sampling."""
 import asyncio
-import json
 import logging
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -261,7 +260,7 @@ class Node(RingMember):
   async def announce_structured_output(self) -> None:
     """Tell the ring that this node follows requests' grammars when it samples them (upstream nodes never say)."""
     if grammar.available():
-      await self.broadcast_opaque_status("", statuses.structured_output(self.id, grammar.ENGINE))
+      await self.broadcast_opaque_status("", statuses.StructuredOutput.build(node_id=self.id, engine=grammar.ENGINE))
 
   async def collect_topology(self, visited: Set[str], max_depth: int = 4):
     topology = await super().collect_topology(visited, max_depth)
@@ -280,7 +279,7 @@ class Node(RingMember):
 
   async def broadcast_supported_engines(self, supported_engines_names: List[str]) -> None:
     if supported_engines_names:
-      await self.broadcast_opaque_status("", json.dumps({"type": statuses.SUPPORTED_ENGINES, "node_id": self.id, "engines": supported_engines_names}))
+      await self.broadcast_opaque_status("", statuses.SupportedEngines.build(node_id=self.id, engines=supported_engines_names))
 
   def get_topology_inference_engines(self) -> List[List[str]]:
     return list(self.peer_engines.values())

@@ -83,7 +83,7 @@ class Passes:
       pass
     except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
       if self.node.end_request(request.id, Status.CANCELLED):
-        self.node.spawn(self.node.forwarding.tell(request, request.id, statuses.cancel_request(request.id)))
+        self.node.spawn(self.node.forwarding.tell(request, request.id, statuses.CancelRequest.build(request_id=request.id)))
       raise
     except Exception as e:
       await self.node.fail_request(request.id, e)

@@ -132,8 +132,8 @@ class Placements:
       return
     loaded = self.loaded(self.node.id)
     facts = self.own_facts()
-    status = statuses.placement_member(self.node.id, {"engine": facts.engine, "float_bytes": facts.float_bytes, "memory_mb": facts.memory_mb,
-                                                       "speed": facts.speed, "placement": facts.mode}, loaded)
+    status = statuses.PlacementMember.build(node_id=self.node.id, engine=facts.engine, float_bytes=facts.float_bytes, memory_mb=facts.memory_mb,
+                                            speed=facts.speed, placement=facts.mode, loaded=loaded)
     self._announced = repr(loaded)
     await self.node.broadcast_opaque_status("", status)
 

@@ -45,7 +45,7 @@ class PrefixProtocol:
   async def announce(self) -> None:
     """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
     block = BLOCK if self.engine.reuses_prefixes else 0
-    await self.node.broadcast_opaque_status("", statuses.prefix_cache(self.node.id, block))
+    await self.node.broadcast_opaque_status("", statuses.PrefixCache.build(node_id=self.node.id, block=block))
 
   # --- on the first node ---
 
@@ -86,7 +86,7 @@ class PrefixProtocol:
     keys = block_keys(request.model, np.array(request.first_stage.sequence, dtype=np.int64))
     if len(keys) * BLOCK <= request.first_stage.prompt_tokens:  # the answer completed no block past the prompt's
       return
-    status, peers = statuses.prefix_extend(request.id, keys), [p for p in self.node.peers if p.id() in request.ring]
+    status, peers = statuses.PrefixExtend.build(request_id=request.id, keys=keys), [p for p in self.node.peers if p.id() in request.ring]
     # A peer the status misses answers a later request with prefix_miss, which stays correct.
     await asyncio.gather(*[asyncio.wait_for(p.send_opaque_status(request.id, status), FILING_TIMEOUT_S) for p in peers], return_exceptions=True)
     (request.engine or self.engine).extend_prefix(request.id, keys)
@@ -119,7 +119,7 @@ class PrefixProtocol:
     held = await self.node.engine_for(shard).start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
     if held != reuse:
       log.warning("exo: request %s was sent to reuse %d cached positions that this node does not hold; its prompt runs again, whole", request.id, reuse)
-      self.node.spawn(self.node.lifecycle.tell_route(request, statuses.prefix_miss(request.id, self.node.id)))
+      self.node.spawn(self.node.lifecycle.tell_route(request, statuses.PrefixMiss.build(request_id=request.id, node_id=self.node.id)))
       return False
     request.positions = reuse
     return True

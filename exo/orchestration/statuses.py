@@ -186,6 +186,10 @@ class RequestError(Status):
   request_id: Id
   error: _text(10 * MAX_ERROR_CHARS)
 
+  @classmethod
+  def build(cls, request_id: str, error: str) -> str:
+    return super().build(request_id=request_id, error=error[:MAX_ERROR_CHARS])  # ours are shorter than a peer's may be
+
 
 class StageTiming(Status):
   type: Literal[STAGE_TIMING] = STAGE_TIMING
@@ -322,58 +326,3 @@ def parse(raw: str) -> Tuple[Optional[str], Status]:
     raise InvalidStatus(_reason(e, skip=1)) from None
   return status.type, status
 
-
-def request_params(request_id: str, params: SamplingParams, origin: str) -> str:
-  return RequestParams.build(request_id=request_id, params=params, origin=origin)
-
-
-def cancel_request(request_id: str) -> str:
-  return CancelRequest.build(request_id=request_id)
-
-
-def request_error(request_id: str, error: str) -> str:
-  return RequestError.build(request_id=request_id, error=error[:MAX_ERROR_CHARS])
-
-
-def stage_timing(node_id: str, shard: Shard, fixed_s: float, per_row_s: float, busy: float) -> str:
-  return StageTiming.build(node_id=node_id, shard=shard, fixed_s=fixed_s, per_row_s=per_row_s, busy=busy)
-
-
-def token_logprobs(request_id: str, position: int, logprobs: TokenLogprobs) -> str:
-  return TokenLogprobsStatus.build(request_id=request_id, position=position, logprob=logprobs.logprob, top=[list(pair) for pair in logprobs.top])
-
-
-def prefix_cache(node_id: str, block: int) -> str:
-  return PrefixCache.build(node_id=node_id, block=block)
-
-
-def prefix_miss(request_id: str, node_id: str) -> str:
-  return PrefixMiss.build(request_id=request_id, node_id=node_id)
-
-
-def prefix_extend(request_id: str, keys: List[str]) -> str:
-  return PrefixExtend.build(request_id=request_id, keys=keys)
-
-
-def placement_member(node_id: str, facts: dict, loaded: Optional[Shard]) -> str:
-  """facts: engine, float_bytes, memory_mb, speed, placement."""
-  return PlacementMember.build(node_id=node_id, **facts, loaded=loaded)
-
-
-def group_load(node_id: str, group: str, loads: dict) -> str:
-  return GroupLoad.build(node_id=node_id, group=group, loads=loads)
-
-
-def tokens(node_id: str, rows: List[list]) -> str:
-  """rows: [request id, [token ids], finished, logprobs as [logprob, [[token, logprob], ...]] or None]"""
-  return Tokens.build(node_id=node_id, rows=rows)
-
-
-def structured_output(node_id: str, engine: str) -> str:
-  return StructuredOutput.build(node_id=node_id, engine=engine)
-
-
-def peer_files(node_id: str, version: int, port: int, offline: bool, repos: dict) -> str:
-  """repos: repository -> {commit, files: {path: [size, sha256 or null, blob id or null]}, verified: [paths],
-  fetching: [paths], wants} (RepoHoldings)."""
-  return PeerFiles.build(node_id=node_id, version=version, port=port, offline=offline, repos=repos)

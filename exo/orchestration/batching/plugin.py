@@ -96,7 +96,8 @@ class BatchingPlugin:
     if cost is None or not self.node.peers or now - self._reported.get(scheduler.shard, -math.inf) < STAGE_REPORT_S:
       return
     self._reported[scheduler.shard] = now
-    status = statuses.stage_timing(self.node.id, scheduler.shard, cost.fixed_s, cost.per_row_s, scheduler.times.busy_fraction(now))
+    status = statuses.StageTiming.build(node_id=self.node.id, shard=scheduler.shard, fixed_s=cost.fixed_s, per_row_s=cost.per_row_s,
+                                        busy=scheduler.times.busy_fraction(now))
     self.node.spawn(self.node.broadcast_opaque_status("", status))
 
   def _heard_stage_timing(self, request_id: str, status: statuses.StageTiming, sender_host: Optional[str]) -> None:

@@ -210,7 +210,8 @@ class Forwarding:
     node = self.node
     to = None if finished or request.origin is None else request.origin
     if any(to is None or peer.id() == to for peer in node.peers):
-      preface = {request.origin: statuses.token_logprobs(request.id, len(request.sampled_here().tokens) - 1, logprobs)} if logprobs and request.origin else None
+      preface = {request.origin: statuses.TokenLogprobsStatus.build(request_id=request.id, position=len(request.sampled_here().tokens) - 1, logprob=logprobs.logprob,
+                                                                                  top=logprobs.top)} if logprobs and request.origin else None
       node.spawn(node.broadcast_result(request.id, [token], finished, to, preface))
 
   def _post(self, destination: str, row: list) -> None:
@@ -224,7 +225,7 @@ class Forwarding:
       while self._outbox.get(destination):
         rows = self._outbox.pop(destination)
         try:
-          await asyncio.wait_for(self._peer(destination).send_opaque_status("", statuses.tokens(self.node.id, rows)), PEER_CALL_TIMEOUT_S)
+          await asyncio.wait_for(self._peer(destination).send_opaque_status("", statuses.Tokens.build(node_id=self.node.id, rows=rows)), PEER_CALL_TIMEOUT_S)
         except Exception as e:
           log.log(VERBOSE, "Error sending %d token(s) to %s: %r", len(rows), destination, e)
     finally:
@@ -297,7 +298,7 @@ class Forwarding:
       if now - when < REPORT_S or (current == last and now - when < REPORT_FRESH_S / 2):
         continue
       self._reported[group] = (current, now)
-      node.spawn(node.broadcast_opaque_status("", statuses.group_load(node.id, group, current)))
+      node.spawn(node.broadcast_opaque_status("", statuses.GroupLoad.build(node_id=node.id, group=group, loads=current)))
       if not current:
         del self._reported[group]
 
