@@ -150,12 +150,12 @@ async def test_without_settings_no_plugin_is_registered_and_the_core_path_runs()
   core = node.plugins.get_plugin("exo-core")
   assert [impl.plugin for impl in node.plugins.hook.exo_process_inference_result.get_hookimpls()] == [core]
   calls = []
-  unbatched = node.process_inference_result_unbatched
+  unbatched = node.step_core.add
 
   async def spy(*args):
     calls.append(args[2])
     return await unbatched(*args)
-  node.process_inference_result_unbatched = spy
+  node.step_core.add = spy
   assert await ask(node, "plain", SamplingParams(max_tokens=4)) == reference_greedy("plain", 4)
   assert len(calls) == len(reference_greedy("plain", 4))
   await settle(node)

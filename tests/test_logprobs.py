@@ -69,8 +69,8 @@ async def test_the_origin_joins_a_peers_logprobs_with_its_tokens():
   node, _ = make_node(ToyEngine())
   await node.start()
   try:
-    await node.start_request("r1", SamplingParams(logprobs=1))
-    watcher = node.watch("r1")
+    await node.lifecycle.start_request("r1", SamplingParams(logprobs=1))
+    watcher = node.lifecycle.watch("r1")
     first, second = TokenLogprobs(-0.5, [(7, -0.5)]), TokenLogprobs(-0.25, [(9, -0.25)])
     node.receive_status("r1", logprobs_status("r1", 0, first))
     node.receive_status("r1", logprobs_status("r1", 500, second))  # too far ahead: ignored

@@ -120,7 +120,7 @@ async def test_sampling_params_reach_the_last_node_through_opaque_status():
   statuses = []
   node.on_opaque_status.register("test").on_next(lambda rid, s: statuses.append(json.loads(s)))
   try:
-    await node.start_request("p1", SamplingParams(temperature=0.7, top_k=5, seed=3))
+    await node.lifecycle.start_request("p1", SamplingParams(temperature=0.7, top_k=5, seed=3))
     assert node.requests.get("p1").params == SamplingParams(temperature=0.7, top_k=5, seed=3)
     assert statuses[-1]["type"] == "request_params"
   finally:

@@ -175,10 +175,10 @@ async def test_a_node_refuses_a_route_that_gives_it_layers_it_cannot_load_withou
     own: List[int] = []  # b serves a request of its own on its copy meanwhile
     running = asyncio.ensure_future(answer(b, PROMPTS[0], 1000, out=own, ignore_eos=True))
     await eventually(lambda: b.state()["kv_bytes"] > 0, 60)
-    await a.start_request("odd", SamplingParams(max_tokens=4))
+    await a.lifecycle.start_request("odd", SamplingParams(max_tokens=4))
     request = a.requests.get("odd")
     a.forwarding.set_route(request, Route((Stage("ref-a", 0, 18), Stage("ref-b", 19, 29)), a.placements.placement(BASE).version, "ref-a"))
-    events = a.watch("odd")
+    events = a.lifecycle.watch("odd")
     await a.process_prompt(BASE, template(PROMPTS[1]), "odd")
     event = await asyncio.wait_for(events.get(), 60)
     assert event.error is not None and "ref-b cannot serve layers 19-29 of smollm2-135m" in event.error and "holds layers 0-29" in event.error

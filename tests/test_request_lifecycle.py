@@ -315,7 +315,7 @@ async def test_a_prompt_that_cannot_reach_the_first_node_ends_the_request_everyw
   node = make_node("second")
   first, other = PeerStandIn("first", "10.0.0.1", fail=True), PeerStandIn("other", "10.0.0.2")
   two_node_view(node, first, other)
-  await node.start_request("r", SamplingParams())
+  await node.lifecycle.start_request("r", SamplingParams())
   with pytest.raises(ConnectionError):
     await node.process_prompt(DUMMY, "hello", request_id="r")
   assert len(node.requests) == 0 and node.requests.ended("r") is Status.FAILED
@@ -379,7 +379,7 @@ async def test_a_peer_whose_check_runs_out_once_keeps_its_requests_and_one_that_
   for request_id, peer in (("rb", busy), ("rg", gone)):
     node.receive_status(request_id, json.dumps({"type": "request_params", "request_id": request_id, "params": {}, "origin": peer.id()}), peer.host)
     node.requests.get(request_id).ring = (peer.id(), "here")
-  heard = {request_id: node.watch(request_id) for request_id in ("rb", "rg")}
+  heard = {request_id: node.lifecycle.watch(request_id) for request_id in ("rb", "rg")}
 
   await node.membership.check_peers()
   await eventually(lambda: node.requests.ended("rg") is Status.FAILED, 5)

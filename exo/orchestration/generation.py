@@ -31,14 +31,14 @@ async def generate_events(node: Node, base_shard: Shard, prompt: str, params: Sa
   Raises GenerationError if a node reports the request failed, asyncio.TimeoutError if the prompt or any token
   takes longer than `timeout`. Leaving early (break, client gone, exception) cancels generation in the ring."""
   request_id = request_id or str(uuid.uuid4())
-  events = node.watch(request_id)
+  events = node.lifecycle.watch(request_id)
   finished, prefill = False, None
 
   def prefill_done(task: asyncio.Task) -> None:  # its failure is an event like the others (ends reach us at once)
     if not task.cancelled() and task.exception() is not None:
       events.put_nowait(RequestEvent([], True, str(task.exception()) or repr(task.exception())))
   try:
-    await node.start_request(request_id, params, base_shard, prompt_ids)
+    await node.lifecycle.start_request(request_id, params, base_shard, prompt_ids)
     # The prompt runs beside the wait for events: an end that arrives mid-prefill reaches the client at once.
     # Tokenised once, where it arrived: its ids go with it to the first layers' node (text only to upstream nodes).
     state = {PROMPT_IDS: [int(t) for t in prompt_ids]} if prompt_ids else {}
@@ -51,9 +51,9 @@ async def generate_events(node: Node, base_shard: Shard, prompt: str, params: Sa
       finished = event.finished
       yield event
   finally:
-    node.unwatch(request_id)
+    node.lifecycle.unwatch(request_id)
     if not finished:
-      await node.cancel_request(request_id)
+      await node.lifecycle.cancel_request(request_id)
     if prefill is not None and not prefill.done():
       prefill.cancel()
       await asyncio.gather(prefill, return_exceptions=True)

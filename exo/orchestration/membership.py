@@ -47,7 +47,7 @@ class Membership:
       if request.ring and not lost and (routed or not added) and not any(p.id() in request.ring for p in moved):
         continue  # it never needed the nodes that changed
       message = f"node {lost[0].id()} at {lost[0].addr()} left the ring during the request" if lost else why
-      node.spawn(node.fail_request(request.id, message))
+      node.spawn(node.lifecycle.fail_request(request.id, message))
       for peer in lost:
         errors_for.setdefault(peer.id(), []).append((request.id, statuses.RequestError.build(request_id=request.id, error=message)))
     for peer_id, errors in errors_for.items():
@@ -91,7 +91,7 @@ class Membership:
       message = f"node {peer.id()} at {peer.addr()} stopped answering during the request ({how}{f': {why}' if why else ''})"
       for request in node.requests:
         if peer.id() in request.ring:
-          node.spawn(node.fail_request(request.id, message))
+          node.spawn(node.lifecycle.fail_request(request.id, message))
 
   def is_dead(self, peer_id: str, seconds: float) -> bool:
     """After a failed health check that took `seconds`: whether the peer counts as dead (it answered, or has let

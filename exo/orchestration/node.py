@@ -60,7 +60,7 @@ class CorePlugin:
 
   @hookimpl(trylast=True)
   def exo_process_inference_result(self, node, shard, result, request_id, inference_state):
-    return node.process_inference_result_unbatched(shard, result, request_id, inference_state)
+    return node.step_core.add(shard, result, request_id, inference_state)
 
 
 class Node(RingMember):
@@ -122,7 +122,7 @@ class Node(RingMember):
       task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for request in self.requests:
-      self.end_request(request.id, Status.FAILED, "node stopped")
+      self.lifecycle.end_request(request.id, Status.FAILED, "node stopped")
     await asyncio.gather(*list(self.lifecycle.releases), return_exceptions=True)
     self.model_pool.close()
     await self.discovery.stop()
@@ -165,34 +165,6 @@ class Node(RingMember):
             "prefix_cache": self.inference_engine.prefix_cache_state(),
             "models": self.model_pool.describe(), "model_loads": self.model_pool.loads}
 
-  def engine_for(self, shard: Shard) -> InferenceEngine:
-    """The engine that runs `shard` here (ModelPool: one per loaded model; inference_engine when none holds it)."""
-    return self.model_pool.engine_of(shard)
-
-  # --- how requests start and end (lifecycle.py) ---
-
-  def watch(self, request_id: str) -> asyncio.Queue:
-    return self.lifecycle.watch(request_id)
-
-  def unwatch(self, request_id: str) -> None:
-    self.lifecycle.unwatch(request_id)
-
-  async def start_request(self, request_id: str, params: SamplingParams, base_shard: Optional[Shard] = None,
-                          prompt_ids: Optional[List[int]] = None, prompt_tokens: int = 0) -> None:
-    await self.lifecycle.start_request(request_id, params, base_shard, prompt_ids, prompt_tokens)
-
-  async def cancel_request(self, request_id: str) -> None:
-    await self.lifecycle.cancel_request(request_id)
-
-  async def fail_request(self, request_id: str, error: BaseException | str) -> None:
-    await self.lifecycle.fail_request(request_id, error)
-
-  def end_request(self, request_id: str, status: Status, error: Optional[str] = None) -> bool:
-    return self.lifecycle.end_request(request_id, status, error)
-
-  def accepts_prompt(self, request_id: str) -> None:
-    self.lifecycle.accepts_prompt(request_id)
-
   # --- the work (passes.py) ---
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
@@ -207,15 +179,8 @@ class Node(RingMember):
     follows. `accepted` as for process_prompt."""
     return await self.passes.process_tensor(base_shard, tensor, request_id, inference_state, accepted)
 
-  async def infer_tensor(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict], accepted: Optional[asyncio.Future] = None):
-    return await self.plugins.hook.exo_infer_tensor(node=self, shard=shard, tensor=tensor, request_id=request_id, inference_state=inference_state,
-                                                    accepted=accepted)
-
   async def process_inference_result(self, shard, result: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None):
     return await self.plugins.hook.exo_process_inference_result(node=self, shard=shard, result=result, request_id=request_id, inference_state=inference_state)
-
-  async def process_inference_result_unbatched(self, shard: Shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> None:
-    await self.step_core.add(shard, result, request_id, inference_state)
 
   # --- the ring, by partition index (upstream's API; requests follow their routes through self.forwarding) ---
 

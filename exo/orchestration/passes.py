@@ -45,12 +45,12 @@ class Passes:
     """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
     is resolved once its forward pass here has started (see acceptance)."""
     request_id = request_id or str(uuid.uuid4())
-    self.node.accepts_prompt(request_id)
+    self.node.lifecycle.accepts_prompt(request_id)
     request = self.node.lifecycle.open_request(request_id)
     try:
       shard = self.node.forwarding.route_of(request, base_shard, inference_state).shard_of(self.node.id, base_shard)
     except Exception as e:
-      await self.node.fail_request(request.id, e)
+      await self.node.lifecycle.fail_request(request.id, e)
       raise
     status = {"type": "node_status", "node_id": self.node.id, "status": "start_process_prompt", "base_shard": base_shard.to_dict(),
               "shard": (shard or base_shard).to_dict(), "prompt": prompt, "request_id": request_id}
@@ -82,16 +82,16 @@ class Passes:
     except RequestEnded:
       pass
     except asyncio.CancelledError:  # the caller gave up mid-prompt (timeout, client gone)
-      if self.node.end_request(request.id, Status.CANCELLED):
+      if self.node.lifecycle.end_request(request.id, Status.CANCELLED):
         self.node.spawn(self.node.forwarding.tell(request, request.id, statuses.CancelRequest.build(request_id=request.id)))
       raise
     except Exception as e:
-      await self.node.fail_request(request.id, e)
+      await self.node.lifecycle.fail_request(request.id, e)
       raise
 
   async def _prompt_tokens(self, shard: Shard, prompt: str, ids) -> np.ndarray:
     """The prompt's token ids, (1, L): those it came with (tokenised once, where it arrived), else its text encoded."""
-    engine = self.node.engine_for(shard)
+    engine = self.node.model_pool.engine_of(shard)
     if ids is None:
       return np.asarray(await engine.encode(shard, prompt)).reshape(1, -1)
     await engine.ensure_shard(shard)  # its tokenizer and context length, as encode would have loaded them
@@ -139,7 +139,7 @@ class Passes:
     except RequestEnded:
       return None
     except Exception as e:
-      await self.node.fail_request(request.id, e)
+      await self.node.lifecycle.fail_request(request.id, e)
       return None
 
   async def _run_arrived(self, shard: Shard, tensor: np.ndarray, request: Request, state: Optional[dict], accepted: Optional[asyncio.Future]) -> None:
@@ -148,7 +148,7 @@ class Passes:
     except RequestEnded:
       pass
     except Exception as e:
-      await self.node.fail_request(request.id, e)
+      await self.node.lifecycle.fail_request(request.id, e)
 
   async def _enter(self, request: Request, shard: Shard) -> None:
     """Wait until this node's engine serves the request's layers (see ModelGate). Every message of the request
@@ -164,7 +164,7 @@ class Passes:
       await asyncio.shield(request.admitted)
     except LeftTheLine:
       raise RequestEnded(request.id) from None
-    request.engine = self.node.engine_for(shard)
+    request.engine = self.node.model_pool.engine_of(shard)
     request.advance(Status.PREFILLING)
 
   async def run_pass(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict],
@@ -175,7 +175,8 @@ class Passes:
       return
     request.busy = True
     try:
-      outcome = await self.node.infer_tensor(shard, tensor, request.id, inference_state, accepted)
+      outcome = await self.node.plugins.hook.exo_infer_tensor(node=self.node, shard=shard, tensor=tensor, request_id=request.id,
+                                                               inference_state=inference_state, accepted=accepted)
     finally:
       request.busy = False
     if outcome is None:  # a step finished it with its other rows (StepCore.finish_step)
@@ -195,7 +196,7 @@ class Passes:
 
   async def infer_unbatched(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
     """The engine alone, a long prompt in PROMPT_CHUNK pieces so that an end stops it between two of them."""
-    engine, length = self.node.engine_for(shard), input_length(tensor)
+    engine, length = self.node.model_pool.engine_of(shard), input_length(tensor)
     if length <= PROMPT_CHUNK:
       return await engine.infer_tensor(request_id, shard, tensor, inference_state)
     outputs = []
@@ -213,7 +214,7 @@ class Passes:
     (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
     node cannot follow gets an error in place of its token."""
     requests = [self.node.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    return await constrained.sample_requests(self.node.engine_for(shard), requests, results, f"node {self.node.id}", masks, mask_times,
+    return await constrained.sample_requests(self.node.model_pool.engine_of(shard), requests, results, f"node {self.node.id}", masks, mask_times,
                                              [self.tokens_left(r) for r in requests])
 
   def token_limit(self, request: Request) -> int:

@@ -235,7 +235,7 @@ class Placements:
       node.model_pool.expect(own)
       if not node.model_gate.hold_if_idle(holder, gate_key(own)):
         return
-      await node.engine_for(own).ensure_shard(own)
+      await node.model_pool.engine_of(own).ensure_shard(own)
     except Exception as e:
       log.log(VERBOSE, "Preloading %s failed: %r", shard.model_id, e)
     finally:

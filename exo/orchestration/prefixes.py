@@ -63,7 +63,7 @@ class PrefixProtocol:
     keys = block_keys(shard.model_id, tokens)
     if self.filings:  # an answer that just finished may be what this prompt starts with: a few ms
       await asyncio.wait(list(self.filings))
-    reused = await self.node.engine_for(shard).start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
+    reused = await self.node.model_pool.engine_of(shard).start_from_prefix(request.id, shard, keys if reuse else [], tokens.shape[1] - 1)
     request.positions = reused
     request.first_stage.rerun = (shard, tokens) if reused else None  # kept while another node may lack the prefix
     request.first_stage.sequence = tokens[0].tolist()
@@ -104,7 +104,7 @@ class PrefixProtocol:
     except RequestEnded:
       pass
     except Exception as e:
-      await self.node.fail_request(request.id, e)
+      await self.node.lifecycle.fail_request(request.id, e)
 
   # --- on the other nodes ---
 
@@ -116,7 +116,7 @@ class PrefixProtocol:
       return True
     prefix = checked_prefix(prefix)
     reuse = prefix["reuse"]
-    held = await self.node.engine_for(shard).start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
+    held = await self.node.model_pool.engine_of(shard).start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
     if held != reuse:
       log.warning("exo: request %s was sent to reuse %d cached positions that this node does not hold; its prompt runs again, whole", request.id, reuse)
       self.node.spawn(self.node.lifecycle.tell_route(request, statuses.PrefixMiss.build(request_id=request.id, node_id=self.node.id)))
@@ -130,7 +130,7 @@ class PrefixProtocol:
     prefix = (state or {}).get("prefix")
     if prefix is None:
       return state
-    self.node.engine_for(shard).remember_prefix(request.id, prefix["keys"])
+    self.node.model_pool.engine_of(shard).remember_prefix(request.id, prefix["keys"])
     return {k: v for k, v in state.items() if k != "prefix"} if shard.is_last_layer() else state
 
   def _heard_extend(self, request_id: str, status: statuses.PrefixExtend, sender_host: Optional[str]) -> None:

@@ -45,9 +45,9 @@ class StatusHandlers:
     if request is None:
       self.node.requests.end(request_id_, Status.FAILED)  # not seen here yet: a late hop must not start it
     elif kind == statuses.CANCEL_REQUEST:
-      self.node.end_request(request_id_, Status.CANCELLED)
+      self.node.lifecycle.end_request(request_id_, Status.CANCELLED)
     else:
-      self.node.end_request(request_id_, Status.FAILED, status.error)
+      self.node.lifecycle.end_request(request_id_, Status.FAILED, status.error)
     return None
 
   def _heard_logprobs(self, request_id: str, status: statuses.TokenLogprobsStatus, sender_host: Optional[str]) -> None:

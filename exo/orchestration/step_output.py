@@ -129,7 +129,7 @@ class StepCore:
     sampling = request.sampled_here()
     sampling.tokens.append(token)
     logprobs, sampling.logprobs = sampling.logprobs, None
-    engine = node.engine_for(shard)  # the engine of the request's model (ModelPool), so its tokenizer is the request's
+    engine = node.model_pool.engine_of(shard)  # the engine of the request's model (ModelPool), so its tokenizer is the request's
     if sampling.eos_ids is None:
       sampling.eos_ids = eos_ids(engine.tokenizer)
     limit, context = node.passes.token_limit(request), engine.context_length

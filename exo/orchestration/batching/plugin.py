@@ -42,7 +42,7 @@ class BatchingPlugin:
   def __init__(self, node, config: BatchingConfig):
     self.node, self.config = node, config
     self.steps = StepLoop(node.inference_engine, self._new_scheduler, node.requests.is_live, self._step_done, finishing_for=self._finishing_for,
-                          engine_for=node.engine_for)
+                          engine_for=node.model_pool.engine_of)
     self.sampling_stats = BatchStats()  # rows per sampling call
     self.mask_times = MaskTimes()  # grammar masks computed during steps
     self.stage_costs: Dict[Tuple[str, str], Tuple[StepCost, float]] = {}  # (node id, model) -> its stage's step cost, when heard
@@ -143,7 +143,7 @@ class BatchingPlugin:
     return finish
 
   async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
-    prepared = await constrained.prepare(requests, self.node.engine_for(shard).tokenizer)
+    prepared = await constrained.prepare(requests, self.node.model_pool.engine_of(shard).tokenizer)
     ready = [(r.id, c) for r, c in zip(requests, prepared) if isinstance(c, Constraint)]
     masks = await constrained.masks_of([c for _, c in ready], self.mask_times)
     return {request_id: mask for (request_id, _), mask in zip(ready, masks)}

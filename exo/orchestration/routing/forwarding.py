@@ -141,7 +141,7 @@ class Forwarding:
     loop (after the sends have started), and the failed rows' requests fail on their routes."""
     node = self.node
     for request_id in output.finished:
-      node.end_request(request_id, Status.FINISHED)
+      node.lifecycle.end_request(request_id, Status.FINISHED)
     for hop in output.hops.values():
       node.spawn(self._send_hop(hop, pack_one=output.whole_steps))
     loop = asyncio.get_running_loop()
@@ -149,7 +149,7 @@ class Forwarding:
       loop.call_soon(node.trigger_on_token_callbacks, token.request.id, [token.token], token.finished, token.logprobs and [token.logprobs])
       self.send_token(token.request, token.token, token.finished, token.logprobs)
     for request_id, error in output.failed:
-      node.spawn(node.fail_request(request_id, error))
+      node.spawn(node.lifecycle.fail_request(request_id, error))
 
   async def _send_hop(self, hop: Hop, pack_one: bool) -> None:
     """One message for the rows bound to one next hop (packing.py; a lone row packed too where `pack_one`, so the next
@@ -160,7 +160,7 @@ class Forwarding:
       await self.send_tensor(hop.to, hop.shard, tensor, hop.rows[0][0], state)
     except Exception as e:
       for request_id, _, _ in hop.rows:
-        await self.node.fail_request(request_id, f"could not forward to node {hop.to.node_id}: {e}")
+        await self.node.lifecycle.fail_request(request_id, f"could not forward to node {hop.to.node_id}: {e}")
 
   async def send_tensor(self, to: Stage, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     node = self.node
