@@ -22,18 +22,12 @@ from exo.orchestration import statuses
 from exo.orchestration.acceptance import accept
 from exo.orchestration.model_gate import LeftTheLine, gate_key
 from exo.orchestration.requests import FirstStage, Request, RequestEnded, Status
-from exo.orchestration.routing.packing import ROWS, unpack
+from exo.orchestration.routing.packing import ROWS, input_length, unpack
 
 log = logging.getLogger(__name__)
 
 PROMPT_IDS = "prompt_ids"  # in a prompt's inference state: its token ids, so the first layers' node does not tokenise it again
 PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
-
-
-def input_length(tensor: np.ndarray) -> int:
-  """Positions a request's input holds: (1, L) token ids or (1, L, d) hidden states."""
-  shape = np.shape(tensor)
-  return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
 
 
 class Passes:

@@ -29,6 +29,7 @@ import numpy as np
 from exo.inference.shard import Shard
 from exo.orchestration.batching.batcher import BatchStats
 from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_groups
+from exo.orchestration.routing.packing import input_length
 
 GATHER_LIMIT = 4  # a burst whose messages keep arriving waits up to this many timeouts after its first
 ROUND_TRIP_SLACK = 1.5  # the first layers' node waits for a group's member up to this many typical round trips
@@ -38,12 +39,6 @@ RUNNING_AFTER = 4  # decode steps after which a request's stream is running, and
 PROMPT_TOKENS_PER_DECODE_ROW = 2  # beside D decode rows a step takes up to max(prefill_chunk, 2 D) prompt tokens
 
 Result = Union[Tuple[np.ndarray, Optional[dict]], BaseException]
-
-
-def input_length(tensor) -> int:
-  """Positions an input holds when it is a (1, L, ...) sequence that can be split; else 1."""
-  shape = np.shape(tensor)
-  return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
 
 
 @dataclass(eq=False)

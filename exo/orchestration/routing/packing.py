@@ -5,38 +5,39 @@ step ran are sent together: their tensors joined along the positions, the state 
 positions and its own inference state (route, parameters, prefix) under `"rows"`, and the first request's route at the
 top (a receiver checks the message as a routed one). The receiver runs each row as the message it stands for. A step's
 rows thus cost one message per hop instead of one each, the cost a pipeline pays per token besides its steps."""
-from typing import List, Tuple
+from typing import Annotated, List, Tuple
 
 import numpy as np
+from pydantic import Field, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 ROWS = "rows"
 MAX_ROWS = 4096
 
 Row = Tuple[str, np.ndarray, dict]  # request id, its tensor (1, L, ...), its inference state
+# A packed state's rows: [request id, positions, inference state], as many as the message holds.
+_ROWS = TypeAdapter(Annotated[List[Tuple[Annotated[StrictStr, Field(min_length=1)], Annotated[StrictInt, Field(ge=1)], dict]],
+                              Field(min_length=1, max_length=MAX_ROWS)])
 
 
-def positions(tensor: np.ndarray) -> int:
+def input_length(tensor: np.ndarray) -> int:
+  """Positions a request's input holds: (1, L) token ids or (1, L, d) hidden states (anything else is one)."""
   shape = np.shape(tensor)
-  return shape[1] if len(shape) >= 2 else 1
+  return shape[1] if len(shape) >= 2 and shape[0] == 1 else 1
 
 
 def pack(rows: List[Row]) -> Tuple[np.ndarray, dict]:
   """The rows as one tensor and one state (rows of one kind: same dtype and shape past the positions)."""
-  tensor = np.concatenate([np.asarray(t).reshape(1, positions(t), *np.shape(t)[2:]) for _, t, _ in rows], axis=1)
-  return tensor, {"route": rows[0][2].get("route"), ROWS: [[request_id, positions(t), state] for request_id, t, state in rows]}
+  tensor = np.concatenate([np.asarray(t).reshape(1, input_length(t), *np.shape(t)[2:]) for _, t, _ in rows], axis=1)
+  return tensor, {"route": rows[0][2].get("route"), ROWS: [[request_id, input_length(t), state] for request_id, t, state in rows]}
 
 
 def unpack(tensor: np.ndarray, state: dict) -> List[Row]:
   """The rows a packed message stands for; ValueError if the state does not describe the tensor."""
-  rows, start, out = state.get(ROWS), 0, []
-  if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_ROWS:
-    raise ValueError(f"rows must list 1 to {MAX_ROWS} requests")
-  for row in rows:
-    if (not isinstance(row, list) or len(row) != 3 or not isinstance(row[0], str) or not row[0] or not isinstance(row[1], int)
-        or isinstance(row[1], bool) or row[1] < 1 or not isinstance(row[2], dict)):
-      raise ValueError("each row must be [request id, positions, state]")
-    out.append((row[0], tensor[:, start:start + row[1]], row[2]))
-    start += row[1]
-  if np.ndim(tensor) < 2 or start != np.shape(tensor)[1]:
-    raise ValueError(f"the rows hold {start} positions, the tensor {np.shape(tensor)}")
-  return out
+  try:
+    rows = _ROWS.validate_python(state.get(ROWS))
+  except ValidationError as e:
+    raise ValueError(f"rows must list 1 to {MAX_ROWS} rows, each [request id, positions, state]: {e.errors(include_url=False)[0]['msg']}") from None
+  starts = np.cumsum([0] + [length for _, length, _ in rows])
+  if np.ndim(tensor) < 2 or starts[-1] != np.shape(tensor)[1]:
+    raise ValueError(f"the rows hold {starts[-1]} positions, the tensor {np.shape(tensor)}")
+  return [(request_id, tensor[:, start:start + length], row_state) for (request_id, length, row_state), start in zip(rows, starts)]
