@@ -185,14 +185,14 @@ class Node(RingMember):
   # --- the ring, by partition index (upstream's API; requests follow their routes through self.forwarding) ---
 
   async def forward_prompt(self, base_shard: Shard, prompt: str, request_id: str, target_index: int, inference_state: Optional[dict] = None) -> None:
-    target_id, _ = self._target(target_index)
-    shard = self.get_current_shard(base_shard, target_index)
-    await self.forwarding.send_prompt(Stage(target_id, shard.start_layer, shard.end_layer), shard, prompt, request_id, inference_state)
+    await self.forwarding.send_prompt(*self._partition_stage(base_shard, target_index), prompt, request_id, inference_state)
 
   async def forward_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: str, target_index: int, inference_state: Optional[dict] = None) -> None:
-    target_id, _ = self._target(target_index)
-    shard = self.get_current_shard(base_shard, target_index)
-    await self.forwarding.send_tensor(Stage(target_id, shard.start_layer, shard.end_layer), shard, tensor, request_id, inference_state)
+    await self.forwarding.send_tensor(*self._partition_stage(base_shard, target_index), tensor, request_id, inference_state)
+
+  def _partition_stage(self, base_shard: Shard, index: int) -> Tuple[Stage, Shard]:
+    shard = self.get_current_shard(base_shard, index)
+    return Stage(self.partitions()[index].node_id, shard.start_layer, shard.end_layer), shard
 
   def own_shard(self, base_shard: Shard) -> Shard:
     """This node's layers of a model: those its placement gives it where routes are on, else its partition's

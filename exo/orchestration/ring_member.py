@@ -82,15 +82,6 @@ class RingMember:
       self._shards[model] = map_partitions_to_shards(partitions, base_shard.n_layers, base_shard.model_id)
     return self._shards[model][index]
 
-  def _target(self, target_index: int) -> Tuple[str, Optional[object]]:
-    target_id = self.partitions()[target_index].node_id
-    if target_id == self.id:
-      return target_id, None
-    peer = next((p for p in self.peers if p.id() == target_id), None)
-    if peer is None:
-      raise ValueError(f"node {target_id} (partition {target_index}) is not among this node's peers")
-    return target_id, peer
-
   # --- peers ---
 
   def is_member_host(self, host: Optional[str]) -> bool:
@@ -100,10 +91,6 @@ class RingMember:
 
   def peers_at(self, host: Optional[str]) -> Set[str]:
     return {peer_id for peer_id, hosts in self.peer_hosts.items() if host in hosts}
-
-  async def update_peers(self, wait_for_peers: int = 0) -> bool:
-    changed, _, _, _ = await self._update_peers(wait_for_peers)
-    return changed
 
   async def _update_peers(self, wait_for_peers: int = 0):
     """(changed, added, removed, moved) peers."""
