@@ -71,8 +71,7 @@ async def test_a_steps_output_packs_rows_per_next_hop_and_tokens_per_origin():
   output = await node.step_core.finish_step(LAST, rows, sampled={"r1": 5, "r2": 6, "r3": 7, "r4": 8})
 
   assert sorted((hop.to.node_id, [row[0] for row in hop.rows]) for hop in output.hops.values()) == [("p1", ["r1", "r2"]), ("p2", ["r3"])]
-  assert {origin: [(t.request.id, t.token) for t in tokens] for origin, tokens in output.tokens_by_origin().items()} == {
-    "o1": [("r1", 5), ("r2", 6)], "o2": [("r3", 7), ("r4", 8)]}
+  assert [(t.request.origin, t.request.id, t.token) for t in output.tokens] == [("o1", "r1", 5), ("o1", "r2", 6), ("o2", "r3", 7), ("o2", "r4", 8)]
   assert output.finished == ["r4"] and output.failed == []
 
   node.forwarding.send(output)

@@ -72,9 +72,6 @@ class Lifecycle:
     if self.end_request(request_id, Status.FAILED, message):
       await self.node.forwarding.tell(request, request_id, statuses.RequestError.build(request_id=request_id, error=message))
 
-  async def tell_route(self, request: Request, status: str) -> None:
-    await self.node.forwarding.tell(request, request.id, status)
-
   def end_request(self, request_id: str, status: Status, error: Optional[str] = None) -> bool:
     """End the request here, whatever it is doing: it leaves every queue, its KV cache is freed, its local client
     learns why. True if it was live here."""

@@ -119,7 +119,7 @@ class PrefixProtocol:
     held = await self.node.model_pool.engine_of(shard).start_from_prefix(request.id, shard, prefix["keys"], reuse) if self.engine.reuses_prefixes else 0
     if held != reuse:
       log.warning("exo: request %s was sent to reuse %d cached positions that this node does not hold; its prompt runs again, whole", request.id, reuse)
-      self.node.spawn(self.node.lifecycle.tell_route(request, statuses.PrefixMiss.build(request_id=request.id, node_id=self.node.id)))
+      self.node.spawn(self.node.forwarding.tell(request, request.id, statuses.PrefixMiss.build(request_id=request.id, node_id=self.node.id)))
       return False
     request.positions = reuse
     return True

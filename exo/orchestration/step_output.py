@@ -58,12 +58,6 @@ class StepOutput:
     key = (to.node_id, shard, tensor.dtype.str, tensor.shape[2:]) if packable else (to.node_id, shard, row[0])
     self.hops.setdefault(key, Hop(to, shard, packable)).rows.append(row)
 
-  def tokens_by_origin(self) -> Dict[Optional[str], List[Token]]:
-    by_origin: Dict[Optional[str], List[Token]] = {}
-    for token in self.tokens:
-      by_origin.setdefault(token.request.origin, []).append(token)
-    return by_origin
-
 
 # The output of the step under way in this task, while its rows are added (see StepCore.finish_step).
 CURRENT: contextvars.ContextVar[Optional[StepOutput]] = contextvars.ContextVar("exo_step_output", default=None)
