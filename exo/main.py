@@ -139,16 +139,8 @@ def prefix_cache_budget(args, environ) -> int:
     raise ValueError(f"EXO_PREFIX_CACHE must be 0 or 1 (off or on), got {environ['EXO_PREFIX_CACHE']!r}")
   if args.no_prefix_cache or switch in ("0", "off", "false"):
     return 0
-  raw, name = settings.given(args, environ, "prefix_cache_mb")
-  if raw is None:
-    return DEFAULT_BUDGET_BYTES
-  try:
-    mb = float(raw)
-  except ValueError:
-    mb = float("nan")
-  if not 0 <= mb <= 1 << 24:
-    raise ValueError(f"{name} must be a number of MiB from 0 to {1 << 24}, got {raw!r}")
-  return int(mb * 2**20)
+  mb, _ = settings.number(args, environ, "prefix_cache_mb", 0, 1 << 24, f"a number of MiB from 0 to {1 << 24}", integer=False)
+  return DEFAULT_BUDGET_BYTES if mb is None else int(mb * 2**20)
 
 
 def quantize_setting(args, environ) -> Optional[int]:
@@ -179,15 +171,7 @@ def placement_settings(args, environ) -> Tuple[str, Optional[int]]:
   mode = str(raw_mode).strip().lower() if raw_mode is not None else "auto"
   if mode not in ("auto", "pipeline", "replicas"):
     raise ValueError(f"EXO_PLACEMENT must be auto, pipeline or replicas, got {environ['EXO_PLACEMENT']!r}")
-  raw, name = settings.given(args, environ, "memory_mb")
-  if raw is None:
-    return mode, None
-  try:
-    memory = int(str(raw).strip())
-  except ValueError:
-    memory = -1
-  if not 1 <= memory <= 1 << 40:
-    raise ValueError(f"{name} must be a whole number of MiB from 1 to {1 << 40}, got {raw!r}")
+  memory, _ = settings.number(args, environ, "memory_mb", 1, 1 << 40, f"a whole number of MiB from 1 to {1 << 40}")
   return mode, memory
 
 

@@ -5,6 +5,7 @@ uses a setting checks its value and names the flag or variable it came by in its
 
 Kept free of imports from the rest of exo: exo/helpers.py reads DEBUG from here while everything else is loading."""
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -146,6 +147,21 @@ def given(args, environ: Mapping[str, str], name: str) -> Tuple[Any, str]:
   value = environ.get(s.env) if s.env else None
   return (value, s.env) if value is not None and str(value).strip() else (None, s.env or s.flag)
 
+
+
+def number(args, environ: Mapping[str, str], name: str, low: float, high: float, what: str, integer: bool = True) -> Tuple[Optional[float], str]:
+  """(the setting's value as given, or None; the flag or variable it came by), checked: a finite number from `low` to
+  `high` (a whole one where `integer`), else ValueError in one line: "<flag or variable> must be <what>, got <value>"."""
+  raw, source = given(args, environ, name)
+  if raw is None:
+    return None, source
+  try:
+    value = float(str(raw).strip())
+  except ValueError:
+    value = math.nan
+  if not (math.isfinite(value) and low <= value <= high and (value.is_integer() or not integer)):
+    raise ValueError(f"{source} must be {what}, got {raw!r}")
+  return (int(value) if integer else value), source
 
 def markdown_table() -> str:
   """The README's "Configuration" table."""

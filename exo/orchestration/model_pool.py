@@ -32,16 +32,8 @@ SHARDS_KEPT = 256  # the models asked for that are not loaded, remembered for th
 
 def max_loaded_models(args, environ) -> int:
   """--max-loaded-models / EXO_MAX_LOADED_MODELS (ValueError naming it if it is not a whole number from 1)."""
-  raw, name = settings.given(args, environ, "max_loaded_models")
-  if raw is None:
-    return DEFAULT_MAX_LOADED_MODELS
-  try:
-    value = int(str(raw).strip())
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise ValueError(f"{name} must be a whole number of models, at least 1, got {raw!r}")
-  return value
+  value, _ = settings.number(args, environ, "max_loaded_models", 1, math.inf, "a whole number of models, at least 1")
+  return DEFAULT_MAX_LOADED_MODELS if value is None else value
 
 
 class ModelPool(OneModel, KeptPool):

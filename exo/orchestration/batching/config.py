@@ -6,9 +6,8 @@
 
 Batching is on when the size is 2 or more. A timeout or chunk size without a size is refused, like any value
 out of range, so a typo never silently leaves batching off."""
-import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Tuple
+from typing import Mapping, Optional
 
 from exo import settings
 
@@ -30,33 +29,12 @@ class BatchingConfig:
     return f"batching on: up to {self.batch_size} requests per step, wait up to {self.timeout_ms:g} ms after the latest arrival for others, {chunk}"
 
 
-def _parse_int(raw: str) -> float:
-  value = float(raw)
-  if not value.is_integer():
-    raise ValueError(raw)
-  return int(value)
-
-
-def _setting(args, env: Mapping[str, str], name: str, parse: Callable[[str], float], low: float, high: float,
-             what: str) -> Tuple[Optional[float], str]:
-  """(value or None when unset, the name it came by). Raises ValueError naming the setting and its range."""
-  raw, source = settings.given(args, env, name)
-  if raw is None:
-    return None, source
-  try:
-    value = parse(str(raw).strip())
-  except ValueError:
-    value = None
-  if value is None or not math.isfinite(value) or not low <= value <= high:
-    raise ValueError(f"{source} must be {what} from {low:g} to {high:g}, got {raw!r}")
-  return value, source
-
-
 def batching_config_from(args, environ: Mapping[str, str]) -> Optional[BatchingConfig]:
   """The batching settings for this node, or None when batching is off. Raises ValueError (one line) on bad values."""
-  size, _ = _setting(args, environ, "batch_size", _parse_int, 1, MAX_BATCH_SIZE, "an integer")
-  timeout, timeout_name = _setting(args, environ, "batch_timeout_ms", float, 0, MAX_TIMEOUT_MS, "a number of milliseconds")
-  chunk, chunk_name = _setting(args, environ, "prefill_chunk", _parse_int, 0, MAX_PREFILL_CHUNK, "a number of tokens")
+  size, _ = settings.number(args, environ, "batch_size", 1, MAX_BATCH_SIZE, f"an integer from 1 to {MAX_BATCH_SIZE}")
+  timeout, timeout_name = settings.number(args, environ, "batch_timeout_ms", 0, MAX_TIMEOUT_MS, f"a number of milliseconds from 0 to {MAX_TIMEOUT_MS:g}",
+                                          integer=False)
+  chunk, chunk_name = settings.number(args, environ, "prefill_chunk", 0, MAX_PREFILL_CHUNK, f"a number of tokens from 0 to {MAX_PREFILL_CHUNK}")
   if size is None:
     for value, name in ((timeout, timeout_name), (chunk, chunk_name)):
       if value is not None:
@@ -64,4 +42,4 @@ def batching_config_from(args, environ: Mapping[str, str]) -> Optional[BatchingC
     return None
   if size == 1:
     return None
-  return BatchingConfig(int(size), DEFAULT_TIMEOUT_MS if timeout is None else float(timeout), DEFAULT_PREFILL_CHUNK if chunk is None else int(chunk))
+  return BatchingConfig(size, DEFAULT_TIMEOUT_MS if timeout is None else timeout, DEFAULT_PREFILL_CHUNK if chunk is None else chunk)
