@@ -33,10 +33,9 @@ Done = List[Tuple[Row, object]]  # rows a step finished, each with its (output, 
 class StepLoop:
   def __init__(self, engine, new_scheduler: Callable[[Shard], Scheduler], is_live: Callable[[str], bool] = lambda request_id: True,
                on_step: Callable[[Scheduler, Step, Done], None] = lambda scheduler, step, done: None,
-               clock: Callable[[], float] = time.monotonic,
                finishing_for: Callable[[Scheduler, Step], Optional[Callable[[Done], Awaitable[Callable[[], None]]]]] = lambda scheduler, step: None,
                engine_for: Optional[Callable[[Shard], object]] = None):
-    self.engine, self.new_scheduler, self.is_live, self.on_step, self.clock = engine, new_scheduler, is_live, on_step, clock
+    self.engine, self.new_scheduler, self.is_live, self.on_step, self.clock = engine, new_scheduler, is_live, on_step, time.monotonic
     self.finishing_for = finishing_for
     self.engine_for = engine_for or (lambda shard: self.engine)
     self.schedulers: Dict[Shard, Scheduler] = {}
@@ -108,10 +107,7 @@ class StepLoop:
       try:
         await self._next()
       except Exception as e:  # a bug here must not leave every waiting request hanging: they end with it
-        for scheduler in self.schedulers.values():
-          for request_id in list(scheduler.ready):
-            scheduler.drop(request_id)
-            self._fail(request_id, e)
+        self._fail_all(e)
 
   async def _next(self) -> None:
     await self._let_arrivals_in()
@@ -203,11 +199,15 @@ class StepLoop:
     self._wake.set()
     if self._task is not None:
       await asyncio.gather(self._task, return_exceptions=True)
+    self._fail_all(BatcherStopped("node stopping"))
+
+  def _fail_all(self, error: BaseException) -> None:
+    """Every request waiting for a step here leaves its line and ends with `error`."""
     for scheduler in self.schedulers.values():
       for request_id in list(scheduler.ready):
         scheduler.drop(request_id)
     for request_id in list(self._waiters):
-      self._fail(request_id, BatcherStopped("node stopping"))
+      self._fail(request_id, error)
 
 
 def _checked(result):

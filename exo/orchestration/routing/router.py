@@ -64,13 +64,13 @@ class Router:
   # --- the choice ---
 
   def choose(self, groups: Sequence[Group], model: str, prompt_ids: Optional[Sequence[int]]) -> Choice:
+    keys = block_keys(model, prompt_ids) if prompt_ids is not None and len(prompt_ids) >= BLOCK else []
     if len(groups) == 1:
-      return self._chose(Choice(groups[0], ONLY_GROUP, self._cached(groups[0], model, prompt_ids)))
+      return self._chose(Choice(groups[0], ONLY_GROUP, self._held(groups[0].name, keys) * BLOCK))
     order = {g.name: i for i, g in enumerate(groups)}
     local = {g.name: self.node_id in g.node_ids for g in groups}
     loads = {g.name: self.load(g.name) for g in groups}
     least = min(groups, key=lambda g: (loads[g.name], not local[g.name], order[g.name]))
-    keys = block_keys(model, prompt_ids) if prompt_ids is not None and len(prompt_ids) >= BLOCK else []
     held = {g.name: self._held(g.name, keys) for g in groups}
     most = max(held.values(), default=0)
     worth = keys and most * BLOCK >= PREFIX_MIN_TOKENS and most >= PREFIX_MIN_SHARE * len(keys)
@@ -85,11 +85,6 @@ class Router:
   def _chose(self, choice: Choice) -> Choice:
     self.routed[choice.reason] += 1
     return choice
-
-  def _cached(self, group: Group, model: str, prompt_ids: Optional[Sequence[int]]) -> int:
-    if prompt_ids is None or len(prompt_ids) < BLOCK:
-      return 0
-    return self._held(group.name, block_keys(model, prompt_ids)) * BLOCK
 
   def _held(self, group: str, keys: List[str]) -> int:
     """Leading blocks of `keys` that were sent to `group`."""
