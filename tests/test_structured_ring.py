@@ -89,7 +89,7 @@ async def test_a_grammar_travels_the_ring_and_greedy_answers_equal_one_nodes(tmp
     first.peer_grammar_engines.clear()
     with pytest.raises(CannotConstrain, match="has not said that it can constrain"):
       await answer(first, tokenizer, params)
-    await second.announce_structured_output()
+    await second.announce()
     await eventually(lambda: second.id in first.peer_grammar_engines, 10)
     for node in (first, second):
       await eventually(lambda: not node.state()["requests"], 10)

@@ -110,9 +110,7 @@ class Membership:
         if await node.update_peers():
           await node.broadcast_supported_engines(node.get_supported_inference_engines())
         # Every round: a peer may have dropped what this node announced before it knew this node.
-        await node.prefix_protocol.announce()
-        await node.announce_structured_output()
-        await node.placements.announce()
+        await node.announce()
         await node.collect_topology(set())
         self.forget_stale()
         node.placements.settle()

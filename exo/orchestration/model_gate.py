@@ -55,9 +55,6 @@ class ModelGate:
     self.preloads: Set[str] = set()  # the holders that are preloads, not requests
     self._line: Deque[Tuple[str, str, asyncio.Future]] = deque()  # (model, request id, admitted)
 
-  def holds(self, request_id: str) -> bool:
-    return request_id in self.holders
-
   def held(self, besides_preloads: bool = False) -> Set[str]:
     """The models requests (and preloads, unless `besides_preloads`) hold now."""
     return {m for h, m in self.model_of.items() if not (besides_preloads and h in self.preloads)}

@@ -107,9 +107,7 @@ class Node(RingMember):
     await self.update_peers(wait_for_peers)
     await self.collect_topology(set())
     log.debug("Collected topology: %s", self.topology)
-    await self.prefix_protocol.announce()
-    await self.announce_structured_output()
-    await self.placements.announce()
+    await self.announce()
     self._background = [asyncio.create_task(self.periodic_topology_collection(2.0)), asyncio.create_task(self.membership.watch_peers())]
     if self.placements.mode is not None:
       self._background.append(asyncio.create_task(self.forwarding.report_loads_periodically()))
@@ -222,10 +220,13 @@ class Node(RingMember):
   async def periodic_topology_collection(self, interval: float) -> None:
     await self.membership.collect_periodically(interval)
 
-  async def announce_structured_output(self) -> None:
-    """Tell the ring that this node follows requests' grammars when it samples them (upstream nodes never say)."""
+  async def announce(self) -> None:
+    """Tell the ring what this node does beyond upstream's (upstream nodes ignore it, and never say): whether it reuses
+    prompt prefixes, that it follows requests' grammars when it samples them, and its placement facts."""
+    await self.prefix_protocol.announce()
     if grammar.available():
       await self.broadcast_opaque_status("", statuses.StructuredOutput.build(node_id=self.id, engine=grammar.ENGINE))
+    await self.placements.announce()
 
   async def collect_topology(self, visited: Set[str], max_depth: int = 4):
     topology = await super().collect_topology(visited, max_depth)

@@ -101,15 +101,12 @@ class Passes:
     is one batch: a packed one (one step's rows of the stage before, routing/packing.py) or a single request's (a batch
     of one, as upstream nodes send). Every row is made ready (its route checked, its turn at the model gate, its
     prefix), then all of them go to the engine together, so that they share its next step."""
-    if inference_state and ROWS in inference_state:
-      try:
-        rows = unpack(tensor, inference_state)
-      except ValueError as e:
-        log.warning("exo: dropped a malformed packed message: %s", e)
-        return None
-    else:
-      rows = [(request_id or str(uuid.uuid4()), tensor, inference_state)]
     packed = bool(inference_state and ROWS in inference_state)
+    try:
+      rows = unpack(tensor, inference_state) if packed else [(request_id or str(uuid.uuid4()), tensor, inference_state)]
+    except ValueError as e:
+      log.warning("exo: dropped a malformed packed message: %s", e)
+      return None
     arrived = await asyncio.gather(*[self._arrive(base_shard, *row, packed) for row in rows])
     await asyncio.gather(*[self._run_arrived(shard, t, request, state, accepted) for shard, t, request, state in filter(None, arrived)])
     return None
