@@ -69,7 +69,7 @@ class StepCore:
   and the bookkeeping after a pass."""
 
   def __init__(self, node):
-    self.node = node  # its public parts: requests, engine_for, passes (sampler, budget, bookkeeping), forwarding, the hook
+    self.node = node  # its public parts: requests, model pool, passes (sampler, budget, bookkeeping), forwarding, the hook
 
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at

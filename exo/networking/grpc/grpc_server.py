@@ -94,7 +94,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
     """Work on in the background (as upstream's servers do), so each hop is free for the next message and the ring
     pipelines; reply once the node accepts the message (its forward pass has started, see acceptance), the work
     has ended, or REPLY_WAIT_S has passed. `work(accepted)` makes the node's coroutine. Failures end the request
-    through the Node (fail_request), not through this reply."""
+    through the Node (Lifecycle.fail_request), not through this reply."""
     loop = asyncio.get_running_loop()
     accepted = loop.create_future()
     coro = work(accepted)
