@@ -52,16 +52,8 @@ def _raw(args, environ: Mapping[str, str], name: str) -> Tuple[Optional[str], st
 
 def _number(args, environ: Mapping[str, str], name: str, low: float, integer: bool = True) -> Optional[float]:
   """The setting's value, or None when it is not set."""
-  raw, source = _raw(args, environ, name)
-  if raw is None:
-    return None
-  try:
-    value = float(raw)
-  except ValueError:
-    value = math.nan
-  if not (math.isfinite(value) and value >= low and (value.is_integer() or not integer)):
-    raise ValueError(f"{source} must be {'an integer' if integer else 'a number'} >= {low:g}, got {raw!r}")
-  return value
+  what = f"{'an integer' if integer else 'a number'} >= {low:g}"
+  return settings.number(args, environ, name, low, math.inf, what, integer)[0]
 
 
 def api_settings_from(args, environ: Mapping[str, str]) -> ApiSettings:
