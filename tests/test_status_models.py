@@ -1,6 +1,6 @@
-"""The opaque statuses' models (exo/orchestration/statuses.py): each kind our builders make parses back to its typed
+"""The opaque statuses' models (exo/orchestration/statuses.py): each kind our models build (`Model.build`) parses back to its typed
 object, and a peer's status missing a field, with a field of the wrong type or past a bound is refused before
-anything acts on it. The JSON our builders send is what old nodes of this fork read: field names and shapes fixed."""
+anything acts on it. The JSON we send is what old nodes of this fork read: field names and shapes fixed."""
 import json
 
 import pytest
@@ -15,7 +15,7 @@ SHARD = Shard("m", 0, 3, 10)
 FACTS = {"engine": "E", "float_bytes": 2, "memory_mb": 100, "speed": 1.5, "placement": "auto"}
 REPO = {"commit": "c", "files": {"a": [1, "ab", None], "b": [2, None, "cd"]}, "verified": ["a"], "fetching": ["b"], "wants": True}
 
-# kind -> (a good status as our builder sends it, [(a change that must be refused, why), ...])
+# kind -> (a good status as we build it, [(a change that must be refused, why), ...])
 CASES = {
   statuses.NODE_STATUS: (json.dumps({"type": "node_status", "node_id": "a", "status": "start_process_prompt", "request_id": "r", "shard": SHARD.to_dict(),
                                      "prompt": "hi"}), [
