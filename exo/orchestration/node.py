@@ -259,6 +259,10 @@ class Node(RingMember):
   def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool, logprobs: Optional[list] = None) -> None:
     self.lifecycle.trigger_on_token_callbacks(request_id, tokens, is_finished, logprobs)
 
+  def accepts_prompt(self, request_id: str) -> None:
+    """Before a peer's SendPrompt (the gRPC server asks): ValueError if the prompt must not start (Lifecycle.accepts_prompt)."""
+    self.lifecycle.accepts_prompt(request_id)
+
   def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
     """A peer's SendResult (or a token that reached this node otherwise)."""
     self.lifecycle.on_result(request_id, result, is_finished, sender_host)

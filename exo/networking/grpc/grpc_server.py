@@ -126,7 +126,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
       await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     await self._from_member(context)
     try:
-      self.node.lifecycle.accepts_prompt(request.request_id)
+      self.node.accepts_prompt(request.request_id)
     except ValueError as e:
       await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
     log.log(MESSAGES, "Received SendPrompt %s %r: %r", shard, request.request_id, request.prompt)
