@@ -246,7 +246,6 @@ def model_arithmetic() -> Dict[str, int]:
   figures = {"layer_weights": sum(n for name, n in sizes.items() if name.startswith("blk.") and name.endswith(".weight") and not name.endswith("norm.weight")),
              "head": sizes.get("output.weight", sizes["token_embd.weight"]),
              "attention_per_position": 4 * field("llama.block_count") * heads * (field("llama.embedding_length") // heads)}
-  gguf_reader.cache_clear()
   return figures
 
 

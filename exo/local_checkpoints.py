@@ -120,8 +120,8 @@ def check_served(path: str) -> None:
 
 def checkpoint_layers(path: Path) -> int:
   if is_gguf(path):
-    from exo.inference.weights import gguf_config, gguf_reader
-    return gguf_config(gguf_reader(str(path))).n_layers
+    from exo.inference.weights import load_config
+    return load_config(path).n_layers
   if (path / "config.json").is_file():
     try:
       config_json = json.loads((path / "config.json").read_text())

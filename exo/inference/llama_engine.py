@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from exo.inference.gguf_header import is_gguf
 from exo.inference.inference_engine import InferenceEngine
 from exo.inference.prefix_cache import PrefixReuse
 from exo.inference.sampling import sample_last
@@ -57,10 +58,10 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
                        f"(layers {self.shard.start_layer}-{self.shard.end_layer}); {shard.model_id} can load once they end")
     self.shard = self.model = self.tokenizer = None  # the old weights go before the new ones arrive
     self.prefixes.clear()
+    reader = gguf_reader(path) if is_gguf(path) else None  # held while the weights and the tokenizer read it: one parse
     config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized, quantize=self.quantize_bits if self.keeps_quantized else None)
     model, tokenizer = self.new_model(config, shard, weights), resolve_tokenizer(path)
-    del weights
-    gguf_reader.cache_clear()  # the parsed GGUF metadata: ~160 MB of small arrays, and the file's pages mapped
+    del weights, reader  # the parsed GGUF metadata goes with its last holder: tens of MB of small arrays
     _return_freed_memory()
     self.model, self.tokenizer, self.shard = model, tokenizer, shard
 

@@ -7,6 +7,7 @@ quantized checkpoints and GGUF's 4- to 8-bit tensors (gguf_quants.py) are dequan
 always dequantised."""
 import json
 import re
+import weakref
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
@@ -86,9 +87,22 @@ def gguf_config(reader) -> LlamaConfig:
   return config
 
 
-@lru_cache(maxsize=4)
+# Readers somebody still holds, by path: a load's weights and tokenizer share one parse. Nothing keeps one beyond its
+# users: a parse holds ~45 MiB of small arrays for SmolLM2's vocabulary and merges (and the file's pages it read),
+# which a cache kept for the node's life once the API had read a model's config after the load.
+_live_readers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+
+
 def gguf_reader(path: Union[str, Path]):
-  """The file's metadata and tensors, parsed once per file."""
+  """The file's metadata and tensors, parsed once while any caller holds the result."""
+  path = str(Path(path))
+  reader = _live_readers.get(path)
+  if reader is None:
+    reader = _live_readers[path] = _parse_gguf(path)
+  return reader
+
+
+def _parse_gguf(path: str):
   import gguf
 
   class FastGGUFReader(gguf.GGUFReader):
@@ -106,7 +120,7 @@ def gguf_reader(path: Union[str, Path]):
         typed = self.dtypes[(dtype, order)] = np.dtype(dtype).newbyteorder(order)
       return self.data[offset:offset + typed.itemsize * int(count)].view(typed)
 
-  return FastGGUFReader(str(path))
+  return FastGGUFReader(path)
 
 
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
@@ -224,5 +238,13 @@ def load_config(model_path: Union[str, Path]) -> LlamaConfig:
   """The model's configuration alone, without its weights (GGUF metadata, or config.json)."""
   model_path = Path(model_path)
   if is_gguf(model_path):
-    return gguf_config(gguf_reader(str(model_path)))
+    stat = model_path.stat()
+    return _gguf_file_config(str(model_path.resolve()), stat.st_mtime_ns, stat.st_size)
   return hf_config(json.loads((model_path / "config.json").read_text()))
+
+
+@lru_cache(maxsize=64)
+def _gguf_file_config(path: str, mtime_ns: int, size: int) -> LlamaConfig:
+  """A GGUF's configuration, kept (small and frozen) where the reader it came from is not; a file changed in place
+  (another modification time or size) is read again."""
+  return gguf_config(gguf_reader(path))
