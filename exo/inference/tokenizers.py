@@ -1,5 +1,6 @@
 """Tokenizers: from a GGUF file's metadata or a tokenizer.json directory, with the model's own chat template."""
 import json
+import weakref
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -166,13 +167,26 @@ def tokenizer_from_dir(path: Union[str, Path]) -> Tokenizer:
   return Tokenizer(backend, template, _token_text(config.get("bos_token")), eos_token, eos_ids)
 
 
+# Tokenizers somebody holds, by the file they were read from as it is now (path, modification time, size): the API
+# and the engine of a node share one per model (SmolLM2's: ~13 MiB) instead of each building its own.
+_live_tokenizers: "weakref.WeakValueDictionary[tuple, Tokenizer]" = weakref.WeakValueDictionary()
+
+
 def resolve_tokenizer(repo_or_path: Union[str, Path]):
-  """"dummy" -> DummyTokenizer; a GGUF file (whatever its name) or a directory with tokenizer.json -> Tokenizer."""
+  """"dummy" -> DummyTokenizer; a GGUF file (whatever its name) or a directory with tokenizer.json -> Tokenizer
+  (the same object for the same unchanged file while anyone holds it: it is not changed after it is built)."""
   if str(repo_or_path) == "dummy":
     return DummyTokenizer()
   path = Path(repo_or_path)
   if is_gguf(path):
-    return tokenizer_from_gguf(path)
-  if (path / "tokenizer.json").exists():
-    return tokenizer_from_dir(path)
-  raise ValueError(f"No tokenizer found at {repo_or_path} (expected a .gguf file or a directory with tokenizer.json)")
+    source, build = path, tokenizer_from_gguf
+  elif (path / "tokenizer.json").exists():
+    source, build = path / "tokenizer.json", tokenizer_from_dir
+  else:
+    raise ValueError(f"No tokenizer found at {repo_or_path} (expected a .gguf file or a directory with tokenizer.json)")
+  stat = source.stat()
+  key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+  tokenizer = _live_tokenizers.get(key)
+  if tokenizer is None:
+    tokenizer = _live_tokenizers[key] = build(path)
+  return tokenizer
