@@ -6,8 +6,9 @@ kernel moves the bits instead (numba compiles it to vector integer instructions)
 shifted into a float32's, which, multiplied by 2**112, is the same number, subnormals and zeros included (1.2 ms
 against numpy's 7.6 for 3 million values). Infinities and NaNs are not kept (a cache holds neither: a key or value
 that large would have overflowed float16 already)."""
-import numba
 import numpy as np
+
+from exo.inference.numpy.jit import numba
 
 _REBIAS = np.float32(2.0 ** 112)  # float32's exponent bias (127) less float16's (15), as a power of two
 

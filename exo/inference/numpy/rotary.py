@@ -3,8 +3,9 @@
 numpy's form (two halves, four products, a concatenation, then the queries' scale) is nine array operations; at one
 stream they cost more than the arithmetic, twice a layer. The kernel does the same float32 operations in the same
 order (no fastmath, so none is fused or reordered), so the two give the same bits."""
-import numba
 import numpy as np
+
+from exo.inference.numpy.jit import numba
 
 
 # Any strides (the heads are a slice of a product's output), compiled or read from numba's cache on import.
