@@ -135,3 +135,40 @@ def test_the_gguf_reader_reads_what_the_gguf_package_reads(smollm2_path):
     assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name
   assert [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in ours.tensors] == [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in theirs.tensors]
   assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+
+
+def test_a_parsed_gguf_is_shared_while_held_and_kept_by_nobody_after(smollm2_path):
+  """A load's weights and tokenizer share one parse of the file's metadata (tens of MB of small arrays for SmolLM2's
+  vocabulary); reading the config afterwards, as the API does for every model it serves, keeps none of it."""
+  import gc
+  import weakref
+
+  from exo.inference import weights
+  reader = weights.gguf_reader(smollm2_path)
+  assert weights.gguf_reader(str(smollm2_path)) is reader
+  parsed = weakref.ref(reader)
+  del reader
+  gc.collect()
+  assert parsed() is None
+  assert weights.load_config(smollm2_path).n_layers == 30
+  gc.collect()
+  assert not weights._live_readers
+  assert weights.load_config(str(smollm2_path)) == weights.load_config(smollm2_path)
+
+
+def test_one_tokenizer_per_unchanged_file_while_anyone_holds_it(tmp_path, gguf_tokenizer, smollm2_path):
+  """The API and the engine of a node get the same tokenizer for a model; a tokenizer file rewritten since is read
+  again."""
+  assert resolve_tokenizer(smollm2_path) is gguf_tokenizer
+  folder = tmp_path / "tokenizer"
+  folder.mkdir()
+  (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": gguf_tokenizer.eos_token}))
+  gguf_tokenizer.backend.save(str(folder / "tokenizer.json"))
+  first = resolve_tokenizer(folder)
+  assert resolve_tokenizer(folder) is first and first is not gguf_tokenizer
+  from tokenizers import Tokenizer as HFTokenizer
+  grown = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+  grown.add_tokens(["<a-token-added-since>"])
+  grown.save(str(folder / "tokenizer.json"))
+  again = resolve_tokenizer(folder)
+  assert again is not first and again.vocab_size == first.vocab_size + 1
