@@ -1,5 +1,6 @@
-"""What a numpy-engine node imports: none of the other engines' frameworks, and numba's compiler started without
-SciPy (exo/inference/numpy/jit.py), which still compiles linear algebra when a kernel asks for it. Each check runs
+"""What a numpy-engine node imports: none of the other engines' frameworks, the grammar engine only for a constrained
+request, and numba's compiler started without SciPy (exo/inference/numpy/jit.py), which still compiles linear algebra
+when a kernel asks for it. Each check runs
 in a fresh interpreter, since this test process has imported everything the suite needs."""
 import json
 import subprocess
@@ -20,9 +21,9 @@ def imported_after(code: str) -> dict:
 
 
 def test_a_numpy_node_imports_no_other_engines_framework_nor_scipy():
-  imported = imported_after(f"import {NODE_MODULES}")
+  imported = imported_after(f"import {NODE_MODULES}\nfrom exo.inference import grammar\nassert grammar.available()")
   assert "numba" in imported  # the check below means something only where the engine's kernels were set up
-  assert not imported & {"mlx", "tinygrad", "torch", "transformers", "sentence_transformers", "scipy"}
+  assert not imported & {"mlx", "tinygrad", "torch", "transformers", "sentence_transformers", "scipy", "llguidance"}
 
 
 def test_numba_started_without_scipy_still_compiles_linear_algebra():

@@ -8,6 +8,8 @@ GGUF metadata or tokenizer.json). Compiled grammars are kept by (tokenizer, gram
 of the compiled matcher. Compiling and computing masks run on GRAMMAR_THREADS threads of their own, never on the
 event loop or the engine's thread (llguidance releases the GIL while it works)."""
 import asyncio
+import functools
+import importlib.util
 import json
 import re
 import threading
@@ -22,10 +24,16 @@ import numpy as np
 from exo.inference.closing import CLOSING_MARKERS, Budget, ClosingTokens
 from exo.inference.json_numbers import START, NumberBounds, clear_bits
 
-try:
-  import llguidance
-except ImportError:  # a node without it cannot constrain: requests that need it fail with a clear error
-  llguidance = None
+
+@functools.lru_cache(maxsize=None)
+def _llguidance():
+  """llguidance, imported at the first constrained request (~4 MiB resident that a node never asked for structured
+  output does without); None where it is not installed: requests that need it then fail with a clear error."""
+  try:
+    import llguidance
+    return llguidance
+  except ImportError:
+    return None
 
 # JSON as json.dumps writes it: ", " and ": ", no other whitespace. A fixed layout keeps answers short (free
 # whitespace lets a small model wander into newlines) and lets the tool-call parsers read calls as they stream.
@@ -46,11 +54,11 @@ class CannotConstrain(RuntimeError):
 
 
 def available() -> bool:
-  return llguidance is not None
+  return importlib.util.find_spec("llguidance") is not None
 
 
 def _require() -> None:
-  if llguidance is None:
+  if _llguidance() is None:
     raise CannotConstrain("this node cannot constrain output: the llguidance package is not installed (pip install llguidance)")
 
 
@@ -143,7 +151,8 @@ def check(grammar: str) -> None:
   _require()
   if len(grammar) > MAX_GRAMMAR_CHARS:
     raise GrammarError(f"the grammar is {len(grammar):,} characters; at most {MAX_GRAMMAR_CHARS:,}")
-  error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), None)
+  matchers = _llguidance().LLMatcher
+  error = matchers.validate_grammar(matchers.grammar_from_lark(grammar), None)
   if error:
     raise GrammarError(_first_lines(error))
 
@@ -170,7 +179,7 @@ def vocabulary(tokenizer) -> "llguidance.LLTokenizer":
       if backend is None or not hasattr(backend, "to_str"):
         raise CannotConstrain(f"this model's tokenizer ({type(tokenizer).__name__}) has no vocabulary the grammar engine can read")
       eos = sorted(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
-      built = _vocabularies[tokenizer] = llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
+      built = _vocabularies[tokenizer] = _llguidance().LLTokenizer(backend.to_str(), eos_token=eos)
     return built
 
 
@@ -213,7 +222,8 @@ def compile_matcher(tokenizer, grammar: str):
   if entry is None:
     if len(grammar) > MAX_GRAMMAR_CHARS:
       raise GrammarError(f"the grammar is {len(grammar):,} characters; at most {MAX_GRAMMAR_CHARS:,}")
-    matcher = llguidance.LLMatcher(vocab, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=LOG_LEVEL)
+    matchers = _llguidance().LLMatcher
+    matcher = matchers(vocab, matchers.grammar_from_lark(grammar), log_level=LOG_LEVEL)
     if matcher.is_error():
       raise GrammarError(_first_lines(matcher.get_error()))
     entry = (vocab, matcher)
@@ -322,7 +332,7 @@ def compute_masks(constraints: Sequence[Constraint], times: Optional[MaskTimes] 
   start = time.perf_counter()
   masks = np.zeros((len(constraints), mask_words(constraints[0].vocab_size)), dtype=np.int32)
   if _executor is None:
-    _executor = llguidance.LLExecutor(GRAMMAR_THREADS)
+    _executor = _llguidance().LLExecutor(GRAMMAR_THREADS)
   _executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], masks.ctypes.data, masks.shape[1] * 4, len(constraints))
   for i, c in enumerate(constraints):
     masks[i] = c.limit(masks[i])
