@@ -16,7 +16,7 @@ from exo.inference.prefix_cache import PrefixReuse
 from exo.inference.sampling import sample_last
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import resolve_tokenizer
-from exo.inference.weights import LlamaConfig, gguf_reader, load_shard_weights
+from exo.inference.weights import LlamaConfig, gguf_reader, load_config, load_shard_weights
 
 
 class EngineBusy(RuntimeError):
@@ -58,9 +58,10 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
                        f"(layers {self.shard.start_layer}-{self.shard.end_layer}); {shard.model_id} can load once they end")
     self.shard = self.model = self.tokenizer = None  # the old weights go before the new ones arrive
     self.prefixes.clear()
-    reader = gguf_reader(path) if is_gguf(path) else None  # held while the weights and the tokenizer read it: one parse
+    reader = gguf_reader(path) if is_gguf(path) else None  # held while the weights, the tokenizer and the config read it: one parse
     config, weights = load_shard_weights(path, shard, keep_quantized=self.keeps_quantized, quantize=self.quantize_bits if self.keeps_quantized else None)
     model, tokenizer = self.new_model(config, shard, weights), resolve_tokenizer(path)
+    load_config(path)  # cached: the API reads the model's config next, which would otherwise parse the file again
     del weights, reader  # the parsed GGUF metadata goes with its last holder: tens of MB of small arrays
     _return_freed_memory()
     self.model, self.tokenizer, self.shard = model, tokenizer, shard

@@ -95,7 +95,7 @@ _live_readers: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDic
 
 def gguf_reader(path: Union[str, Path]):
   """The file's metadata and tensors, parsed once while any caller holds the result."""
-  path = str(Path(path))
+  path = str(Path(path).resolve())  # a link (a Hugging Face snapshot's, say) and its file share the parse
   reader = _live_readers.get(path)
   if reader is None:
     reader = _live_readers[path] = _parse_gguf(path)
