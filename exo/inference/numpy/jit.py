@@ -1,8 +1,8 @@
 """numba for the engine's kernels, its compiler started without SciPy.
 
-Starting numba's compiler (the first kernel compiled or read from its cache) probes for SciPy's BLAS, which numba
-needs only for linear algebra inside compiled code (np.dot, np.linalg), and so imports scipy.linalg: ~18 MiB
-resident that a node never uses, since no kernel here does linear algebra (BLAS runs from numpy, outside the
+Importing numba and starting its compiler (at the first kernel compiled or read from its cache) probe for SciPy's
+BLAS, which numba needs only for linear algebra inside compiled code (np.dot, np.linalg), and so import scipy.linalg:
+~18 MiB resident that a node never uses, since no kernel here does linear algebra (BLAS runs from numpy, outside the
 kernels). Started with SciPy hidden, numba records that it has no BLAS (only np.correlate and np.convolve look at
 that, taking their plain loop); a kernel that does call np.dot still compiles, numba importing SciPy then.
 
