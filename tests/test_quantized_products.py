@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import quants
 
-from exo.inference.numpy import packed
-from exo.inference.numpy.kernels import product, weight_matrix, weight_rows
+from exo.inference.numpy import kernels, packed
+from exo.inference.numpy.kernels import Workers, product, weight_matrix, weight_rows
 from exo.inference.numpy.llama import interleaved_pairs
 from exo.inference.numpy.packed import PackedMatrix
 from exo.inference.gguf_quants import BLOCK_BYTES, from_gguf_blocks
@@ -79,6 +79,12 @@ def check_products(matrix: PackedMatrix, reference: np.ndarray) -> None:
     got = matrix.product(x, a, b)
     assert got.shape == (rows, b - a) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    if rows <= packed.DIRECT_ROWS:  # the direct path's two kernels, on one core and on numba's threads, add alike
+      kernels_ = (matrix._product.serial, matrix._product.parallel)
+      outs = [np.empty((rows, b - a), dtype=np.float32) for _ in kernels_]
+      for kernel, out in zip(kernels_, outs):
+        kernel(x, matrix.codes, matrix.scales, matrix.biases, matrix.table, matrix.fp4, a, b, out)
+      np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-6 * np.abs(want).max())  # LLVM may vectorise each one its own way
   ids = np.array([0, out_features - 1, 5, 5])
   # exact for 16-bit scales (code * scale is exact); float32 ones may round once less (a fused multiply-add)
   np.testing.assert_allclose(matrix.rows(ids), reference[ids], rtol=0, atol=1e-6 * np.abs(reference).max())
@@ -144,3 +150,67 @@ def test_a_product_writes_into_a_given_slice(rows):
   want = x @ reference[32:64].T
   np.testing.assert_allclose(logits[:, 32:64], want, rtol=0, atol=1e-5 * np.abs(want).max())
   assert not logits[:, :32].any() and not logits[:, 64:].any()
+
+
+class FakeSteps:
+  """Steps that take `cost[shared]` fake seconds, on a fake clock, recording which way each ran."""
+
+  def __init__(self, serial: float, shared: float):
+    self.now, self.cost, self.ways = 0.0, {False: serial, True: shared}, []
+    self.decode = packed.SharedDecode(clock=lambda: self.now)
+
+  def run(self, steps: int, rows: int = 1) -> list:
+    ways = []
+    for _ in range(steps):
+      with self.decode.step(rows):
+        ways.append(kernels.numba_shares_step())
+        self.now += self.cost[ways[-1]]
+    return ways
+
+
+def test_decode_steps_share_their_products_the_faster_way_and_try_the_other_now_and_then(monkeypatch):
+  monkeypatch.setitem(packed._parallel, "usable", True)
+  steps = FakeSteps(serial=0.017, shared=0.013)  # not much slower: tried every TRY_EVERY steps
+  every = packed.SharedDecode.TRY_EVERY
+  ways = steps.run(3 + 3 * every)
+  assert ways[:3] == [False, False, True]  # the first step untimed, then one each way
+  assert [i for i, shared in enumerate(ways) if not shared][2:] == [2 + every, 2 + 2 * every, 2 + 3 * every]  # serial: tries
+  assert not kernels.numba_shares_step()  # only inside a step
+
+  steps.cost[True] = 0.200  # another process took the other core: the shared threads wait for it
+  assert steps.run(every).count(True) <= 2  # the step that found it out, and perhaps a try
+  tries = [i for i, shared in enumerate(steps.run(16 * every)) if shared]
+  gaps = [b - a for a, b in zip(tries, tries[1:])]
+  assert len(gaps) >= 2 and all(b == 2 * a for a, b in zip(gaps, gaps[1:]))  # twice as seldom each time it is still much slower
+
+  steps.cost[True] = 0.013  # the core is free again
+  ways = steps.run(packed.SharedDecode.TRY_AT_MOST_EVERY + 4)
+  assert ways[-3:] == [True] * 3
+
+
+def test_a_step_of_many_rows_a_slice_of_the_cores_work_or_a_process_without_numba_threads_never_shares(monkeypatch):
+  monkeypatch.setitem(packed._parallel, "usable", True)
+  steps = FakeSteps(serial=0.020, shared=0.001)
+  assert steps.run(8, rows=packed.DIRECT_ROWS + 1) == [False] * 8 and not steps.decode.times
+  # Inside Workers.split (a step's columns on both cores) numba's threads would be a second team on the same cores.
+  seen = []
+  with steps.decode.step(1):
+    Workers(cores=2).split(lambda lo, hi: seen.append(packed._shares()), 2)
+  assert seen == [False, False]
+  monkeypatch.setitem(packed._parallel, "usable", False)
+  assert steps.run(8) == [False] * 8
+
+
+def test_a_direct_product_falls_back_to_the_calling_core_where_numba_has_no_threading_layer(monkeypatch):
+  monkeypatch.setitem(packed._parallel, "usable", True)
+  direct, ran = packed.DirectKernel(4), []
+
+  def no_threading_layer(*args):
+    raise ValueError("No threading layer could be loaded.")
+  direct.serial, direct.parallel = (lambda *args: ran.append(args)), no_threading_layer
+  kernels.set_numba_shares_step(True)
+  try:
+    direct("x", 0, 1)
+  finally:
+    kernels.set_numba_shares_step(False)
+  assert ran == [("x", 0, 1)] and packed._parallel["usable"] is False

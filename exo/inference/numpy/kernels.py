@@ -50,6 +50,22 @@ def single_threaded_blas(numpy_only: bool = False) -> None:
 
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# .running: this thread runs one slice of a task shared among the cores; .numba: its step's few-row products run on
+# numba's threads instead (packed.SharedDecode), so their columns are not shared out
+_slices = threading.local()
+
+
+def in_slice() -> bool:
+  """Whether the calling thread runs one slice of a task `Workers` shares out (a worker, or the caller's own slice)."""
+  return getattr(_slices, "running", False)
+
+
+def numba_shares_step() -> bool:
+  return getattr(_slices, "numba", False)
+
+
+def set_numba_shares_step(shared: bool) -> None:
+  _slices.numba = shared
 
 
 class _Worker:
@@ -64,6 +80,7 @@ class _Worker:
     threading.Thread(target=self._loop, daemon=True, name="numpy-worker").start()
 
   def _loop(self) -> None:
+    _slices.running = True
     while True:
       self.go.acquire()
       part, lo, hi = self.task
@@ -112,8 +129,10 @@ class Workers:
       bounds = [n * i // self.cores for i in range(self.cores + 1)]
       for worker, lo, hi in zip(workers, bounds[1:], bounds[2:]):
         worker.start(part, lo, hi)
+      _slices.running = True
       part(bounds[0], bounds[1])
     finally:
+      _slices.running = False
       errors = [worker.wait() for worker in workers]
       self.busy.release()
     for error in errors:
@@ -148,7 +167,7 @@ def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, row
   def run(lo: int, hi: int) -> None:
     if lo < hi:
       part(lo * align, min(n_cols, hi * align))
-  if rows >= PARALLEL_ROWS:
+  if rows >= PARALLEL_ROWS and not numba_shares_step():
     split_over_cores(run, panels, workers)
   else:
     run(0, panels)

@@ -9,6 +9,7 @@ them: RoPE and the cache write after q/k/v, the residual add after the output an
 after gate/up (whose columns are interleaved in 32-column pairs so that each slice holds both halves). Only the
 two RMS norms of a layer, over whole rows, run between the slices."""
 import math
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,6 +18,7 @@ from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tabl
 from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import Workers, full_product, product, split_columns, split_over_cores, weight_matrix, weight_rows
+from exo.inference.numpy.packed import PackedMatrix, SharedDecode
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.numpy.rotary import rope
 from exo.inference.shard import Shard
@@ -93,6 +95,8 @@ class Llama:
       self.pool = KVPool(len(self.layers), 1, c.kv_values_per_position, c.max_position_embeddings, planes=1, dtype=kv_dtype, **sliding)
     else:
       self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings, dtype=kv_dtype, **sliding)
+    quantized = any(isinstance(layer["o"], PackedMatrix) for layer in self.layers) or isinstance(self.head, PackedMatrix)
+    self.shared_decode = SharedDecode() if quantized else None  # whether a decode step shares its products among numba's threads
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)
@@ -103,6 +107,13 @@ class Llama:
   def forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
     Returns per request: hidden states (L_i, d), or on the last shard the logits of its last position (1, vocab)."""
+    with self._decode_step(inputs):
+      return self._forward(inputs, caches)
+
+  def _decode_step(self, inputs: Sequence[np.ndarray]):
+    return nullcontext() if self.shared_decode is None else self.shared_decode.step(sum(len(x) for x in inputs))
+
+  def _forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     c = self.config
     h, step, order = self._run(inputs, caches)
     if self.head is None:
@@ -127,7 +138,8 @@ class Llama:
     among `workers` (the engine's by default)."""
     if not (self.shard.is_first_layer() and self.shard.is_last_layer()):
       raise ValueError("final states need the whole model on one shard")
-    h, step, order = self._run(inputs, caches, workers)
+    with self._decode_step(inputs):
+      h, step, order = self._run(inputs, caches, workers)
     return in_caller_order(order, step.layout.split(rms_norm(h, self.norm, self.config.rms_norm_eps)))
 
   def _run(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache], workers: Optional[Workers] = None) -> Tuple[np.ndarray, Step, List[int]]:

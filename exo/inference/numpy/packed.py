@@ -7,12 +7,18 @@ float32, in a scratch buffer each thread keeps (up to TILE_BYTES, 4 MiB), and le
 decode and prefill: bound by arithmetic, where BLAS is several times faster than the direct kernel and the widening
 is paid once for all rows). How the tile meets BLAS depends on the rows, by measurement (bench/quantized_speed.py):
 up to TRANSPOSED_ROWS, tile @ x.T into a transposed output; above, x @ tile.T straight into the output."""
+import os
 import threading
-from typing import Optional
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
+import numba
 import numpy as np
 
-from exo.inference.numpy import qkernels
+from exo import settings
+from exo.inference.numpy import kernels, qkernels
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 2
@@ -41,6 +47,110 @@ def _half_bits(values: np.ndarray) -> tuple:
   return values, "float32"
 
 
+if not settings.env("NUMBA_THREADING_LAYER"):
+  numba.config.THREADING_LAYER = "threadsafe"  # OpenMP or TBB: both take parallel products from several threads at once
+# GNU OpenMP's threads spin this long for the next product before they sleep (its default, ~6 ms here, made a shared
+# step 40x slower when another process held a core: the threads spun while the one with work waited for a core)
+os.environ.setdefault("GOMP_SPINCOUNT", settings.BY_ENV["GOMP_SPINCOUNT"].default)
+_parallel = {"usable": kernels.CORES > 1}  # False once numba's threads are found missing, or in a forked child
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=lambda: _parallel.update(usable=False))  # GNU OpenMP's threads do not survive a fork
+
+
+def _shares() -> bool:
+  """Whether a direct product runs on numba's threads: its step chose to (SharedDecode), numba has a thread-safe
+  threading layer, this is not a forked child, and the caller is not one of the engine's slices (kernels.in_slice:
+  the cores are shared out already)."""
+  return kernels.numba_shares_step() and _parallel["usable"] and not kernels.in_slice()
+
+
+class DirectKernel:
+  """A few rows' product (decode), straight from the codes: on the calling core, or with its weight rows shared among
+  numba's threads (OpenMP) where the step says so (SharedDecode)."""
+
+  def __init__(self, bits: int):
+    self.serial, self.parallel = qkernels.DIRECT[bits]
+
+  def warm(self, *args) -> None:
+    """Compile both kernels (or read them from numba's cache), and start numba's threads."""
+    self.serial(*args)
+    if _parallel["usable"]:
+      try:
+        self.parallel(*args)
+        _parallel["usable"] = numba.threading_layer() in ("omp", "tbb")  # workqueue's threads serve one caller at a time
+      except ValueError:  # no thread-safe threading layer could be loaded
+        _parallel["usable"] = False
+
+  def __call__(self, *args) -> None:
+    """kernel(x, codes, scales, biases, table, fp4, lo, hi, out)"""
+    if _shares():
+      try:
+        return self.parallel(*args)
+      except ValueError:  # no thread-safe threading layer could be loaded
+        _parallel["usable"] = False
+    self.serial(*args)
+
+
+@dataclass
+class _StepTimes:
+  seconds: Dict[bool, float] = field(default_factory=dict)  # shared or not -> a step's seconds (a moving average)
+  steps: int = 0
+  every: int = 0  # steps between two tries of the slower way
+  countdown: int = 0  # steps before the next try
+
+
+class SharedDecode:
+  """Whether a model's few-row steps (decode) run their direct products on numba's threads, in place of the calling
+  core (one row) or the engine's column slices (two). Shared, SmolLM2's one-stream step ran 1.55x faster on a quiet
+  2-core VM, two streams 1.5x. With the other core busy (another process, a second engine) the threads wait for
+  each other, a scheduler tick per product, and a step ran 10x slower. So the model times its steps both ways, by
+  rows, runs the faster, and now and then tries the slower way again, in case the machine's load changed: every
+  TRY_EVERY steps, twice as seldom (up to TRY_AT_MOST_EVERY) each time it is still much slower. A model's first
+  step counts for nothing (caches and pages touched the first time)."""
+  TRY_EVERY, TRY_AT_MOST_EVERY = 32, 1024
+  MUCH_SLOWER = 1.5
+
+  def __init__(self, clock=time.perf_counter):
+    self.clock = clock
+    self.times: Dict[int, _StepTimes] = {}  # by rows
+
+  def choose(self, rows: int) -> Tuple[bool, bool]:
+    """(whether a step of `rows` rows runs shared, whether that is the slower way, tried)"""
+    times = self.times.setdefault(rows, _StepTimes(every=self.TRY_EVERY))
+    if times.steps < 2 or True not in times.seconds:  # serial first (the first step untimed), then shared once
+      return times.steps >= 2, False
+    faster = times.seconds[True] < times.seconds[False]
+    tried = times.countdown == 0
+    return faster != tried, tried
+
+  @contextmanager
+  def step(self, rows: int):
+    if rows > DIRECT_ROWS or not _parallel["usable"]:
+      yield
+      return
+    shared, tried = self.choose(rows)
+    kernels.set_numba_shares_step(shared)
+    started = self.clock()
+    try:
+      yield
+    finally:
+      kernels.set_numba_shares_step(False)
+    self._record(self.times[rows], shared, tried, self.clock() - started)
+
+  def _record(self, times: _StepTimes, shared: bool, tried: bool, took: float) -> None:
+    times.steps += 1
+    if times.steps == 1:
+      return
+    last = times.seconds.get(shared)
+    if tried:
+      much_slower = took > self.MUCH_SLOWER * times.seconds[not shared]
+      times.every = min(self.TRY_AT_MOST_EVERY, 2 * times.every) if much_slower else self.TRY_EVERY
+    times.countdown = times.every - 1 if tried or last is None else times.countdown - 1
+    times.seconds[shared] = took if tried or last is None else last + 0.25 * (took - last)  # a try: its own time
+
+
 def _no_biases(shape) -> np.ndarray:
   """Zero biases for MXFP4, read by the same kernels: one float32 zero seen at every place (no memory)."""
   return np.broadcast_to(np.zeros(1, dtype=np.float32), shape)
@@ -53,7 +163,7 @@ class PackedMatrix:
   def __init__(self, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, table: str, bits: int, fp4: Optional[bool] = None):
     self.codes, self.scales, self.biases, self.table_name, self.bits, self.fp4 = codes, scales, biases, table, bits, fp4
     self.table = qkernels.TABLES[table]
-    self._product = qkernels.product_rows_4 if bits == 4 else qkernels.product_rows_8
+    self._product = DirectKernel(bits)
     self._widen = qkernels.widen_tile_4 if bits == 4 else qkernels.widen_tile_8
 
   @classmethod
@@ -72,8 +182,9 @@ class PackedMatrix:
         scales, biases, table = w.scales.astype(np.float32), w.biases.astype(np.float32), "float32"
       matrix = cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
     if (w.bits, matrix.table_name) not in _ready:  # at load, not in a request's first step: reading the cached code takes ~1 s
-      for rows in (1, DIRECT_ROWS + 1):
-        matrix.product(np.zeros((rows, matrix.shape[1]), dtype=np.float32), 0, 1)
+      x = np.zeros((1, matrix.shape[1]), dtype=np.float32)
+      matrix._product.warm(x, matrix.codes, matrix.scales, matrix.biases, matrix.table, matrix.fp4, 0, 1, np.empty((1, 1), dtype=np.float32))
+      matrix.product(np.zeros((DIRECT_ROWS + 1, matrix.shape[1]), dtype=np.float32), 0, 1)
       matrix.rows(np.zeros(1, dtype=np.int64))
       _ready.add((w.bits, matrix.table_name))
     return matrix

@@ -9,7 +9,8 @@ bias. Scales and biases are 16-bit floats kept as their bits (numba has no float
 The 4-bit kernels also read MXFP4 (gpt-oss's experts): with `fp4` True each code stands for an E2M1 value (None:
 affine codes), the scales are E8M0 exponents (uint8) read through a table of powers of two, and the biases are zero.
 
-`product_rows_4`/`_8` are the few-rows path (a decode step): each weight row is read once from memory and used for
+`product_rows_4`/`_8` are the few-rows path (a decode step; `parallel_rows_4`/`_8` the same shared among numba's
+threads, packed.DirectKernel says when): each weight row is read once from memory and used for
 every input row; a group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd
 inputs gathered apart first so that the inner loop runs unit-stride and vectorises. A byte's two 4-bit codes are
 split in float32 (high = floor(byte / 16), low = byte - 16 * high, both exact): numba does integer arithmetic in
@@ -18,7 +19,9 @@ weight rows as float32 (embedding lookups); `widen_tile_4`/`_8` write a range of
 path, which hands the tile to BLAS (packed.py).
 
 Every kernel releases the GIL, so the engine's own worker threads (kernels.py) run slices of one product on several
-cores at once; numba's parallel loops are not used, their threads would compete with the engine's. Each is compiled
+cores at once. Handing a slice to a worker thread costs ~50 us here, as much as a 1-row product of a 576x576 matrix,
+so a one-row product runs whole in one call instead, `parallel_rows_*` sharing it among numba's OpenMP threads
+(which wait spinning between calls, so a step's next product starts at once). Each is compiled
 for one signature and cached on disk (`cache=True`), so numba's compile time (about a second each) is paid once per
 installation. fastmath lets LLVM reorder the sums so that they vectorise."""
 import numba
@@ -27,6 +30,7 @@ from numba import types
 from numba.extending import overload
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy", boundscheck=False)
+PANEL = 64  # weight rows one task of a parallel product takes
 
 
 def _f16_table() -> np.ndarray:
@@ -93,20 +97,26 @@ def _group_sums(x, n_groups):
 
 
 @numba.njit(**_JIT)
-def product_rows_4(x, codes, scales, biases, table, fp4, lo, hi, out):
-  """out[:, j - lo] = x @ w[j] for weight rows j in [lo, hi). x: float32 (rows, in)."""
+def _even_odd(x):
+  """x's even and odd inputs apart, (rows, in / 2) each, so that the 4-bit kernels' inner loop runs unit-stride."""
   rows, n_in = x.shape
-  n_groups = scales.shape[1]
   half = n_in // 2
-  half_group = half // n_groups
   even = np.empty((rows, half), dtype=np.float32)
   odd = np.empty((rows, half), dtype=np.float32)
   for r in range(rows):
     for k in range(half):
       even[r, k] = x[r, 2 * k]
       odd[r, k] = x[r, 2 * k + 1]
-  sums = _group_sums(x, n_groups)
-  for j in range(lo, hi):
+  return even, odd
+
+
+@numba.njit(inline="always", **_JIT)
+def _rows_4(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out):
+  """out[:, j - lo] = x @ w[j] for 4-bit weight rows j in [j0, j1), x given as its even and odd inputs."""
+  rows, half = even.shape
+  n_groups = scales.shape[1]
+  half_group = half // n_groups
+  for j in range(j0, j1):
     row, row_scales, row_biases = codes[j], scales[j], biases[j]
     for r in range(rows):
       e = even[r]
@@ -123,14 +133,13 @@ def product_rows_4(x, codes, scales, biases, table, fp4, lo, hi, out):
       out[r, j - lo] = acc
 
 
-@numba.njit(**_JIT)
-def product_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
-  """As product_rows_4, one code a byte (affine only: `fp4` is None)."""
+@numba.njit(inline="always", **_JIT)
+def _rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out):
+  """out[:, j - lo] = x @ w[j] for 8-bit weight rows j in [j0, j1)."""
   rows, n_in = x.shape
   n_groups = scales.shape[1]
   group = n_in // n_groups
-  sums = _group_sums(x, n_groups)
-  for j in range(lo, hi):
+  for j in range(j0, j1):
     row, row_scales, row_biases = codes[j], scales[j], biases[j]
     for r in range(rows):
       xr = x[r]
@@ -142,6 +151,40 @@ def product_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
           s += xr[base + k] * np.float32(row[base + k])
         acc += s * _value(row_scales, g, table) + sums[r, g] * _value(row_biases, g, table)
       out[r, j - lo] = acc
+
+
+@numba.njit(**_JIT)
+def product_rows_4(x, codes, scales, biases, table, fp4, lo, hi, out):
+  """out[:, j - lo] = x @ w[j] for weight rows j in [lo, hi). x: float32 (rows, in)."""
+  even, odd = _even_odd(x)
+  _rows_4(even, odd, _group_sums(x, scales.shape[1]), codes, scales, biases, table, fp4, lo, lo, hi, out)
+
+
+@numba.njit(**_JIT)
+def product_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
+  """As product_rows_4, one code a byte (affine only: `fp4` is None)."""
+  _rows_8(x, _group_sums(x, scales.shape[1]), codes, scales, biases, table, lo, lo, hi, out)
+
+
+@numba.njit(parallel=True, **_JIT)
+def parallel_rows_4(x, codes, scales, biases, table, fp4, lo, hi, out):
+  """product_rows_4 on numba's threads, PANEL weight rows a task."""
+  for panel in numba.prange((hi - lo + PANEL - 1) // PANEL):
+    j0 = lo + panel * PANEL
+    j1 = min(hi, j0 + PANEL)
+    product_rows_4(x, codes, scales, biases, table, fp4, j0, j1, out[:, j0 - lo:j1 - lo])
+
+
+@numba.njit(parallel=True, **_JIT)
+def parallel_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
+  """product_rows_8 on numba's threads, PANEL weight rows a task."""
+  for panel in numba.prange((hi - lo + PANEL - 1) // PANEL):
+    j0 = lo + panel * PANEL
+    j1 = min(hi, j0 + PANEL)
+    product_rows_8(x, codes, scales, biases, table, fp4, j0, j1, out[:, j0 - lo:j1 - lo])
+
+
+DIRECT = {4: (product_rows_4, parallel_rows_4), 8: (product_rows_8, parallel_rows_8)}  # by bits: (serial, parallel)
 
 
 @numba.njit(**_JIT)
