@@ -11,6 +11,7 @@ import numpy as np
 
 from exo.inference.llama_layout import StepRows
 from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
+from exo.inference.numpy.decode_attention import attend_decode
 from exo.inference.numpy.halves import widen
 from exo.inference.numpy.kernels import CORES, PARALLEL_ROWS
 
@@ -21,6 +22,7 @@ MIN_KEY_BLOCK = 128  # keys at a time, at least (fewer make the product with the
 PADDING_LIMIT = 1.25  # a run of decode rows pads every row to the run's longest; past this much padding a new run starts
 PROMPT_POSITION_COST = 0.3  # a prompt row's attention per position it sees, as a share of a decode row's (its rows
 # share each key read, in products: 30 against 110 ns a position on one core of this VM)
+NO_SINKS = np.zeros(0, dtype=np.float32)
 MIN_TOTAL = 1e-18  # a row's sum of exp(score) below this may have lost terms to underflow: it is computed again, shifted
 
 
@@ -83,6 +85,10 @@ class DecodeRun:
     """Layer li's attention of these rows into attn; `window`: the layer's sliding window; `softcap`: scores become
     softcap * tanh(scores / softcap); `sinks`: each query head's logit that joins its softmax's denominator (and
     adds no value). A slot of one plane (latent attention) holds keys that are their own values."""
+    if self.slab.dtype == np.float32:
+      attend_decode(self.slab, self.slot, li, q, self.first, self.ends, window or 0, np.float32(softcap or 0.0),
+                    NO_SINKS if sinks is None else sinks.astype(np.float32), attn)
+      return
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
     # a sliding layer reads from the first position any row sees (those before went back to the kernel: cache.py)
