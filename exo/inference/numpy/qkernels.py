@@ -29,6 +29,8 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from exo.inference.numpy import simd
+
 _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy", boundscheck=False)
 PANEL = 64  # weight rows one task of a parallel product takes
 
@@ -153,17 +155,60 @@ def _rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out):
       out[r, j - lo] = acc
 
 
+def _direct_rows_4(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out):
+  """_rows_4, by explicit vectors (simd.py) where the groups are whole vectors of codes and affine."""
+
+
+@overload(_direct_rows_4, inline="always")
+def _direct_rows_4_impl(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out):
+  if not isinstance(fp4, types.NoneType):  # MXFP4: the plain loop
+    return lambda even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out: _rows_4(
+      even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out)
+
+  def affine(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out):
+    rows, half = even.shape
+    n_groups = scales.shape[1]
+    if (half // n_groups) % simd.LANES:
+      _rows_4(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out)
+      return
+    flat_codes, flat_even, flat_odd = codes.reshape(-1), even.reshape(-1), odd.reshape(-1)
+    flat_scales, flat_biases, flat_sums = scales.reshape(-1), biases.reshape(-1), sums.reshape(-1)
+    per_group = half // n_groups // simd.LANES
+    for j in range(j0, j1):
+      for r in range(rows):
+        out[r, j - lo] = simd.dot_row_4(flat_codes, j * half, flat_even, flat_odd, r * half, flat_scales, flat_biases, j * n_groups, table,
+                                        flat_sums, r * n_groups, n_groups, per_group)
+  return affine
+
+
+@numba.njit(inline="always", **_JIT)
+def _direct_rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out):
+  """_rows_8, by explicit vectors (simd.py) where the groups are whole vectors of codes."""
+  rows, n_in = x.shape
+  n_groups = scales.shape[1]
+  if (n_in // n_groups) % simd.LANES:
+    _rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out)
+    return
+  flat_codes, flat_x = codes.reshape(-1), x.reshape(-1)
+  flat_scales, flat_biases, flat_sums = scales.reshape(-1), biases.reshape(-1), sums.reshape(-1)
+  per_group = n_in // n_groups // simd.LANES
+  for j in range(j0, j1):
+    for r in range(rows):
+      out[r, j - lo] = simd.dot_row_8(flat_codes, j * n_in, flat_x, flat_x, r * n_in, flat_scales, flat_biases, j * n_groups, table,
+                                      flat_sums, r * n_groups, n_groups, per_group)
+
+
 @numba.njit(**_JIT)
 def product_rows_4(x, codes, scales, biases, table, fp4, lo, hi, out):
   """out[:, j - lo] = x @ w[j] for weight rows j in [lo, hi). x: float32 (rows, in)."""
   even, odd = _even_odd(x)
-  _rows_4(even, odd, _group_sums(x, scales.shape[1]), codes, scales, biases, table, fp4, lo, lo, hi, out)
+  _direct_rows_4(even, odd, _group_sums(x, scales.shape[1]), codes, scales, biases, table, fp4, lo, lo, hi, out)
 
 
 @numba.njit(**_JIT)
 def product_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
   """As product_rows_4, one code a byte (affine only: `fp4` is None)."""
-  _rows_8(x, _group_sums(x, scales.shape[1]), codes, scales, biases, table, lo, lo, hi, out)
+  _direct_rows_8(np.ascontiguousarray(x), _group_sums(x, scales.shape[1]), codes, scales, biases, table, lo, lo, hi, out)
 
 
 @numba.njit(parallel=True, **_JIT)

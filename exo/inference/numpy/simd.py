@@ -1,0 +1,105 @@
+"""Explicit vector code for the quantized kernels' inner loops (numba intrinsics that emit LLVM IR).
+
+LLVM vectorised qkernels' plain loops over one group of inputs at a time and then reduced the group's vector to one
+number before applying its scale: for 32-input groups that reduction cost as much as the products themselves. Here a
+weight row's whole dot product runs in one 16-lane accumulator (LLVM's portable <16 x float>, which it lowers to
+AVX-512, AVX2 or NEON): each group's partial products are scaled as a vector and added, and the lanes are summed
+once per row. A 1-row product of SmolLM2's gate/up ran 1.65x faster on one core."""
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 16
+_f32 = ir.FloatType()
+_vf = ir.VectorType(_f32, LANES)
+_vi8 = ir.VectorType(ir.IntType(8), LANES)
+
+
+def _at(context, builder, array_type, array, offset):
+  """A pointer to element `offset` of a C-contiguous 1-D array."""
+  return builder.gep(context.make_array(array_type)(context, builder, array).data, [offset])
+
+
+def _vector(builder, pointer, offset, vector_type):
+  return builder.load(builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer()), align=1)
+
+
+def _value(builder, values, values_type, table, g):
+  """values[g] as float32: 16-bit floats' bits read through the table, float32 as it is."""
+  value = builder.load(builder.gep(values, [g]))
+  if values_type.dtype == types.float32:
+    return value
+  return builder.load(builder.gep(table, [builder.zext(value, ir.IntType(64))]))
+
+
+def _splat(builder, value):
+  lanes = builder.insert_element(ir.Constant(_vf, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+  return builder.shuffle_vector(lanes, ir.Constant(_vf, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+
+def _row_dot(context, builder, args, types_, bits):
+  """sum over groups g of scale_g * (the group's products) + bias_g * sums[g]; see dot_row_4 and dot_row_8."""
+  codes, code_at, x_a, x_b, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group = args
+  module = builder.module
+  fma = cgutils.get_or_insert_function(module, ir.FunctionType(_vf, [_vf, _vf, _vf]), "llvm.fma.v16f32")
+  floor = cgutils.get_or_insert_function(module, ir.FunctionType(_vf, [_vf]), "llvm.floor.v16f32")
+  reduce = cgutils.get_or_insert_function(module, ir.FunctionType(_f32, [_f32, _vf]), "llvm.vector.reduce.fadd.v16f32")
+  code_p = _at(context, builder, types_[0], codes, code_at)
+  a_p, b_p = (_at(context, builder, types_[i], arg, x_at) for i, arg in ((2, x_a), (3, x_b)))
+  scale_p, bias_p = (_at(context, builder, types_[i], arg, group_at) for i, arg in ((5, scales), (6, biases)))
+  table_p = _at(context, builder, types_[8], table, ir.Constant(ir.IntType(64), 0))
+  sums_p = _at(context, builder, types_[9], sums, sums_at)
+  lanes = cgutils.alloca_once_value(builder, ir.Constant(_vf, [0.0] * LANES))
+  offsets = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))
+  step = ir.Constant(per_group.type, LANES)
+  part = cgutils.alloca_once_value(builder, ir.Constant(_vf, [0.0] * LANES))
+
+  def chunk(at):
+    """16 bytes of codes from `at` into the group's partial products."""
+    codes_f = builder.uitofp(_vector(builder, code_p, at, _vi8), _vf)
+    a = _vector(builder, a_p, at, _vf)
+    if bits == 4:  # a byte's low code times the even input, its high code times the odd one
+      high = builder.call(floor, [builder.fmul(codes_f, ir.Constant(_vf, [1 / 16] * LANES))])
+      low = builder.fsub(codes_f, builder.fmul(high, ir.Constant(_vf, [16.0] * LANES)))
+      b = _vector(builder, b_p, at, _vf)
+      builder.store(builder.call(fma, [b, high, builder.call(fma, [a, low, builder.load(part)])]), part)
+    else:
+      builder.store(builder.call(fma, [a, codes_f, builder.load(part)]), part)
+
+  one_chunk = builder.icmp_unsigned("==", per_group, ir.Constant(per_group.type, 1))
+  with cgutils.for_range(builder, n_groups) as group:
+    g = group.index
+    builder.store(ir.Constant(_vf, [0.0] * LANES), part)
+    with builder.if_else(one_chunk) as (single, several):  # 32-input groups (GGUF's blocks) without a loop
+      with single:
+        chunk(builder.mul(g, step))
+      with several:
+        with cgutils.for_range(builder, per_group) as c:
+          chunk(builder.mul(builder.add(builder.mul(g, per_group), c.index), step))
+    scale = _value(builder, scale_p, types_[5], table_p, g)
+    builder.store(builder.call(fma, [builder.load(part), _splat(builder, scale), builder.load(lanes)]), lanes)
+    bias = _value(builder, bias_p, types_[6], table_p, g)
+    builder.store(builder.fadd(builder.load(offsets), builder.fmul(bias, builder.load(builder.gep(sums_p, [g])))), offsets)
+  total = builder.call(reduce, [ir.Constant(_f32, 0.0), builder.load(lanes)], fastmath=("reassoc",))
+  return builder.fadd(total, builder.load(offsets))
+
+
+def _signature(codes, code_at, x_a, x_b, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group):
+  return types.float32(codes, types.intp, x_a, x_b, types.intp, scales, biases, types.intp, table, sums, types.intp, types.intp, types.intp)
+
+
+@intrinsic
+def dot_row_4(typingctx, codes, code_at, even, odd, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group):
+  """One 4-bit weight row's dot product with one input row: codes[code_at:] (two a byte), the input's even and odd
+  halves from x_at, n_groups groups of per_group * 16 bytes, scales and biases from group_at (16-bit bits through
+  table, or float32), the input's group sums from sums_at. All arrays 1-D and C-contiguous."""
+  sig = _signature(codes, code_at, even, odd, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group)
+  return sig, lambda context, builder, signature, args: _row_dot(context, builder, args, signature.args, 4)
+
+
+@intrinsic
+def dot_row_8(typingctx, codes, code_at, x, unused, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group):
+  """As dot_row_4 for an 8-bit row (one code a byte) and the input as it is; `unused` is not read."""
+  sig = _signature(codes, code_at, x, unused, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group)
+  return sig, lambda context, builder, signature, args: _row_dot(context, builder, args, signature.args, 8)
