@@ -232,8 +232,68 @@ def parallel_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
 DIRECT = {4: (product_rows_4, parallel_rows_4), 8: (product_rows_8, parallel_rows_8)}  # by bits: (serial, parallel)
 
 
+def _vector_widening(codes, scales, biases, out, fp4) -> bool:
+  """Whether a widening compiled for these types writes by explicit vectors (simd.py): affine codes, arrays contiguous."""
+  return isinstance(fp4, types.NoneType) and all(a.layout == "C" for a in (codes, scales, biases, out))
+
+
+def _widen_4(codes, scales, biases, table, fp4, lo, hi, out):
+  """widen_tile_4's work."""
+
+
+@overload(_widen_4, inline="always")
+def _widen_4_impl(codes, scales, biases, table, fp4, lo, hi, out):
+  if not _vector_widening(codes, scales, biases, out, fp4):
+    return lambda codes, scales, biases, table, fp4, lo, hi, out: _widen_plain_4(codes, scales, biases, table, fp4, lo, hi, out)
+
+  def vectors(codes, scales, biases, table, fp4, lo, hi, out):
+    n_groups, n_bytes = scales.shape[1], codes.shape[1]
+    if (n_bytes // n_groups) % simd.LANES:
+      _widen_plain_4(codes, scales, biases, table, fp4, lo, hi, out)
+      return
+    flat_codes, flat_scales, flat_biases, flat_out = codes.reshape(-1), scales.reshape(-1), biases.reshape(-1), out.reshape(-1)
+    for j in range(lo, hi):
+      simd.widen_row_4(flat_codes, j * n_bytes, flat_scales, flat_biases, j * n_groups, table, flat_out, (j - lo) * 2 * n_bytes, n_groups,
+                       n_bytes // n_groups // simd.LANES)
+  return vectors
+
+
+def _widen_8(codes, scales, biases, table, fp4, lo, hi, out):
+  """widen_tile_8's work."""
+
+
+@overload(_widen_8, inline="always")
+def _widen_8_impl(codes, scales, biases, table, fp4, lo, hi, out):
+  if not _vector_widening(codes, scales, biases, out, fp4):
+    return lambda codes, scales, biases, table, fp4, lo, hi, out: _widen_plain_8(codes, scales, biases, table, fp4, lo, hi, out)
+
+  def vectors(codes, scales, biases, table, fp4, lo, hi, out):
+    n_groups, n_in = scales.shape[1], codes.shape[1]
+    if (n_in // n_groups) % simd.LANES:
+      _widen_plain_8(codes, scales, biases, table, fp4, lo, hi, out)
+      return
+    flat_codes, flat_scales, flat_biases, flat_out = codes.reshape(-1), scales.reshape(-1), biases.reshape(-1), out.reshape(-1)
+    for j in range(lo, hi):
+      simd.widen_row_8(flat_codes, j * n_in, flat_scales, flat_biases, j * n_groups, table, flat_out, (j - lo) * n_in, n_groups,
+                       n_in // n_groups // simd.LANES)
+  return vectors
+
+
 @numba.njit(**_JIT)
 def widen_tile_4(codes, scales, biases, table, fp4, lo, hi, out):
+  """out[j - lo] = 4-bit row w[j] as float32 for j in [lo, hi), inputs in order: by explicit vectors (simd.py) where it
+  can, 2.x faster; else as _widen_plain_4."""
+  _widen_4(codes, scales, biases, table, fp4, lo, hi, out)
+
+
+@numba.njit(**_JIT)
+def widen_tile_8(codes, scales, biases, table, fp4, lo, hi, out):
+  """out[j - lo] = 8-bit row w[j] as float32 for j in [lo, hi), inputs in order (as widen_tile_4)."""
+  _widen_8(codes, scales, biases, table, fp4, lo, hi, out)
+
+
+@numba.njit(inline="always", **_JIT)
+def _widen_plain_4(codes, scales, biases, table, fp4, lo, hi, out):
   """out[j - lo] = 4-bit row w[j] as float32 for j in [lo, hi), inputs in order. Each group is sliced out and looped
   over from 0: numba cannot tell that an index sum is never negative, and the check it adds for one kept this loop
   from vectorising (3x slower). Writing a code's two values side by side vectorises as well as writing even and
@@ -253,9 +313,9 @@ def widen_tile_4(codes, scales, biases, table, fp4, lo, hi, out):
         group_dest[2 * k + 1] = _level(high, fp4) * scale + bias
 
 
-@numba.njit(**_JIT)
-def widen_tile_8(codes, scales, biases, table, fp4, lo, hi, out):
-  """out[j - lo] = 8-bit row w[j] as float32 for j in [lo, hi), inputs in order (as widen_tile_4)."""
+@numba.njit(inline="always", **_JIT)
+def _widen_plain_8(codes, scales, biases, table, fp4, lo, hi, out):
+  """As _widen_plain_4, one code a byte."""
   n_groups = scales.shape[1]
   group = codes.shape[1] // n_groups
   for j in range(lo, hi):

@@ -85,6 +85,52 @@ def _row_dot(context, builder, args, types_, bits):
   return builder.fadd(total, builder.load(offsets))
 
 
+def _widen(context, builder, args, types_, bits):
+  """A weight row as float32: out[out_at + i] = scale * code_i + bias, inputs in order; see widen_row_4/_8."""
+  codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group = args
+  code_p = _at(context, builder, types_[0], codes, code_at)
+  scale_p, bias_p = (_at(context, builder, types_[i], arg, group_at) for i, arg in ((2, scales), (3, biases)))
+  table_p = _at(context, builder, types_[5], table, ir.Constant(ir.IntType(64), 0))
+  out_p = _at(context, builder, types_[6], out, out_at)
+  floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vf, [_vf]), "llvm.floor.v16f32")
+  step = ir.Constant(per_group.type, LANES)
+  interleave = ir.Constant(ir.VectorType(ir.IntType(32), 2 * LANES), [i // 2 + (LANES if i % 2 else 0) for i in range(2 * LANES)])
+  with cgutils.for_range(builder, n_groups) as group:
+    g = group.index
+    scale = _splat(builder, _value(builder, scale_p, types_[2], table_p, g))
+    bias = _splat(builder, _value(builder, bias_p, types_[3], table_p, g))
+    with cgutils.for_range(builder, per_group) as chunk:
+      at = builder.mul(builder.add(builder.mul(g, per_group), chunk.index), step)
+      codes_f = builder.uitofp(_vector(builder, code_p, at, _vi8), _vf)
+      if bits == 4:  # a byte's low code is the even input's, its high code the odd one's
+        high = builder.call(floor, [builder.fmul(codes_f, ir.Constant(_vf, [1 / 16] * LANES))])
+        low = builder.fsub(codes_f, builder.fmul(high, ir.Constant(_vf, [16.0] * LANES)))
+        pairs = builder.shuffle_vector(builder.fadd(builder.fmul(low, scale), bias), builder.fadd(builder.fmul(high, scale), bias), interleave)
+        builder.store(pairs, builder.bitcast(builder.gep(out_p, [builder.add(at, at)]), pairs.type.as_pointer()), align=4)
+      else:
+        builder.store(builder.fadd(builder.fmul(codes_f, scale), bias), builder.bitcast(builder.gep(out_p, [at]), _vf.as_pointer()), align=4)
+  return context.get_dummy_value()
+
+
+def _widen_signature(codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group):
+  return types.none(codes, types.intp, scales, biases, types.intp, table, out, types.intp, types.intp, types.intp)
+
+
+@intrinsic
+def widen_row_4(typingctx, codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group):
+  """A 4-bit weight row (codes from code_at, n_groups groups of per_group * 16 bytes) as float32 into out from out_at:
+  scale * code + bias, scales and biases from group_at (16-bit bits through table, or float32). 1-D C-contiguous arrays."""
+  sig = _widen_signature(codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group)
+  return sig, lambda context, builder, signature, args: _widen(context, builder, args, signature.args, 4)
+
+
+@intrinsic
+def widen_row_8(typingctx, codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group):
+  """As widen_row_4 for an 8-bit row, one code a byte."""
+  sig = _widen_signature(codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group)
+  return sig, lambda context, builder, signature, args: _widen(context, builder, args, signature.args, 8)
+
+
 def _signature(codes, code_at, x_a, x_b, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group):
   return types.float32(codes, types.intp, x_a, x_b, types.intp, scales, biases, types.intp, table, sums, types.intp, types.intp, types.intp)
 
