@@ -73,7 +73,7 @@ def check_products(matrix: PackedMatrix, reference: np.ndarray) -> None:
   out_features, n_in = reference.shape
   rng = np.random.default_rng(2)
   a, b = 8, out_features - 8  # a slice, as the cores take them
-  for rows in (1, 2, packed.DIRECT_ROWS, packed.DIRECT_ROWS + 1, 37, packed.TRANSPOSED_ROWS + 1):
+  for rows in (1, 2, 7, packed.DIRECT_ROWS, packed.DIRECT_ROWS + 1, 37, packed.TRANSPOSED_ROWS + 1):  # 7: blocks of 4, 2 and 1
     x = rng.standard_normal((rows, n_in)).astype(np.float32)
     want = x.astype(np.float64) @ reference[a:b].T.astype(np.float64)
     got = matrix.product(x, a, b)

@@ -2,7 +2,7 @@
 
 Rows are the matrix's outputs, as checkpoints store them; a product's output columns a..b are rows a..b here, so the
 engine's column slices (kernels.py) are slices of rows. Up to DIRECT_ROWS input rows a product reads the codes
-directly (a decode step, bound by reading the weights). Above, it widens a tile of weight rows at a time into
+directly (decode steps of a few streams: each chunk of codes turned into floats once for four input rows). Above, it widens a tile of weight rows at a time into
 float32, in a scratch buffer each thread keeps (up to TILE_BYTES, 4 MiB), and lets BLAS multiply it (batched
 decode and prefill: bound by arithmetic, where BLAS is several times faster than the direct kernel and the widening
 is paid once for all rows). How the tile meets BLAS depends on the rows, by measurement (bench/quantized_speed.py):
@@ -21,7 +21,7 @@ from exo import settings
 from exo.inference.numpy import kernels, qkernels
 from exo.inference.quantized import QuantizedWeight
 
-DIRECT_ROWS = 2
+DIRECT_ROWS = 8  # SmolLM2's products one core, direct against tiles: 8 rows 0.82x the time (gate/up, down), 16 rows 1.2-1.5x
 # From LARGE_TILE_ROWS input rows a tile as large as a core's share of a layer's matrix, up to 4 MiB: one widening
 # call and one BLAS call for it (64 rows: 1.1-1.2x faster than 512 KiB tiles). Fewer rows, where BLAS reads the tile
 # about as fast as it is written, take tiles that stay in a core's L2 cache.

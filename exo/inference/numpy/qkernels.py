@@ -171,13 +171,15 @@ def _direct_rows_4_impl(even, odd, sums, codes, scales, biases, table, fp4, lo, 
     if (half // n_groups) % simd.LANES:
       _rows_4(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out)
       return
-    flat_codes, flat_even, flat_odd = codes.reshape(-1), even.reshape(-1), odd.reshape(-1)
-    flat_scales, flat_biases, flat_sums = scales.reshape(-1), biases.reshape(-1), sums.reshape(-1)
     per_group = half // n_groups // simd.LANES
     for j in range(j0, j1):
-      for r in range(rows):
-        out[r, j - lo] = simd.dot_row_4(flat_codes, j * half, flat_even, flat_odd, r * half, flat_scales, flat_biases, j * n_groups, table,
-                                        flat_sums, r * n_groups, n_groups, per_group)
+      # Four input rows at a time share each chunk of codes turned into floats, then two, then one.
+      for r in range(0, rows - rows % 4, 4):
+        simd.dot_rows_4(codes, j, even, odd, r, scales, biases, table, sums, out, j - lo, n_groups, per_group, 4)
+      if rows % 4 >= 2:
+        simd.dot_rows_4(codes, j, even, odd, rows - rows % 4, scales, biases, table, sums, out, j - lo, n_groups, per_group, 2)
+      if rows % 2:
+        simd.dot_rows_4(codes, j, even, odd, rows - 1, scales, biases, table, sums, out, j - lo, n_groups, per_group, 1)
   return affine
 
 
@@ -189,13 +191,14 @@ def _direct_rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out):
   if (n_in // n_groups) % simd.LANES:
     _rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out)
     return
-  flat_codes, flat_x = codes.reshape(-1), x.reshape(-1)
-  flat_scales, flat_biases, flat_sums = scales.reshape(-1), biases.reshape(-1), sums.reshape(-1)
   per_group = n_in // n_groups // simd.LANES
   for j in range(j0, j1):
-    for r in range(rows):
-      out[r, j - lo] = simd.dot_row_8(flat_codes, j * n_in, flat_x, flat_x, r * n_in, flat_scales, flat_biases, j * n_groups, table,
-                                      flat_sums, r * n_groups, n_groups, per_group)
+    for r in range(0, rows - rows % 4, 4):
+      simd.dot_rows_8(codes, j, x, x, r, scales, biases, table, sums, out, j - lo, n_groups, per_group, 4)
+    if rows % 4 >= 2:
+      simd.dot_rows_8(codes, j, x, x, rows - rows % 4, scales, biases, table, sums, out, j - lo, n_groups, per_group, 2)
+    if rows % 2:
+      simd.dot_rows_8(codes, j, x, x, rows - 1, scales, biases, table, sums, out, j - lo, n_groups, per_group, 1)
 
 
 @numba.njit(**_JIT)

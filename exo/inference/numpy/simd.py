@@ -21,6 +21,13 @@ def _at(context, builder, array_type, array, offset):
   return builder.gep(context.make_array(array_type)(context, builder, array).data, [offset])
 
 
+def _item(context, builder, array_type, array, indices):
+  """A pointer to array[indices] (any layout)."""
+  a = context.make_array(array_type)(context, builder, array)
+  shape, strides = cgutils.unpack_tuple(builder, a.shape), cgutils.unpack_tuple(builder, a.strides)
+  return cgutils.get_item_pointer2(context, builder, data=a.data, shape=shape, strides=strides, layout=array_type.layout, inds=indices)
+
+
 def _vector(builder, pointer, offset, vector_type):
   return builder.load(builder.bitcast(builder.gep(pointer, [offset]), vector_type.as_pointer()), align=1)
 
@@ -38,51 +45,62 @@ def _splat(builder, value):
   return builder.shuffle_vector(lanes, ir.Constant(_vf, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
 
 
-def _row_dot(context, builder, args, types_, bits):
-  """sum over groups g of scale_g * (the group's products) + bias_g * sums[g]; see dot_row_4 and dot_row_8."""
-  codes, code_at, x_a, x_b, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group = args
+def _block_dot(context, builder, args, types_, bits, rows):
+  """For `rows` input rows at once, sum over groups g of scale_g * (the group's products) + bias_g * sums[g], into
+  out; see dot_rows_4. A chunk's codes are turned into floats once for all the rows."""
+  codes, j, x_a, x_b, first, scales, biases, table, sums, out, column, n_groups, per_group, _ = args
   module = builder.module
   fma = cgutils.get_or_insert_function(module, ir.FunctionType(_vf, [_vf, _vf, _vf]), "llvm.fma.v16f32")
   floor = cgutils.get_or_insert_function(module, ir.FunctionType(_vf, [_vf]), "llvm.floor.v16f32")
   reduce = cgutils.get_or_insert_function(module, ir.FunctionType(_f32, [_f32, _vf]), "llvm.vector.reduce.fadd.v16f32")
-  code_p = _at(context, builder, types_[0], codes, code_at)
-  a_p, b_p = (_at(context, builder, types_[i], arg, x_at) for i, arg in ((2, x_a), (3, x_b)))
-  scale_p, bias_p = (_at(context, builder, types_[i], arg, group_at) for i, arg in ((5, scales), (6, biases)))
-  table_p = _at(context, builder, types_[8], table, ir.Constant(ir.IntType(64), 0))
-  sums_p = _at(context, builder, types_[9], sums, sums_at)
-  lanes = cgutils.alloca_once_value(builder, ir.Constant(_vf, [0.0] * LANES))
-  offsets = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))
+  zero = ir.Constant(first.type, 0)
+  row = [builder.add(first, ir.Constant(first.type, r)) for r in range(rows)]
+  code_p = _item(context, builder, types_[0], codes, [j, zero])
+  a_p = [_item(context, builder, types_[2], x_a, [row[r], zero]) for r in range(rows)]
+  b_p = [_item(context, builder, types_[3], x_b, [row[r], zero]) for r in range(rows)]
+  scale_p, bias_p = (_item(context, builder, types_[i], arg, [j, zero]) for i, arg in ((5, scales), (6, biases)))
+  table_p = _item(context, builder, types_[7], table, [zero])
+  sums_p = [_item(context, builder, types_[8], sums, [row[r], zero]) for r in range(rows)]
+  zeros = ir.Constant(_vf, [0.0] * LANES)
+  lanes = [cgutils.alloca_once_value(builder, zeros) for _ in range(rows)]
+  offsets = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(rows)]
+  parts = [cgutils.alloca_once_value(builder, zeros) for _ in range(rows)]
   step = ir.Constant(per_group.type, LANES)
-  part = cgutils.alloca_once_value(builder, ir.Constant(_vf, [0.0] * LANES))
 
   def chunk(at):
-    """16 bytes of codes from `at` into the group's partial products."""
+    """16 bytes of codes from `at` into each row's partial products for the group."""
     codes_f = builder.uitofp(_vector(builder, code_p, at, _vi8), _vf)
-    a = _vector(builder, a_p, at, _vf)
     if bits == 4:  # a byte's low code times the even input, its high code times the odd one
       high = builder.call(floor, [builder.fmul(codes_f, ir.Constant(_vf, [1 / 16] * LANES))])
       low = builder.fsub(codes_f, builder.fmul(high, ir.Constant(_vf, [16.0] * LANES)))
-      b = _vector(builder, b_p, at, _vf)
-      builder.store(builder.call(fma, [b, high, builder.call(fma, [a, low, builder.load(part)])]), part)
-    else:
-      builder.store(builder.call(fma, [a, codes_f, builder.load(part)]), part)
+    for r in range(rows):
+      a = _vector(builder, a_p[r], at, _vf)
+      if bits == 4:
+        b = _vector(builder, b_p[r], at, _vf)
+        builder.store(builder.call(fma, [b, high, builder.call(fma, [a, low, builder.load(parts[r])])]), parts[r])
+      else:
+        builder.store(builder.call(fma, [a, codes_f, builder.load(parts[r])]), parts[r])
 
   one_chunk = builder.icmp_unsigned("==", per_group, ir.Constant(per_group.type, 1))
   with cgutils.for_range(builder, n_groups) as group:
     g = group.index
-    builder.store(ir.Constant(_vf, [0.0] * LANES), part)
+    for part in parts:
+      builder.store(zeros, part)
     with builder.if_else(one_chunk) as (single, several):  # 32-input groups (GGUF's blocks) without a loop
       with single:
         chunk(builder.mul(g, step))
       with several:
         with cgutils.for_range(builder, per_group) as c:
           chunk(builder.mul(builder.add(builder.mul(g, per_group), c.index), step))
-    scale = _value(builder, scale_p, types_[5], table_p, g)
-    builder.store(builder.call(fma, [builder.load(part), _splat(builder, scale), builder.load(lanes)]), lanes)
+    scale = _splat(builder, _value(builder, scale_p, types_[5], table_p, g))
     bias = _value(builder, bias_p, types_[6], table_p, g)
-    builder.store(builder.fadd(builder.load(offsets), builder.fmul(bias, builder.load(builder.gep(sums_p, [g])))), offsets)
-  total = builder.call(reduce, [ir.Constant(_f32, 0.0), builder.load(lanes)], fastmath=("reassoc",))
-  return builder.fadd(total, builder.load(offsets))
+    for r in range(rows):
+      builder.store(builder.call(fma, [builder.load(parts[r]), scale, builder.load(lanes[r])]), lanes[r])
+      builder.store(builder.fadd(builder.load(offsets[r]), builder.fmul(bias, builder.load(builder.gep(sums_p[r], [g])))), offsets[r])
+  for r in range(rows):
+    total = builder.call(reduce, [ir.Constant(_f32, 0.0), builder.load(lanes[r])], fastmath=("reassoc",))
+    builder.store(builder.fadd(total, builder.load(offsets[r])), _item(context, builder, types_[9], out, [row[r], column]))
+  return context.get_dummy_value()
 
 
 def _widen(context, builder, args, types_, bits):
@@ -131,21 +149,27 @@ def widen_row_8(typingctx, codes, code_at, scales, biases, group_at, table, out,
   return sig, lambda context, builder, signature, args: _widen(context, builder, args, signature.args, 8)
 
 
-def _signature(codes, code_at, x_a, x_b, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group):
-  return types.float32(codes, types.intp, x_a, x_b, types.intp, scales, biases, types.intp, table, sums, types.intp, types.intp, types.intp)
+def _dot_signature(args):
+  rows = args[-1]
+  if not isinstance(rows, types.IntegerLiteral):
+    return None  # numba asks again with the literal: the rows are unrolled
+  return types.none(*args)
 
 
 @intrinsic
-def dot_row_4(typingctx, codes, code_at, even, odd, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group):
-  """One 4-bit weight row's dot product with one input row: codes[code_at:] (two a byte), the input's even and odd
-  halves from x_at, n_groups groups of per_group * 16 bytes, scales and biases from group_at (16-bit bits through
-  table, or float32), the input's group sums from sums_at. All arrays 1-D and C-contiguous."""
-  sig = _signature(codes, code_at, even, odd, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group)
-  return sig, lambda context, builder, signature, args: _row_dot(context, builder, args, signature.args, 4)
+def dot_rows_4(typingctx, codes, j, even, odd, first, scales, biases, table, sums, out, column, n_groups, per_group, rows):
+  """4-bit weight row j's dot products with `rows` (a literal) input rows from `first`, into out[first + r, column]:
+  codes[j] (two a byte), n_groups groups of per_group * 16 bytes; the inputs' even and odd halves; scales[j] and
+  biases[j] (16-bit bits through table, or float32); sums[first + r]: the inputs' group sums. Rows of codes, even,
+  odd, scales, biases and sums contiguous."""
+  args = (codes, j, even, odd, first, scales, biases, table, sums, out, column, n_groups, per_group, rows)
+  sig = _dot_signature(args)
+  return None if sig is None else (sig, lambda context, builder, signature, a: _block_dot(context, builder, a, signature.args, 4, rows.literal_value))
 
 
 @intrinsic
-def dot_row_8(typingctx, codes, code_at, x, unused, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group):
-  """As dot_row_4 for an 8-bit row (one code a byte) and the input as it is; `unused` is not read."""
-  sig = _signature(codes, code_at, x, unused, x_at, scales, biases, group_at, table, sums, sums_at, n_groups, per_group)
-  return sig, lambda context, builder, signature, args: _row_dot(context, builder, args, signature.args, 8)
+def dot_rows_8(typingctx, codes, j, x, unused, first, scales, biases, table, sums, out, column, n_groups, per_group, rows):
+  """As dot_rows_4 for an 8-bit row (one code a byte) and the inputs as they are; `unused` is not read."""
+  args = (codes, j, x, unused, first, scales, biases, table, sums, out, column, n_groups, per_group, rows)
+  sig = _dot_signature(args)
+  return None if sig is None else (sig, lambda context, builder, signature, a: _block_dot(context, builder, a, signature.args, 8, rows.literal_value))
