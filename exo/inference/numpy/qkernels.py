@@ -9,21 +9,22 @@ bias. Scales and biases are 16-bit floats kept as their bits (numba has no float
 The 4-bit kernels also read MXFP4 (gpt-oss's experts): with `fp4` True each code stands for an E2M1 value (None:
 affine codes), the scales are E8M0 exponents (uint8) read through a table of powers of two, and the biases are zero.
 
-`product_rows_4`/`_8` are the few-rows path (a decode step; `parallel_rows_4`/`_8` the same shared among numba's
-threads, packed.DirectKernel says when): each weight row is read once from memory and used for
-every input row; a group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd
-inputs gathered apart first so that the inner loop runs unit-stride and vectorises. A byte's two 4-bit codes are
-split in float32 (high = floor(byte / 16), low = byte - 16 * high, both exact): numba does integer arithmetic in
-64 bits, so masks and shifts ran at half the vector width (the direct kernel 1.2x faster, tiles 1.05x). `dequantize_rows` writes
-weight rows as float32 (embedding lookups); `widen_tile_4`/`_8` write a range of them into a tile for the many-rows
-path, which hands the tile to BLAS (packed.py).
+`product_rows_4`/`_8` are the few-rows path (decode steps; `parallel_rows_4`/`_8` the same shared among numba's
+threads, packed.SharedDecode says when): each weight row is read once from memory and used for every input row; a
+group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd inputs gathered
+apart first so that a row's codes meet its inputs unit-stride. Where the groups are whole 16-code vectors and affine
+(every GGUF and MLX format here but MXFP4), simd.py's explicit vectors run the loop; else the plain loops below,
+which LLVM vectorises itself. A byte's two 4-bit codes are split in float32 (high = floor(byte / 16), low = byte - 16
+* high, both exact): numba does integer arithmetic in 64 bits, so masks and shifts ran at half the vector width.
+`dequantize_rows` writes weight rows as float32 (embedding lookups); `widen_tile_4`/`_8` write a range of them into
+a tile for the many-rows path, which hands the tile to BLAS (packed.py).
 
 Every kernel releases the GIL, so the engine's own worker threads (kernels.py) run slices of one product on several
 cores at once. Handing a slice to a worker thread costs ~50 us here, as much as a 1-row product of a 576x576 matrix,
-so a one-row product runs whole in one call instead, `parallel_rows_*` sharing it among numba's OpenMP threads
-(which wait spinning between calls, so a step's next product starts at once). Each is compiled
-for one signature and cached on disk (`cache=True`), so numba's compile time (about a second each) is paid once per
-installation. fastmath lets LLVM reorder the sums so that they vectorise."""
+so a decode step's product may instead run whole in one call, `parallel_rows_*` sharing it among numba's OpenMP
+threads (which wait spinning between calls, so a step's next product starts at once). Each kernel is cached on disk
+(`cache=True`), so numba's compile time (a few seconds in all) is paid once per installation. fastmath lets LLVM
+reorder the sums so that they vectorise."""
 import numba
 import numpy as np
 from numba import types
@@ -236,7 +237,8 @@ DIRECT = {4: (product_rows_4, parallel_rows_4), 8: (product_rows_8, parallel_row
 
 
 def _vector_widening(codes, scales, biases, out, fp4) -> bool:
-  """Whether a widening compiled for these types writes by explicit vectors (simd.py): affine codes, arrays contiguous."""
+  """Whether a widening compiled for these types writes by explicit vectors (simd.py): affine codes, C-contiguous
+  arrays (their rows are read and written as vectors)."""
   return isinstance(fp4, types.NoneType) and all(a.layout == "C" for a in (codes, scales, biases, out))
 
 
@@ -254,10 +256,8 @@ def _widen_4_impl(codes, scales, biases, table, fp4, lo, hi, out):
     if (n_bytes // n_groups) % simd.LANES:
       _widen_plain_4(codes, scales, biases, table, fp4, lo, hi, out)
       return
-    flat_codes, flat_scales, flat_biases, flat_out = codes.reshape(-1), scales.reshape(-1), biases.reshape(-1), out.reshape(-1)
     for j in range(lo, hi):
-      simd.widen_row_4(flat_codes, j * n_bytes, flat_scales, flat_biases, j * n_groups, table, flat_out, (j - lo) * 2 * n_bytes, n_groups,
-                       n_bytes // n_groups // simd.LANES)
+      simd.widen_row_4(codes, j, scales, biases, table, out, j - lo, n_groups, n_bytes // n_groups // simd.LANES)
   return vectors
 
 
@@ -275,10 +275,8 @@ def _widen_8_impl(codes, scales, biases, table, fp4, lo, hi, out):
     if (n_in // n_groups) % simd.LANES:
       _widen_plain_8(codes, scales, biases, table, fp4, lo, hi, out)
       return
-    flat_codes, flat_scales, flat_biases, flat_out = codes.reshape(-1), scales.reshape(-1), biases.reshape(-1), out.reshape(-1)
     for j in range(lo, hi):
-      simd.widen_row_8(flat_codes, j * n_in, flat_scales, flat_biases, j * n_groups, table, flat_out, (j - lo) * n_in, n_groups,
-                       n_in // n_groups // simd.LANES)
+      simd.widen_row_8(codes, j, scales, biases, table, out, j - lo, n_groups, n_in // n_groups // simd.LANES)
   return vectors
 
 

@@ -16,13 +16,8 @@ _vf = ir.VectorType(_f32, LANES)
 _vi8 = ir.VectorType(ir.IntType(8), LANES)
 
 
-def _at(context, builder, array_type, array, offset):
-  """A pointer to element `offset` of a C-contiguous 1-D array."""
-  return builder.gep(context.make_array(array_type)(context, builder, array).data, [offset])
-
-
 def _item(context, builder, array_type, array, indices):
-  """A pointer to array[indices] (any layout)."""
+  """A pointer to array[indices] (any layout; a row read as a vector must be contiguous)."""
   a = context.make_array(array_type)(context, builder, array)
   shape, strides = cgutils.unpack_tuple(builder, a.shape), cgutils.unpack_tuple(builder, a.strides)
   return cgutils.get_item_pointer2(context, builder, data=a.data, shape=shape, strides=strides, layout=array_type.layout, inds=indices)
@@ -104,12 +99,13 @@ def _block_dot(context, builder, args, types_, bits, rows):
 
 
 def _widen(context, builder, args, types_, bits):
-  """A weight row as float32: out[out_at + i] = scale * code_i + bias, inputs in order; see widen_row_4/_8."""
-  codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group = args
-  code_p = _at(context, builder, types_[0], codes, code_at)
-  scale_p, bias_p = (_at(context, builder, types_[i], arg, group_at) for i, arg in ((2, scales), (3, biases)))
-  table_p = _at(context, builder, types_[5], table, ir.Constant(ir.IntType(64), 0))
-  out_p = _at(context, builder, types_[6], out, out_at)
+  """Weight row j as float32: out[row, i] = scale * code_i + bias, inputs in order; see widen_row_4/_8."""
+  codes, j, scales, biases, table, out, row, n_groups, per_group = args
+  zero = ir.Constant(j.type, 0)
+  code_p = _item(context, builder, types_[0], codes, [j, zero])
+  scale_p, bias_p = (_item(context, builder, types_[i], arg, [j, zero]) for i, arg in ((2, scales), (3, biases)))
+  table_p = _item(context, builder, types_[4], table, [zero])
+  out_p = _item(context, builder, types_[5], out, [row, zero])
   floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vf, [_vf]), "llvm.floor.v16f32")
   step = ir.Constant(per_group.type, LANES)
   interleave = ir.Constant(ir.VectorType(ir.IntType(32), 2 * LANES), [i // 2 + (LANES if i % 2 else 0) for i in range(2 * LANES)])
@@ -130,22 +126,18 @@ def _widen(context, builder, args, types_, bits):
   return context.get_dummy_value()
 
 
-def _widen_signature(codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group):
-  return types.none(codes, types.intp, scales, biases, types.intp, table, out, types.intp, types.intp, types.intp)
-
-
 @intrinsic
-def widen_row_4(typingctx, codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group):
-  """A 4-bit weight row (codes from code_at, n_groups groups of per_group * 16 bytes) as float32 into out from out_at:
-  scale * code + bias, scales and biases from group_at (16-bit bits through table, or float32). 1-D C-contiguous arrays."""
-  sig = _widen_signature(codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group)
+def widen_row_4(typingctx, codes, j, scales, biases, table, out, row, n_groups, per_group):
+  """4-bit weight row j (codes[j]: n_groups groups of per_group * 16 bytes) as float32 into out[row]: scale * code +
+  bias, scales[j] and biases[j] 16-bit bits through table, or float32. The rows read and written contiguous."""
+  sig = types.none(codes, j, scales, biases, table, out, row, n_groups, per_group)
   return sig, lambda context, builder, signature, args: _widen(context, builder, args, signature.args, 4)
 
 
 @intrinsic
-def widen_row_8(typingctx, codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group):
+def widen_row_8(typingctx, codes, j, scales, biases, table, out, row, n_groups, per_group):
   """As widen_row_4 for an 8-bit row, one code a byte."""
-  sig = _widen_signature(codes, code_at, scales, biases, group_at, table, out, out_at, n_groups, per_group)
+  sig = types.none(codes, j, scales, biases, table, out, row, n_groups, per_group)
   return sig, lambda context, builder, signature, args: _widen(context, builder, args, signature.args, 8)
 
 
