@@ -167,6 +167,31 @@ def test_attention_equals_a_float64_softmax_whatever_the_scores(scale, sinks):
     np.testing.assert_allclose(attn[row], want, rtol=0, atol=1e-4, err_msg=f"row {row}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_decode_rows_attend_only_their_window_with_scores_soft_capped(dtype):
+  """A sliding layer's decode row sees its last `window` positions; Gemma's soft cap bends every score. The compiled
+  pass (a float32 cache) and numpy's (float16) both equal a float64 softmax over just those positions."""
+  n_kv, group, hd, window, cap = 2, 2, 32, 40, 30.0
+  rng = np.random.default_rng(3)
+  pool = KVPool(n_layers=1, n_kv_heads=n_kv, head_dim=hd, positions=256, dtype=dtype)
+  caches = [KVCache(pool) for _ in range(3)]
+  for cache in caches:
+    cache.data[0] = rng.standard_normal(cache.data[0].shape).astype(dtype)
+  q = (4 * rng.standard_normal((3, n_kv * group, hd))).astype(np.float32)  # scores far past the cap
+  ends = np.array([200, 30, 120])  # the second row sees fewer positions than the window
+  attn = np.zeros((3, n_kv * group * hd), dtype=np.float32)
+  slab, first_slot = pool.where(caches[0].slot)
+  attention.DecodeRun(slab, first_slot, 0, ends).attend(0, q, attn, n_kv, window=window, softcap=cap)
+  for row, (cache, end) in enumerate(zip(caches, ends)):
+    keys, values = cache.data[0, 0].astype(np.float64), cache.data[0, 1].astype(np.float64)
+    for head in range(n_kv * group):
+      seen = slice(max(0, end - window), end)
+      scores = cap * np.tanh(keys[head // group, seen] @ q[row, head] / cap)
+      weights = np.exp(scores - scores.max())
+      want = weights @ values[head // group, seen] / weights.sum()
+      np.testing.assert_allclose(attn[row, head * hd:(head + 1) * hd], want, rtol=0, atol=1e-4, err_msg=f"row {row} head {head}")
+
+
 async def test_a_forked_child_still_splits_its_products():
   if not hasattr(os, "fork") or kernels.CORES < 2:
     pytest.skip("no fork, or one core: nothing is split")
