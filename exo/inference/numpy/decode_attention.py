@@ -5,8 +5,9 @@ A decode row's attention is a few small products per query head; numpy spent mor
 computing it (SmolLM2, one stream: 88 us a layer, about a fifth of the step once the products were shared among the
 cores). Here a row's scores, their softmax (shifted by the row's largest score, so no exp overflows) and the sum
 of the values run in one pass over its cache."""
-import numba
 import numpy as np
+
+from exo.inference.numpy.jit import numba
 
 
 @numba.njit(nogil=True, cache=True, fastmath=True, error_model="numpy", boundscheck=False)

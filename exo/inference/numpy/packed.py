@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-import numba
 import numpy as np
 
 from exo import settings
 from exo.inference.numpy import kernels, qkernels
+from exo.inference.numpy.jit import numba
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 8  # SmolLM2's products one core, direct against tiles: 8 rows 0.82x the time (gate/up, down), 16 rows 1.2-1.5x

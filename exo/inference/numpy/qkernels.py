@@ -25,12 +25,13 @@ so a decode step's product may instead run whole in one call, `parallel_rows_*` 
 threads (which wait spinning between calls, so a step's next product starts at once). Each kernel is cached on disk
 (`cache=True`), so numba's compile time (a few seconds in all) is paid once per installation. fastmath lets LLVM
 reorder the sums so that they vectorise."""
-import numba
 import numpy as np
 from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+
+from exo.inference.numpy.jit import numba  # first: numba's compiler started without SciPy
+from numba import types  # noqa: E402 (after the line above)
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
 _JIT = dict(nogil=True, cache=True, fastmath=True, error_model="numpy", boundscheck=False)
 PANEL = 64  # weight rows one task of a parallel product takes
