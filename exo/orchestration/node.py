@@ -25,7 +25,6 @@ from exo.download.download_progress import RepoProgressEvent
 from exo.helpers import AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference import grammar
-from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration import hookspecs, statuses
 from exo.orchestration.acceptance import accept
