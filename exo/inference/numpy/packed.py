@@ -102,13 +102,14 @@ class _StepTimes:
 
 
 class SharedDecode:
-  """Whether a model's few-row steps (decode) run their direct products on numba's threads, in place of the calling
-  core (one row) or the engine's column slices (two). Shared, SmolLM2's one-stream step ran 1.55x faster on a quiet
-  2-core VM, two streams 1.5x. With the other core busy (another process, a second engine) the threads wait for
-  each other, a scheduler tick per product, and a step ran 10x slower. So the model times its steps both ways, by
-  rows, runs the faster, and now and then tries the slower way again, in case the machine's load changed: every
-  TRY_EVERY steps, twice as seldom (up to TRY_AT_MOST_EVERY) each time it is still much slower. A model's first
-  step counts for nothing (caches and pages touched the first time)."""
+  """Whether a model's few-row steps (decode, up to DIRECT_ROWS) run their direct products on numba's threads, in
+  place of the calling core (one row) or the engine's column slices (more). Shared, SmolLM2's one-stream step ran
+  1.55x faster on a quiet 2-core VM, two streams 1.5x. With the other core busy (another process, a second engine)
+  the threads wait for each other: a step ran up to 40x slower at GNU OpenMP's default spin, 4x at the
+  GOMP_SPINCOUNT exo sets. So the model times its steps both ways, by rows, runs the faster, and now and then tries
+  the slower way again, in case the machine's load changed: every TRY_EVERY steps, twice as seldom (up to
+  TRY_AT_MOST_EVERY) each time it is still much slower. A model's first step counts for nothing (caches and pages
+  touched the first time)."""
   TRY_EVERY, TRY_AT_MOST_EVERY = 32, 1024
   MUCH_SLOWER = 1.5
 

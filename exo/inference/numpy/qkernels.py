@@ -91,7 +91,7 @@ def _splat(builder, value):
 
 
 def _e2m1_times_4(builder, code):
-  """4-bit codes (floats 0..15) as four times their E2M1 values (MXFP4; qkernels._level's arithmetic, by vectors)."""
+  """4-bit codes (floats 0..15) as four times their E2M1 values (MXFP4; _level's arithmetic, by vectors)."""
   c = lambda v: ir.Constant(_vf, [v] * LANES)
   floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_vf, [_vf]), "llvm.floor.v16f32")
   negative = builder.call(floor, [builder.fmul(code, c(0.125))])
@@ -199,7 +199,7 @@ def _widen(context, builder, args, types_, bits):
 @intrinsic
 def widen_row_4(typingctx, codes, j, scales, biases, table, out, row, n_groups, per_group, fp4):
   """4-bit weight row j (codes[j]: n_groups groups of per_group * 16 bytes) as float32 into out[row]: scale * code +
-  bias, scales[j] and biases[j] 16-bit bits through table, or float32 (fp4 not None: MXFP4, qkernels' docstring).
+  bias, scales[j] and biases[j] 16-bit bits through table, or float32 (fp4 not None: MXFP4, the module's docstring).
   The rows read and written contiguous."""
   sig = types.none(codes, j, scales, biases, table, out, row, n_groups, per_group, fp4)
   return sig, lambda context, builder, signature, args: _widen(context, builder, args, signature.args, 4)
@@ -224,7 +224,7 @@ def dot_rows_4(typingctx, codes, j, even, odd, first, scales, biases, table, sum
   """4-bit weight row j's dot products with `rows` (a literal) input rows from `first`, into out[first + r, column]:
   codes[j] (two a byte), n_groups groups of per_group * 16 bytes; the inputs' even and odd halves; scales[j] and
   biases[j] (16-bit bits through table, or float32); sums[first + r]: the inputs' group sums. Rows of codes, even,
-  odd, scales, biases and sums contiguous. fp4 not None: MXFP4 codes (qkernels' docstring)."""
+  odd, scales, biases and sums contiguous. fp4 not None: MXFP4 codes (the module's docstring)."""
   args = (codes, j, even, odd, first, scales, biases, table, sums, out, column, n_groups, per_group, fp4, rows)
   sig = _dot_signature(args)
   return None if sig is None else (sig, lambda context, builder, signature, a: _block_dot(context, builder, a, signature.args, 4, rows.literal_value))
