@@ -58,19 +58,19 @@ class DecodeRun:
   def __init__(self, slab: np.ndarray, slot: int, first: int, ends: np.ndarray):
     self.slab, self.slot, self.first, self.ends = slab, slot, first, ends  # ends: positions each row sees
     self.width = int(ends.max())
-    hidden = np.arange(self.width)[None, :] >= ends[:, None]
-    self.mask = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, :]  # over (query head, row, KV head, position)
-    self.window_masks = {}
+    self.masks = {}  # window (None: every position) -> its mask, made when numpy's path first needs it
 
   def mask_for(self, window: Optional[int]) -> np.ndarray:
-    """The mask of a layer whose queries see only the last `window` positions (None: all)."""
-    if window is None or window >= self.width:
-      return self.mask
-    if window not in self.window_masks:
+    """The mask over (query head, row, KV head, position) of a layer whose queries see only the last `window`
+    positions (None: all)."""
+    key = None if window is None or window >= self.width else window
+    if key not in self.masks:
       positions = np.arange(self.width)[None, :]
-      hidden = (positions >= self.ends[:, None]) | (positions < self.ends[:, None] - window)
-      self.window_masks[window] = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, :]
-    return self.window_masks[window]
+      hidden = positions >= self.ends[:, None]
+      if key is not None:
+        hidden |= positions < self.ends[:, None] - key
+      self.masks[key] = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, :]
+    return self.masks[key]
 
   @property
   def cost(self) -> int:  # cached positions read
@@ -87,7 +87,7 @@ class DecodeRun:
     adds no value). A slot of one plane (latent attention) holds keys that are their own values."""
     if self.slab.dtype == np.float32:
       attend_decode(self.slab, self.slot, li, q, self.first, self.ends, window or 0, np.float32(softcap or 0.0),
-                    NO_SINKS if sinks is None else sinks.astype(np.float32), attn)
+                    NO_SINKS if sinks is None else np.asarray(sinks, dtype=np.float32), attn)
       return
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]
