@@ -13,7 +13,7 @@ affine codes), the scales are E8M0 exponents (uint8) read through a table of pow
 threads, packed.SharedDecode says when): each weight row is read once from memory and used for every input row; a
 group's dot product is sum(x * code) * scale + sum(x) * bias, with the 4-bit codes' even and odd inputs gathered
 apart first so that a row's codes meet its inputs unit-stride. Where the groups are whole 16-code vectors (every GGUF,
-MLX and MXFP4 format here), explicit vectors (dot_rows_4/_8) run the loop; else the plain loops below,
+MLX and MXFP4 format here), explicit vectors (dot_rows) run the loop; else the plain loops below,
 which LLVM vectorises itself. A byte's two 4-bit codes are split in float32 (high = floor(byte / 16), low = byte - 16
 * high, both exact): numba does integer arithmetic in 64 bits, so masks and shifts ran at half the vector width.
 `dequantize_rows` writes weight rows as float32 (embedding lookups); `widen_tile_4`/`_8` write a range of them into
@@ -105,7 +105,7 @@ def _e2m1_times_4(builder, code):
 
 def _block_dot(context, builder, args, types_, bits, rows):
   """For `rows` input rows at once, sum over groups g of scale_g * (the group's products) + bias_g * sums[g], into
-  out; see dot_rows_4. A chunk's codes are turned into floats once for all the rows."""
+  out; see dot_rows. A chunk's codes are turned into floats once for all the rows."""
   codes, j, x_a, x_b, first, scales, biases, table, sums, out, column, n_groups, per_group, _, _ = args
   fp4 = not isinstance(types_[13], types.NoneType)
   module = builder.module
@@ -116,7 +116,7 @@ def _block_dot(context, builder, args, types_, bits, rows):
   row = [builder.add(first, ir.Constant(first.type, r)) for r in range(rows)]
   code_p = _item(context, builder, types_[0], codes, [j, zero])
   a_p = [_item(context, builder, types_[2], x_a, [row[r], zero]) for r in range(rows)]
-  b_p = [_item(context, builder, types_[3], x_b, [row[r], zero]) for r in range(rows)]
+  b_p = [_item(context, builder, types_[3], x_b, [row[r], zero]) for r in range(rows)] if bits == 4 else None
   scale_p, bias_p = (_item(context, builder, types_[i], arg, [j, zero]) for i, arg in ((5, scales), (6, biases)))
   table_p = _item(context, builder, types_[7], table, [zero])
   sums_p = [_item(context, builder, types_[8], sums, [row[r], zero]) for r in range(rows)]
@@ -220,22 +220,16 @@ def _dot_signature(args):
 
 
 @intrinsic
-def dot_rows_4(typingctx, codes, j, even, odd, first, scales, biases, table, sums, out, column, n_groups, per_group, fp4, rows):
-  """4-bit weight row j's dot products with `rows` (a literal) input rows from `first`, into out[first + r, column]:
-  codes[j] (two a byte), n_groups groups of per_group * 16 bytes; the inputs' even and odd halves; scales[j] and
-  biases[j] (16-bit bits through table, or float32); sums[first + r]: the inputs' group sums. Rows of codes, even,
-  odd, scales, biases and sums contiguous. fp4 not None: MXFP4 codes (the module's docstring)."""
-  args = (codes, j, even, odd, first, scales, biases, table, sums, out, column, n_groups, per_group, fp4, rows)
+def dot_rows(typingctx, codes, j, x_a, x_b, first, scales, biases, table, sums, out, column, n_groups, per_group, fp4, rows):
+  """Weight row j's dot products with `rows` (a literal) input rows from `first`, into out[first + r, column]: codes[j]
+  in n_groups groups of per_group * 16 bytes, 4-bit (two a byte) where x_b is given, the inputs' even halves in x_a and
+  odd ones in x_b, or 8-bit (one a byte) where x_b is None, the inputs as they are in x_a; scales[j] and biases[j]
+  (16-bit bits through table, or float32); sums[first + r]: the inputs' group sums. Rows of codes, inputs, scales,
+  biases and sums contiguous. fp4 not None: MXFP4 codes (the module's docstring)."""
+  args = (codes, j, x_a, x_b, first, scales, biases, table, sums, out, column, n_groups, per_group, fp4, rows)
   sig = _dot_signature(args)
-  return None if sig is None else (sig, lambda context, builder, signature, a: _block_dot(context, builder, a, signature.args, 4, rows.literal_value))
-
-
-@intrinsic
-def dot_rows_8(typingctx, codes, j, x, unused, first, scales, biases, table, sums, out, column, n_groups, per_group, fp4, rows):
-  """As dot_rows_4 for an 8-bit row (one code a byte, affine: fp4 None) and the inputs as they are; `unused` is not read."""
-  args = (codes, j, x, unused, first, scales, biases, table, sums, out, column, n_groups, per_group, fp4, rows)
-  sig = _dot_signature(args)
-  return None if sig is None else (sig, lambda context, builder, signature, a: _block_dot(context, builder, a, signature.args, 8, rows.literal_value))
+  bits = 8 if isinstance(x_b, types.NoneType) else 4
+  return None if sig is None else (sig, lambda context, builder, signature, a: _block_dot(context, builder, a, signature.args, bits, rows.literal_value))
 
 
 def _value(values, i, table):
@@ -346,53 +340,41 @@ def _rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out):
 
 
 @numba.njit(inline="always", **_JIT)
-def _direct_rows_4(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out):
-  """_rows_4, by explicit vectors (dot_rows_4) where the groups are whole vectors of codes."""
-  rows, half = even.shape
-  n_groups = scales.shape[1]
-  if (half // n_groups) % LANES:
-    _rows_4(even, odd, sums, codes, scales, biases, table, fp4, lo, j0, j1, out)
-    return
-  per_group = half // n_groups // LANES
-  for j in range(j0, j1):
-    # Four input rows at a time share each chunk of codes turned into floats, then two, then one.
-    for r in range(0, rows - rows % 4, 4):
-      dot_rows_4(codes, j, even, odd, r, scales, biases, table, sums, out, j - lo, n_groups, per_group, fp4, 4)
-    if rows % 4 >= 2:
-      dot_rows_4(codes, j, even, odd, rows - rows % 4, scales, biases, table, sums, out, j - lo, n_groups, per_group, fp4, 2)
-    if rows % 2:
-      dot_rows_4(codes, j, even, odd, rows - 1, scales, biases, table, sums, out, j - lo, n_groups, per_group, fp4, 1)
-
-
-@numba.njit(inline="always", **_JIT)
-def _direct_rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out):
-  """_rows_8, by explicit vectors (dot_rows_8) where the groups are whole vectors of codes."""
-  rows, n_in = x.shape
-  n_groups = scales.shape[1]
-  if (n_in // n_groups) % LANES:
-    _rows_8(x, sums, codes, scales, biases, table, lo, j0, j1, out)
-    return
-  per_group = n_in // n_groups // LANES
+def _vector_dot(x_a, x_b, sums, codes, scales, biases, table, fp4, lo, j0, j1, out):
+  """out[:, j - lo] = x @ w[j] for weight rows j in [j0, j1) by dot_rows (x_a, x_b as it takes them): four input rows
+  at a time share each chunk of codes turned into floats, then two, then one."""
+  rows, n_groups = x_a.shape[0], scales.shape[1]
+  per_group = x_a.shape[1] // n_groups // LANES
   for j in range(j0, j1):
     for r in range(0, rows - rows % 4, 4):
-      dot_rows_8(codes, j, x, x, r, scales, biases, table, sums, out, j - lo, n_groups, per_group, None, 4)
+      dot_rows(codes, j, x_a, x_b, r, scales, biases, table, sums, out, j - lo, n_groups, per_group, fp4, 4)
     if rows % 4 >= 2:
-      dot_rows_8(codes, j, x, x, rows - rows % 4, scales, biases, table, sums, out, j - lo, n_groups, per_group, None, 2)
+      dot_rows(codes, j, x_a, x_b, rows - rows % 4, scales, biases, table, sums, out, j - lo, n_groups, per_group, fp4, 2)
     if rows % 2:
-      dot_rows_8(codes, j, x, x, rows - 1, scales, biases, table, sums, out, j - lo, n_groups, per_group, None, 1)
+      dot_rows(codes, j, x_a, x_b, rows - 1, scales, biases, table, sums, out, j - lo, n_groups, per_group, fp4, 1)
 
 
 @numba.njit(**_JIT)
 def product_rows_4(x, codes, scales, biases, table, fp4, lo, hi, out):
-  """out[:, j - lo] = x @ w[j] for weight rows j in [lo, hi). x: float32 (rows, in)."""
+  """out[:, j - lo] = x @ w[j] for weight rows j in [lo, hi). x: float32 (rows, in). By explicit vectors where the
+  groups are whole vectors of codes, else by _rows_4."""
   even, odd = _even_odd(x)
-  _direct_rows_4(even, odd, _group_sums(x, scales.shape[1]), codes, scales, biases, table, fp4, lo, lo, hi, out)
+  sums = _group_sums(x, scales.shape[1])
+  if (even.shape[1] // scales.shape[1]) % LANES:
+    _rows_4(even, odd, sums, codes, scales, biases, table, fp4, lo, lo, hi, out)
+  else:
+    _vector_dot(even, odd, sums, codes, scales, biases, table, fp4, lo, lo, hi, out)
 
 
 @numba.njit(**_JIT)
 def product_rows_8(x, codes, scales, biases, table, fp4, lo, hi, out):
   """As product_rows_4, one code a byte (affine only: `fp4` is None)."""
-  _direct_rows_8(np.ascontiguousarray(x), _group_sums(x, scales.shape[1]), codes, scales, biases, table, lo, lo, hi, out)
+  x = np.ascontiguousarray(x)
+  sums = _group_sums(x, scales.shape[1])
+  if (x.shape[1] // scales.shape[1]) % LANES:
+    _rows_8(x, sums, codes, scales, biases, table, lo, lo, hi, out)
+  else:
+    _vector_dot(x, None, sums, codes, scales, biases, table, None, lo, lo, hi, out)
 
 
 @numba.njit(parallel=True, **_JIT)
