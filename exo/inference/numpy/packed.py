@@ -2,11 +2,12 @@
 
 Rows are the matrix's outputs, as checkpoints store them; a product's output columns a..b are rows a..b here, so the
 engine's column slices (kernels.py) are slices of rows. Up to DIRECT_ROWS input rows a product reads the codes
-directly (decode steps of a few streams: each chunk of codes turned into floats once for four input rows). Above, it widens a tile of weight rows at a time into
-float32, in a scratch buffer each thread keeps (up to TILE_BYTES, 4 MiB), and lets BLAS multiply it (batched
-decode and prefill: bound by arithmetic, where BLAS is several times faster than the direct kernel and the widening
-is paid once for all rows). How the tile meets BLAS depends on the rows, by measurement (bench/quantized_speed.py):
-up to TRANSPOSED_ROWS, tile @ x.T into a transposed output; above, x @ tile.T straight into the output."""
+directly (decode steps of a few streams: each chunk of codes turned into floats once for four input rows). Above, it
+widens a tile of weight rows at a time into float32, in a scratch buffer each thread keeps (up to TILE_BYTES, 4 MiB),
+and lets BLAS multiply it (batched decode and prefill: bound by arithmetic, where BLAS is several times faster than
+the direct kernel and the widening is paid once for all rows). How the tile meets BLAS depends on the rows, by
+measurement (bench/quantized_speed.py): up to TRANSPOSED_ROWS, tile @ x.T into a transposed output; above, x @ tile.T
+straight into the output."""
 import os
 import threading
 import time
