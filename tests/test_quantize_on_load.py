@@ -5,26 +5,26 @@
 4 bits: random weights are the hardest case for 16 levels a group (no outliers to spare, every weight as large as
 the rest), and on these 2-layer models the logits move by 21-46% RMS; the test holds them to that and to the ratio of
 the two widths' errors, which is what the arithmetic gives (2**8 - 1 steps against 2**4 - 1: measured 12-19x).
-The held weights shrink to bits / 8 + 4 / 64 bytes a weight (a float16 scale and bias a group of 64)."""
+The held weights shrink to bits / 8 + 4 / 64 bytes a weight (a float16 scale and bias a group of 64), a mixture of
+experts' experts included."""
 import json
 
 import numpy as np
 import pytest
 
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
-from exo.inference.numpy.llama import Llama
 from exo.inference.numpy.packed import PackedMatrix
-from exo.inference.quantize import held_bytes
+from exo.inference.quantize import group_size, held_bytes
 from exo.inference.shard import Shard
 from exo.inference.weights import load_shard_weights
-from tests.test_architectures import EXPECTED, FIXTURES, greedy
+from tests.test_architectures import EXPECTED, FIXTURES, greedy, model_class
 
 pytestmark = pytest.mark.model
 
 FAMILIES = ["llama", "qwen3", "phi3", "gemma2", "granite", "mixtral", "qwen3_moe"]
 
 
-def model(name: str, bits, cut=None):
+def model(name: str, bits, cut=None, engine: str = "numpy"):
   """The checkpoint as one model, or as two shards split after layer `cut`."""
   n_layers = json.loads((FIXTURES / name / "config.json").read_text())["num_hidden_layers"]
   bounds = [-1, n_layers - 1] if cut is None else [-1, cut, n_layers - 1]
@@ -32,7 +32,7 @@ def model(name: str, bits, cut=None):
   for start, end in zip(bounds, bounds[1:]):
     shard = Shard(name, start + 1, end, n_layers)
     config, weights = load_shard_weights(FIXTURES / name, shard, keep_quantized=True, quantize=bits)
-    models.append(Llama(config, shard, weights))
+    models.append(model_class(engine)(config, shard, weights))
   return models
 
 
@@ -92,3 +92,25 @@ def test_the_engine_quantizes_what_it_loads_when_told(tmp_path):
   layer = engine.model.layers[0]
   assert all(isinstance(layer[k], PackedMatrix) and layer[k].bits == 4 for k in ("qkv", "o", "gate_up", "down"))
   assert isinstance(engine.model.head, PackedMatrix) and engine.model.head.bits == 4
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_holds_its_experts_quantized(name):
+  floats, = model(name, None)
+  quantized, = model(name, 4)
+  experts = lambda m: [w for layer in m.layers if layer["experts"] is not None for pair in layer["experts"] for w in pair]
+  assert experts(quantized) and all(isinstance(w, PackedMatrix) and w.bits == 4 for w in experts(quantized))
+  assert all(isinstance(layer["router"], np.ndarray) for layer in quantized.layers if layer["experts"] is not None)  # routers stay float
+  assert [int(np.prod(w.shape)) for w in experts(quantized)] == [w.size for w in experts(floats)]
+  # groups of 64 inputs, or 32 where 64 does not divide them (qwen3_moe's down projection: 32 inputs)
+  assert sum(w.nbytes for w in experts(quantized)) == sum(np.prod(w.shape) * held_bytes(4, group_size(w.shape[1])) for w in experts(quantized))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_the_mlx_engine_runs_quantized_experts_as_numpy_does(runs, name):
+  """MLX takes each layer's quantized experts as one stack (gather_qmm): 8 bits give the float checkpoint's tokens."""
+  prompt, n = EXPECTED[name]["prompt"], len(EXPECTED[name]["tokens"])
+  models = model(name, 8, engine="mlx")
+  stacks = [layer[k] for m in models for layer in m.layers for k in ("experts_gate_up", "experts_down") if layer.get(k) is not None]
+  assert stacks and all(stack.quantized is not None for stack in stacks)
+  assert greedy(models, [prompt], n)[0] == runs[name][None][0]

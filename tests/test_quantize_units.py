@@ -37,13 +37,28 @@ def test_eight_bits_are_sixteen_times_finer_than_four():
 
 
 def test_the_matrices_taken_are_the_ones_mlx_lm_quantizes():
-  for name in ["model.embed_tokens.weight", "lm_head.weight", "model.layers.3.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight",
-               "model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"]:
-    assert quantizes(name, (128, 64)), name
+  for name, shape in [("model.embed_tokens.weight", (128, 64)), ("lm_head.weight", (128, 64)), ("model.layers.3.self_attn.q_proj.weight", (128, 64)),
+                      ("model.layers.0.self_attn.qkv_proj.weight", (128, 64)), ("model.layers.1.mlp.gate_up_proj.weight", (128, 64)),
+                      ("model.layers.1.mlp.down_proj.weight", (128, 64)), ("model.layers.1.self_attn.o_proj.weight", (128, 64)),
+                      # experts, as mlx-lm's SwitchLinear: one matrix an expert, shared experts, and every expert's stacked
+                      ("model.layers.0.mlp.experts.1.gate_proj.weight", (32, 64)), ("model.layers.0.block_sparse_moe.experts.0.w1.weight", (32, 64)),
+                      ("model.layers.0.mlp.shared_experts.down_proj.weight", (64, 32)), ("model.layers.0.mlp.shared_expert.up_proj.weight", (32, 64)),
+                      ("model.layers.0.mlp.switch_mlp.gate_proj.weight", (4, 32, 64)), ("model.layers.0.mlp.experts.gate_proj.weight", (4, 32, 64))]:
+    assert quantizes(name, shape), name
   for name, shape in [("model.layers.0.input_layernorm.weight", (64,)), ("model.norm.weight", (64,)), ("model.layers.0.self_attn.q_proj.bias", (64,)),
-                      ("model.layers.0.mlp.experts.1.gate_proj.weight", (32, 64)), ("model.layers.0.mlp.gate.weight", (4, 64)),
-                      ("model.layers.0.block_sparse_moe.experts.0.w1.weight", (32, 64)), ("model.layers.0.self_attn.q_proj.weight", (64, 48))]:
+                      ("model.layers.0.mlp.gate.weight", (4, 64)), ("model.layers.0.block_sparse_moe.gate.weight", (4, 64)),  # routers
+                      ("model.layers.0.mlp.router.weight", (4, 64)), ("model.layers.0.mlp.shared_expert_gate.weight", (1, 64)),
+                      ("model.layers.0.mlp.experts.gate_up_proj", (4, 64, 64)),  # gpt-oss's (experts, in, out): MXFP4 where shipped
+                      ("model.layers.0.self_attn.q_proj.weight", (64, 48))]:
     assert not quantizes(name, shape), name
+
+
+def test_a_stack_of_experts_is_quantized_expert_by_expert():
+  stack = np.random.default_rng(2).standard_normal((3, 16, 64)).astype(np.float32)
+  q = quantize(stack, 8)
+  assert q.shape == (3, 16, 64)
+  for e in range(3):
+    assert np.array_equal(q[e].dequantize(), quantize(stack[e], 8).dequantize())
 
 
 @pytest.mark.parametrize("raw, bits", [(None, None), ("", None), ("0", None), ("off", None), ("8", 8), (" 4 ", 4), (4, 4)])

@@ -2,11 +2,12 @@
 writes (quantized.py's QuantizedWeight): per group of GROUP_SIZE inputs of a row, w = scale * code + bias, codes of 4
 or 8 bits, scale and bias float16. The numpy and MLX engines then hold and run the matrices packed.
 
-Which matrices: the ones every token's step multiplies by, as mlx-lm quantizes its Linear and Embedding layers: the
-layers' projections, the token embedding and the output head (a tied head is the quantized embedding). Norms,
-biases, mixture-of-experts routers and experts stay float (checkpoints quantized by mlx-lm, experts included, load
-quantized as they are). A matrix whose
-inputs are no multiple of 32 stays float too.
+Which matrices: the ones every token's step multiplies by, as mlx-lm quantizes its Linear, Embedding and
+SwitchLinear layers: the layers' projections, a mixture of experts' expert and shared-expert matrices (one matrix an
+expert, or every expert's stacked (experts, out, in), each expert quantized on its own), the token embedding and the
+output head (a tied head is the quantized embedding). Norms, biases and routers stay float (a router picks the
+experts: mlx-lm keeps it float too), as do gpt-oss's experts in transformers' (experts, in, out) layout, whose
+checkpoints ship them in MXFP4 already. A matrix whose inputs are no multiple of 32 stays float.
 
 Each matrix is quantized as soon as it is read, so a load holds the quantized model and one float matrix, never the
 float model; and in row blocks, so a large embedding's temporaries stay small."""
@@ -15,12 +16,16 @@ from typing import Optional
 
 import numpy as np
 
-from exo.inference.quantized import QuantizedWeight
+from exo.inference.quantized import QuantizedWeight, stack_rows
 
 BITS = (4, 8)
 GROUP_SIZES = (64, 32)  # mlx-lm's default, then the smaller one for matrices whose inputs 64 does not divide
 BLOCK_VALUES = 1 << 22  # floats quantized at a time (16 MiB of float32)
-_QUANTIZED_NAMES = re.compile(r"(model\.embed_tokens|lm_head|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj)\.weight$")
+# projections (q_proj..., gate_proj...), and experts' matrices under any family's names: Mixtral's
+# block_sparse_moe.experts.<e>.w1, DeepSeek's and Qwen's mlp.experts.<e>.gate_proj and mlp.shared_expert(s).*, mlx-lm's
+# mlp.switch_mlp.gate_proj (stacked); never a router (mlp.gate, block_sparse_moe.gate, mlp.router)
+_QUANTIZED_NAMES = re.compile(r"(model\.embed_tokens|lm_head|model\.layers\.\d+\.(self_attn\.\w+_proj|(mlp|block_sparse_moe)\."
+                              r"(\w+_proj|(experts\.\d+|experts|shared_experts?|switch_mlp)\.\w+)))\.weight$")
 
 
 def parse_bits(raw, name: str) -> Optional[int]:
@@ -34,8 +39,9 @@ def parse_bits(raw, name: str) -> Optional[int]:
 
 
 def quantizes(name: str, shape) -> bool:
-  """Whether a float tensor (Hugging Face name and shape) is quantized on load."""
-  return len(shape) == 2 and ".experts." not in name and _QUANTIZED_NAMES.match(name) is not None and group_size(shape[1]) is not None
+  """Whether a float tensor (Hugging Face name and shape: a matrix, or a stack of experts' matrices) is quantized on
+  load."""
+  return len(shape) in (2, 3) and _QUANTIZED_NAMES.match(name) is not None and group_size(shape[-1]) is not None
 
 
 def group_size(inputs: int) -> Optional[int]:
@@ -44,7 +50,10 @@ def group_size(inputs: int) -> Optional[int]:
 
 def quantize(w: np.ndarray, bits: int) -> QuantizedWeight:
   """An (out, in) float matrix as `bits`-bit affine groups: each group's range split into 2**bits - 1 steps, its
-  minimum the bias; codes are rounded against the float16 scale and bias actually stored."""
+  minimum the bias; codes are rounded against the float16 scale and bias actually stored. A stack of experts'
+  matrices (experts, out, in) comes back a stack, each expert quantized on its own."""
+  if w.ndim == 3:
+    return stack_rows([quantize(matrix, bits) for matrix in w], new_axis=True)
   rows, inputs = w.shape
   group = group_size(inputs)
   if bits not in BITS or group is None:
