@@ -13,7 +13,6 @@ from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.inference.prefix_cache import BLOCK, block_keys
 from exo.inference.sampling import SamplingParams
 from exo.networking.discovery import NoDiscovery
-from exo.orchestration import passes as passes_module
 from exo.orchestration.batching import scheduler as scheduler_module
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
@@ -59,7 +58,6 @@ async def one_node(engine, batching: bool) -> Node:
 @pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])
 async def test_a_chat_answers_the_same_with_its_earlier_turns_cached(engine, batching, monkeypatch):
   # Prompts run in chunks of 40 tokens, unbatched and batched: chunk edges fall inside blocks and inside the prefix.
-  monkeypatch.setattr(passes_module, "PROMPT_CHUNK", 40)
   monkeypatch.setattr(scheduler_module, "LONE_PROMPT_CHUNK", 40)
   node = await one_node(engine, batching)
   try:
@@ -158,6 +156,7 @@ async def test_a_cancelled_answer_files_nothing_past_its_prompt(engine):
     # Its cache is freed on the engine's thread after its prompt's blocks were filed there: nothing is left to run.
     await eventually(lambda: not node.requests and not engine.caches and node.pending()["tasks"] == 0, 10)
     (entry,) = engine.prefixes.entries.values()
-    assert len(entry.keys) == prompt_tokens // BLOCK and entry.cache.length > prompt_tokens + 2 * BLOCK
+    # (Its cache holds the tokens fed back before the client left; the last one's pass may or may not have begun.)
+    assert len(entry.keys) == prompt_tokens // BLOCK and entry.cache.length >= prompt_tokens + 2 * BLOCK
   finally:
     await node.stop()

@@ -112,7 +112,7 @@ async def test_a_packed_message_enters_the_next_stage_as_one_batch():
   assert len(peers["p1"].tensors[1][3][ROWS]) == 3  # on as one message
   assert [row[0] for row in token_rows(peers["o1"])] == ["early", "r0", "r1", "r2"]
   assert len([s for s in peers["o1"].statuses if s["type"] == statuses.TOKENS]) == 2  # one message per step
-  await plugin.stop()
+  await node.steps.stop()
 
 
 async def test_an_upstream_nodes_single_message_is_a_batch_of_one():
@@ -128,7 +128,7 @@ async def test_an_upstream_nodes_single_message_is_a_batch_of_one():
     expected.append(int(np.argmax(toy_logits(history))))
     history.append(expected[-1])
   assert heard == expected
-  await plugin.stop()
+  await node.steps.stop()
 
 
 @pytest.mark.parametrize("config", [None, BatchingConfig(batch_size=1, timeout_ms=5), BatchingConfig(batch_size=8, timeout_ms=5)],

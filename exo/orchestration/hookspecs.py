@@ -10,11 +10,13 @@ Hooks that do asynchronous work return an awaitable (pluggy calls are synchronou
 `firstresult` hooks stop at the first implementation that returns something other than None, so a plugin
 takes a piece of work over by returning an awaitable, or leaves it to the next one by returning None.
 Wrappers (`@hookimpl(wrapper=True)`) see and may replace the awaitable the inner implementations return."""
-import asyncio
-from typing import Awaitable, Optional, Tuple
+from typing import TYPE_CHECKING, Awaitable, Optional
 
 import numpy as np
 import pluggy
+
+if TYPE_CHECKING:
+  from exo.orchestration.batching.scheduler import Scheduler
 
 hookspec = pluggy.HookspecMarker("exo")
 hookimpl = pluggy.HookimplMarker("exo")
@@ -32,18 +34,19 @@ def exo_node_stopping(node) -> Optional[Awaitable[None]]:
 
 
 @hookspec(firstresult=True)
-def exo_infer_tensor(node, shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict],
-                     accepted: Optional[asyncio.Future]) -> Optional[Awaitable[Optional[Tuple[np.ndarray, Optional[dict]]]]]:
-  """Run this node's layers for one request: token ids (1, L) on the first shard, hidden states otherwise.
-  Return an awaitable of (output, inference_state): the node then goes on with `Node.process_inference_result`,
-  a batch of one (the core: `engine.infer_tensor` alone, a long prompt in chunks). A plugin that runs steps of several
-  requests may instead finish the step's rows itself, all together, and return an awaitable of None: it hands the
-  step's rows to `node.step_core.finish_step` (which calls `Node.process_inference_result` for each row inside the
-  step's one output) and sends that output with `node.forwarding.send` (one message per next hop, one per origin).
-  The batching plugin does so: a step's rows stay one batch from its scheduler to the next node. Before each step,
-  drop requests that are no longer live (`node.requests.is_live`). Whoever starts the pass calls
-  `acceptance.accept(accepted)` (None when no message waits for a reply): the gRPC server replies to the message
-  then (else when the work ends, or after 0.1 s)."""
+def exo_scheduler(node, shard) -> Optional["Scheduler"]:
+  """The policy of this node's steps on one of its shards (exo/orchestration/batching/scheduler.py), asked once per
+  shard. Every forward pass on the node goes through its one step loop (Node.steps): a message's rows enter it
+  together, as one batch (a packed message is a step of the stage before, an upstream node's single message a batch
+  of one), the step runs them on the engine together, and the step core finishes them together (sampling on the last
+  layers, then one output: one message per next hop, one per origin). The core's policy is one row a step, a long
+  prompt in chunks (a node without batching runs like upstream, one request at a time); the batching plugin's takes
+  up to EXO_BATCH_SIZE rows a step. Batch size 1 is the same path."""
+
+
+@hookspec
+def exo_step_done(node, scheduler, step) -> None:
+  """A step has run and its output has been made (before it is sent): keep the scheduler's view of the ring current."""
 
 
 @hookspec(firstresult=True)

@@ -85,6 +85,7 @@ class Lifecycle:
     if status is not Status.FINISHED:
       self.node.forwarding.router.ended(request_id)
     self.node.model_gate.leave(request_id)
+    self.node.steps.forget(request_id)
     self.node.plugins.hook.exo_request_ended(node=self.node, request_id=request_id)
     watcher = self.watchers.get(request_id)
     if watcher is not None and status is not Status.FINISHED:

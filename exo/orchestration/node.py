@@ -27,7 +27,8 @@ from exo.inference.inference_engine import InferenceEngine, inference_engine_cla
 from exo.inference import grammar
 from exo.inference.shard import Shard
 from exo.orchestration import hookspecs, statuses
-from exo.orchestration.acceptance import accept
+from exo.orchestration.batching.scheduler import Scheduler
+from exo.orchestration.batching.step_loop import StepLoop
 from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.lifecycle import Lifecycle
 from exo.orchestration.membership import Membership
@@ -53,9 +54,8 @@ class CorePlugin:
   """The node's own behaviour, as the last implementation of each hook."""
 
   @hookimpl(trylast=True)
-  def exo_infer_tensor(self, node, shard, tensor, request_id, inference_state, accepted):
-    accept(accepted)  # the engine takes it up as soon as the returned coroutine runs
-    return node.passes.infer_unbatched(shard, tensor, request_id, inference_state)
+  def exo_scheduler(self, node, shard):
+    return Scheduler.one_at_a_time(shard)
 
   @hookimpl(trylast=True)
   def exo_process_inference_result(self, node, shard, result, request_id, inference_state):
@@ -86,6 +86,9 @@ class Node(RingMember):
     self.forwarding = Forwarding(self)
     self.lifecycle = Lifecycle(self)
     self.step_core = StepCore(self)
+    self.steps = StepLoop(inference_engine, lambda shard: self.plugins.hook.exo_scheduler(node=self, shard=shard), self.requests.is_live,
+                          lambda scheduler, step, done: self.plugins.hook.exo_step_done(node=self, scheduler=scheduler, step=step),
+                          finishing_for=self.step_core.finishing_for, engine_for=self.model_pool.engine_of)
     self.passes = Passes(self)
     self.prefix_protocol = PrefixProtocol(self)
     self.membership = Membership(self)
@@ -120,6 +123,7 @@ class Node(RingMember):
     await asyncio.gather(*tasks, return_exceptions=True)
     for request in self.requests:
       self.lifecycle.end_request(request.id, Status.FAILED, "node stopped")
+    await self.steps.stop()  # (the step under way finishes; nothing waits for another)
     await asyncio.gather(*list(self.lifecycle.releases), return_exceptions=True)
     self.model_pool.close()
     await self.discovery.stop()

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 import uuid
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -22,12 +22,12 @@ from exo.orchestration import statuses
 from exo.orchestration.acceptance import accept
 from exo.orchestration.model_gate import LeftTheLine, gate_key
 from exo.orchestration.requests import FirstStage, Request, RequestEnded, Status
-from exo.orchestration.routing.packing import ROWS, input_length, unpack
+from exo.orchestration.routing.packing import ROWS, unpack
 
 log = logging.getLogger(__name__)
 
 PROMPT_IDS = "prompt_ids"  # in a prompt's inference state: its token ids, so the first layers' node does not tokenise it again
-PROMPT_CHUNK = 512  # prompt positions one unbatched engine call takes, so an end lands between chunks
+Row = Tuple[Request, np.ndarray, Optional[dict]]  # a request, its input here, the inference state it came with
 
 
 class Passes:
@@ -100,19 +100,22 @@ class Passes:
     """Run this node's layers for a message's tensor, then what follows. `accepted` as for process_prompt. A message
     is one batch: a packed one (one step's rows of the stage before, routing/packing.py) or a single request's (a batch
     of one, as upstream nodes send). Every row is made ready (its route checked, its turn at the model gate, its
-    prefix), then all of them go to the engine together, so that they share its next step."""
+    prefix), then all of them enter the step loop together, so that they share its next step."""
     packed = bool(inference_state and ROWS in inference_state)
     try:
       rows = unpack(tensor, inference_state) if packed else [(request_id or str(uuid.uuid4()), tensor, inference_state)]
     except ValueError as e:
       log.warning("exo: dropped a malformed packed message: %s", e)
       return None
-    arrived = await asyncio.gather(*[self._arrive(base_shard, *row, packed) for row in rows])
-    await asyncio.gather(*[self._run_arrived(shard, t, request, state, accepted) for shard, t, request, state in filter(None, arrived)])
+    arrived = [row for row in await asyncio.gather(*[self._arrive(base_shard, *row) for row in rows]) if row is not None]
+    batches = {}  # shard -> its rows (one hop's rows share one)
+    for shard, row in arrived:
+      batches.setdefault(shard, []).append(row)
+    await asyncio.gather(*[self._run_message(shard, batch, accepted, packed) for shard, batch in batches.items()])
     return None
 
-  async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict], packed: bool) -> Optional[tuple]:
-    """A row of a message, made ready for its pass here: (shard, tensor, request, state), or None if it does not run."""
+  async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Optional[tuple]:
+    """A row of a message, made ready for its pass here: (shard, (request, tensor, state)), or None if it does not run."""
     request = self.node.lifecycle.open_request(request_id)
     if request is None:  # a hop still in flight when the request ended: going on would revive it
       return None
@@ -125,21 +128,17 @@ class Passes:
         return None
       self.node.prefix_protocol.fed_back(request, tensor)
       self.node.forwarding.fed_back(request, shard, tensor)
-      request.came_packed = packed
-      return shard, tensor, request, state
+      return shard, (request, tensor, state)
     except RequestEnded:
       return None
     except Exception as e:
       await self.node.lifecycle.fail_request(request.id, e)
       return None
 
-  async def _run_arrived(self, shard: Shard, tensor: np.ndarray, request: Request, state: Optional[dict], accepted: Optional[asyncio.Future]) -> None:
-    try:
-      await self.run_pass(shard, tensor, request, state, accepted)
-    except RequestEnded:
-      pass
-    except Exception as e:
-      await self.node.lifecycle.fail_request(request.id, e)
+  async def _run_message(self, shard: Shard, rows: List[Row], accepted: Optional[asyncio.Future], whole: bool) -> None:
+    for (request, _, _), result in zip(rows, await self.run_rows(shard, rows, accepted, whole)):
+      if isinstance(result, Exception) and not isinstance(result, RequestEnded):
+        await self.node.lifecycle.fail_request(request.id, result)
 
   async def _enter(self, request: Request, shard: Shard) -> None:
     """Wait until this node's engine serves the request's layers (see ModelGate). Every message of the request
@@ -160,20 +159,16 @@ class Passes:
 
   async def run_pass(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict],
                      accepted: Optional[asyncio.Future] = None) -> None:
-    """This node's layers for the request, then what follows (sampling, forwarding)."""
-    if request.busy:  # a second copy of a message (a peer's bug or mischief) must not run on the same cache
-      log.warning("exo: dropped a second pass of request %s that arrived while its pass ran here", request.id)
-      return
-    request.busy = True
-    try:
-      outcome = await self.node.plugins.hook.exo_infer_tensor(node=self.node, shard=shard, tensor=tensor, request_id=request.id,
-                                                               inference_state=inference_state, accepted=accepted)
-    finally:
-      request.busy = False
-    if outcome is None:  # a step finished it with its other rows (StepCore.finish_step)
-      return
-    result, state = outcome
-    await self.node.process_inference_result(shard, result, request.id, self.passed(shard, request, input_length(tensor), state))
+    """A prompt's pass here, a batch of one; its error raised."""
+    [result] = await self.run_rows(shard, [(request, tensor, inference_state)], accepted)
+    if isinstance(result, BaseException):
+      raise result
+
+  async def run_rows(self, shard: Shard, rows: List[Row], accepted: Optional[asyncio.Future] = None, whole: bool = False) -> List[object]:
+    """This node's layers for a batch of rows, then what follows (sampling, forwarding): they enter the node's step
+    loop together (`whole`: a step of the stage before, due at once), and each step's core finishes the rows it ran.
+    Each row's None, or its error."""
+    return await self.node.steps.run(shard, [(request.id, tensor, state) for request, tensor, state in rows], accepted, whole)
 
   def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
     """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
@@ -184,20 +179,6 @@ class Passes:
     request.positions += positions
     request.advance(Status.DECODING)
     return state
-
-  async def infer_unbatched(self, shard: Shard, tensor: np.ndarray, request_id: str, inference_state: Optional[dict]):
-    """The engine alone, a long prompt in PROMPT_CHUNK pieces so that an end stops it between two of them."""
-    engine, length = self.node.model_pool.engine_of(shard), input_length(tensor)
-    if length <= PROMPT_CHUNK:
-      return await engine.infer_tensor(request_id, shard, tensor, inference_state)
-    outputs = []
-    for start in range(0, length, PROMPT_CHUNK):
-      if not self.node.requests.is_live(request_id):
-        raise RequestEnded(request_id)
-      output, inference_state = await engine.infer_tensor(request_id, shard, tensor[:, start:start + PROMPT_CHUNK], inference_state)
-      outputs.append(output)
-    # Hidden states go on whole; on the last layer only the last position is ever sampled.
-    return (outputs[-1] if shard.is_last_layer() else np.concatenate(outputs, axis=1)), inference_state
 
   async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
                           mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:

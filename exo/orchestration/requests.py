@@ -100,8 +100,6 @@ class Request:
   group: Optional[str] = None  # the placement group its route is (travelling routes only)
   told_next: bool = False  # this node has sent it on along its route once (its parameters went with it)
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
-  busy: bool = False  # a pass of it is running here
-  came_packed: bool = False  # its latest message here was a packed one: a whole step of the stage before
   sampling: Optional[Sampling] = None  # on the node that samples it, from its first step there (sampled_here)
   delivery: Optional[Delivery] = None  # where its tokens are delivered, from the first (delivered_here)
   first_stage: Optional[FirstStage] = None  # on the node with its first layers, once its prompt is tokenised there

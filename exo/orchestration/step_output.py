@@ -7,6 +7,7 @@ through the `exo_process_inference_result` hook, is what calls it); `StepCore.fi
 a step inside the step's output; `Forwarding.send` sends an output: one SendTensor per next hop (a step's rows for one
 hop packed together, routing/packing.py), one token message per origin, SendResult as upstream exo for requests
 without a travelling route."""
+import asyncio
 import contextvars
 import logging
 from dataclasses import dataclass, field
@@ -14,9 +15,13 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
+from exo.inference import constrained
+from exo.inference.grammar import Constraint, MaskTimes
 from exo.inference.sampling import TokenLogprobs
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import eos_ids
+from exo.logs import VERBOSE
+from exo.orchestration.batching.batcher import BatchStats
 from exo.orchestration.requests import Request, RequestEnded
 from exo.topology.placement import Stage
 
@@ -69,7 +74,73 @@ class StepCore:
   and the bookkeeping after a pass."""
 
   def __init__(self, node):
-    self.node = node  # its public parts: requests, model pool, passes (sampler, budget, bookkeeping), forwarding, the hook
+    self.node = node  # its public parts: requests, model pool, passes (sampler, budget, bookkeeping), forwarding, steps, the hook
+    self.sampling_stats = BatchStats()  # rows per sampling call
+    self.mask_times = MaskTimes()  # grammar masks computed during steps
+
+  def finishing_for(self, scheduler, step):
+    """What finishes the rows a step of the step loop finishes, together, right after its forward pass: on the last
+    layers their sampling (the masks of rows that follow a grammar computed meanwhile on the grammar threads,
+    compiling a new request's grammar first, beside its prompt's pass), then one output for all of them."""
+    shard, masks, node = scheduler.shard, None, self.node
+    if shard.is_last_layer():
+      finishing = [node.requests.get(row.request_id) for row, take in step.rows if take == row.length]
+      finishing = [r for r in finishing if r is not None]
+      masks = asyncio.ensure_future(self._masks(shard, finishing)) if any(r.params.grammar for r in finishing) else None
+
+    async def finish(done):
+      sampled = await self._sample(shard, done, masks) if shard.is_last_layer() else {}
+      rows = [(row.request_id, row.received, result[0], result[1]) for row, result in done if not isinstance(result, BaseException)]
+      output = await self.finish_step(shard, rows, sampled)
+      coming_back = [row[0] for hop in output.hops.values() if hop.to.node_id == node.id for row in hop.rows]
+
+      def send() -> None:
+        node.steps.expect(coming_back)
+        node.forwarding.send(output)
+      return send
+    return finish
+
+  async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
+    prepared = await constrained.prepare(requests, self.node.model_pool.engine_of(shard).tokenizer)
+    ready = [(r.id, c) for r, c in zip(requests, prepared) if isinstance(c, Constraint)]
+    masks = await constrained.masks_of([c for _, c in ready], self.mask_times)
+    return {request_id: mask for (request_id, _), mask in zip(ready, masks)}
+
+  async def _sample(self, shard: Shard, done, masks: Optional[asyncio.Future]) -> Dict[str, Union[int, Exception]]:
+    """The token of each row the step finished, drawn together."""
+    # A request that ended while its step ran (error, cancel, stop) must not be revived by its token.
+    rows = [(row.request_id, result[0]) for row, result in done if not isinstance(result, BaseException) and self.node.requests.is_live(row.request_id)]
+    try:
+      ready = await masks if masks is not None else {}
+    except Exception:  # whatever failed is met again, and reported per row, when the rows are sampled
+      ready = {}
+    if not rows:
+      return {}
+    request_ids = [request_id for request_id, _ in rows]
+    tokens = await self._sample_rows(shard, [logits for _, logits in rows], request_ids, [ready.get(r) for r in request_ids])
+    self.sampling_stats.record(len(rows))
+    log.debug("sampled %d request(s) together on %s; sampling: %s", len(rows), shard.model_id, self.sampling_stats)
+    return dict(zip(request_ids, tokens))
+
+  async def _sample_rows(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: List[Optional[np.ndarray]]) -> List[Union[int, Exception]]:
+    """One vectorised call for every row; if it fails, each row on its own so that a bad row fails alone."""
+    states = [self.node.requests.get(request_id) for request_id in request_ids]
+    saved = [state.sampled_here().generator.bit_generator.state for state in states]
+    sample = self.node.passes.sample_tokens
+    try:
+      return list(await sample(shard, results, request_ids, masks, self.mask_times))
+    except Exception as e:
+      if len(results) == 1:
+        return [e]
+      log.log(VERBOSE, "sampling %d rows together failed (%r); sampling each alone", len(results), e)
+    tokens: List[Union[int, Exception]] = []
+    for state, generator_state, result, request_id, mask in zip(states, saved, results, request_ids, masks):
+      state.sampled_here().generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
+      try:
+        tokens.append((await sample(shard, [result], [request_id], [mask], self.mask_times))[0])
+      except Exception as e:
+        tokens.append(e)
+    return tokens
 
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at

@@ -83,6 +83,12 @@ class Scheduler:
     self.groups = 1  # micro-batches the first layers' node keeps going
     self._members: Counter = Counter()
 
+  @classmethod
+  def one_at_a_time(cls, shard: Shard) -> "Scheduler":
+    """A node without batching: one row a step, no wait, a long prompt in LONE_PROMPT_CHUNK pieces (an end lands
+    between two of them)."""
+    return cls(shard, 1, 0.0, LONE_PROMPT_CHUNK)
+
   # --- what happens to requests ---
 
   def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float, whole: bool = False) -> Row:

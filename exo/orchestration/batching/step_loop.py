@@ -13,6 +13,7 @@ exo/orchestration/step_output.py: their tokens sampled together on the last laye
 origin). Their waiters then hear None (the rows are done with), and the output is sent right after, before the next
 step starts."""
 import asyncio
+import logging
 import time
 from typing import Awaitable, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -23,6 +24,8 @@ from exo.orchestration.acceptance import accept
 from exo.orchestration.batching.batcher import BatcherStopped
 from exo.orchestration.batching.scheduler import Row, Scheduler, Step
 from exo.orchestration.requests import RequestEnded
+
+log = logging.getLogger(__name__)
 
 IDLE_LOOK_S = 1.0  # with no work due, the loop looks again at least this often
 ARRIVAL_WAIT_S = 0.05  # the most a step waits for requests whose start the engine has queued (see _let_arrivals_in)
@@ -54,25 +57,43 @@ class StepLoop:
 
   async def infer(self, shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict],
                   accepted: Optional[asyncio.Future] = None, whole: bool = False) -> Tuple[np.ndarray, Optional[dict]]:
+    """One row, a batch of one: its result (None where a finisher took it), or its error raised."""
+    [result] = await self.run(shard, [(request_id, tensor, state)], accepted, whole)
+    if isinstance(result, BaseException):
+      raise result
+    return result
+
+  async def run(self, shard: Shard, rows: List[Tuple[str, np.ndarray, Optional[dict]]], accepted: Optional[asyncio.Future] = None,
+                whole: bool = False) -> List[object]:
+    """A message's rows (request id, input, state), into line together, as one batch (`whole`: a step of the stage
+    before, due at once); each one's result, or its exception, once its step has finished it."""
     if self._stopped:
       raise BatcherStopped("batching has stopped on this node")
-    if request_id in self._waiters:
-      raise RuntimeError(f"request {request_id} is already waiting for a step on {shard}")
     scheduler = self.scheduler(shard)
-    scheduler.add(request_id, tensor, state, self.clock(), whole)
-    self._coming.discard(request_id)
-    future = asyncio.get_running_loop().create_future()
-    self._waiters[request_id] = (future, accepted)
+    futures = [self._line_up(scheduler, *row, accepted, whole) for row in rows]
     if self._task is None:
       self._task = asyncio.get_running_loop().create_task(self._run())
     self._wake.set()
     try:
-      return await future
+      return await asyncio.gather(*futures, return_exceptions=True)
     finally:
-      if self._waiters.get(request_id, (None,))[0] is future:
-        del self._waiters[request_id]
-        scheduler.drop(request_id)  # its caller has gone
-        self._wake.set()
+      for (request_id, _, _), future in zip(rows, futures):
+        if self._waiters.get(request_id, (None,))[0] is future:
+          del self._waiters[request_id]
+          scheduler.drop(request_id)  # its caller has gone
+          self._wake.set()
+
+  def _line_up(self, scheduler: Scheduler, request_id: str, tensor: np.ndarray, state: Optional[dict], accepted: Optional[asyncio.Future],
+               whole: bool) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    if request_id in self._waiters:  # a second copy of a message (a peer's bug or mischief) must not run on the same cache
+      log.warning("exo: dropped a second pass of request %s that arrived while its pass waited or ran here", request_id)
+      future.set_result(None)
+      return future
+    scheduler.add(request_id, tensor, state, self.clock(), whole)
+    self._coming.discard(request_id)
+    self._waiters[request_id] = (future, accepted)
+    return future
 
   def expect(self, request_ids: Iterable[str]) -> None:
     """Rows just sent on to this node itself (a ring of one, or a stage that follows itself): the next step waits for
