@@ -79,7 +79,7 @@ async def test_a_grammar_travels_the_ring_and_greedy_answers_equal_one_nodes(tmp
   async with ring(tmp_path / "two", downloader, ["first", "second"]) as (first, second):
     await eventually(lambda: second.id in first.peer_grammar_engines, 10)
     assert await answer(first, tokenizer, params) == alone
-    assert second.plugins.get_plugin("exo-batching").mask_times.rows > 0  # the second node, which samples, followed the grammar
+    assert second.step_core.mask_times.rows > 0  # the second node, which samples, followed the grammar
 
     # A grammar the sampling node cannot compile (a peer's mistake): the request fails with the reason, never unconstrained.
     with pytest.raises(GenerationError, match="cannot constrain"):

@@ -15,7 +15,7 @@ BATCH_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096, the largest batch s
 
 
 class EngineCollector:
-  """exo_batch_size from the batching plugin's per-step tallies, exo_kv_cache_bytes from the engine."""
+  """exo_batch_size from the step loop's per-step tallies, exo_kv_cache_bytes from the engine."""
 
   def __init__(self, node):
     self.node = node
@@ -25,21 +25,19 @@ class EngineCollector:
 
   def collect(self):
     sizes = Tally()
-    plugin = self.node.plugins.get_plugin("exo-batching")  # None when batching is off
-    schedulers = list(plugin.schedulers.values()) if plugin is not None else []
+    schedulers = list(self.node.steps.schedulers.values())
     for scheduler in schedulers:
       sizes.update(scheduler.stats.sizes)
     buckets = [(str(b), sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS] + [("+Inf", sum(sizes.values()))]
-    family = HistogramMetricFamily("exo_batch_size", "Requests per engine step (batching on)")
+    family = HistogramMetricFamily("exo_batch_size", "Requests per engine step")
     family.add_metric([], buckets, sum(size * n for size, n in sizes.items()))
     yield family
     yield from self._stages(schedulers)
     yield from self._routing()
-    masks = plugin.mask_times if plugin is not None else None
-    if masks is not None:  # grammar masks computed during steps (structured output), beside the forward passes
-      yield CounterMetricFamily("exo_grammar_mask_seconds", "Seconds spent computing grammar masks for steps' constrained rows", value=masks.seconds)
-      yield CounterMetricFamily("exo_grammar_mask_steps", "Steps whose constrained rows had their masks computed", value=masks.batches)
-      yield CounterMetricFamily("exo_grammar_mask_rows", "Constrained rows whose masks were computed", value=masks.rows)
+    masks = self.node.step_core.mask_times  # grammar masks computed during steps (structured output), beside the forward passes
+    yield CounterMetricFamily("exo_grammar_mask_seconds", "Seconds spent computing grammar masks for steps' constrained rows", value=masks.seconds)
+    yield CounterMetricFamily("exo_grammar_mask_steps", "Steps whose constrained rows had their masks computed", value=masks.batches)
+    yield CounterMetricFamily("exo_grammar_mask_rows", "Constrained rows whose masks were computed", value=masks.rows)
     kv_bytes = sum(engine.kv_cache_bytes() for engine in self.node.model_pool.all_engines())
     yield GaugeMetricFamily("exo_kv_cache_bytes", "KV cache this node's engines hold for live requests", value=kv_bytes)
     yield GaugeMetricFamily("exo_loaded_models", "Chat models this node holds loaded", value=len(self.node.model_pool.describe()))
