@@ -33,7 +33,7 @@ PackedRow = Tuple[str, np.ndarray, Optional[dict]]  # request id, its tensor (1,
 @dataclass
 class Hop:
   """The rows of one step bound to one next hop, sent as one message (or one message each where they cannot be packed:
-  requests without a travelling route, which upstream nodes may receive, and hops to this node itself)."""
+  requests without a travelling route to another node, which may be an upstream one)."""
   to: Stage
   shard: Shard
   packable: bool
@@ -56,7 +56,6 @@ class StepOutput:
   finished: List[str] = field(default_factory=list)  # request ids that finished in this step
   failed: List[Tuple[str, BaseException]] = field(default_factory=list)
   sampled: Dict[str, Union[int, Exception]] = field(default_factory=dict)  # tokens the step drew together, until `add` takes them
-  whole_steps: bool = False  # a batching step's: its rows go packed even alone, so the next stage knows the step is all there
 
   def hop(self, to: Stage, shard: Shard, row: PackedRow, packable: bool) -> None:
     tensor = np.asarray(row[1])
@@ -157,7 +156,7 @@ class StepCore:
                         sampled: Optional[Dict[str, Union[int, Exception]]] = None) -> StepOutput:
     """Every row a step finished (request id, positions it ran, result, state), each through
     `Node.process_inference_result` into one output, which the caller sends."""
-    output = StepOutput(sampled=dict(sampled or {}), whole_steps=True)
+    output = StepOutput(sampled=dict(sampled or {}))
     reset = CURRENT.set(output)
     try:
       for request_id, positions, result, state in rows:
@@ -213,4 +212,4 @@ class StepCore:
       return
     to = route.after(self.node.id)
     output.hop(to, route.shard(to, shard), (request.id, tensor, forwarding.outgoing(request, state, to)),
-               packable=route.travels and to.node_id != self.node.id)
+               packable=route.travels or to.node_id == self.node.id)

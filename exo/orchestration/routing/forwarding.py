@@ -143,7 +143,7 @@ class Forwarding:
     for request_id in output.finished:
       node.lifecycle.end_request(request_id, Status.FINISHED)
     for hop in output.hops.values():
-      node.spawn(self._send_hop(hop, pack_one=output.whole_steps))
+      node.spawn(self._send_hop(hop))
     loop = asyncio.get_running_loop()
     for token in output.tokens:
       loop.call_soon(node.trigger_on_token_callbacks, token.request.id, [token.token], token.finished, token.logprobs and [token.logprobs])
@@ -151,11 +151,10 @@ class Forwarding:
     for request_id, error in output.failed:
       node.spawn(node.lifecycle.fail_request(request_id, error))
 
-  async def _send_hop(self, hop: Hop, pack_one: bool) -> None:
-    """One message for the rows bound to one next hop (packing.py; a lone row packed too where `pack_one`, so the next
-    stage knows it has the whole step); each row's request fails if it cannot go."""
-    single = len(hop.rows) == 1 and not (pack_one and hop.packable)
-    tensor, state = (hop.rows[0][1], hop.rows[0][2]) if single else pack(hop.rows)
+  async def _send_hop(self, hop: Hop) -> None:
+    """One message for the rows bound to one next hop (packing.py; a lone row packed too, so the next stage knows it
+    has the whole step); each row's request fails if it cannot go."""
+    tensor, state = pack(hop.rows) if hop.packable else (hop.rows[0][1], hop.rows[0][2])
     try:
       await self.send_tensor(hop.to, hop.shard, tensor, hop.rows[0][0], state)
     except Exception as e:

@@ -1,11 +1,12 @@
 """One SendTensor for the rows of one engine step that go on to the same next hop.
 
-Between nodes that follow routes, the hidden states (or, back to a route's first hop, the tokens) of every request a
-step ran are sent together: their tensors joined along the positions, the state listing each request's id, its
-positions and its own inference state (route, parameters, prefix) under `"rows"`, and the first request's route at the
-top (a receiver checks the message as a routed one). The receiver runs each row as the message it stands for. A step's
-rows thus cost one message per hop instead of one each, the cost a pipeline pays per token besides its steps."""
-from typing import Annotated, List, Tuple
+Between nodes that follow routes (and from a node to itself), the hidden states (or, back to a route's first hop, the
+tokens) of every request a step ran are sent together: their tensors joined along the positions, the state listing
+each request's id, its positions and its own inference state (route, parameters, prefix) under `"rows"`, and the first
+request's route at the top (a receiver checks the message as a routed one). The receiver's rows enter its step loop
+together, as one batch (Passes.process_tensor). A step's rows thus cost one message per hop instead of one each, the
+cost a pipeline pays per token besides its steps."""
+from typing import Annotated, List, Optional, Tuple
 
 import numpy as np
 from pydantic import Field, StrictInt, StrictStr, TypeAdapter, ValidationError
@@ -13,7 +14,7 @@ from pydantic import Field, StrictInt, StrictStr, TypeAdapter, ValidationError
 ROWS = "rows"
 MAX_ROWS = 4096
 
-Row = Tuple[str, np.ndarray, dict]  # request id, its tensor (1, L, ...), its inference state
+Row = Tuple[str, np.ndarray, Optional[dict]]  # request id, its tensor (1, L, ...), its inference state
 # A packed state's rows: [request id, positions, inference state], as many as the message holds.
 _ROWS = TypeAdapter(Annotated[List[Tuple[Annotated[StrictStr, Field(min_length=1)], Annotated[StrictInt, Field(ge=1)], dict]],
                               Field(min_length=1, max_length=MAX_ROWS)])
@@ -28,7 +29,7 @@ def input_length(tensor: np.ndarray) -> int:
 def pack(rows: List[Row]) -> Tuple[np.ndarray, dict]:
   """The rows as one tensor and one state (rows of one kind: same dtype and shape past the positions)."""
   tensor = np.concatenate([np.asarray(t).reshape(1, input_length(t), *np.shape(t)[2:]) for _, t, _ in rows], axis=1)
-  return tensor, {"route": rows[0][2].get("route"), ROWS: [[request_id, input_length(t), state] for request_id, t, state in rows]}
+  return tensor, {"route": (rows[0][2] or {}).get("route"), ROWS: [[request_id, input_length(t), state or {}] for request_id, t, state in rows]}
 
 
 def unpack(tensor: np.ndarray, state: dict) -> List[Row]:
