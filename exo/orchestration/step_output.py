@@ -118,7 +118,7 @@ class StepCore:
     request_ids = [request_id for request_id, _ in rows]
     tokens = await self._sample_rows(shard, [logits for _, logits in rows], request_ids, [ready.get(r) for r in request_ids])
     self.sampling_stats.record(len(rows))
-    log.debug("sampled %d request(s) together on %s; sampling: %s", len(rows), shard.model_id, self.sampling_stats)
+    log.debug("[batching] sampled %d request(s) together on %s; sampling: %s", len(rows), shard.model_id, self.sampling_stats)
     return dict(zip(request_ids, tokens))
 
   async def _sample_rows(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: List[Optional[np.ndarray]]) -> List[Union[int, Exception]]:
@@ -131,7 +131,7 @@ class StepCore:
     except Exception as e:
       if len(results) == 1:
         return [e]
-      log.log(VERBOSE, "sampling %d rows together failed (%r); sampling each alone", len(results), e)
+      log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(results), e)
     tokens: List[Union[int, Exception]] = []
     for state, generator_state, result, request_id, mask in zip(states, saved, results, request_ids, masks):
       state.sampled_here().generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream

@@ -52,6 +52,10 @@ class BatchingPlugin:
       scheduler.other_stages = self._other_stages(scheduler)
 
   @hookimpl
+  def exo_node_stopping(self, node):
+    log.debug("[batching] stopped; sampling: %s; engine steps: %s", self.sampling_stats, self.step_stats())
+
+  @hookimpl
   def exo_run_summary(self, node):
     if not self.sampling_stats.flushes and not self.step_stats().flushes:
       return None
