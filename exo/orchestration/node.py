@@ -1,5 +1,6 @@
-"""Node: one member of the cluster. It runs the layers a request's route gives it, samples on the last layers, and
-passes each request on as its own message (so it interoperates with upstream exo nodes).
+"""Node: one member of the cluster. It runs the layers a request's route gives it in steps (its one step loop, several
+requests a step with batching, one without), samples on the last layers, and passes each step's rows on, packed per
+next hop where the receiver reads packed messages, one message each where it may be an upstream exo node.
 
 Each request has one record here (exo/orchestration/requests.py). Every way work reaches the node (a prompt, a
 tensor, a result, a status, a step, a sampled token) checks it first, so a request that has ended never runs,
@@ -11,9 +12,9 @@ its KV cache.
 The node is wired from parts, each with its own job: the inbox (statuses from peers, parsed once, by kind), the
 placement (placements.py: the members' facts, the groups they give each model, this node's own layers), routing and
 forwarding (routing/: the group a new request goes to, the route it carries, the next hop, the tokens back to the
-origin), the prompt-prefix protocol (prefixes.py) and membership and health (membership.py). What stays here: the
-request lifecycle, the public API upstream's callers use, and the plugin hooks around the engine's passes and
-sampling."""
+origin), the prompt-prefix protocol (prefixes.py), membership and health (membership.py), the step loop (batching/
+step_loop.py) and the step core (step_output.py). What stays here: the lifecycle, the public API upstream's callers
+use, and the plugin manager whose hooks pick the steps' policy and wrap each row's result."""
 import asyncio
 import logging
 from typing import Dict, List, Optional, Set, Tuple

@@ -1,7 +1,7 @@
 """A request's passes through this node's layers: a prompt from its first layers (tokenised here), a message's
-tensor (one request's, or a packed step's rows, which enter as one batch), each row's turn at the model gate, the pass
-itself (the `exo_infer_tensor` hook), and what the node's step core needs after it: the record moved on, the token
-budget, the sampler.
+tensor (one request's, or a packed step's rows, which enter as one batch), each row's turn at the model gate, the rows
+into the node's step loop together (`run_rows`), and what the node's step core needs after a step: the record moved
+on, the token budget, the sampler.
 
 Every way work reaches the node checks the request first, so a request that has ended never runs, samples, allocates
 or comes back."""

@@ -2,7 +2,8 @@
 
 A step's rows (a batch of one on a node without batching) each end in one of four ways: their hidden states (or, past
 the last layers, their new token) go on to the next hop of their route, their token goes to their origin, they
-finish, or they fail. `StepCore.add` puts one row's outcome into the step's output (`Node.process_inference_result`,
+finish, or they fail. `StepCore.finishing_for` is what the step loop runs after each step's forward pass: on the last
+layers the rows' tokens drawn together, then `finish_step`. `StepCore.add` puts one row's outcome into the step's output (`Node.process_inference_result`,
 through the `exo_process_inference_result` hook, is what calls it); `StepCore.finish_step` runs that for every row of
 a step inside the step's output; `Forwarding.send` sends an output: one SendTensor per next hop (a step's rows for one
 hop packed together, routing/packing.py), one token message per origin, SendResult as upstream exo for requests

@@ -3,11 +3,12 @@
 holds rows of one model only), hands the results back to the Scheduler and to the requests waiting for them. When
 several shards have a step due, the one that stepped least recently goes first: models with work take turns.
 
-Callers wait in `infer`. A request that ends leaves at once (`forget`), its waiter failing with RequestEnded; rows
+Callers wait in `run` (a message's rows, put in line together) or `infer` (one row). A request that ends leaves at once (`forget`), its waiter failing with RequestEnded; rows
 whose request ended while their step was queued are dropped just before the engine call. A message's acceptance
 (the gRPC server replies to it then) is given when its first step starts.
 
-`finishing_for(scheduler, step)`, asked just before the engine call, may return what finishes the step's rows: it is
+`finishing_for(scheduler, step)`, asked just before the engine call, may return what finishes the step's rows (on a
+Node it always does): it is
 awaited with the rows the step finished (each with its result) and returns what sends their output (the step core,
 exo/orchestration/step_output.py: their tokens sampled together on the last layers, one message per next hop and per
 origin). Their waiters then hear None (the rows are done with), and the output is sent right after, before the next
