@@ -22,7 +22,7 @@ from exo.inference.inference_engine import InferenceEngine, inference_engine_cla
 from exo.inference.shard import Shard
 from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive, KeptPool
 from exo.orchestration.model_gate import OneModel, gate_key
-from exo.topology.placement import stage_bytes
+from exo.topology.placement import MemberFacts, stage_bytes
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,15 @@ def max_loaded_models(args, environ) -> int:
 
 
 class ModelPool(OneModel, KeptPool):
-  def __init__(self, node, keep_alive: float = DEFAULT_KEEP_ALIVE_S, max_models: int = DEFAULT_MAX_LOADED_MODELS,
-               clock: Callable[[], float] = time.monotonic):
-    self.node = node
+  def __init__(self, engine: InferenceEngine, downloader, own_facts: Callable[[], MemberFacts], keep_alive: float = DEFAULT_KEEP_ALIVE_S,
+               max_models: int = DEFAULT_MAX_LOADED_MODELS, clock: Callable[[], float] = time.monotonic):
+    # The node's own engine (it takes the first model), where further engines' files come from, and the facts this
+    # node announces (its float width and the memory it offers), by which a model's size is weighed.
+    self.engine, self.downloader, self.own_facts = engine, downloader, own_facts
     self.max_models = max_models
     self.engines: Dict[str, InferenceEngine] = {}  # gate key -> the engine that holds it
     self.shards: Dict[str, Shard] = {}  # gate key -> its shard, for its size
-    self.free: List[InferenceEngine] = [node.inference_engine]  # engines that hold no model now
+    self.free: List[InferenceEngine] = [engine]  # engines that hold no model now
     self.residents = KeepAlive(self._unload, keep_alive, clock)
     self.asked_keep_alive: Dict[str, float] = {}  # model id -> the keep-alive its latest request asked for
     self.loads = 0  # models loaded so far: how tests and logs see that nothing was loaded twice
@@ -52,20 +54,20 @@ class ModelPool(OneModel, KeptPool):
 
   def engine_of(self, shard: Shard) -> InferenceEngine:
     """The engine that holds (or is loading) `shard`; the node's own engine when none does."""
-    return self.engines.get(gate_key(shard)) or self.node.inference_engine
+    return self.engines.get(gate_key(shard)) or self.engine
 
   def all_engines(self) -> List[InferenceEngine]:
     return list(self.engines.values()) + [e for e in self.free if e not in self.engines.values()]
 
   def _engine_name(self) -> Optional[str]:
     """The short name exo builds the node's engine class by; None for a class it does not build (a subclass)."""
-    classname = type(self.node.inference_engine).__name__
+    classname = type(self.engine).__name__
     return next((name for name, cls in inference_engine_classes.items() if cls == classname), None)
 
   def _build_engine(self) -> InferenceEngine:
     from exo.inference.engines import get_inference_engine
-    first = self.node.inference_engine
-    engine = get_inference_engine(self._engine_name(), self.node.shard_downloader)
+    first = self.engine
+    engine = get_inference_engine(self._engine_name(), self.downloader)
     if getattr(first, "quantize_bits", None) is not None:
       engine.quantize_bits = first.quantize_bits
     prefixes = getattr(first, "prefixes", None)
@@ -86,11 +88,11 @@ class ModelPool(OneModel, KeptPool):
 
   def bytes_of(self, key: str) -> float:
     shard = self.shards.get(key)
-    return 0.0 if shard is None else stage_bytes(self.node.placements.own_facts(), shard)
+    return 0.0 if shard is None else stage_bytes(self.own_facts(), shard)
 
   def memory_bytes(self) -> float:
-    caps = getattr(self.node, "device_capabilities", None)
-    return caps.memory * 2**20 if caps is not None and caps.memory > 0 else math.inf
+    memory_mb = self.own_facts().memory_mb
+    return memory_mb * 2**20 if memory_mb > 0 else math.inf
 
   def _other_layers(self, key: str, keys: Collection[str]) -> List[str]:
     """Those of `keys` that are other layers of the same model (never held beside each other: a second partial copy
@@ -118,7 +120,7 @@ class ModelPool(OneModel, KeptPool):
   def release(self, model: str) -> None:
     shard = self.shards.get(model)
     asked = self.asked_keep_alive.pop(shard.model_id, None) if shard is not None else None
-    if asked is None and self.engines.get(model) is self.node.inference_engine:
+    if asked is None and self.engines.get(model) is self.engine:
       # The node's own engine's model (the one placement placed here, or its default) stays unless a request asks
       # otherwise or room is needed: unloading it would only have placement load it again.
       asked = math.inf
@@ -175,7 +177,7 @@ class ModelPool(OneModel, KeptPool):
   def announced(self) -> Optional[Shard]:
     """The shard this node tells the ring it holds (one, as the placement status carries it): the node's own engine's
     while it holds it, so that it does not change as requests alternate between models; else the one used last."""
-    own = self.node.inference_engine.shard
+    own = self.engine.shard
     return own if own is not None and self.holds(own) else self.latest() or own
 
   def latest(self) -> Optional[Shard]:

@@ -78,7 +78,7 @@ class Node(RingMember):
     self.memory_offered_mb: Optional[int] = None  # what this node offers the cluster instead of the machine's memory
     self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()
-    self.model_pool = ModelPool(self)  # the chat models loaded here, one engine each (inference_engine holds the first)
+    self.model_pool = ModelPool(inference_engine, shard_downloader, lambda: self.placements.own_facts())  # the chat models loaded here, one engine each
     self.model_gate = ModelGate(room=self.model_pool)
     self._on_token = AsyncCallbackSystem[str, Tuple[str, List[int], bool]]()
     self._tasks: Set[asyncio.Task] = set()
