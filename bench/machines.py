@@ -19,7 +19,10 @@ way), each stage's busy fraction (from the nodes' /metrics), and:
   in turn). Replicas and a perfect p-stage pipeline share it. Beside it, the share of the ceiling reached. That
   T(N/p) is timed with the other cores idle; the nodes of a cluster compute at once and share the host's memory bus
   and caches, so the bench also times T(N/p) in p processes stepping at once, one on each node's cores ("busy"), and
-  prints that ceiling and its share too: what is left between the cluster and it is the cluster's own cost;
+  prints that ceiling and its share too: what is left between the cluster and it is the cluster's own cost; and
+  beside each ITL p50 (cluster/single) the bare engine step at the same rows ("step c/s": a replica's N/p rows stepped
+  with every node's cores busy, the single node's N rows alone), so that the time between tokens spent outside the
+  engine shows;
 - capacity: the most streams whose inter-token latency p50 stays within the single node's at N=16, for the single
   node and for the cluster, among the Ns run and the extra bursts of --capacity-ns (near twice 16, where two nodes
   should land).
@@ -331,7 +334,7 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[str, Dict[int,
     print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "
           f"core(s); medians over {len(pairs)} pair(s)")
     print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} {'busy: ceiling, of it':>21} "
-          f"{'ITL p50 c/s (ms)':>17} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's)")
+          f"{'ITL p50 c/s (ms)':>17} {'step c/s (ms)':>14} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's)")
     for n in ns:
       ratios = [cluster[n]["tok_s"] / single[n]["tok_s"] for cluster, single in pairs]
       ratio = statistics.median(ratios)
@@ -340,9 +343,11 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[str, Dict[int,
       share = f"{100 * ratio / cap:10.0f}%" if cap else f"{'-':>11}"
       share_busy = f"{cap_busy:6.2f}x {100 * ratio / cap_busy:4.0f}%" if cap_busy else f"{'-':>12}"
       itl = f"{1e3 * statistics.median(c[n]['itl_p50'] for c, _ in pairs):.0f}/{1e3 * statistics.median(s[n]['itl_p50'] for _, s in pairs):.0f}"
+      steps = (f"{1e3 * statistics.median(c['steps_busy'][-(-n // args.nodes)] for c in caps):.0f}/{1e3 * statistics.median(c['step_alone'][n] for c in caps):.0f}"
+               if caps and n in caps[0]["step_alone"] else "-")
       busy = ", ".join(f"{node}:{'/'.join(layers)}: {100 * statistics.median(fractions):.0f}%" for node, (layers, fractions) in stage_busy(pairs, n).items())
       print(f"{n:>4} {statistics.median(c[n]['tok_s'] for c, _ in pairs):>14.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
-            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {share_busy:>21} {itl:>17} {'yes' if same else 'NO':>5}  {busy}")
+            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {share_busy:>21} {itl:>17} {steps:>14} {'yes' if same else 'NO':>5}  {busy}")
     if CAPACITY_AT in ns:
       cluster_capacity, single_capacity = [], []
       for cluster, single in pairs:
