@@ -43,9 +43,9 @@ async def test_concurrent_requests_all_finish_and_match_unbatched(n):
   assert unbatched == expected
   assert batched == expected
   if n >= 33:
-    assert plugin.sampling_stats.mean > 1.5, plugin.sampling_stats  # requests really were sampled together
+    assert plugin.node.step_core.sampling_stats.mean > 1.5, plugin.node.step_core.sampling_stats  # requests really were sampled together
     assert plugin.step_stats().mean > 1.5, plugin.step_stats()  # and ran their forward passes together
-    assert max(plugin.sampling_stats.sizes) <= 8 and max(plugin.step_stats().sizes) <= 8
+    assert max(plugin.node.step_core.sampling_stats.sizes) <= 8 and max(plugin.step_stats().sizes) <= 8
 
 
 async def test_lone_request_pays_no_timeout():
@@ -76,7 +76,7 @@ async def test_mixed_parameters_in_one_batch_each_get_their_own():
 
   config = BatchingConfig(batch_size=16, timeout_ms=50)
   first, plugin = await together(config)
-  assert max(plugin.sampling_stats.sizes) > 1  # they did share sampling calls
+  assert max(plugin.node.step_core.sampling_stats.sizes) > 1  # they did share sampling calls
   again, _ = await together(config, crowd=9)  # other company, other batch composition
   alone = [await ask_alone(p, params, config) for p, params in mixed]
   unbatched = [await ask_alone(p, params, None) for p, params in mixed]
@@ -106,7 +106,7 @@ async def test_a_failing_row_ends_only_its_request():
   for prompt, result in zip(prompts[:-1], results[:-1]):
     assert result == reference_greedy(prompt, 8)
   assert isinstance(results[-1], GenerationError) and "NaN" in str(results[-1])
-  assert max(plugin.sampling_stats.sizes) > 1
+  assert max(plugin.node.step_core.sampling_stats.sizes) > 1
   await settle(node)
 
 
@@ -135,12 +135,12 @@ async def test_stop_with_a_pending_flush_leaves_nothing_behind():
   assert time.monotonic() - start < 5
   await eventually(lambda: not leftover_tasks(), 1)  # the node's last cleanups run just after stop returns
   assert not node.outstanding_requests
-  assert all(not s.ready for s in plugin.schedulers.values()) and not plugin.steps.running
+  assert all(not s.ready for s in plugin.node.steps.schedulers.values()) and not plugin.node.steps.running
 
 
 def plugin_waiting(plugin) -> bool:
   """Anything of the plugin's waiting for company: the next engine step."""
-  return any(s.ready for s in plugin.schedulers.values())
+  return any(s.ready for s in plugin.node.steps.schedulers.values())
 
 
 async def test_without_settings_no_plugin_is_registered_and_the_core_path_runs():

@@ -44,7 +44,7 @@ async def test_batched_rows_each_get_the_logprobs_of_their_own_logits():
           ("charlie", SamplingParams(temperature=0.8, seed=4, max_tokens=6, logprobs=5)), ("delta", SamplingParams(temperature=1.5, seed=9, max_tokens=6, logprobs=0))]
   try:
     results = await asyncio.gather(*[collect(node, prompt, params) for prompt, params in asks])
-    assert plugin.sampling_stats.mean > 1  # the rows were sampled together
+    assert plugin.node.step_core.sampling_stats.mean > 1  # the rows were sampled together
   finally:
     await settle(node)
   for (prompt, params), (tokens, logprobs) in zip(asks, results):

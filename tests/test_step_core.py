@@ -145,4 +145,6 @@ async def test_every_batch_size_takes_the_same_step_core(config, monkeypatch):
   answers = await asyncio.gather(*[ask(node, p, SamplingParams(max_tokens=4)) for p in ("one", "two")])
   assert answers == [reference_greedy(p, 4) for p in ("one", "two")]
   assert len(added) == sum(len(a) for a in answers)  # every token went through StepCore._add
+  if config is None or config.batch_size == 1:  # through the step loop too: engine steps of one row each
+    assert set(node.inference_engine.batches) == {1}
   await settle(node)

@@ -18,7 +18,6 @@ from exo.orchestration.batching.batcher import BatchStats
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.micro_batches import StepCost
 from exo.orchestration.batching.scheduler import Scheduler
-from exo.orchestration.batching.step_loop import StepLoop
 from exo.orchestration.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
@@ -53,25 +52,14 @@ class BatchingPlugin:
 
   @hookimpl
   def exo_node_stopping(self, node):
-    log.debug("[batching] stopped; sampling: %s; engine steps: %s", self.sampling_stats, self.step_stats())
+    log.debug("[batching] stopped; sampling: %s; engine steps: %s", node.step_core.sampling_stats, self.step_stats())
 
   @hookimpl
   def exo_run_summary(self, node):
-    if not self.sampling_stats.flushes and not self.step_stats().flushes:
+    sampling, steps = node.step_core.sampling_stats, self.step_stats()
+    if not sampling.flushes and not steps.flushes:
       return None
-    return f"mean batch size {self.sampling_stats.mean:.1f} (sampling), {self.step_stats().mean:.1f} (engine steps)"
-
-  @property
-  def steps(self) -> StepLoop:
-    return self.node.steps
-
-  @property
-  def schedulers(self) -> Dict[Shard, Scheduler]:
-    return self.node.steps.schedulers
-
-  @property
-  def sampling_stats(self) -> BatchStats:
-    return self.node.step_core.sampling_stats
+    return f"mean batch size {sampling.mean:.1f} (sampling), {steps.mean:.1f} (engine steps)"
 
   # --- what the other stages take (for the number of micro-batches) ---
 
@@ -99,7 +87,7 @@ class BatchingPlugin:
 
   def step_stats(self) -> BatchStats:
     stats = BatchStats()
-    for scheduler in self.schedulers.values():
+    for scheduler in self.node.steps.schedulers.values():
       stats.sizes.update(scheduler.stats.sizes)
     return stats
 
