@@ -1,6 +1,6 @@
 """A request's passes through this node's layers: a prompt from its first layers (tokenised here), a message's
 tensor (one request's, or a packed step's rows, which enter as one batch), each row's turn at the model gate, the rows
-into the node's step loop together (`run_rows`), and what the node's step core needs after a step: the record moved
+into the node's step loop together (`_run_batch`), and what the node's step core needs after a step: the record moved
 on, the token budget, the sampler.
 
 Every way work reaches the node checks the request first, so a request that has ended never runs, samples, allocates
@@ -108,10 +108,10 @@ class Passes:
       log.warning("exo: dropped a malformed packed message: %s", e)
       return None
     arrived = [row for row in await asyncio.gather(*[self._arrive(base_shard, *row) for row in rows]) if row is not None]
-    batches = {}  # shard -> its rows (one hop's rows share one)
+    shards = {}  # shard -> its rows (one hop's rows share one)
     for shard, row in arrived:
-      batches.setdefault(shard, []).append(row)
-    await asyncio.gather(*[self._run_message(shard, batch, accepted, packed) for shard, batch in batches.items()])
+      shards.setdefault(shard, []).append(row)
+    await asyncio.gather(*[self._run_batch(shard, batch, accepted, packed) for shard, batch in shards.items()])
     return None
 
   async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Optional[tuple]:
@@ -135,8 +135,11 @@ class Passes:
       await self.node.lifecycle.fail_request(request.id, e)
       return None
 
-  async def _run_message(self, shard: Shard, rows: List[Row], accepted: Optional[asyncio.Future], whole: bool) -> None:
-    for (request, _, _), result in zip(rows, await self.run_rows(shard, rows, accepted, whole)):
+  async def _run_batch(self, shard: Shard, rows: List[Row], accepted: Optional[asyncio.Future], whole: bool) -> None:
+    """A message's rows into the node's step loop together, as one batch (`whole`: a step of the stage before, due at
+    once); each step that runs some of them finishes and sends them. A row that fails fails its request."""
+    results = await self.node.steps.run(shard, [(request.id, tensor, state) for request, tensor, state in rows], accepted, whole)
+    for (request, _, _), result in zip(rows, results):
       if isinstance(result, Exception) and not isinstance(result, RequestEnded):
         await self.node.lifecycle.fail_request(request.id, result)
 
@@ -159,16 +162,10 @@ class Passes:
 
   async def run_pass(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict],
                      accepted: Optional[asyncio.Future] = None) -> None:
-    """A prompt's pass here, a batch of one; its error raised."""
-    [result] = await self.run_rows(shard, [(request, tensor, inference_state)], accepted)
+    """A prompt's pass here: a batch of one through the node's step loop; its error raised."""
+    [result] = await self.node.steps.run(shard, [(request.id, tensor, inference_state)], accepted)
     if isinstance(result, BaseException):
       raise result
-
-  async def run_rows(self, shard: Shard, rows: List[Row], accepted: Optional[asyncio.Future] = None, whole: bool = False) -> List[object]:
-    """This node's layers for a batch of rows, then what follows (sampling, forwarding): they enter the node's step
-    loop together (`whole`: a step of the stage before, due at once), and each step's core finishes the rows it ran.
-    Each row's None, or its error."""
-    return await self.node.steps.run(shard, [(request.id, tensor, state) for request, tensor, state in rows], accepted, whole)
 
   def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
     """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
