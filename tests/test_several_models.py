@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from exo.orchestration.batching.config import BatchingConfig
-from exo.orchestration.batching.plugin import PLUGIN_NAME
 from tests.support.api_server import ApiServer, scrape
 from tests.support.checkpoints import install_random_model
 
@@ -54,11 +53,11 @@ async def get(server: ApiServer, path: str) -> dict:
 
 
 class StepLog:
-  """Every engine step of the batching plugin: its model, its rows' models, and the models of the live requests."""
+  """Every engine step of the node's step loop: its model, its rows' models, and the models of the live requests."""
 
   def __init__(self, server: ApiServer):
     self.steps, self.node = [], server.node
-    loop = server.node.plugins.get_plugin(PLUGIN_NAME).steps
+    loop = server.node.steps
     finishing_for = loop.finishing_for
 
     def recording(scheduler, step):
