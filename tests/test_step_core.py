@@ -52,10 +52,10 @@ def token_rows(peer: RecordingPeer) -> List[list]:
 
 
 def routed_node(config=None):
-  node, plugin = make_node(ToyEngine(step_s=0, sample_s=0), config)
+  node, _ = make_node(ToyEngine(step_s=0, sample_s=0), config)
   peers = {name: RecordingPeer(name) for name in ("p1", "p2", "o1", "o2")}
   node.peers = list(peers.values())
-  return node, plugin, peers
+  return node, peers
 
 
 def route(first: str, origin: str, node) -> Route:
@@ -63,7 +63,7 @@ def route(first: str, origin: str, node) -> Route:
 
 
 async def test_a_steps_output_packs_rows_per_next_hop_and_tokens_per_origin():
-  node, _, peers = routed_node()
+  node, peers = routed_node()
   a, b = route("p1", "o1", node), route("p2", "o2", node)
   for request_id, r, max_tokens in (("r1", a, 10), ("r2", a, 10), ("r3", b, 10), ("r4", b, 1)):
     node.forwarding.set_route(node.requests.open(request_id, SamplingParams(max_tokens=max_tokens)), r)
@@ -88,7 +88,7 @@ async def test_a_steps_output_packs_rows_per_next_hop_and_tokens_per_origin():
 
 
 async def test_a_row_that_fails_to_sample_fails_alone():
-  node, _, peers = routed_node()
+  node, peers = routed_node()
   a = route("p1", "o1", node)
   for request_id in ("ok", "bad"):
     node.forwarding.set_route(node.requests.open(request_id, SamplingParams(max_tokens=10)), a)
@@ -100,7 +100,7 @@ async def test_a_row_that_fails_to_sample_fails_alone():
 
 async def test_a_packed_message_enters_the_next_stage_as_one_batch():
   # A batch timeout of a minute: a step that gathered by timeout would not come within the test's wait.
-  node, plugin, peers = routed_node(BatchingConfig(batch_size=8, timeout_ms=60_000))
+  node, peers = routed_node(BatchingConfig(batch_size=8, timeout_ms=60_000))
   a = route("p1", "o1", node)
   params = SamplingParams(max_tokens=5).to_dict()
   # A request handed on by an earlier step and still going round the ring: gathering would wait for it to come back.
@@ -117,7 +117,7 @@ async def test_a_packed_message_enters_the_next_stage_as_one_batch():
 
 async def test_an_upstream_nodes_single_message_is_a_batch_of_one():
   # No route in its state: a ring route, as upstream nodes send (here a ring of one: this node holds every layer).
-  node, plugin = make_node(ToyEngine(step_s=0, sample_s=0), BatchingConfig(batch_size=8, timeout_ms=60_000), max_generate_tokens=3)
+  node, _ = make_node(ToyEngine(step_s=0, sample_s=0), BatchingConfig(batch_size=8, timeout_ms=60_000), max_generate_tokens=3)
   heard: List[int] = []
   node.on_token.register("test").on_next(lambda request_id, tokens, finished: heard.extend(tokens))
   await asyncio.wait_for(node.process_tensor(TOY, np.array([[9]]), "u1", None), 10)
