@@ -17,7 +17,6 @@ install_requires = [
   "uvloop>=0.19,<1; sys_platform!='win32'",
   "llguidance>=1.0,<2",  # constrained decoding: response_format and tool calls (exo/inference/grammar.py)
   "jsonschema>=4.18,<5",  # checks the schemas requests send before they are admitted
-  "numba>=0.68,<1",  # the numpy engine's kernels over quantized weights (exo/inference/numpy/qkernels.py); 0.68 runs beside numpy 2.4
 ]
 
 extras_require = {
@@ -38,7 +37,7 @@ setup(
   version="0.0.1",
   description="Run one language model across several ordinary machines, serving many users at once",
   packages=find_packages(include=["exo", "exo.*"]),
-  package_data={"exo": ["tinychat/**/*", "networking/grpc/*.proto"]},
+  package_data={"exo": ["tinychat/**/*", "networking/grpc/*.proto", "inference/numpy/kernels_c/*.c"]},
   include_package_data=True,
   python_requires=">=3.10",
   install_requires=install_requires,

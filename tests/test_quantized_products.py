@@ -79,12 +79,11 @@ def check_products(matrix: PackedMatrix, reference: np.ndarray) -> None:
     got = matrix.product(x, a, b)
     assert got.shape == (rows, b - a) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    if rows <= packed.DIRECT_ROWS:  # the direct path's two kernels, on one core and on numba's threads, add alike
-      kernels_ = (matrix._product.serial, matrix._product.parallel)
-      outs = [np.empty((rows, b - a), dtype=np.float32) for _ in kernels_]
-      for kernel, out in zip(kernels_, outs):
-        kernel(x, matrix.codes, matrix.scales, matrix.biases, matrix.table, matrix.fp4, a, b, out)
-      np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-6 * np.abs(want).max())  # LLVM may vectorise each one its own way
+    if rows <= packed.DIRECT_ROWS and matrix._kernel is not None:  # the direct kernel on one core and on OpenMP's threads
+      outs = [np.empty((rows, b - a), dtype=np.float32) for _ in range(2)]
+      for shared, out in zip((False, True), outs):
+        matrix.direct(x, a, b, out, shared=shared)
+      np.testing.assert_array_equal(outs[1], outs[0])  # each weight row's sums in the same order either way
   ids = np.array([0, out_features - 1, 5, 5])
   # exact for 16-bit scales (code * scale is exact); float32 ones may round once less (a fused multiply-add)
   np.testing.assert_allclose(matrix.rows(ids), reference[ids], rtol=0, atol=1e-6 * np.abs(reference).max())
@@ -163,7 +162,7 @@ class FakeSteps:
     ways = []
     for _ in range(steps):
       with self.decode.step(rows):
-        ways.append(kernels.numba_shares_step())
+        ways.append(kernels.step_is_shared())
         self.now += self.cost[ways[-1]]
     return ways
 
@@ -175,7 +174,7 @@ def test_decode_steps_share_their_products_the_faster_way_and_try_the_other_now_
   ways = steps.run(3 + 3 * every)
   assert ways[:3] == [False, False, True]  # the first step untimed, then one each way
   assert [i for i, shared in enumerate(ways) if not shared][2:] == [2 + every, 2 + 2 * every, 2 + 3 * every]  # serial: tries
-  assert not kernels.numba_shares_step()  # only inside a step
+  assert not kernels.step_is_shared()  # only inside a step
 
   steps.cost[True] = 0.200  # another process took the other core: the shared threads wait for it
   assert steps.run(every).count(True) <= 2  # the step that found it out, and perhaps a try
@@ -188,11 +187,11 @@ def test_decode_steps_share_their_products_the_faster_way_and_try_the_other_now_
   assert ways[-3:] == [True] * 3
 
 
-def test_a_step_of_many_rows_a_slice_of_the_cores_work_or_a_process_without_numba_threads_never_shares(monkeypatch):
+def test_a_step_of_many_rows_a_slice_of_the_cores_work_or_a_process_without_openmp_threads_never_shares(monkeypatch):
   monkeypatch.setitem(packed._parallel, "usable", True)
   steps = FakeSteps(serial=0.020, shared=0.001)
   assert steps.run(8, rows=packed.DIRECT_ROWS + 1) == [False] * 8 and not steps.decode.times
-  # Inside Workers.split (a step's columns on both cores) numba's threads would be a second team on the same cores.
+  # Inside Workers.split (a step's columns on both cores) OpenMP's threads would be a second team on the same cores.
   seen = []
   with steps.decode.step(1):
     Workers(cores=2).split(lambda lo, hi: seen.append(packed._shares()), 2)
@@ -201,16 +200,21 @@ def test_a_step_of_many_rows_a_slice_of_the_cores_work_or_a_process_without_numb
   assert steps.run(8) == [False] * 8
 
 
-def test_a_direct_product_falls_back_to_the_calling_core_where_numba_has_no_threading_layer(monkeypatch):
-  monkeypatch.setitem(packed._parallel, "usable", True)
-  direct, ran = packed.DirectKernel(4), []
+def test_without_a_c_compiler_products_and_lookups_run_in_numpy_and_equal_the_dequantised_ones(monkeypatch):
+  """No compiled kernels (native.library() None, as where no C compiler works): every path runs numpy's widening."""
+  monkeypatch.setattr(packed, "_lib", None)
+  for type_name in ("Q4_1", "Q8_0"):
+    raw, reference = gguf_matrix(type_name)
+    matrix = PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 96))
+    assert matrix._kernel is None
+    check_products(matrix, reference)
+  w = mlx_matrix(4, 64, "bfloat16")
+  check_products(PackedMatrix.from_quantized(w), w.dequantize())
 
-  def no_threading_layer(*args):
-    raise ValueError("No threading layer could be loaded.")
-  direct.serial, direct.parallel = (lambda *args: ran.append(args)), no_threading_layer
-  kernels.set_numba_shares_step(True)
-  try:
-    direct("x", 0, 1)
-  finally:
-    kernels.set_numba_shares_step(False)
-  assert ran == [("x", 0, 1)] and packed._parallel["usable"] is False
+
+def test_embedding_lookups_outside_the_matrix_are_refused():
+  raw, _ = gguf_matrix("Q8_0")
+  matrix = PackedMatrix.from_quantized(from_gguf_blocks(raw, "Q8_0", 96))
+  for ids in ([96], [-1]):
+    with pytest.raises(IndexError):
+      matrix.rows(np.array(ids))

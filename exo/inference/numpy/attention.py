@@ -11,7 +11,7 @@ import numpy as np
 
 from exo.inference.llama_layout import StepRows
 from exo.inference.numpy.cache import SLAB_SLOTS, KVCache, KVPool
-from exo.inference.numpy.decode_attention import attend_decode
+from exo.inference.numpy import decode_attention
 from exo.inference.numpy.halves import widen
 from exo.inference.numpy.kernels import CORES, PARALLEL_ROWS
 
@@ -85,9 +85,9 @@ class DecodeRun:
     """Layer li's attention of these rows into attn; `window`: the layer's sliding window; `softcap`: scores become
     softcap * tanh(scores / softcap); `sinks`: each query head's logit that joins its softmax's denominator (and
     adds no value). A slot of one plane (latent attention) holds keys that are their own values."""
-    if self.slab.dtype == np.float32:
-      attend_decode(self.slab, self.slot, li, q, self.first, self.ends, window or 0, np.float32(softcap or 0.0),
-                    NO_SINKS if sinks is None else np.asarray(sinks, dtype=np.float32), attn)
+    if self.slab.dtype == np.float32 and decode_attention.available():
+      decode_attention.attend_decode(self.slab, self.slot, li, q, self.first, self.ends, window or 0, np.float32(softcap or 0.0),
+                                     NO_SINKS if sinks is None else np.asarray(sinks, dtype=np.float32), attn)
       return
     n, width, (_, n_heads, hd) = len(self.ends), self.width, q.shape
     rows, slots = slice(self.first, self.first + n), self.slab[self.slot:self.slot + n, li]

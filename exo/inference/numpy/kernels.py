@@ -50,8 +50,8 @@ def single_threaded_blas(numpy_only: bool = False) -> None:
 
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-# .running: this thread runs one slice of a task shared among the cores; .numba: its step's few-row products run on
-# numba's threads instead (packed.SharedDecode), so their columns are not shared out
+# .running: this thread runs one slice of a task shared among the cores; .shared_step: its step's few-row products
+# run on OpenMP's threads instead (packed.SharedDecode), so their columns are not shared out
 _slices = threading.local()
 
 
@@ -60,12 +60,13 @@ def in_slice() -> bool:
   return getattr(_slices, "running", False)
 
 
-def numba_shares_step() -> bool:
-  return getattr(_slices, "numba", False)
+def step_is_shared() -> bool:
+  """Whether the calling thread's step runs its few-row products on OpenMP's threads (packed.SharedDecode)."""
+  return getattr(_slices, "shared_step", False)
 
 
-def set_numba_shares_step(shared: bool) -> None:
-  _slices.numba = shared
+def set_step_shared(shared: bool) -> None:
+  _slices.shared_step = shared
 
 
 class _Worker:
@@ -167,7 +168,7 @@ def split_columns(part: Callable[[int, int], None], n_cols: int, align: int, row
   def run(lo: int, hi: int) -> None:
     if lo < hi:
       part(lo * align, min(n_cols, hi * align))
-  if rows >= PARALLEL_ROWS and not numba_shares_step():
+  if rows >= PARALLEL_ROWS and not step_is_shared():
     split_over_cores(run, panels, workers)
   else:
     run(0, panels)

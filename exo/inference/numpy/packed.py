@@ -1,13 +1,16 @@
-"""A quantized weight as the numpy engine keeps it: packed codes, 16-bit scales and biases, products by qkernels.py.
+"""A quantized weight as the numpy engine keeps it: packed codes, 16-bit scales and biases, products by the compiled
+kernels (kernels_c/quantized.c, native.py), or by numpy where no C compiler works.
 
 Rows are the matrix's outputs, as checkpoints store them; a product's output columns a..b are rows a..b here, so the
 engine's column slices (kernels.py) are slices of rows. Up to DIRECT_ROWS input rows a product reads the codes
-directly (decode steps of a few streams: each chunk of codes turned into floats once for four input rows). Above, it
+directly (decode steps of a few streams: each chunk of codes turned into floats once for four input rows). Above (or
+without the compiled kernels, at any rows), it
 widens a tile of weight rows at a time into float32, in a scratch buffer each thread keeps (up to TILE_BYTES, 4 MiB),
 and lets BLAS multiply it (batched decode and prefill: bound by arithmetic, where BLAS is several times faster than
 the direct kernel and the widening is paid once for all rows). How the tile meets BLAS depends on the rows, by
 measurement (bench/quantized_speed.py): up to TRANSPOSED_ROWS, tile @ x.T into a transposed output; above, x @ tile.T
 straight into the output."""
+import ctypes
 import os
 import threading
 import time
@@ -17,9 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from exo import settings
-from exo.inference.numpy import kernels, qkernels
-from exo.inference.numpy.jit import numba
+from exo.inference.numpy import kernels, native
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 8  # SmolLM2's products one core, direct against tiles: 8 rows 0.82x the time (gate/up, down), 16 rows 1.2-1.5x
@@ -33,7 +34,6 @@ TRANSPOSED_ROWS = 128  # up to this many input rows the product is computed tran
 # SmolLM2's layer products against float32, CPU time: 128 rows 0.92x transposed, 0.89x not; 192 rows 0.90x both; 256 rows
 # 0.85x transposed, 0.91x not
 _scratch = threading.local()  # each thread's tile, reused by every product it runs
-_ready = set()  # (bits, table) whose kernels this process has compiled or read from numba's cache
 
 
 def _half_bits(values: np.ndarray) -> tuple:
@@ -48,12 +48,23 @@ def _half_bits(values: np.ndarray) -> tuple:
   return values, "float32"
 
 
-if not settings.env("NUMBA_THREADING_LAYER"):
-  numba.config.THREADING_LAYER = "threadsafe"  # OpenMP or TBB: both take parallel products from several threads at once
-# GNU OpenMP's threads spin this long for the next product before they sleep (its default, ~6 ms here, made a shared
-# step 40x slower when another process held a core: the threads spun while the one with work waited for a core)
-os.environ.setdefault("GOMP_SPINCOUNT", settings.BY_ENV["GOMP_SPINCOUNT"].default)
-_parallel = {"usable": kernels.CORES > 1}  # False once numba's threads are found missing, or in a forked child
+def _f16_table() -> np.ndarray:
+  return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _bf16_table() -> np.ndarray:
+  return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+
+
+# 16-bit scales' and biases' bits read through a table of their float32 values (256 KiB: it stays in a core's cache)
+TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table(), "float32": np.zeros(1, dtype=np.float32),
+          # E8M0's 2 ** (e - 127), a quarter of it (the kernels take E2M1 codes as four times their values); 255 is NaN
+          "e8m0": np.append(np.ldexp(np.float32(1.0), np.arange(255) - 129), np.nan).astype(np.float32)}
+E2M1_TIMES_4 = np.array([0, 2, 4, 6, 8, 12, 16, 24, 0, -2, -4, -6, -8, -12, -16, -24], dtype=np.float32)
+VALUES_KIND = {np.dtype(np.uint16): 0, np.dtype(np.float32): 1, np.dtype(np.uint8): 2}  # quantized.c's VALUES_*
+
+_lib = native.library()
+_parallel = {"usable": kernels.CORES > 1 and _lib is not None and bool(_lib.has_threads())}  # False in a forked child
 
 
 if hasattr(os, "register_at_fork"):
@@ -61,37 +72,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _shares() -> bool:
-  """Whether a direct product runs on numba's threads: its step chose to (SharedDecode), numba has a thread-safe
-  threading layer, this is not a forked child, and the caller is not one of the engine's slices (kernels.in_slice:
-  the cores are shared out already)."""
-  return kernels.numba_shares_step() and _parallel["usable"] and not kernels.in_slice()
-
-
-class DirectKernel:
-  """A few rows' product (decode), straight from the codes: on the calling core, or with its weight rows shared among
-  numba's threads (OpenMP) where the step says so (SharedDecode)."""
-
-  def __init__(self, bits: int):
-    self.serial, self.parallel = qkernels.DIRECT[bits]
-
-  def warm(self, *args) -> None:
-    """Compile both kernels (or read them from numba's cache), and start numba's threads."""
-    self.serial(*args)
-    if _parallel["usable"]:
-      try:
-        self.parallel(*args)
-        _parallel["usable"] = numba.threading_layer() in ("omp", "tbb")  # workqueue's threads serve one caller at a time
-      except ValueError:  # no thread-safe threading layer could be loaded
-        _parallel["usable"] = False
-
-  def __call__(self, *args) -> None:
-    """kernel(x, codes, scales, biases, table, fp4, lo, hi, out)"""
-    if _shares():
-      try:
-        return self.parallel(*args)
-      except ValueError:  # no thread-safe threading layer could be loaded
-        _parallel["usable"] = False
-    self.serial(*args)
+  """Whether a direct product runs on OpenMP's threads: its step chose to (SharedDecode), the kernels were built with
+  OpenMP, this is not a forked child, and the caller is not one of the engine's slices (kernels.in_slice: the cores
+  are shared out already)."""
+  return kernels.step_is_shared() and _parallel["usable"] and not kernels.in_slice()
 
 
 @dataclass
@@ -103,7 +87,7 @@ class _StepTimes:
 
 
 class SharedDecode:
-  """Whether a model's few-row steps (decode, up to DIRECT_ROWS) run their direct products on numba's threads, in
+  """Whether a model's few-row steps (decode, up to DIRECT_ROWS) run their direct products on OpenMP's threads, in
   place of the calling core (one row) or the engine's column slices (more). Shared, SmolLM2's one-stream step ran
   1.55x faster on a quiet 2-core VM, two streams 1.5x. With the other core busy (another process, a second engine)
   the threads wait for each other: a step ran up to 40x slower at GNU OpenMP's default spin, 4x at the
@@ -133,12 +117,12 @@ class SharedDecode:
       yield
       return
     shared, tried = self.choose(rows)
-    kernels.set_numba_shares_step(shared)
+    kernels.set_step_shared(shared)
     started = self.clock()
     try:
       yield
     finally:
-      kernels.set_numba_shares_step(False)
+      kernels.set_step_shared(False)
     self._record(self.times[rows], shared, tried, self.clock() - started)
 
   def _record(self, times: _StepTimes, shared: bool, tried: bool, took: float) -> None:
@@ -158,15 +142,28 @@ def _no_biases(shape) -> np.ndarray:
   return np.broadcast_to(np.zeros(1, dtype=np.float32), shape)
 
 
+def _no_biases(shape) -> np.ndarray:
+  """Zero biases for MXFP4 (never read): one float32 zero seen at every place (no memory)."""
+  return np.broadcast_to(np.zeros(1, dtype=np.float32), shape)
+
+
 class PackedMatrix:
   """An (out, in) matrix of 4- or 8-bit codes in groups along its inputs, each group with a scale and a bias; or of
   MXFP4 codes (`fp4`: E2M1 values) with a power of two a group and no bias (zeros that take no memory)."""
 
   def __init__(self, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, table: str, bits: int, fp4: Optional[bool] = None):
-    self.codes, self.scales, self.biases, self.table_name, self.bits, self.fp4 = codes, scales, biases, table, bits, fp4
-    self.table = qkernels.TABLES[table]
-    self._product = DirectKernel(bits)
-    self._widen = qkernels.widen_tile_4 if bits == 4 else qkernels.widen_tile_8
+    self.codes, self.scales = np.ascontiguousarray(codes, dtype=np.uint8), np.ascontiguousarray(scales)
+    self.biases = biases if fp4 is not None else np.ascontiguousarray(biases)
+    self.table_name, self.bits, self.fp4 = table, bits, fp4
+    self.table = TABLES[table]
+    self._kernel = None if _lib is None else ctypes.pointer(self._described())  # the pointer holds the description
+
+  def _described(self) -> native.Matrix:
+    """This matrix as the compiled kernels read it: its arrays' addresses (held by this object) and its geometry."""
+    address = lambda a: a.ctypes.data
+    return native.Matrix(address(self.codes), address(self.scales), None if self.fp4 is not None else address(self.biases),
+                         address(self.table), self.codes.shape[0], self.shape[1], self.codes.shape[1], self.scales.shape[1],
+                         self.bits, VALUES_KIND[self.scales.dtype], 1 if self.fp4 else 0)
 
   @classmethod
   def supports(cls, w: QuantizedWeight) -> bool:
@@ -176,20 +173,12 @@ class PackedMatrix:
   def from_quantized(cls, w: QuantizedWeight) -> "PackedMatrix":
     codes = np.ascontiguousarray(w.packed).view(np.uint8)
     if w.mode == "mxfp4":
-      matrix = cls(codes, np.ascontiguousarray(w.scales, dtype=np.uint8), _no_biases(w.scales.shape), "e8m0", 4, True)
-    else:
-      scales, table = _half_bits(w.scales)
-      biases, bias_table = _half_bits(w.biases)
-      if bias_table != table:  # one table reads both
-        scales, biases, table = w.scales.astype(np.float32), w.biases.astype(np.float32), "float32"
-      matrix = cls(codes, np.ascontiguousarray(scales), np.ascontiguousarray(biases), table, w.bits)
-    if (w.bits, matrix.table_name) not in _ready:  # at load, not in a request's first step: reading the cached code takes ~1 s
-      x = np.zeros((1, matrix.shape[1]), dtype=np.float32)
-      matrix._product.warm(x, matrix.codes, matrix.scales, matrix.biases, matrix.table, matrix.fp4, 0, 1, np.empty((1, 1), dtype=np.float32))
-      matrix.product(np.zeros((DIRECT_ROWS + 1, matrix.shape[1]), dtype=np.float32), 0, 1)
-      matrix.rows(np.zeros(1, dtype=np.int64))
-      _ready.add((w.bits, matrix.table_name))
-    return matrix
+      return cls(codes, np.ascontiguousarray(w.scales, dtype=np.uint8), _no_biases(w.scales.shape), "e8m0", 4, True)
+    scales, table = _half_bits(w.scales)
+    biases, bias_table = _half_bits(w.biases)
+    if bias_table != table:  # one table reads both
+      scales, biases, table = w.scales.astype(np.float32), w.biases.astype(np.float32), "float32"
+    return cls(codes, scales, biases, table, w.bits)
 
   @property
   def shape(self):
@@ -207,21 +196,35 @@ class PackedMatrix:
   def rows(self, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` as float32 (len(ids), in): embedding lookups."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if len(ids) and (ids.min() < 0 or ids.max() >= self.shape[0]):
+      raise IndexError(f"row ids out of range 0..{self.shape[0] - 1}")
+    if self._kernel is None:
+      return np.concatenate([self._widened(j, j + 1) for j in ids]) if len(ids) else np.empty((0, self.shape[1]), np.float32)
     out = np.empty((len(ids), self.shape[1]), dtype=np.float32)
-    qkernels.dequantize_rows(self.codes, self.scales, self.biases, self.table, self.fp4, self.bits, ids, out)
+    _lib.dequantize_rows(self._kernel, ids.ctypes.data, len(ids), out.ctypes.data)
     return out
+
+  def direct(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: Optional[bool] = None) -> None:
+    """out = x (rows, in; contiguous float32) @ this matrix's rows a..b, transposed, straight from the codes: on
+    OpenMP's threads where `shared` (None: as the step chose, _shares) and the kernels have them, else on the calling
+    core. out: (rows, b - a) float32, its rows anywhere as long as each is contiguous."""
+    if out.strides[1] != 4 or out.strides[0] % 4:
+      whole = np.empty(out.shape, dtype=np.float32)
+      self.direct(x, a, b, whole, shared)
+      out[...] = whole
+      return
+    shared = _shares() if shared is None else shared and _parallel["usable"]
+    kernel = _lib.parallel_rows if shared else _lib.product_rows
+    if kernel(self._kernel, x.ctypes.data, x.shape[0], a, b, out.ctypes.data, out.strides[0] // 4):
+      raise MemoryError("no memory for a product's inputs")
 
   def product(self, x: np.ndarray, a: int, b: int, out: Optional[np.ndarray] = None) -> np.ndarray:
     """x (rows, in) @ this matrix's rows a..b, transposed: (rows, b - a) float32, written into `out` if given."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if out is None:
       out = np.empty((x.shape[0], b - a), dtype=np.float32)
-    if x.shape[0] <= DIRECT_ROWS:
-      # the kernel is compiled for contiguous outputs only (a slice of the logits is not one)
-      direct = out if out.flags.c_contiguous else np.empty(out.shape, dtype=np.float32)
-      self._product(x, self.codes, self.scales, self.biases, self.table, self.fp4, a, b, direct)
-      if direct is not out:
-        out[...] = direct
+    if x.shape[0] <= DIRECT_ROWS and self._kernel is not None:
+      self.direct(x, a, b, out)
       return out
     # Many rows (prefill): x @ tile.T straight into the output; BLAS runs it nearly as fast as float32 (in, out)
     # weights once the tile is large. Fewer: BLAS multiplies the tile by the inputs transposed 1.2-2x faster than
@@ -232,14 +235,36 @@ class PackedMatrix:
     tile = self._tile(max(1, min(b - a, tile_bytes // (4 * self.shape[1]))))
     for lo in range(a, b, len(tile)):
       hi = min(b, lo + len(tile))
-      self._widen(self.codes, self.scales, self.biases, self.table, self.fp4, lo, hi, tile)
+      widened = self._widen(lo, hi, tile)
       if transposed:
-        np.matmul(tile[:hi - lo], x.T, out=result[lo - a:hi - a])
+        np.matmul(widened, x.T, out=result[lo - a:hi - a])
       else:
-        np.matmul(x, tile[:hi - lo].T, out=result[:, lo - a:hi - a])
+        np.matmul(x, widened.T, out=result[:, lo - a:hi - a])
     if transposed:
       out[...] = result.T
     return out
+
+  def _widen(self, lo: int, hi: int, tile: np.ndarray) -> np.ndarray:
+    """Rows lo..hi as float32, in the tile's first rows (the compiled kernel) or a new array (numpy's form)."""
+    if self._kernel is None:
+      return self._widened(lo, hi)
+    _lib.widen_tile(self._kernel, lo, hi, tile.ctypes.data, self.shape[1])
+    return tile[:hi - lo]
+
+  def _widened(self, lo: int, hi: int) -> np.ndarray:
+    """Rows lo..hi as float32 by numpy (no compiled kernels): codes apart, times their group's scale, plus its bias."""
+    codes = self.codes[lo:hi]
+    if self.bits == 4:
+      levels = np.empty((hi - lo, 2 * codes.shape[1]), dtype=np.uint8)
+      levels[:, 0::2], levels[:, 1::2] = codes & 15, codes >> 4
+      levels = E2M1_TIMES_4[levels] if self.fp4 else levels.astype(np.float32)
+    else:
+      levels = codes.astype(np.float32)
+    read = lambda values: values if values.dtype == np.float32 else self.table[values]
+    grouped = levels.reshape(hi - lo, self.scales.shape[1], -1) * read(self.scales[lo:hi])[..., None]
+    if self.fp4 is None:
+      grouped += read(self.biases[lo:hi])[..., None]
+    return grouped.reshape(hi - lo, -1)
 
   def _tile(self, rows: int) -> np.ndarray:
     """This thread's scratch tile, (rows, in) float32, its buffer grown to the largest tile the thread has used."""

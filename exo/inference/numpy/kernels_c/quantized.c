@@ -1,0 +1,281 @@
+/* Products and widenings over quantized weights, read straight from their codes (packed.py's PackedMatrix).
+
+A weight is (out, in) rows of codes: 4 bits (two a byte, code 2k in the low nibble of byte k, code 2k + 1 in the
+high one) or 8 bits (one a byte), a scale and a bias for each group of inputs, w = scale * code + bias. Scales and
+biases are float16 or bfloat16 bits read through a table of their 65,536 float32 values, or float32 as they are;
+MXFP4 (fp4) codes stand for E2M1 values, its scales are E8M0 exponents read through a table of powers of two (a
+quarter of each: the codes are taken as four times their values, which are then whole numbers) and it has no biases.
+
+Where a group is whole 16-code vectors, a weight row's dot product runs in one 16-lane accumulator: each group's
+partial products are scaled as a vector and added, and the lanes are summed once a row (reducing every group to a
+number before its scale cost as much as the products). Four input rows share each chunk of codes turned into floats.
+The 4-bit codes' even and odd inputs come apart (prepare), so that a chunk's low codes meet the even inputs and its
+high codes the odd ones, unit-stride. Other group sizes take plain loops. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define PANEL 64 /* weight rows one task of a parallel product takes */
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint8_t vb __attribute__((vector_size(16)));
+
+enum { VALUES_HALF = 0, VALUES_FLOAT = 1, VALUES_BYTE = 2 }; /* 16-bit bits through the table, float32, 8-bit through it */
+
+typedef struct {
+  const uint8_t *codes; /* n_out rows of row_bytes */
+  const void *scales, *biases; /* n_out rows of n_groups; biases NULL for MXFP4 */
+  const float *table;
+  int64_t n_out, n_in, row_bytes, n_groups;
+  int32_t bits, kind, fp4;
+} matrix;
+
+static inline float value_at(const void *values, int kind, const float *table, int64_t i) {
+  if (kind == VALUES_HALF) return table[((const uint16_t *)values)[i]];
+  if (kind == VALUES_FLOAT) return ((const float *)values)[i];
+  return table[((const uint8_t *)values)[i]];
+}
+
+static inline vf load(const float *p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float lane_sum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < LANES; i++) s += v[i];
+  return s;
+}
+
+/* 4-bit codes as four times their E2M1 values: magnitudes m = 0, 1 are 0, 2; m >= 2 are (2 + m % 2) << m / 2;
+   codes 8 and up negative. */
+static inline vi e2m1_times_4(vi c) {
+  vi m = c & 7, e = m >> 1, small = m < 2;
+  vi magnitude = (small & (m + m)) | (~small & ((2 + (m & 1)) << e));
+  vi negative = -(c >> 3);
+  return (magnitude ^ negative) - negative;
+}
+
+static const float E2M1_TIMES_4[16] = {0, 2, 4, 6, 8, 12, 16, 24, 0, -2, -4, -6, -8, -12, -16, -24};
+
+static inline __attribute__((always_inline)) void split_codes(const uint8_t *p, int fp4, vf *low, vf *high) {
+  vb b;
+  memcpy(&b, p, sizeof b);
+  vi c = __builtin_convertvector(b, vi);
+  vi lo = c & 15, hi = c >> 4;
+  if (fp4) {
+    lo = e2m1_times_4(lo);
+    hi = e2m1_times_4(hi);
+  }
+  *low = __builtin_convertvector(lo, vf);
+  *high = __builtin_convertvector(hi, vf);
+}
+
+/* Inputs as the kernels read them: for 4 bits the even inputs (rows, in / 2), then the odd ones; every row's group
+   sums (rows, n_groups) after them. */
+typedef struct {
+  const float *a, *b, *sums;
+  int64_t stride; /* between input rows of a and b */
+} inputs;
+
+static float *prepare(const matrix *m, const float *x, int64_t rows, inputs *in) {
+  int64_t n_in = m->n_in, half = n_in / 2, group = n_in / m->n_groups;
+  float *scratch = malloc(sizeof(float) * (size_t)(rows * (m->bits == 4 ? n_in : 0) + rows * m->n_groups + 1));
+  if (!scratch) return NULL;
+  float *sums = scratch + (m->bits == 4 ? rows * n_in : 0);
+  if (m->bits == 4) {
+    float *even = scratch, *odd = scratch + rows * half;
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t k = 0; k < half; k++) {
+        even[r * half + k] = x[r * n_in + 2 * k];
+        odd[r * half + k] = x[r * n_in + 2 * k + 1];
+      }
+    in->a = even, in->b = odd, in->stride = half;
+  } else {
+    in->a = x, in->b = NULL, in->stride = n_in;
+  }
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t g = 0; g < m->n_groups; g++) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < group; k++) s += x[r * n_in + g * group + k];
+      sums[r * m->n_groups + g] = s;
+    }
+  in->sums = sums;
+  return scratch;
+}
+
+/* Weight row j's dot products with input rows first..first + R into out[(first + r) * out_stride]: explicit vectors. */
+static inline __attribute__((always_inline)) void dot_block(const matrix *m, const inputs *in, int64_t j, int64_t first,
+                                                            float *out, int64_t out_stride, const int R, const int bits, const int fp4) {
+  const int64_t n_groups = m->n_groups, per_group = m->row_bytes / n_groups / LANES, sx = in->stride;
+  const uint8_t *row = m->codes + j * m->row_bytes;
+  const float *a = in->a + first * sx, *b = bits == 4 ? in->b + first * sx : NULL, *sums = in->sums + first * n_groups;
+  vf acc[4] = {0};
+  float offset[4] = {0};
+  for (int64_t g = 0; g < n_groups; g++) {
+    vf part[4] = {0};
+    for (int64_t c = 0; c < per_group; c++) {
+      int64_t at = (g * per_group + c) * LANES;
+      if (bits == 4) {
+        vf low, high;
+        split_codes(row + at, fp4, &low, &high);
+        for (int r = 0; r < R; r++) {
+          part[r] = part[r] + load(a + r * sx + at) * low;
+          part[r] = part[r] + load(b + r * sx + at) * high;
+        }
+      } else {
+        vb raw;
+        memcpy(&raw, row + at, sizeof raw);
+        vf codes = __builtin_convertvector(raw, vf);
+        for (int r = 0; r < R; r++) part[r] = part[r] + load(a + r * sx + at) * codes;
+      }
+    }
+    float scale = value_at(m->scales, m->kind, m->table, j * n_groups + g);
+    for (int r = 0; r < R; r++) acc[r] = acc[r] + part[r] * scale;
+    if (!fp4) {
+      float bias = value_at(m->biases, m->kind, m->table, j * n_groups + g);
+      for (int r = 0; r < R; r++) offset[r] += bias * sums[r * n_groups + g];
+    }
+  }
+  for (int r = 0; r < R; r++) out[(first + r) * out_stride] = lane_sum(acc[r]) + offset[r];
+}
+
+typedef void (*block_fn)(const matrix *, const inputs *, int64_t, int64_t, float *, int64_t);
+#define BLOCK(name, R, bits, fp4) \
+  static void name(const matrix *m, const inputs *in, int64_t j, int64_t first, float *out, int64_t os) { \
+    dot_block(m, in, j, first, out, os, R, bits, fp4); \
+  }
+BLOCK(dot4_1, 1, 4, 0) BLOCK(dot4_2, 2, 4, 0) BLOCK(dot4_4, 4, 4, 0)
+BLOCK(fp4_1, 1, 4, 1) BLOCK(fp4_2, 2, 4, 1) BLOCK(fp4_4, 4, 4, 1)
+BLOCK(dot8_1, 1, 8, 0) BLOCK(dot8_2, 2, 8, 0) BLOCK(dot8_4, 4, 8, 0)
+
+static inline float level(int code, int fp4) { return fp4 ? E2M1_TIMES_4[code] : (float)code; }
+
+/* Weight row j's dot product with input row r, plain loops (groups that are not whole vectors). */
+static float dot_plain(const matrix *m, const inputs *in, int64_t j, int64_t r) {
+  const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups;
+  const uint8_t *row = m->codes + j * m->row_bytes;
+  const float *a = in->a + r * in->stride, *b = m->bits == 4 ? in->b + r * in->stride : NULL;
+  float total = 0.0f;
+  for (int64_t g = 0; g < n_groups; g++) {
+    float s = 0.0f;
+    for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k++) {
+      if (m->bits == 4)
+        s += a[k] * level(row[k] & 15, m->fp4) + b[k] * level(row[k] >> 4, m->fp4);
+      else
+        s += a[k] * (float)row[k];
+    }
+    total += s * value_at(m->scales, m->kind, m->table, j * n_groups + g);
+    if (!m->fp4) total += in->sums[r * n_groups + g] * value_at(m->biases, m->kind, m->table, j * n_groups + g);
+  }
+  return total;
+}
+
+/* out[r * out_stride + j - lo] = x[r] . w[j] for weight rows j in [j0, j1). */
+static void rows_range(const matrix *m, const inputs *in, int64_t rows, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t os) {
+  if ((m->row_bytes / m->n_groups) % LANES) {
+    for (int64_t j = j0; j < j1; j++)
+      for (int64_t r = 0; r < rows; r++) out[r * os + j - lo] = dot_plain(m, in, j, r);
+    return;
+  }
+  block_fn one = dot8_1, two = dot8_2, four = dot8_4;
+  if (m->bits == 4 && m->fp4) one = fp4_1, two = fp4_2, four = fp4_4;
+  else if (m->bits == 4) one = dot4_1, two = dot4_2, four = dot4_4;
+  for (int64_t j = j0; j < j1; j++) {
+    float *column = out + (j - lo);
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) four(m, in, j, r, column, os);
+    if (rows - r >= 2) two(m, in, j, r, column, os), r += 2;
+    if (r < rows) one(m, in, j, r, column, os);
+  }
+}
+
+/* x (rows, in) contiguous @ weight rows lo..hi into out (rows, hi - lo; rows out_stride floats apart), on the calling
+   thread. Returns 0, or -1 where memory ran out. */
+int product_rows(const matrix *m, const float *x, int64_t rows, int64_t lo, int64_t hi, float *out, int64_t out_stride) {
+  inputs in;
+  float *scratch = prepare(m, x, rows, &in);
+  if (!scratch) return -1;
+  rows_range(m, &in, rows, lo, lo, hi, out, out_stride);
+  free(scratch);
+  return 0;
+}
+
+/* As product_rows, PANEL weight rows a task shared among OpenMP's threads (the calling thread only, built without). */
+int parallel_rows(const matrix *m, const float *x, int64_t rows, int64_t lo, int64_t hi, float *out, int64_t out_stride) {
+  inputs in;
+  float *scratch = prepare(m, x, rows, &in);
+  if (!scratch) return -1;
+  int64_t panels = (hi - lo + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; p++) {
+    int64_t j0 = lo + p * PANEL, j1 = j0 + PANEL < hi ? j0 + PANEL : hi;
+    rows_range(m, &in, rows, lo, j0, j1, out, out_stride);
+  }
+  free(scratch);
+  return 0;
+}
+
+/* 1 where this library was built with OpenMP (parallel_rows shares its panels), else 0. */
+int has_threads(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* Weight row j as float32 into dest, inputs in order. */
+static void widen_row(const matrix *m, int64_t j, float *dest) {
+  const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups;
+  const uint8_t *row = m->codes + j * m->row_bytes;
+  const int fp4 = m->fp4;
+  for (int64_t g = 0; g < n_groups; g++) {
+    float scale = value_at(m->scales, m->kind, m->table, j * n_groups + g);
+    float bias = fp4 ? 0.0f : value_at(m->biases, m->kind, m->table, j * n_groups + g);
+    int64_t k = g * group_bytes, end = k + group_bytes;
+    if (group_bytes % LANES == 0) {
+      for (; k < end; k += LANES) {
+        if (m->bits == 4) {
+          vf low, high;
+          split_codes(row + k, fp4, &low, &high);
+          low = low * scale + bias, high = high * scale + bias;
+#if defined(__clang__) || __GNUC__ >= 12
+          typedef float v32 __attribute__((vector_size(128)));
+          v32 pairs = __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25,
+                                              10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+          memcpy(dest + 2 * k, &pairs, sizeof pairs);
+#else
+          for (int i = 0; i < LANES; i++) dest[2 * k + 2 * i] = low[i], dest[2 * k + 2 * i + 1] = high[i];
+#endif
+        } else {
+          vb raw;
+          memcpy(&raw, row + k, sizeof raw);
+          store(dest + k, __builtin_convertvector(raw, vf) * scale + bias);
+        }
+      }
+    } else if (m->bits == 4) {
+      for (; k < end; k++) {
+        dest[2 * k] = level(row[k] & 15, fp4) * scale + bias;
+        dest[2 * k + 1] = level(row[k] >> 4, fp4) * scale + bias;
+      }
+    } else {
+      for (; k < end; k++) dest[k] = (float)row[k] * scale + bias;
+    }
+  }
+}
+
+/* out[(j - lo) * out_stride ...] = weight row j as float32 for j in [lo, hi): a tile for BLAS. */
+void widen_tile(const matrix *m, int64_t lo, int64_t hi, float *out, int64_t out_stride) {
+  for (int64_t j = lo; j < hi; j++) widen_row(m, j, out + (j - lo) * out_stride);
+}
+
+/* out[i] = weight row ids[i] as float32, rows n_in floats apart (embedding lookups). */
+void dequantize_rows(const matrix *m, const int64_t *ids, int64_t n, float *out) {
+  for (int64_t i = 0; i < n; i++) widen_row(m, ids[i], out + i * m->n_in);
+}

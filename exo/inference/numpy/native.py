@@ -1,0 +1,160 @@
+"""The numpy engine's compiled kernels (kernels_c/*.c), built by the system C compiler at first use and loaded with
+ctypes.
+
+The library is built once per installation, compiler and CPU: `CC` (else the first of cc, gcc, clang on PATH) with
+-O3 -march=native, and OpenMP where the compiler links it (parallel_rows shares a product's weight rows among
+OpenMP's threads; without, packed.SharedDecode never shares). It is kept under $EXO_HOME/kernels, named by a hash of
+the sources, the compiler's identity, the flags and the CPU's model and features, so a home shared by different
+machines never loads a library built for another instruction set; a build goes to a temporary file renamed into
+place, so two processes building at once each load a whole library. ctypes releases the GIL for each call, so the
+engine's worker threads (kernels.py) run slices of one product at once.
+
+Where no compiler works, `library()` is None after one warning, and each caller takes its numpy form (slower)."""
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+from exo import settings
+from exo.helpers import exo_home
+
+log = logging.getLogger(__name__)
+SOURCES = Path(__file__).with_name("kernels_c")
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno"]
+OPENMP = ["-fopenmp"]
+
+p = ctypes.c_void_p
+i64 = ctypes.c_int64
+i64p = ctypes.POINTER(ctypes.c_int64)
+
+
+class Matrix(ctypes.Structure):
+  """A quantized matrix as the kernels read it (quantized.c's `matrix`)."""
+  _fields_ = [("codes", p), ("scales", p), ("biases", p), ("table", p), ("n_out", i64), ("n_in", i64), ("row_bytes", i64),
+              ("n_groups", i64), ("bits", ctypes.c_int32), ("kind", ctypes.c_int32), ("fp4", ctypes.c_int32)]
+
+
+MatrixP = ctypes.POINTER(Matrix)
+SIGNATURES = {
+  "product_rows": (ctypes.c_int, [MatrixP, p, i64, i64, i64, p, i64]),
+  "parallel_rows": (ctypes.c_int, [MatrixP, p, i64, i64, i64, p, i64]),
+  "has_threads": (ctypes.c_int, []),
+  "widen_tile": (None, [MatrixP, i64, i64, p, i64]),
+  "dequantize_rows": (None, [MatrixP, p, i64, p]),
+  "widen_halves": (None, [p, i64p, i64p, p]),
+  "rope": (None, [p, i64p, i64p, p, p, i64p, ctypes.c_float, p, i64p]),
+  "attend_decode": (ctypes.c_int, [p, i64p, i64p, i64, i64, p, i64p, i64p, i64, p, i64, i64, ctypes.c_float, p, i64, p, i64p]),
+}
+
+
+def compiler() -> Optional[List[str]]:
+  """The C compiler's command: CC if set, else the first of cc, gcc, clang found."""
+  if settings.env("CC"):
+    return shlex.split(settings.env("CC"))
+  for name in ("cc", "gcc", "clang"):
+    found = shutil.which(name)
+    if found:
+      return [found]
+  return None
+
+
+def cpu_identity() -> str:
+  """The CPU's model and instruction-set features (Linux: /proc/cpuinfo's first processor), else what platform says."""
+  try:
+    lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    keep = ("model name", "flags", "features", "cpu implementer", "cpu part", "isa")
+    return platform.machine() + "\n" + "\n".join(line for line in lines if line.split(":")[0].strip().lower() in keep)
+  except OSError:
+    return f"{platform.machine()} {platform.processor()} {platform.platform()}"
+
+
+def _library_path(cc: List[str]) -> Optional[Path]:
+  try:
+    version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  if version.returncode != 0:
+    return None
+  digest = hashlib.sha256()
+  for source in sorted(SOURCES.glob("*.c")):
+    digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+  for part in (shutil.which(cc[0]) or cc[0], " ".join(cc), version.stdout, " ".join(FLAGS + OPENMP), cpu_identity()):
+    digest.update(part.encode() + b"\0")
+  return exo_home() / "kernels" / f"exo-kernels-{digest.hexdigest()[:24]}.so"
+
+
+def _build(cc: List[str], path: Path) -> None:
+  """Compile the sources into `path`, with OpenMP if the compiler links it, else without; RuntimeError if neither."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  sources = [str(s) for s in sorted(SOURCES.glob("*.c"))]
+  errors = []
+  for extra in (OPENMP, []):
+    fd, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+      done = subprocess.run(cc + FLAGS + extra + sources + ["-o", temporary, "-lm"], capture_output=True, text=True, timeout=300)
+      if done.returncode == 0:
+        os.replace(temporary, path)  # atomic: another process loads this library or its own, never half of one
+        return
+      errors.append(done.stderr.strip()[-2000:])
+    except (OSError, subprocess.SubprocessError) as e:
+      errors.append(str(e))
+    finally:
+      if os.path.exists(temporary):
+        os.unlink(temporary)
+  raise RuntimeError("\n".join(errors))
+
+
+def _load() -> Optional[ctypes.CDLL]:
+  cc = compiler()
+  path = _library_path(cc) if cc else None
+  if path is None:
+    log.warning("exo: no working C compiler (%s); the numpy engine runs its kernels in numpy, several times slower. "
+                "Install gcc or clang, or set CC.", " ".join(cc) if cc else "set CC, or install cc, gcc or clang")
+    return None
+  if not path.exists():
+    try:
+      _build(cc, path)
+    except (RuntimeError, OSError) as e:
+      log.warning("exo: building the numpy engine's kernels with %s failed; its kernels run in numpy, several times "
+                  "slower:\n%s", " ".join(cc), e)
+      return None
+  # GNU OpenMP's threads spin this long for the next product before they sleep (read as the library loads; its
+  # default, ~6 ms here, made a shared step 40x slower when another process held a core: the threads spun while the
+  # one with work waited for a core)
+  os.environ.setdefault("GOMP_SPINCOUNT", settings.BY_ENV["GOMP_SPINCOUNT"].default)
+  try:
+    lib = ctypes.CDLL(str(path))
+  except OSError as e:
+    log.warning("exo: loading the numpy engine's kernels (%s) failed; its kernels run in numpy: %s", path, e)
+    return None
+  for name, (restype, argtypes) in SIGNATURES.items():
+    function = getattr(lib, name)
+    function.restype, function.argtypes = restype, argtypes
+  return lib
+
+
+_state = {}
+_loading = threading.Lock()
+
+
+def library() -> Optional[ctypes.CDLL]:
+  """The kernels' library, built or read from the cache on the first call; None where it cannot be (warned once)."""
+  if "lib" not in _state:
+    with _loading:
+      if "lib" not in _state:
+        _state["lib"] = _load()
+  return _state["lib"]
+
+
+def shape_and_strides(a) -> tuple:
+  """An array's shape and strides in elements, as int64 arrays the kernels read (kept alive by the caller)."""
+  return (ctypes.c_int64 * a.ndim)(*a.shape), (ctypes.c_int64 * a.ndim)(*(s // a.itemsize for s in a.strides))
