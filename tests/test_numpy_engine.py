@@ -178,3 +178,52 @@ async def test_a_request_past_the_context_is_refused_alone(engine):
 async def test_batched_attention_matches_each_request_alone(engine):
   from tests.support.engines import check_batched_logits_match_alone
   await check_batched_logits_match_alone(engine)  # mixed lengths, chunked prompts, requests joining mid-flight
+
+
+SERVE_ONE_REQUEST = """
+import asyncio, json, sys
+import numpy as np
+from exo.download.shard_download import HFShardDownloader
+from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
+from tests.support.models import smollm2_shard
+
+async def main():
+  engine = NumpyDynamicShardInferenceEngine(HFShardDownloader())
+  shard = smollm2_shard()
+  await engine.ensure_shard(shard)
+  prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+                                                add_generation_prompt=True)
+  logits, _ = await engine.infer_prompt("r", shard, prompt)
+  tokens = []
+  for _ in range(8):
+    tokens.append(int(np.argmax(logits[0, -1])))
+    logits, _ = await engine.infer_tensor("r", shard, np.array([[tokens[-1]]]))
+  print(json.dumps({"tokens": tokens, "modules": sorted({name.split(".")[0] for name in sys.modules})}))
+
+asyncio.run(main())
+"""
+
+
+def serve_one_request(**env) -> tuple:
+  """Greedy tokens of one request served by a fresh interpreter's numpy engine, the top-level modules it imported, and
+  what it wrote to stderr."""
+  import json
+  import os
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, "-c", SERVE_ONE_REQUEST], capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+                        cwd=Path(__file__).resolve().parent.parent)
+  assert done.returncode == 0, done.stderr
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  return result["tokens"], set(result["modules"]), done.stderr
+
+
+def test_without_a_c_compiler_the_engine_warns_once_and_answers_as_with_its_compiled_kernels(tmp_path):
+  """Neither numba nor llvmlite in a process serving a request; with no working compiler (CC a command that fails, an
+  empty kernels cache) numpy's forms give the same greedy answer, after one warning."""
+  compiled, modules, _ = serve_one_request()
+  assert not modules & {"numba", "llvmlite"}
+  fallback, _, stderr = serve_one_request(CC="false", EXO_HOME=str(tmp_path))
+  assert fallback == compiled
+  assert stderr.count("kernels run in numpy") == 1, stderr
+  assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))

@@ -117,7 +117,7 @@ def _load() -> Optional[ctypes.CDLL]:
   cc = compiler()
   path = _library_path(cc) if cc else None
   if path is None:
-    log.warning("exo: no working C compiler (%s); the numpy engine runs its kernels in numpy, several times slower. "
+    log.warning("exo: no working C compiler (%s); the numpy engine's kernels run in numpy, several times slower. "
                 "Install gcc or clang, or set CC.", " ".join(cc) if cc else "set CC, or install cc, gcc or clang")
     return None
   if not path.exists():
