@@ -14,6 +14,9 @@ high codes the odd ones, unit-stride. Other group sizes take plain loops. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define PANEL 64 /* weight rows one task of a parallel product takes */
@@ -46,10 +49,19 @@ static inline vf load(const float *p) {
 
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* The lanes' sum, halves added pairwise (in lane order each addition waited for the one before). */
 static inline float lane_sum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < LANES; i++) s += v[i];
-  return s;
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a, b;
+  memcpy(&a, &v, sizeof a);
+  memcpy(&b, (char *)&v + sizeof a, sizeof b);
+  a = a + b;
+  v4 c, d;
+  memcpy(&c, &a, sizeof c);
+  memcpy(&d, (char *)&a + sizeof c, sizeof d);
+  c = c + d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 /* 4-bit codes as four times their E2M1 values: magnitudes m = 0, 1 are 0, 2; m >= 2 are (2 + m % 2) << m / 2;
@@ -61,12 +73,30 @@ static inline vi e2m1_times_4(vi c) {
   return (magnitude ^ negative) - negative;
 }
 
+/* 16 bytes as 32-bit integers: GCC turns __builtin_convertvector of bytes into one extraction a lane, so x86 takes
+   its widening instructions. */
+static inline vi bytes_to_ints(const uint8_t *p) {
+  vi r;
+#if defined(__AVX512F__)
+  __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+  memcpy(&r, &wide, sizeof r);
+#elif defined(__AVX2__)
+  __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+  __m256i low = _mm256_cvtepu8_epi32(bytes), high = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  memcpy(&r, &low, sizeof low);
+  memcpy((char *)&r + sizeof low, &high, sizeof high);
+#else
+  vb bytes;
+  memcpy(&bytes, p, sizeof bytes);
+  r = __builtin_convertvector(bytes, vi);
+#endif
+  return r;
+}
+
 static const float E2M1_TIMES_4[16] = {0, 2, 4, 6, 8, 12, 16, 24, 0, -2, -4, -6, -8, -12, -16, -24};
 
 static inline __attribute__((always_inline)) void split_codes(const uint8_t *p, int fp4, vf *low, vf *high) {
-  vb b;
-  memcpy(&b, p, sizeof b);
-  vi c = __builtin_convertvector(b, vi);
+  vi c = bytes_to_ints(p);
   vi lo = c & 15, hi = c >> 4;
   if (fp4) {
     lo = e2m1_times_4(lo);
@@ -109,50 +139,75 @@ static float *prepare(const matrix *m, const float *x, int64_t rows, inputs *in)
   return scratch;
 }
 
-/* Weight row j's dot products with input rows first..first + R into out[(first + r) * out_stride]: explicit vectors. */
+/* One group's products for R input rows, scaled and added to acc (and bias * the group's input sum to offset). */
+static inline __attribute__((always_inline)) void dot_group(const matrix *m, const uint8_t *row, const float *a, const float *b,
+                                                            const float *sums, int64_t sx, int64_t j, int64_t g, int64_t per_group,
+                                                            vf *acc, float *offset, const int R, const int bits, const int fp4,
+                                                            const int kind) {
+  const int64_t n_groups = m->n_groups;
+  vf part[4] = {0};
+  for (int64_t c = 0; c < per_group; c++) {
+    int64_t at = (g * per_group + c) * LANES;
+    if (bits == 4) {
+      vf low, high;
+      split_codes(row + at, fp4, &low, &high);
+      for (int r = 0; r < R; r++) {
+        part[r] = part[r] + load(a + r * sx + at) * low;
+        part[r] = part[r] + load(b + r * sx + at) * high;
+      }
+    } else {
+      vf codes = __builtin_convertvector(bytes_to_ints(row + at), vf);
+      for (int r = 0; r < R; r++) part[r] = part[r] + load(a + r * sx + at) * codes;
+    }
+  }
+  float scale = value_at(m->scales, kind, m->table, j * n_groups + g);
+  for (int r = 0; r < R; r++) acc[r] = acc[r] + part[r] * scale;
+  if (!fp4) {
+    float bias = value_at(m->biases, kind, m->table, j * n_groups + g);
+    for (int r = 0; r < R; r++) offset[r] += bias * sums[r * n_groups + g];
+  }
+}
+
+/* Weight row j's dot products with input rows first..first + R into out[(first + r) * out_stride]: explicit vectors.
+   Even and odd groups add into accumulators of their own, so that one group's scaling need not wait for the last's. */
 static inline __attribute__((always_inline)) void dot_block(const matrix *m, const inputs *in, int64_t j, int64_t first,
-                                                            float *out, int64_t out_stride, const int R, const int bits, const int fp4) {
+                                                            float *out, int64_t out_stride, const int R, const int bits,
+                                                            const int fp4, const int kind) {
   const int64_t n_groups = m->n_groups, per_group = m->row_bytes / n_groups / LANES, sx = in->stride;
   const uint8_t *row = m->codes + j * m->row_bytes;
   const float *a = in->a + first * sx, *b = bits == 4 ? in->b + first * sx : NULL, *sums = in->sums + first * n_groups;
-  vf acc[4] = {0};
+  vf even[4] = {0}, odd[4] = {0};
   float offset[4] = {0};
-  for (int64_t g = 0; g < n_groups; g++) {
-    vf part[4] = {0};
-    for (int64_t c = 0; c < per_group; c++) {
-      int64_t at = (g * per_group + c) * LANES;
-      if (bits == 4) {
-        vf low, high;
-        split_codes(row + at, fp4, &low, &high);
-        for (int r = 0; r < R; r++) {
-          part[r] = part[r] + load(a + r * sx + at) * low;
-          part[r] = part[r] + load(b + r * sx + at) * high;
-        }
-      } else {
-        vb raw;
-        memcpy(&raw, row + at, sizeof raw);
-        vf codes = __builtin_convertvector(raw, vf);
-        for (int r = 0; r < R; r++) part[r] = part[r] + load(a + r * sx + at) * codes;
-      }
+  int64_t g = 0;
+  if (per_group == 1) { /* 32-input groups of 4-bit codes (GGUF's blocks), 16-input ones of 8-bit: no inner loop */
+    for (; g + 2 <= n_groups; g += 2) {
+      dot_group(m, row, a, b, sums, sx, j, g, 1, even, offset, R, bits, fp4, kind);
+      dot_group(m, row, a, b, sums, sx, j, g + 1, 1, odd, offset, R, bits, fp4, kind);
     }
-    float scale = value_at(m->scales, m->kind, m->table, j * n_groups + g);
-    for (int r = 0; r < R; r++) acc[r] = acc[r] + part[r] * scale;
-    if (!fp4) {
-      float bias = value_at(m->biases, m->kind, m->table, j * n_groups + g);
-      for (int r = 0; r < R; r++) offset[r] += bias * sums[r * n_groups + g];
+  } else {
+    for (; g + 2 <= n_groups; g += 2) {
+      dot_group(m, row, a, b, sums, sx, j, g, per_group, even, offset, R, bits, fp4, kind);
+      dot_group(m, row, a, b, sums, sx, j, g + 1, per_group, odd, offset, R, bits, fp4, kind);
     }
   }
-  for (int r = 0; r < R; r++) out[(first + r) * out_stride] = lane_sum(acc[r]) + offset[r];
+  if (g < n_groups) dot_group(m, row, a, b, sums, sx, j, g, per_group, even, offset, R, bits, fp4, kind);
+  for (int r = 0; r < R; r++) out[(first + r) * out_stride] = lane_sum(even[r] + odd[r]) + offset[r];
 }
 
 typedef void (*block_fn)(const matrix *, const inputs *, int64_t, int64_t, float *, int64_t);
-#define BLOCK(name, R, bits, fp4) \
+/* A kernel for each row block, code format and scale format (affine: 16-bit or float32 scales; MXFP4: exponents) */
+#define BLOCK(name, R, bits, fp4, kind) \
   static void name(const matrix *m, const inputs *in, int64_t j, int64_t first, float *out, int64_t os) { \
-    dot_block(m, in, j, first, out, os, R, bits, fp4); \
+    dot_block(m, in, j, first, out, os, R, bits, fp4, kind); \
   }
-BLOCK(dot4_1, 1, 4, 0) BLOCK(dot4_2, 2, 4, 0) BLOCK(dot4_4, 4, 4, 0)
-BLOCK(fp4_1, 1, 4, 1) BLOCK(fp4_2, 2, 4, 1) BLOCK(fp4_4, 4, 4, 1)
-BLOCK(dot8_1, 1, 8, 0) BLOCK(dot8_2, 2, 8, 0) BLOCK(dot8_4, 4, 8, 0)
+#define BLOCKS(name, bits, fp4, kind) \
+  BLOCK(name##_1, 1, bits, fp4, kind) BLOCK(name##_2, 2, bits, fp4, kind) BLOCK(name##_4, 4, bits, fp4, kind) \
+  static const block_fn name[3] = {name##_1, name##_2, name##_4};
+BLOCKS(dot4_half, 4, 0, VALUES_HALF)
+BLOCKS(dot4_float, 4, 0, VALUES_FLOAT)
+BLOCKS(dot4_fp4, 4, 1, VALUES_BYTE)
+BLOCKS(dot8_half, 8, 0, VALUES_HALF)
+BLOCKS(dot8_float, 8, 0, VALUES_FLOAT)
 
 static inline float level(int code, int fp4) { return fp4 ? E2M1_TIMES_4[code] : (float)code; }
 
@@ -183,9 +238,9 @@ static void rows_range(const matrix *m, const inputs *in, int64_t rows, int64_t 
       for (int64_t r = 0; r < rows; r++) out[r * os + j - lo] = dot_plain(m, in, j, r);
     return;
   }
-  block_fn one = dot8_1, two = dot8_2, four = dot8_4;
-  if (m->bits == 4 && m->fp4) one = fp4_1, two = fp4_2, four = fp4_4;
-  else if (m->bits == 4) one = dot4_1, two = dot4_2, four = dot4_4;
+  const block_fn *blocks = m->bits == 4 ? (m->fp4 ? dot4_fp4 : m->kind == VALUES_FLOAT ? dot4_float : dot4_half)
+                                         : (m->kind == VALUES_FLOAT ? dot8_float : dot8_half);
+  block_fn one = blocks[0], two = blocks[1], four = blocks[2];
   for (int64_t j = j0; j < j1; j++) {
     float *column = out + (j - lo);
     int64_t r = 0;
@@ -230,52 +285,79 @@ int has_threads(void) {
 #endif
 }
 
-/* Weight row j as float32 into dest, inputs in order. */
-static void widen_row(const matrix *m, int64_t j, float *dest) {
+/* Weight row j as float32 into dest, inputs in order: plain loops (groups that are not whole vectors). */
+static void widen_plain(const matrix *m, int64_t j, float *restrict dest) {
   const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups;
   const uint8_t *row = m->codes + j * m->row_bytes;
-  const int fp4 = m->fp4;
   for (int64_t g = 0; g < n_groups; g++) {
     float scale = value_at(m->scales, m->kind, m->table, j * n_groups + g);
-    float bias = fp4 ? 0.0f : value_at(m->biases, m->kind, m->table, j * n_groups + g);
-    int64_t k = g * group_bytes, end = k + group_bytes;
-    if (group_bytes % LANES == 0) {
-      for (; k < end; k += LANES) {
-        if (m->bits == 4) {
-          vf low, high;
-          split_codes(row + k, fp4, &low, &high);
-          low = low * scale + bias, high = high * scale + bias;
-#if defined(__clang__) || __GNUC__ >= 12
-          typedef float v32 __attribute__((vector_size(128)));
-          v32 pairs = __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25,
-                                              10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-          memcpy(dest + 2 * k, &pairs, sizeof pairs);
-#else
-          for (int i = 0; i < LANES; i++) dest[2 * k + 2 * i] = low[i], dest[2 * k + 2 * i + 1] = high[i];
-#endif
-        } else {
-          vb raw;
-          memcpy(&raw, row + k, sizeof raw);
-          store(dest + k, __builtin_convertvector(raw, vf) * scale + bias);
-        }
+    float bias = m->fp4 ? 0.0f : value_at(m->biases, m->kind, m->table, j * n_groups + g);
+    for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k++) {
+      if (m->bits == 4) {
+        dest[2 * k] = level(row[k] & 15, m->fp4) * scale + bias;
+        dest[2 * k + 1] = level(row[k] >> 4, m->fp4) * scale + bias;
+      } else {
+        dest[k] = (float)row[k] * scale + bias;
       }
-    } else if (m->bits == 4) {
-      for (; k < end; k++) {
-        dest[2 * k] = level(row[k] & 15, fp4) * scale + bias;
-        dest[2 * k + 1] = level(row[k] >> 4, fp4) * scale + bias;
-      }
-    } else {
-      for (; k < end; k++) dest[k] = (float)row[k] * scale + bias;
     }
   }
 }
 
+/* Weight row j as float32 into dest, inputs in order, by vectors: a byte's low code is the even input's, its high
+   code the odd one's. */
+static inline __attribute__((always_inline)) void widen_row(const matrix *m, int64_t j, float *restrict dest, const int bits,
+                                                            const int fp4, const int kind) {
+  const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups;
+  const uint8_t *row = m->codes + j * m->row_bytes;
+  const void *scales = m->scales, *biases = m->biases;
+  const float *table = m->table;
+  for (int64_t g = 0; g < n_groups; g++) {
+    const float scale = value_at(scales, kind, table, j * n_groups + g);
+    const float bias = fp4 ? 0.0f : value_at(biases, kind, table, j * n_groups + g);
+    for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k += LANES) {
+      if (bits == 4) {
+        vf low, high;
+        split_codes(row + k, fp4, &low, &high);
+        low = low * scale + bias, high = high * scale + bias;
+#if defined(__clang__) || __GNUC__ >= 12
+        store(dest + 2 * k, __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+        store(dest + 2 * k + LANES, __builtin_shufflevector(low, high, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+#else
+        for (int i = 0; i < LANES; i++) dest[2 * k + 2 * i] = low[i], dest[2 * k + 2 * i + 1] = high[i];
+#endif
+      } else {
+        store(dest + k, __builtin_convertvector(bytes_to_ints(row + k), vf) * scale + bias);
+      }
+    }
+  }
+}
+
+/* Rows ids[i] (ids NULL: j0 + i) for i in [0, n) as float32 into out, rows out_stride floats apart. */
+typedef void (*widen_fn)(const matrix *, int64_t, const int64_t *, int64_t, float *, int64_t);
+#define WIDEN(name, bits, fp4, kind) \
+  static void name(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, float *out, int64_t out_stride) { \
+    for (int64_t i = 0; i < n; i++) widen_row(m, ids ? ids[i] : j0 + i, out + i * out_stride, bits, fp4, kind); \
+  }
+WIDEN(widen4_half, 4, 0, VALUES_HALF)
+WIDEN(widen4_float, 4, 0, VALUES_FLOAT)
+WIDEN(widen4_fp4, 4, 1, VALUES_BYTE)
+WIDEN(widen8_half, 8, 0, VALUES_HALF)
+WIDEN(widen8_float, 8, 0, VALUES_FLOAT)
+
+static void widen_rows(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, float *out, int64_t out_stride) {
+  if ((m->row_bytes / m->n_groups) % LANES) {
+    for (int64_t i = 0; i < n; i++) widen_plain(m, ids ? ids[i] : j0 + i, out + i * out_stride);
+    return;
+  }
+  widen_fn widen = m->bits == 4 ? (m->fp4 ? widen4_fp4 : m->kind == VALUES_FLOAT ? widen4_float : widen4_half)
+                                : (m->kind == VALUES_FLOAT ? widen8_float : widen8_half);
+  widen(m, j0, ids, n, out, out_stride);
+}
+
 /* out[(j - lo) * out_stride ...] = weight row j as float32 for j in [lo, hi): a tile for BLAS. */
 void widen_tile(const matrix *m, int64_t lo, int64_t hi, float *out, int64_t out_stride) {
-  for (int64_t j = lo; j < hi; j++) widen_row(m, j, out + (j - lo) * out_stride);
+  widen_rows(m, lo, NULL, hi - lo, out, out_stride);
 }
 
 /* out[i] = weight row ids[i] as float32, rows n_in floats apart (embedding lookups). */
-void dequantize_rows(const matrix *m, const int64_t *ids, int64_t n, float *out) {
-  for (int64_t i = 0; i < n; i++) widen_row(m, ids[i], out + i * m->n_in);
-}
+void dequantize_rows(const matrix *m, const int64_t *ids, int64_t n, float *out) { widen_rows(m, 0, ids, n, out, m->n_in); }
