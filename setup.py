@@ -37,7 +37,7 @@ setup(
   version="0.0.1",
   description="Run one language model across several ordinary machines, serving many users at once",
   packages=find_packages(include=["exo", "exo.*"]),
-  package_data={"exo": ["tinychat/**/*", "networking/grpc/*.proto", "inference/numpy/kernels_c/*.c"]},
+  package_data={"exo": ["tinychat/**/*", "networking/grpc/*.proto", "inference/numpy/kernels_c/*.c", "inference/numpy/kernels_c/*.h"]},
   include_package_data=True,
   python_requires=">=3.10",
   install_requires=install_requires,

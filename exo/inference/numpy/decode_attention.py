@@ -22,16 +22,13 @@ def attend_decode(slab: np.ndarray, slot: int, li: int, q: np.ndarray, first: in
   """attn[first + r] = the attention of query row first + r (q: (rows, heads, head dim), scaled) over positions
   [ends[r] - window (0 where window is 0), ends[r]) of slab slot slot + r, layer li. softcap > 0: scores become
   softcap * tanh(score / softcap); sinks (one logit per query head, or none) join each softmax's denominator."""
-  if slab.dtype != np.float32 or q.dtype != np.float32 or attn.dtype != np.float32 or slab.ndim != 6:
-    raise TypeError("attend_decode takes float32 arrays, the slab (slots, layers, planes, kv heads, positions, head dim)")
+  if (slab.dtype != np.float32 or q.dtype != np.float32 or attn.dtype != np.float32 or slab.ndim != 6 or q.ndim != 3 or attn.ndim != 2
+          or not native.strided_by_elements(slab, q, attn)):
+    raise TypeError("attend_decode takes float32 arrays: the slab (slots, layers, planes, kv heads, positions, head dim), "
+                    "q (rows, heads, head dim), attn (rows, heads * head dim)")
   ends = np.ascontiguousarray(ends, dtype=np.int64)
   sinks = np.ascontiguousarray(sinks, dtype=np.float32)
   if len(ends) and (slot < 0 or slot + len(ends) > slab.shape[0] or ends.max() > slab.shape[4] or first + len(ends) > q.shape[0]):
     raise IndexError("a decode row's slot, positions or query row lies outside the cache")
-  slab_shape, slab_strides = native.shape_and_strides(slab)
-  q_shape, q_strides = native.shape_and_strides(q)
-  _, attn_strides = native.shape_and_strides(attn)
-  if _lib.attend_decode(slab.ctypes.data, slab_shape, slab_strides, slot, li, q.ctypes.data, q_shape, q_strides, first,
-                        ends.ctypes.data, len(ends), int(window), float(softcap), sinks.ctypes.data, len(sinks),
-                        attn.ctypes.data, attn_strides):
+  if _lib.attend_decode(slab, slot, li, q, first, ends, window, softcap, sinks, attn):
     raise MemoryError("no memory for a decode row's scores")

@@ -15,9 +15,8 @@ _lib = native.library()
 
 def widen(halves: np.ndarray) -> np.ndarray:
   """A 4-dimensional float16 array (any strides; its last dimension contiguous reads fastest) as float32."""
-  if _lib is None or halves.ndim != 4 or any(s % 2 for s in halves.strides):
+  if _lib is None or halves.ndim != 4 or halves.dtype != np.float16 or not native.strided_by_elements(halves):
     return halves.astype(np.float32)
   out = np.empty(halves.shape, dtype=np.float32)
-  shape, strides = native.shape_and_strides(halves)
-  _lib.widen_halves(halves.ctypes.data, shape, strides, out.ctypes.data)
+  _lib.widen_halves(halves, out)
   return out

@@ -33,7 +33,6 @@ OPENMP = ["-fopenmp"]
 
 p = ctypes.c_void_p
 i64 = ctypes.c_int64
-i64p = ctypes.POINTER(ctypes.c_int64)
 
 
 class Matrix(ctypes.Structure):
@@ -43,15 +42,17 @@ class Matrix(ctypes.Structure):
 
 
 MatrixP = ctypes.POINTER(Matrix)
+array = ctypes.py_object  # a numpy array itself, its fields read by the kernel (kernels_c/arrays.h)
 SIGNATURES = {
   "product_rows": (ctypes.c_int, [MatrixP, p, i64, i64, i64, p, i64]),
   "parallel_rows": (ctypes.c_int, [MatrixP, p, i64, i64, i64, p, i64]),
+  "product_arrays": (ctypes.c_int, [MatrixP, array, array, i64, i64, ctypes.c_int]),
   "has_threads": (ctypes.c_int, []),
   "widen_tile": (None, [MatrixP, i64, i64, p, i64]),
   "dequantize_rows": (None, [MatrixP, p, i64, p]),
-  "widen_halves": (None, [p, i64p, i64p, p]),
-  "rope": (None, [p, i64p, i64p, p, p, i64p, ctypes.c_float, p, i64p]),
-  "attend_decode": (ctypes.c_int, [p, i64p, i64p, i64, i64, p, i64p, i64p, i64, p, i64, i64, ctypes.c_float, p, i64, p, i64p]),
+  "widen_halves": (None, [array, array]),
+  "rope": (None, [array, array, array, ctypes.c_float, array]),
+  "attend_decode": (ctypes.c_int, [array, i64, i64, array, i64, array, i64, ctypes.c_float, array, array]),
 }
 
 
@@ -84,7 +85,7 @@ def _library_path(cc: List[str]) -> Optional[Path]:
   if version.returncode != 0:
     return None
   digest = hashlib.sha256()
-  for source in sorted(SOURCES.glob("*.c")):
+  for source in sorted(SOURCES.glob("*.[ch]")):
     digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
   for part in (shutil.which(cc[0]) or cc[0], " ".join(cc), version.stdout, " ".join(FLAGS + OPENMP), cpu_identity()):
     digest.update(part.encode() + b"\0")
@@ -136,10 +137,38 @@ def _load() -> Optional[ctypes.CDLL]:
   except OSError as e:
     log.warning("exo: loading the numpy engine's kernels (%s) failed; its kernels run in numpy: %s", path, e)
     return None
+  offset = array_fields_offset()
+  if offset is None:
+    log.warning("exo: numpy's arrays are laid out as the compiled kernels do not expect; the numpy engine's kernels run in numpy")
+    return None
+  ctypes.c_int64.in_dll(lib, "exo_array_offset").value = offset
   for name, (restype, argtypes) in SIGNATURES.items():
     function = getattr(lib, name)
     function.restype, function.argtypes = restype, argtypes
   return lib
+
+
+def array_fields_offset() -> Optional[int]:
+  """Where a numpy array's fields (data, dimensions, shape, strides: kernels_c/arrays.h) start in its object, found by
+  looking for its data address after the object's header and checked on arrays of other shapes; None if they are not
+  laid out so."""
+  import numpy as np
+  word = ctypes.sizeof(ctypes.c_void_p)
+  probes = [np.zeros((3, 5), dtype=np.float32), np.zeros((2, 3, 4), dtype=np.uint16)[:, 1:], np.zeros(7, dtype=np.int64)]
+
+  def laid_out(a, at: int) -> bool:
+    read = lambda address: ctypes.c_void_p.from_address(address).value
+    if read(at) != a.ctypes.data or ctypes.c_int.from_address(at + word).value != a.ndim:
+      return False
+    shape, strides = read(at + 2 * word), read(at + 3 * word)
+    return (all(ctypes.c_int64.from_address(shape + 8 * i).value == n for i, n in enumerate(a.shape))
+            and all(ctypes.c_int64.from_address(strides + 8 * i).value == n for i, n in enumerate(a.strides)))
+  if word != 8:
+    return None
+  for offset in range(word, 8 * word, word):  # the object's header: reference count and type (more in some builds)
+    if ctypes.c_void_p.from_address(id(probes[0]) + offset).value == probes[0].ctypes.data:
+      return offset if all(laid_out(a, id(a) + offset) for a in probes) else None
+  return None
 
 
 _state = {}
@@ -155,6 +184,6 @@ def library() -> Optional[ctypes.CDLL]:
   return _state["lib"]
 
 
-def shape_and_strides(a) -> tuple:
-  """An array's shape and strides in elements, as int64 arrays the kernels read (kept alive by the caller)."""
-  return (ctypes.c_int64 * a.ndim)(*a.shape), (ctypes.c_int64 * a.ndim)(*(s // a.itemsize for s in a.strides))
+def strided_by_elements(*arrays) -> bool:
+  """Whether each array's strides are whole elements, as the kernels read them (numpy's own arrays always are)."""
+  return all(not any(stride % a.itemsize for stride in a.strides) for a in arrays)

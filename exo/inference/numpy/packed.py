@@ -61,6 +61,7 @@ TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table(), "float32": np.zero
           # E8M0's 2 ** (e - 127), a quarter of it (the kernels take E2M1 codes as four times their values); 255 is NaN
           "e8m0": np.append(np.ldexp(np.float32(1.0), np.arange(255) - 129), np.nan).astype(np.float32)}
 E2M1_TIMES_4 = np.array([0, 2, 4, 6, 8, 12, 16, 24, 0, -2, -4, -6, -8, -12, -16, -24], dtype=np.float32)
+_FLOAT32 = np.dtype(np.float32)
 VALUES_KIND = {np.dtype(np.uint16): 0, np.dtype(np.float32): 1, np.dtype(np.uint8): 2}  # quantized.c's VALUES_*
 
 _lib = native.library()
@@ -74,8 +75,8 @@ if hasattr(os, "register_at_fork"):
 def _shares() -> bool:
   """Whether a direct product runs on OpenMP's threads: its step chose to (SharedDecode), the kernels were built with
   OpenMP, this is not a forked child, and the caller is not one of the engine's slices (kernels.in_slice: the cores
-  are shared out already)."""
-  return kernels.step_is_shared() and _parallel["usable"] and not kernels.in_slice()
+  are shared out already). (kernels.step_is_shared and in_slice read in place: this runs for every product.)"""
+  return getattr(kernels._slices, "shared_step", False) and _parallel["usable"] and not getattr(kernels._slices, "running", False)
 
 
 @dataclass
@@ -156,6 +157,7 @@ class PackedMatrix:
     self.biases = biases if fp4 is not None else np.ascontiguousarray(biases)
     self.table_name, self.bits, self.fp4 = table, bits, fp4
     self.table = TABLES[table]
+    self.shape = (self.codes.shape[0], self.codes.shape[1] * 8 // bits)
     self._kernel = None if _lib is None else ctypes.pointer(self._described())  # the pointer holds the description
 
   def _described(self) -> native.Matrix:
@@ -181,10 +183,6 @@ class PackedMatrix:
     return cls(codes, scales, biases, table, w.bits)
 
   @property
-  def shape(self):
-    return self.codes.shape[0], self.codes.shape[1] * 8 // self.bits
-
-  @property
   def nbytes(self) -> int:
     return self.codes.nbytes + self.scales.nbytes + (0 if self.fp4 is not None else self.biases.nbytes)
 
@@ -205,17 +203,18 @@ class PackedMatrix:
     return out
 
   def direct(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: Optional[bool] = None) -> None:
-    """out = x (rows, in; contiguous float32) @ this matrix's rows a..b, transposed, straight from the codes: on
+    """out = x (rows, in; contiguous float32, checked by the caller) @ this matrix's rows a..b, transposed, straight from the codes: on
     OpenMP's threads where `shared` (None: as the step chose, _shares) and the kernels have them, else on the calling
     core. out: (rows, b - a) float32, its rows anywhere as long as each is contiguous."""
-    if out.strides[1] != 4 or out.strides[0] % 4:
+    if out.shape != (x.shape[0], b - a) or x.shape[1] != self.shape[1] or not 0 <= a <= b <= self.shape[0]:
+      raise ValueError(f"a product of {x.shape} inputs with rows {a}..{b} of a {self.shape} matrix into {out.shape}")
+    if out.strides[1] != 4 or out.strides[0] % 4 or out.dtype is not _FLOAT32:
       whole = np.empty(out.shape, dtype=np.float32)
       self.direct(x, a, b, whole, shared)
       out[...] = whole
       return
     shared = _shares() if shared is None else shared and _parallel["usable"]
-    kernel = _lib.parallel_rows if shared else _lib.product_rows
-    if kernel(self._kernel, x.ctypes.data, x.shape[0], a, b, out.ctypes.data, out.strides[0] // 4):
+    if _lib.product_arrays(self._kernel, x, out, a, b, shared):
       raise MemoryError("no memory for a product's inputs")
 
   def product(self, x: np.ndarray, a: int, b: int, out: Optional[np.ndarray] = None) -> np.ndarray:

@@ -18,13 +18,8 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float = 1.0, ou
     out = np.empty(x.shape, dtype=np.float32)
   if (_lib is not None and x.ndim == 3 and cos.ndim == 3 and cos.shape[0] == x.shape[0] and cos.shape[1] == 1
           and 2 * cos.shape[2] == x.shape[2] and x.dtype == cos.dtype == sin.dtype == out.dtype == np.float32
-          and sin.shape == cos.shape and out.shape == x.shape):
-    if sin.strides != cos.strides:
-      cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
-    shape, x_strides = native.shape_and_strides(x)
-    _, table_strides = native.shape_and_strides(cos)
-    _, out_strides = native.shape_and_strides(out)
-    _lib.rope(x.ctypes.data, shape, x_strides, cos.ctypes.data, sin.ctypes.data, table_strides, float(scale), out.ctypes.data, out_strides)
+          and sin.shape == cos.shape and out.shape == x.shape and native.strided_by_elements(x, cos, sin, out)):
+    _lib.rope(x, cos, sin, scale, out)
     return out
   half = x.shape[-1] // 2
   x1, x2 = x[..., :half], x[..., half:]

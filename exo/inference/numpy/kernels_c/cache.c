@@ -1,15 +1,22 @@
 /* The KV cache's kernels: float16 widened to float32 (halves.py), and decode rows' attention over a float32 cache
-   (decode_attention.py). Strides are in elements. */
+   (decode_attention.py). Arrays come as numpy's objects (arrays.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* out (contiguous, shape's order) = src's float16 bits as float32: exponent and mantissa shifted into a float32's, which,
+#include "arrays.h"
+
+/* out (a contiguous float32 array of src's shape) = src's (4 dimensions, float16, any strides) bits as float32: exponent and mantissa shifted into a float32's, which,
    times 2**112 (the two formats' exponent biases apart), is the same number, subnormals and zeros included. Infinities
    and NaNs are not kept (a cache holds neither). */
-void widen_halves(const uint16_t *src, const int64_t *shape, const int64_t *strides, float *out) {
+void widen_halves(const void *src_array, const void *out_array) {
   const float rebias = 0x1p112f;
+  const uint16_t *src = data_of(src_array);
+  const int64_t *shape = shape_of(src_array);
+  int64_t strides[8];
+  strides_of(src_array, 2, strides);
+  float *out = data_of(out_array);
   for (int64_t i = 0; i < shape[0]; i++)
     for (int64_t j = 0; j < shape[1]; j++)
       for (int64_t k = 0; k < shape[2]; k++) {
@@ -26,16 +33,23 @@ void widen_halves(const uint16_t *src, const int64_t *shape, const int64_t *stri
       }
 }
 
-/* attn[first + r] = query row first + r's attention (q: (rows, heads, head dim), scaled) over positions
+/* attn[first + r] (attn: float32 (rows, heads * head dim)) = query row first + r's attention (q: (rows, heads, head dim), scaled) over positions
    [ends[r] - window (0 where window is 0), ends[r]) of slab slot slot + r, layer li: one pass over its cache, the
    softmax shifted by the row's largest score. slab: (slots, layers, planes, kv heads, positions, head dim); a slot of
    one plane (latent attention) holds keys that are their own values. softcap > 0: scores become softcap *
-   tanh(score / softcap); sinks (one logit per query head; n_sinks 0: none) join each softmax's denominator. Returns 0,
+   tanh(score / softcap); sinks (float32, one logit per query head, or none) join each softmax's denominator. ends:
+   contiguous int64. Returns 0,
    or -1 where memory ran out. */
-int attend_decode(const float *slab, const int64_t *slab_shape, const int64_t *slab_strides, int64_t slot, int64_t li,
-                  const float *q, const int64_t *q_shape, const int64_t *q_strides, int64_t first, const int64_t *ends,
-                  int64_t n_rows, int64_t window, float softcap, const float *sinks, int64_t n_sinks, float *attn,
-                  const int64_t *attn_strides) {
+int attend_decode(const void *slab_array, int64_t slot, int64_t li, const void *q_array, int64_t first, const void *ends_array,
+                  int64_t window, float softcap, const void *sinks_array, const void *attn_array) {
+  const float *slab = data_of(slab_array), *q = data_of(q_array), *sinks = data_of(sinks_array);
+  const int64_t *ends = data_of(ends_array), *slab_shape = shape_of(slab_array), *q_shape = shape_of(q_array);
+  const int64_t n_rows = shape_of(ends_array)[0], n_sinks = shape_of(sinks_array)[0];
+  float *attn = data_of(attn_array);
+  int64_t slab_strides[8], q_strides[8], attn_strides[8];
+  strides_of(slab_array, 4, slab_strides);
+  strides_of(q_array, 4, q_strides);
+  strides_of(attn_array, 4, attn_strides);
   const int64_t n_heads = q_shape[1], head_dim = q_shape[2], group = n_heads / slab_shape[3], values_plane = slab_shape[2] - 1;
   int64_t longest = 1;
   for (int64_t r = 0; r < n_rows; r++) longest = ends[r] > longest ? ends[r] : longest;

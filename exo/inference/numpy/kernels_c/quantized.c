@@ -14,6 +14,8 @@ high codes the odd ones, unit-stride. Other group sizes take plain loops. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "arrays.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -274,6 +276,15 @@ int parallel_rows(const matrix *m, const float *x, int64_t rows, int64_t lo, int
   }
   free(scratch);
   return 0;
+}
+
+int64_t exo_array_offset = -1;
+
+/* x @ weight rows lo..hi into out as product_rows (shared: parallel_rows), x and out numpy arrays (arrays.h): x
+   (rows, in) contiguous float32, out (rows, hi - lo) float32 with contiguous rows. */
+int product_arrays(const matrix *m, const void *x, const void *out, int64_t lo, int64_t hi, int shared) {
+  const array_fields *xf = fields(x), *of = fields(out);
+  return (shared ? parallel_rows : product_rows)(m, (const float *)xf->data, xf->shape[0], lo, hi, (float *)of->data, of->strides[0] / 4);
 }
 
 /* 1 where this library was built with OpenMP (parallel_rows shares its panels), else 0. */
