@@ -23,7 +23,7 @@ def attend_decode(slab: np.ndarray, slot: int, li: int, q: np.ndarray, first: in
   [ends[r] - window (0 where window is 0), ends[r]) of slab slot slot + r, layer li. softcap > 0: scores become
   softcap * tanh(score / softcap); sinks (one logit per query head, or none) join each softmax's denominator."""
   if (slab.dtype != np.float32 or q.dtype != np.float32 or attn.dtype != np.float32 or slab.ndim != 6 or q.ndim != 3 or attn.ndim != 2
-          or not native.strided_by_elements(slab, q, attn)):
+          or not (slab.flags.aligned and q.flags.aligned and attn.flags.aligned)):
     raise TypeError("attend_decode takes float32 arrays: the slab (slots, layers, planes, kv heads, positions, head dim), "
                     "q (rows, heads, head dim), attn (rows, heads * head dim)")
   ends = np.ascontiguousarray(ends, dtype=np.int64)

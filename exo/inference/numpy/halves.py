@@ -15,7 +15,7 @@ _lib = native.library()
 
 def widen(halves: np.ndarray) -> np.ndarray:
   """A 4-dimensional float16 array (any strides; its last dimension contiguous reads fastest) as float32."""
-  if _lib is None or halves.ndim != 4 or halves.dtype != np.float16 or not native.strided_by_elements(halves):
+  if _lib is None or halves.ndim != 4 or halves.dtype != np.float16 or not halves.flags.aligned:
     return halves.astype(np.float32)
   out = np.empty(halves.shape, dtype=np.float32)
   _lib.widen_halves(halves, out)

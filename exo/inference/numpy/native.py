@@ -182,8 +182,3 @@ def library() -> Optional[ctypes.CDLL]:
       if "lib" not in _state:
         _state["lib"] = _load()
   return _state["lib"]
-
-
-def strided_by_elements(*arrays) -> bool:
-  """Whether each array's strides are whole elements, as the kernels read them (numpy's own arrays always are)."""
-  return all(not any(stride % a.itemsize for stride in a.strides) for a in arrays)

@@ -18,7 +18,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float = 1.0, ou
     out = np.empty(x.shape, dtype=np.float32)
   if (_lib is not None and x.ndim == 3 and cos.ndim == 3 and cos.shape[0] == x.shape[0] and cos.shape[1] == 1
           and 2 * cos.shape[2] == x.shape[2] and x.dtype == cos.dtype == sin.dtype == out.dtype == np.float32
-          and sin.shape == cos.shape and out.shape == x.shape and native.strided_by_elements(x, cos, sin, out)):
+          and sin.shape == cos.shape and out.shape == x.shape and x.flags.aligned and cos.flags.aligned and sin.flags.aligned and out.flags.aligned):
     _lib.rope(x, cos, sin, scale, out)
     return out
   half = x.shape[-1] // 2

@@ -16,16 +16,12 @@ high codes the odd ones, unit-stride. Other group sizes take plain loops. */
 #include <string.h>
 
 #include "arrays.h"
+#include "vectors.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-#define LANES 16
 #define PANEL 64 /* weight rows one task of a parallel product takes */
-
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint8_t vb __attribute__((vector_size(16)));
 
 enum { VALUES_HALF = 0, VALUES_FLOAT = 1, VALUES_BYTE = 2 }; /* 16-bit bits through the table, float32, 8-bit through it */
 
@@ -41,29 +37,6 @@ static inline float value_at(const void *values, int kind, const float *table, i
   if (kind == VALUES_HALF) return table[((const uint16_t *)values)[i]];
   if (kind == VALUES_FLOAT) return ((const float *)values)[i];
   return table[((const uint8_t *)values)[i]];
-}
-
-static inline vf load(const float *p) {
-  vf v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-/* The lanes' sum, halves added pairwise (in lane order each addition waited for the one before). */
-static inline float lane_sum(vf v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 a, b;
-  memcpy(&a, &v, sizeof a);
-  memcpy(&b, (char *)&v + sizeof a, sizeof b);
-  a = a + b;
-  v4 c, d;
-  memcpy(&c, &a, sizeof c);
-  memcpy(&d, (char *)&a + sizeof c, sizeof d);
-  c = c + d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 /* 4-bit codes as four times their E2M1 values: magnitudes m = 0, 1 are 0, 2; m >= 2 are (2 + m % 2) << m / 2;
@@ -134,6 +107,7 @@ static float *prepare(const matrix *m, const float *x, int64_t rows, inputs *in)
   for (int64_t r = 0; r < rows; r++)
     for (int64_t g = 0; g < m->n_groups; g++) {
       float s = 0.0f;
+#pragma omp simd reduction(+ : s)
       for (int64_t k = 0; k < group; k++) s += x[r * n_in + g * group + k];
       sums[r * m->n_groups + g] = s;
     }
@@ -179,21 +153,21 @@ static inline __attribute__((always_inline)) void dot_block(const matrix *m, con
   const uint8_t *row = m->codes + j * m->row_bytes;
   const float *a = in->a + first * sx, *b = bits == 4 ? in->b + first * sx : NULL, *sums = in->sums + first * n_groups;
   vf even[4] = {0}, odd[4] = {0};
-  float offset[4] = {0};
+  float even_offset[4] = {0}, odd_offset[4] = {0};
   int64_t g = 0;
   if (per_group == 1) { /* 32-input groups of 4-bit codes (GGUF's blocks), 16-input ones of 8-bit: no inner loop */
     for (; g + 2 <= n_groups; g += 2) {
-      dot_group(m, row, a, b, sums, sx, j, g, 1, even, offset, R, bits, fp4, kind);
-      dot_group(m, row, a, b, sums, sx, j, g + 1, 1, odd, offset, R, bits, fp4, kind);
+      dot_group(m, row, a, b, sums, sx, j, g, 1, even, even_offset, R, bits, fp4, kind);
+      dot_group(m, row, a, b, sums, sx, j, g + 1, 1, odd, odd_offset, R, bits, fp4, kind);
     }
   } else {
     for (; g + 2 <= n_groups; g += 2) {
-      dot_group(m, row, a, b, sums, sx, j, g, per_group, even, offset, R, bits, fp4, kind);
-      dot_group(m, row, a, b, sums, sx, j, g + 1, per_group, odd, offset, R, bits, fp4, kind);
+      dot_group(m, row, a, b, sums, sx, j, g, per_group, even, even_offset, R, bits, fp4, kind);
+      dot_group(m, row, a, b, sums, sx, j, g + 1, per_group, odd, odd_offset, R, bits, fp4, kind);
     }
   }
-  if (g < n_groups) dot_group(m, row, a, b, sums, sx, j, g, per_group, even, offset, R, bits, fp4, kind);
-  for (int r = 0; r < R; r++) out[(first + r) * out_stride] = lane_sum(even[r] + odd[r]) + offset[r];
+  if (g < n_groups) dot_group(m, row, a, b, sums, sx, j, g, per_group, even, even_offset, R, bits, fp4, kind);
+  for (int r = 0; r < R; r++) out[(first + r) * out_stride] = lane_sum(even[r] + odd[r]) + (even_offset[r] + odd_offset[r]);
 }
 
 typedef void (*block_fn)(const matrix *, const inputs *, int64_t, int64_t, float *, int64_t);
