@@ -44,11 +44,9 @@ class Matrix(ctypes.Structure):
 MatrixP = ctypes.POINTER(Matrix)
 array = ctypes.py_object  # a numpy array itself, its fields read by the kernel (kernels_c/arrays.h)
 SIGNATURES = {
-  "product_rows": (ctypes.c_int, [MatrixP, p, i64, i64, i64, p, i64]),
-  "parallel_rows": (ctypes.c_int, [MatrixP, p, i64, i64, i64, p, i64]),
   "product_arrays": (ctypes.c_int, [MatrixP, array, array, i64, i64, ctypes.c_int]),
   "has_threads": (ctypes.c_int, []),
-  "widen_tile": (None, [MatrixP, i64, i64, p, i64]),
+  "widen_tile": (None, [MatrixP, i64, i64, array]),
   "dequantize_rows": (None, [MatrixP, p, i64, p]),
   "widen_halves": (None, [array, array]),
   "rope": (None, [array, array, array, ctypes.c_float, array]),

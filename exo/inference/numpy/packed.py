@@ -247,7 +247,7 @@ class PackedMatrix:
     """Rows lo..hi as float32, in the tile's first rows (the compiled kernel) or a new array (numpy's form)."""
     if self._kernel is None:
       return self._widened(lo, hi)
-    _lib.widen_tile(self._kernel, lo, hi, tile.ctypes.data, self.shape[1])
+    _lib.widen_tile(self._kernel, lo, hi, tile)
     return tile[:hi - lo]
 
   def _widened(self, lo: int, hi: int) -> np.ndarray:

@@ -288,32 +288,44 @@ static void widen_plain(const matrix *m, int64_t j, float *restrict dest) {
   }
 }
 
-/* Weight row j as float32 into dest, inputs in order, by vectors: a byte's low code is the even input's, its high
-   code the odd one's. */
+/* 16 bytes of codes at k as float32 into dest, inputs in order: a byte's low code is the even input's, its high code
+   the odd one's. */
+static inline __attribute__((always_inline)) void widen_chunk(const uint8_t *row, int64_t k, float scale, float bias,
+                                                              float *restrict dest, const int bits, const int fp4) {
+  if (bits == 4) {
+    vf low, high;
+    split_codes(row + k, fp4, &low, &high);
+    low = low * scale + bias, high = high * scale + bias;
+#if defined(__clang__) || __GNUC__ >= 12
+    store(dest + 2 * k, __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+    store(dest + 2 * k + LANES, __builtin_shufflevector(low, high, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+#else
+    for (int i = 0; i < LANES; i++) dest[2 * k + 2 * i] = low[i], dest[2 * k + 2 * i + 1] = high[i];
+#endif
+  } else {
+    store(dest + k, __builtin_convertvector(bytes_to_ints(row + k), vf) * scale + bias);
+  }
+}
+
+/* Weight row j as float32 into dest, inputs in order, by vectors. */
 static inline __attribute__((always_inline)) void widen_row(const matrix *m, int64_t j, float *restrict dest, const int bits,
                                                             const int fp4, const int kind) {
   const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups;
   const uint8_t *row = m->codes + j * m->row_bytes;
   const void *scales = m->scales, *biases = m->biases;
   const float *table = m->table;
+  if (group_bytes == LANES) { /* one chunk a group (GGUF's 32-input blocks of 4-bit codes): no inner loop */
+    for (int64_t g = 0; g < n_groups; g++) {
+      const float scale = value_at(scales, kind, table, j * n_groups + g);
+      const float bias = fp4 ? 0.0f : value_at(biases, kind, table, j * n_groups + g);
+      widen_chunk(row, g * LANES, scale, bias, dest, bits, fp4);
+    }
+    return;
+  }
   for (int64_t g = 0; g < n_groups; g++) {
     const float scale = value_at(scales, kind, table, j * n_groups + g);
     const float bias = fp4 ? 0.0f : value_at(biases, kind, table, j * n_groups + g);
-    for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k += LANES) {
-      if (bits == 4) {
-        vf low, high;
-        split_codes(row + k, fp4, &low, &high);
-        low = low * scale + bias, high = high * scale + bias;
-#if defined(__clang__) || __GNUC__ >= 12
-        store(dest + 2 * k, __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
-        store(dest + 2 * k + LANES, __builtin_shufflevector(low, high, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
-#else
-        for (int i = 0; i < LANES; i++) dest[2 * k + 2 * i] = low[i], dest[2 * k + 2 * i + 1] = high[i];
-#endif
-      } else {
-        store(dest + k, __builtin_convertvector(bytes_to_ints(row + k), vf) * scale + bias);
-      }
-    }
+    for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k += LANES) widen_chunk(row, k, scale, bias, dest, bits, fp4);
   }
 }
 
@@ -339,9 +351,10 @@ static void widen_rows(const matrix *m, int64_t j0, const int64_t *ids, int64_t 
   widen(m, j0, ids, n, out, out_stride);
 }
 
-/* out[(j - lo) * out_stride ...] = weight row j as float32 for j in [lo, hi): a tile for BLAS. */
-void widen_tile(const matrix *m, int64_t lo, int64_t hi, float *out, int64_t out_stride) {
-  widen_rows(m, lo, NULL, hi - lo, out, out_stride);
+/* tile[j - lo] = weight row j as float32 for j in [lo, hi), for BLAS; tile: a float32 numpy array (arrays.h) of at
+   least hi - lo rows of n_in, each contiguous. */
+void widen_tile(const matrix *m, int64_t lo, int64_t hi, const void *tile) {
+  widen_rows(m, lo, NULL, hi - lo, data_of(tile), fields(tile)->strides[0] / 4);
 }
 
 /* out[i] = weight row ids[i] as float32, rows n_in floats apart (embedding lookups). */
