@@ -6,8 +6,8 @@ then its VmRSS and the mappings that hold it (/proc/PID/smaps: anonymous memory,
   python bench/resident.py --top 30 --warm-up 8
 
 Anonymous memory is the weights (kept quantized: ~94 MiB for SmolLM2), the tokenizer, Python's objects, the KV
-cache's touched pages and the engine's scratch; a library's figure is its pages the process has touched (numba's
-LLVM, libllvmlite.so, is the largest)."""
+cache's touched pages and the engine's scratch; a library's figure is its pages the process has touched (the engine's
+compiled kernels, exo-kernels-*.so, and OpenMP's libgomp are a few hundred KiB)."""
 import argparse
 import asyncio
 import collections

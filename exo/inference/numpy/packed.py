@@ -158,7 +158,8 @@ class PackedMatrix:
     self.table_name, self.bits, self.fp4 = table, bits, fp4
     self.table = TABLES[table]
     self.shape = (self.codes.shape[0], self.codes.shape[1] * 8 // bits)
-    self._kernel = None if _lib is None else ctypes.pointer(self._described())  # the pointer holds the description
+    self._description = None if _lib is None else self._described()
+    self._kernel = None if _lib is None else ctypes.addressof(self._description)
 
   def _described(self) -> native.Matrix:
     """This matrix as the compiled kernels read it: its arrays' addresses (held by this object) and its geometry."""
@@ -203,28 +204,31 @@ class PackedMatrix:
     return out
 
   def direct(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: Optional[bool] = None) -> None:
-    """out = x (rows, in; contiguous float32, checked by the caller) @ this matrix's rows a..b, transposed, straight from the codes: on
-    OpenMP's threads where `shared` (None: as the step chose, _shares) and the kernels have them, else on the calling
-    core. out: (rows, b - a) float32, its rows anywhere as long as each is contiguous."""
-    if out.shape != (x.shape[0], b - a) or x.shape[1] != self.shape[1] or not 0 <= a <= b <= self.shape[0]:
-      raise ValueError(f"a product of {x.shape} inputs with rows {a}..{b} of a {self.shape} matrix into {out.shape}")
-    if out.strides[1] != 4 or out.strides[0] % 4 or out.dtype is not _FLOAT32:
-      whole = np.empty(out.shape, dtype=np.float32)
-      self.direct(x, a, b, whole, shared)
-      out[...] = whole
-      return
+    """out = x (rows, in) @ this matrix's rows a..b, transposed, straight from the codes: on OpenMP's threads where
+    `shared` (None: as the step chose, _shares) and the kernels have them, else on the calling core. out: (rows, b -
+    a) float32. The kernel checks the shapes and strides itself (checked here they cost as much as a small product):
+    only what it refuses is looked at here."""
     shared = _shares() if shared is None else shared and _parallel["usable"]
-    if _lib.product_arrays(self._kernel, x, out, a, b, shared):
+    status = _lib.product_arrays(self._kernel, x, out, a, b, shared) if x.dtype is _FLOAT32 and out.dtype is _FLOAT32 else -2
+    if status == -1:
       raise MemoryError("no memory for a product's inputs")
+    if status == 0:
+      return
+    if out.shape != (x.shape[0], b - a) or x.ndim != 2 or x.shape[1] != self.shape[1] or not 0 <= a <= b <= self.shape[0]:
+      raise ValueError(f"a product of {x.shape} inputs with rows {a}..{b} of a {self.shape} matrix into {out.shape}")
+    whole = np.empty(out.shape, dtype=np.float32)
+    if _lib.product_arrays(self._kernel, np.ascontiguousarray(x, dtype=np.float32), whole, a, b, shared):
+      raise MemoryError("no memory for a product's inputs")
+    out[...] = whole
 
   def product(self, x: np.ndarray, a: int, b: int, out: Optional[np.ndarray] = None) -> np.ndarray:
     """x (rows, in) @ this matrix's rows a..b, transposed: (rows, b - a) float32, written into `out` if given."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
     if out is None:
       out = np.empty((x.shape[0], b - a), dtype=np.float32)
     if x.shape[0] <= DIRECT_ROWS and self._kernel is not None:
-      self.direct(x, a, b, out)
+      self.direct(x, a, b, out)  # (which takes x as it comes: float32 and contiguous, or converts it)
       return out
+    x = np.ascontiguousarray(x, dtype=np.float32)
     # Many rows (prefill): x @ tile.T straight into the output; BLAS runs it nearly as fast as float32 (in, out)
     # weights once the tile is large. Fewer: BLAS multiplies the tile by the inputs transposed 1.2-2x faster than
     # the inputs by the tile transposed, so the product is computed transposed, (b - a, rows), and turned at the end.

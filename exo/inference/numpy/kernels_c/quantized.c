@@ -254,10 +254,15 @@ int parallel_rows(const matrix *m, const float *x, int64_t rows, int64_t lo, int
 
 int64_t exo_array_offset = -1;
 
-/* x @ weight rows lo..hi into out as product_rows (shared: parallel_rows), x and out numpy arrays (arrays.h): x
-   (rows, in) contiguous float32, out (rows, hi - lo) float32 with contiguous rows. */
+/* x @ weight rows lo..hi into out as product_rows (shared: parallel_rows), x and out float32 numpy arrays (arrays.h,
+   their dtype checked by the caller). Returns -2, computing nothing, unless x is (rows, in) contiguous, out (rows,
+   hi - lo) with contiguous rows, and lo..hi within the matrix: the caller checks and converts in Python only then. */
 int product_arrays(const matrix *m, const void *x, const void *out, int64_t lo, int64_t hi, int shared) {
   const array_fields *xf = fields(x), *of = fields(out);
+  if (xf->nd != 2 || of->nd != 2 || xf->shape[1] != m->n_in || xf->strides[1] != 4 || (xf->shape[0] > 1 && xf->strides[0] != 4 * m->n_in)
+      || of->shape[0] != xf->shape[0] || of->shape[1] != hi - lo || (hi > lo + 1 && of->strides[1] != 4) || of->strides[0] % 4
+      || lo < 0 || lo > hi || hi > m->n_out)
+    return -2;
   return (shared ? parallel_rows : product_rows)(m, (const float *)xf->data, xf->shape[0], lo, hi, (float *)of->data, of->strides[0] / 4);
 }
 
