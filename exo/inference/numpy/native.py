@@ -28,8 +28,9 @@ from exo.helpers import exo_home
 
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).with_name("kernels_c")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno"]
-OPENMP = ["-fopenmp"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno"]
+# tried in turn: this CPU's instruction set by -march (GCC, clang) or -mcpu (older clang on ARM), with OpenMP first
+VARIANTS = [["-march=native", "-fopenmp"], ["-march=native"], ["-mcpu=native", "-fopenmp"], ["-mcpu=native"]]
 
 p = ctypes.c_void_p
 i64 = ctypes.c_int64
@@ -85,31 +86,32 @@ def _library_path(cc: List[str]) -> Optional[Path]:
   digest = hashlib.sha256()
   for source in sorted(SOURCES.glob("*.[ch]")):
     digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-  for part in (shutil.which(cc[0]) or cc[0], " ".join(cc), version.stdout, " ".join(FLAGS + OPENMP), cpu_identity()):
+  for part in (shutil.which(cc[0]) or cc[0], " ".join(cc), version.stdout, " ".join(FLAGS), repr(VARIANTS), cpu_identity()):
     digest.update(part.encode() + b"\0")
   return exo_home() / "kernels" / f"exo-kernels-{digest.hexdigest()[:24]}.so"
 
 
 def _build(cc: List[str], path: Path) -> None:
-  """Compile the sources into `path`, with OpenMP if the compiler links it, else without; RuntimeError if neither."""
+  """Compile the sources into `path` with the first of VARIANTS' flags the compiler takes; RuntimeError if none."""
   path.parent.mkdir(parents=True, exist_ok=True)
   sources = [str(s) for s in sorted(SOURCES.glob("*.c"))]
   errors = []
-  for extra in (OPENMP, []):
+  for extra in VARIANTS:
     fd, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
       done = subprocess.run(cc + FLAGS + extra + sources + ["-o", temporary, "-lm"], capture_output=True, text=True, timeout=300)
       if done.returncode == 0:
+        os.chmod(temporary, 0o755)  # (mkstemp's file is its owner's alone; a shared home's other users load it too)
         os.replace(temporary, path)  # atomic: another process loads this library or its own, never half of one
         return
-      errors.append(done.stderr.strip()[-2000:])
+      errors.append(done.stderr.strip()[-1000:])
     except (OSError, subprocess.SubprocessError) as e:
       errors.append(str(e))
     finally:
       if os.path.exists(temporary):
         os.unlink(temporary)
-  raise RuntimeError("\n".join(errors))
+  raise RuntimeError("\n".join(dict.fromkeys(errors)))
 
 
 def _load() -> Optional[ctypes.CDLL]:
