@@ -96,7 +96,7 @@ class Llama:
     else:
       self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings, dtype=kv_dtype, **sliding)
     quantized = any(isinstance(layer["o"], PackedMatrix) for layer in self.layers) or isinstance(self.head, PackedMatrix)
-    self.shared_decode = SharedDecode() if quantized else None  # whether a decode step shares its products among numba's threads
+    self.shared_decode = SharedDecode() if quantized else None  # whether a decode step shares its products among OpenMP's threads
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)
