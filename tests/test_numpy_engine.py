@@ -1,6 +1,7 @@
 """The numpy engine on the real SmolLM2-135M: answers, KV-cache correctness, sharding, isolation, memory, and attention
 shared among the cores. (Its parts without the model: test_numpy_kernels.py.)"""
 import asyncio
+import os
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +228,28 @@ def test_without_a_c_compiler_the_engine_warns_once_and_answers_as_with_its_comp
   assert fallback == compiled
   assert stderr.count("kernels run in numpy") == 1, stderr
   assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_where_exo_home_cannot_be_written_the_kernels_are_built_in_a_private_temporary_folder(tmp_path, monkeypatch):
+  """EXO_HOME below a plain file (no folder can be made there, even as root): the library is built in the user's own
+  temporary folder, and loads."""
+  from exo.inference.numpy import native
+  (tmp_path / "file").write_text("")
+  monkeypatch.setenv("EXO_HOME", str(tmp_path / "file" / "home"))
+  monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  monkeypatch.setattr(native, "_state", {})
+  assert native.library() is not None
+  [built] = (tmp_path / "tmp").glob("exo-kernels-*/exo-kernels-*.so")
+  assert oct(built.parent.stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_a_temporary_folder_another_user_can_write_is_not_used(tmp_path, monkeypatch):
+  from exo.inference.numpy import native
+  monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
+  shared = tmp_path / f"exo-kernels-{os.getuid()}"
+  shared.mkdir()
+  shared.chmod(0o777)
+  assert shared not in native.library_folders()
+  shared.chmod(0o700)
+  assert shared in native.library_folders()

@@ -3,10 +3,11 @@ ctypes.
 
 The library is built once per installation, compiler and CPU: `CC` (else the first of cc, gcc, clang on PATH) with
 -O3 -march=native, and OpenMP where the compiler links it (parallel_rows shares a product's weight rows among
-OpenMP's threads; without, packed.SharedDecode never shares). It is kept under $EXO_HOME/kernels, named by a hash of
-the sources, the compiler's identity, the flags and the CPU's model and features, so a home shared by different
-machines never loads a library built for another instruction set; a build goes to a temporary file renamed into
-place, so two processes building at once each load a whole library. ctypes releases the GIL for each call, so the
+OpenMP's threads; without, packed.SharedDecode never shares). It is kept under $EXO_HOME/kernels (where that cannot
+be written, a folder of the user's own in the system's temporary directory), named by a hash of the sources, the
+compiler's identity, the flags and the CPU's model and features, so a home shared by different machines never loads a
+library built for another instruction set; a build goes to a temporary file renamed into place, so two processes
+building at once each load a whole library. ctypes releases the GIL for each call, so the
 engine's worker threads (kernels.py) run slices of one product at once.
 
 Where no compiler works, `library()` is None after one warning, and each caller takes its numpy form (slower)."""
@@ -76,7 +77,23 @@ def cpu_identity() -> str:
     return f"{platform.machine()} {platform.processor()} {platform.platform()}"
 
 
-def _library_path(cc: List[str]) -> Optional[Path]:
+def library_folders() -> List[Path]:
+  """Where the library is looked for and built, in turn: exo's home, then a temporary folder of the user's own (only
+  while it is theirs alone: a library placed there by another user would run in exo)."""
+  folders = [exo_home() / "kernels"]
+  if hasattr(os, "getuid"):
+    private = Path(tempfile.gettempdir()) / f"exo-kernels-{os.getuid()}"
+    try:
+      private.mkdir(mode=0o700, exist_ok=True)
+      status = private.stat()
+      if status.st_uid == os.getuid() and not status.st_mode & 0o022:
+        folders.append(private)
+    except OSError:
+      pass
+  return folders
+
+
+def _library_name(cc: List[str]) -> Optional[str]:
   try:
     version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30)
   except (OSError, subprocess.SubprocessError):
@@ -88,11 +105,12 @@ def _library_path(cc: List[str]) -> Optional[Path]:
     digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
   for part in (shutil.which(cc[0]) or cc[0], " ".join(cc), version.stdout, " ".join(FLAGS), repr(VARIANTS), cpu_identity()):
     digest.update(part.encode() + b"\0")
-  return exo_home() / "kernels" / f"exo-kernels-{digest.hexdigest()[:24]}.so"
+  return f"exo-kernels-{digest.hexdigest()[:24]}.so"
 
 
 def _build(cc: List[str], path: Path) -> None:
-  """Compile the sources into `path` with the first of VARIANTS' flags the compiler takes; RuntimeError if none."""
+  """Compile the sources into `path` with the first of VARIANTS' flags the compiler takes; RuntimeError if none,
+  OSError if `path`'s folder cannot be written."""
   path.parent.mkdir(parents=True, exist_ok=True)
   sources = [str(s) for s in sorted(SOURCES.glob("*.c"))]
   errors = []
@@ -116,18 +134,29 @@ def _build(cc: List[str], path: Path) -> None:
 
 def _load() -> Optional[ctypes.CDLL]:
   cc = compiler()
-  path = _library_path(cc) if cc else None
-  if path is None:
+  name = _library_name(cc) if cc else None
+  if name is None:
     log.warning("exo: no working C compiler (%s); the numpy engine's kernels run in numpy, several times slower. "
                 "Install gcc or clang, or set CC.", " ".join(cc) if cc else "set CC, or install cc, gcc or clang")
     return None
-  if not path.exists():
+  folders = library_folders()
+  path = next((folder / name for folder in folders if (folder / name).exists()), None)
+  unwritable = []
+  for folder in folders if path is None else ():
     try:
-      _build(cc, path)
-    except (RuntimeError, OSError) as e:
+      _build(cc, folder / name)
+      path = folder / name
+      break
+    except OSError as e:  # this folder cannot be written: the next
+      unwritable.append(f"{folder}: {e}")
+    except RuntimeError as e:
       log.warning("exo: building the numpy engine's kernels with %s failed; its kernels run in numpy, several times "
                   "slower:\n%s", " ".join(cc), e)
       return None
+  if path is None:
+    log.warning("exo: no folder to build the numpy engine's kernels in; its kernels run in numpy, several times "
+                "slower:\n%s", "\n".join(unwritable))
+    return None
   # GNU OpenMP's threads spin this long for the next product before they sleep (read as the library loads; its
   # default, ~6 ms here, made a shared step 40x slower when another process held a core: the threads spun while the
   # one with work waited for a core)
