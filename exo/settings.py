@@ -101,7 +101,7 @@ SETTINGS: Tuple[Setting, ...] = (
   _s(None, "EXO_TINYGRAD_DTYPE", str, None, "the tinygrad engine's precision: `float16` or `float32`", "float32 on CPUs, float16 on GPUs"),
   _s(None, "EXO_MLX_OPENBLAS", str, "1", "the MLX engine on Linux preloads OpenBLAS (`0`: not; or a library's path)", "`1`"),
   _s(None, "OPENBLAS_NUM_THREADS", str, None, "the numpy engine's OpenBLAS threads", "1"),
-  _s(None, "CC", str, None, "the C compiler that builds the numpy engine's kernels at first use (kept in `$EXO_HOME/kernels`; none "
+  _s(None, "CC", str, None, "the C compiler that builds the numpy engine's kernels at first use (kept in `$EXO_HOME/kernels`, else a private folder in the temporary directory; none "
      "working: numpy's slower forms)", "the first of `cc`, `gcc`, `clang`"),
   _s(None, "GOMP_SPINCOUNT", str, "10000", "how long the OpenMP threads quantized decode products share wait spinning for the next product before they sleep", "10000"),
   _s("--disable-tui", None, None, None, "no terminal view of the ring", "shown (`exo run`: none)", action=argparse.BooleanOptionalAction),
