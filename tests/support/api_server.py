@@ -85,20 +85,27 @@ class ApiServer:
 
   async def _stop(self) -> None:
     await self.api.stop()
+    if isinstance(self.engine_spec, SlowEngine):
+      self.engine_spec.hurry()  # a node's stop waits for the step under way: a slow one ends now
     await self.node.stop()
 
 
 class SlowEngine(DummyInferenceEngine):
-  """Dummy tokens, but every ring pass after the first `fast` ones takes `delay` seconds."""
+  """Dummy tokens, but every ring pass after the first `fast` ones takes `delay` seconds (until `hurry`: the server
+  stopping, which waits for the step under way)."""
 
   def __init__(self, delay: float, fast: int = 0):
     super().__init__()
     self.delay, self.fast, self.passes = delay, fast, 0
+    self.hurried = threading.Event()
+
+  def hurry(self) -> None:
+    self.hurried.set()
 
   async def infer_tensor(self, request_id, shard, input_data, inference_state=None):
     self.passes += 1
-    if self.passes > self.fast:
-      await asyncio.sleep(self.delay)
+    if self.passes > self.fast and not self.hurried.is_set():
+      await asyncio.get_running_loop().run_in_executor(None, self.hurried.wait, self.delay)
     return await super().infer_tensor(request_id, shard, input_data, inference_state)
 
 
