@@ -14,8 +14,8 @@ from exo.inference.dummy_inference_engine import DummyInferenceEngine
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.networking.discovery import NoDiscovery
-from exo.orchestration.batching.scheduler import Scheduler
-from exo.orchestration.batching.step_loop import StepLoop
+from exo.orchestration.steps.scheduler import Scheduler
+from exo.orchestration.steps.loop import StepLoop
 from exo.orchestration.generation import generate
 from exo.orchestration.model_gate import ModelBusy, gate_key
 from exo.orchestration.model_pool import max_loaded_models

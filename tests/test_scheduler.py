@@ -11,12 +11,12 @@ import pytest
 
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
-from exo.orchestration.batching.batcher import BatcherStopped
+from exo.orchestration.steps.loop import BatcherStopped
 from exo.orchestration.batching.config import BatchingConfig
-from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_groups
-from exo.orchestration.batching.scheduler import GATHER_LIMIT, LONE_PROMPT_CHUNK, ROUND_TRIP_SLACK, RUNNING_AFTER, Scheduler
-from exo.orchestration.batching import step_loop as step_loop_module
-from exo.orchestration.batching.step_loop import StepLoop
+from exo.orchestration.steps.micro_batches import StageTimes, StepCost, best_groups
+from exo.orchestration.steps.scheduler import GATHER_LIMIT, LONE_PROMPT_CHUNK, ROUND_TRIP_SLACK, RUNNING_AFTER, Scheduler
+from exo.orchestration.steps import loop as step_loop_module
+from exo.orchestration.steps.loop import StepLoop
 from exo.orchestration.requests import RequestEnded
 from tests.support.waiting import eventually
 from tests.support.toy import ToyEngine, make_node, settle

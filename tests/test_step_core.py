@@ -18,7 +18,7 @@ from exo.orchestration import statuses
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.routing.packing import ROWS, pack
 from exo.orchestration.routing.route import Route
-from exo.orchestration.step_output import StepCore
+from exo.orchestration.steps.core import StepCore
 from exo.topology.placement import Stage
 from tests.support.toy import TOY, ToyEngine, ask, make_node, reference_greedy, settle, toy_logits
 from tests.support.waiting import eventually

@@ -16,7 +16,7 @@ from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import encode_tensor
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS, GRPCPeerHandle
 from exo.networking.grpc.grpc_server import GRPCServer
-from exo.orchestration.acceptance import accept
+from exo.orchestration.steps.loop import accept
 from exo.topology.device_capabilities import DeviceCapabilities, DeviceFlops
 from exo.topology.topology import Topology
 from tests.support.cluster import free_port

@@ -9,7 +9,7 @@ load_installed_plugins; a Node built in code gets none of them) and exo's batchi
 How the batch stays a batch. A node's forward passes all go through its one step loop (Node.steps, driven by each
 shard's Scheduler, which `exo_scheduler` supplies): a message's rows enter it in one call, a step runs them on the
 engine together, and the step core finishes every row the step ran inside one output (exo/orchestration/
-step_output.py), calling `Node.process_inference_result` for each, in order, through `exo_process_inference_result`;
+steps/core.py), calling `Node.process_inference_result` for each, in order, through `exo_process_inference_result`;
 the output then goes out as one message per next hop (the rows packed) and one token message per origin. The seed's
 hook around `process_inference_result` thus still sees every row, one at a time, while the rows never leave their
 batch. Batch size 1 (no batching plugin) is the same path.
@@ -24,7 +24,7 @@ import numpy as np
 import pluggy
 
 if TYPE_CHECKING:
-  from exo.orchestration.batching.scheduler import Scheduler
+  from exo.orchestration.steps.scheduler import Scheduler
 
 hookspec = pluggy.HookspecMarker("exo")
 hookimpl = pluggy.HookimplMarker("exo")
@@ -43,7 +43,7 @@ def exo_node_stopping(node) -> Optional[Awaitable[None]]:
 
 @hookspec(firstresult=True)
 def exo_scheduler(node, shard) -> Optional["Scheduler"]:
-  """The policy of this node's steps on one of its shards (exo/orchestration/batching/scheduler.py), asked once per
+  """The policy of this node's steps on one of its shards (exo/orchestration/steps/scheduler.py), asked once per
   shard: which ready rows the next step takes, and when. A packed message is a step of the stage before and is due at
   once; a single message (an upstream node's, one per request) is a batch of one, which a batching policy lets others
   join for up to EXO_BATCH_TIMEOUT_MS. The core's policy takes one row a step and a long prompt

@@ -12,8 +12,8 @@ its KV cache.
 The node is wired from parts, each with its own job: the inbox (statuses from peers, parsed once, by kind), the
 placement (placements.py: the members' facts, the groups they give each model, this node's own layers), routing and
 forwarding (routing/: the group a new request goes to, the route it carries, the next hop, the tokens back to the
-origin), the prompt-prefix protocol (prefixes.py), membership and health (membership.py), the step loop (batching/
-step_loop.py) and the step core (step_output.py). What stays here: the lifecycle, the public API upstream's callers
+origin), the prompt-prefix protocol (prefixes.py), membership and health (membership.py), the step loop and the step core
+(steps/). What stays here: the lifecycle, the public API upstream's callers
 use, and the plugin manager whose hooks pick the steps' policy and wrap each row's result."""
 import asyncio
 import logging
@@ -28,8 +28,8 @@ from exo.inference.inference_engine import InferenceEngine, inference_engine_cla
 from exo.inference import grammar
 from exo.inference.shard import Shard
 from exo.orchestration import hookspecs, statuses
-from exo.orchestration.batching.scheduler import Scheduler
-from exo.orchestration.batching.step_loop import StepLoop
+from exo.orchestration.steps.scheduler import Scheduler
+from exo.orchestration.steps.loop import StepLoop
 from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.lifecycle import Lifecycle
 from exo.orchestration.membership import Membership
@@ -41,7 +41,7 @@ from exo.orchestration.prefixes import PrefixProtocol
 from exo.orchestration.requests import Request, RequestRegistry, Status
 from exo.orchestration.ring_member import RingMember
 from exo.orchestration.status_handlers import StatusHandlers
-from exo.orchestration.step_output import StepCore
+from exo.orchestration.steps.core import StepCore
 from exo.orchestration.routing.forwarding import Forwarding
 from exo.topology.device_capabilities import device_capabilities
 from exo.topology.partitioning_strategy import PartitioningStrategy
@@ -172,7 +172,7 @@ class Node(RingMember):
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
     """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
-    is resolved once its forward pass here has started (see acceptance)."""
+    is resolved once its forward pass here has started (steps/loop.py: accept)."""
     return await self.passes.process_prompt(base_shard, prompt, request_id, inference_state, accepted)
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,

@@ -19,7 +19,7 @@ from exo.inference.grammar import MaskTimes
 from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration import statuses
-from exo.orchestration.acceptance import accept
+from exo.orchestration.steps.loop import accept
 from exo.orchestration.model_gate import LeftTheLine, gate_key
 from exo.orchestration.requests import FirstStage, Request, RequestEnded, Status
 from exo.orchestration.routing.packing import ROWS, unpack
@@ -37,7 +37,7 @@ class Passes:
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
     """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
-    is resolved once its forward pass here has started (see acceptance)."""
+    is resolved once its forward pass here has started (steps/loop.py: accept)."""
     request_id = request_id or str(uuid.uuid4())
     self.node.lifecycle.accepts_prompt(request_id)
     request = self.node.lifecycle.open_request(request_id)

@@ -14,7 +14,7 @@ from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_topology, is_empty_tensor
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS
 from exo.networking.server import Server
-from exo.orchestration.acceptance import accept
+from exo.orchestration.steps.loop import accept
 from exo.orchestration.ring_member import caller_host
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
 
   async def _accept(self, work, what: str) -> None:
     """Work on in the background (as upstream's servers do), so each hop is free for the next message and the ring
-    pipelines; reply once the node accepts the message (its forward pass has started, see acceptance), the work
+    pipelines; reply once the node accepts the message (its forward pass has started, see exo/orchestration/steps/loop.py), the work
     has ended, or REPLY_WAIT_S has passed. `work(accepted)` makes the node's coroutine. Failures end the request
     through the Node (Lifecycle.fail_request), not through this reply."""
     loop = asyncio.get_running_loop()

@@ -1,7 +1,7 @@
 """The batching plugin: lets concurrent requests share this node's steps.
 
 Every forward pass on a node goes through its one step loop (Node.steps) and is finished by its step core
-(exo/orchestration/step_output.py): a step's rows sampled together on the last layers, then one output, one message
+(exo/orchestration/steps/core.py): a step's rows sampled together on the last layers, then one output, one message
 per next hop and one token message per origin. Without this plugin each shard's Scheduler takes one row a step; with
 it (`exo_scheduler`) a step takes up to EXO_BATCH_SIZE rows, waits up to EXO_BATCH_TIMEOUT_MS for others to join,
 cuts prompts in chunks beside running streams, and keeps micro-batches in flight round the ring, from what the stages
@@ -14,10 +14,10 @@ from typing import Dict, List, Optional, Tuple
 
 from exo.inference.shard import Shard
 from exo.orchestration import statuses
-from exo.orchestration.batching.batcher import BatchStats
+from exo.orchestration.steps.scheduler import BatchStats
 from exo.orchestration.batching.config import BatchingConfig
-from exo.orchestration.batching.micro_batches import StepCost
-from exo.orchestration.batching.scheduler import Scheduler
+from exo.orchestration.steps.micro_batches import StepCost
+from exo.orchestration.steps.scheduler import Scheduler
 from exo.orchestration.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)

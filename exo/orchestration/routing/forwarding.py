@@ -31,7 +31,7 @@ from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
 from exo.orchestration.routing.packing import pack
 from exo.orchestration.routing.route import Route
 from exo.orchestration.routing.router import REPORT_FRESH_S, REPORT_S, Router
-from exo.orchestration.step_output import Hop, StepOutput
+from exo.orchestration.steps.core import Hop, StepOutput
 from exo.topology.placement import Stage
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from exo.inference.sampling import TokenLogprobs
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import eos_ids
 from exo.logs import VERBOSE
-from exo.orchestration.batching.batcher import BatchStats
+from exo.orchestration.steps.scheduler import BatchStats
 from exo.orchestration.requests import Request, RequestEnded
 from exo.topology.placement import Stage
 

@@ -1,18 +1,16 @@
-"""The step loop: one per node. It asks each shard's Scheduler for the next step, runs it on the engine of that shard
-(`engine_for`: a node may hold several models, one engine each; one step at a time, whatever the shard, so a step
-holds rows of one model only), hands the results back to the Scheduler and to the requests waiting for them. When
-several shards have a step due, the one that stepped least recently goes first: models with work take turns.
+"""The step loop: one per node, through which every forward pass goes. It asks each shard's Scheduler for the next
+step, runs it on the engine of that shard's model (`engine_for`; one step at a time, so a step holds one model's rows),
+and hands the results back to the Scheduler and the waiting callers. When several shards have a step due, the one that
+stepped least recently goes first.
 
-Callers wait in `run` (a message's rows, put in line together) or `infer` (one row). A request that ends leaves at once (`forget`), its waiter failing with RequestEnded; rows
-whose request ended while their step was queued are dropped just before the engine call. A message's acceptance
-(the gRPC server replies to it then) is given when its first step starts.
+Callers wait in `run` (a message's rows, lined up together) or `infer` (one row). A request that ends leaves at once
+(`forget`), its waiter failing with RequestEnded. `finishing_for(scheduler, step)`, asked just before the engine call,
+may return what finishes the step's rows (on a Node, the step core: exo/orchestration/steps/core.py); it returns what
+sends their output, which runs once the waiters have heard None, before the next step.
 
-`finishing_for(scheduler, step)`, asked just before the engine call, may return what finishes the step's rows (on a
-Node it always does): it is
-awaited with the rows the step finished (each with its result) and returns what sends their output (the step core,
-exo/orchestration/step_output.py: their tokens sampled together on the last layers, one message per next hop and per
-origin). Their waiters then hear None (the rows are done with), and the output is sent right after, before the next
-step starts."""
+A message's acceptance: the gRPC server makes one future per SendTensor / SendPrompt and replies once it is resolved
+(`accept`), which the loop does just before the step that runs the message's rows. A batch's messages thus get their
+replies while its step runs, not one by one before it."""
 import asyncio
 import logging
 import time
@@ -21,9 +19,7 @@ from typing import Awaitable, Callable, Dict, Iterable, List, Optional, Set, Tup
 import numpy as np
 
 from exo.inference.shard import Shard
-from exo.orchestration.acceptance import accept
-from exo.orchestration.batching.batcher import BatcherStopped
-from exo.orchestration.batching.scheduler import Row, Scheduler, Step
+from exo.orchestration.steps.scheduler import Row, Scheduler, Step
 from exo.orchestration.requests import RequestEnded
 
 log = logging.getLogger(__name__)
@@ -32,6 +28,16 @@ IDLE_LOOK_S = 1.0  # with no work due, the loop looks again at least this often
 ARRIVAL_WAIT_S = 0.05  # the most a step waits for requests whose start the engine has queued (see _let_arrivals_in)
 
 Done = List[Tuple[Row, object]]  # rows a step finished, each with its (output, state) or its exception
+
+
+class BatcherStopped(RuntimeError):
+  """The node is stopping: the item was not run."""
+
+
+def accept(accepted: Optional[asyncio.Future]) -> None:
+  """Resolve a message's acceptance, if it has one that nobody resolved yet."""
+  if accepted is not None and not accepted.done():
+    accepted.set_result(None)
 
 
 class StepLoop:

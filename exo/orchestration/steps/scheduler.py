@@ -27,8 +27,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from exo.inference.shard import Shard
-from exo.orchestration.batching.batcher import BatchStats
-from exo.orchestration.batching.micro_batches import StageTimes, StepCost, best_groups
+from exo.orchestration.steps.micro_batches import StageTimes, StepCost, best_groups
 from exo.orchestration.routing.packing import input_length
 
 GATHER_LIMIT = 4  # a burst whose messages keep arriving waits up to this many timeouts after its first
@@ -37,6 +36,28 @@ ROUND_TRIPS_KEPT = 32  # recent round trips the typical one is the median of
 LONE_PROMPT_CHUNK = 512  # prompt tokens per step when no running stream is here (bounds a step's attention memory)
 RUNNING_AFTER = 4  # decode steps after which a request's stream is running, and prompt chunks protect it
 PROMPT_TOKENS_PER_DECODE_ROW = 2  # beside D decode rows a step takes up to max(prefill_chunk, 2 D) prompt tokens
+
+class BatchStats:
+  """How many rows each engine step (or sampling call) carried."""
+
+  def __init__(self) -> None:
+    self.sizes: Counter = Counter()
+
+  def record(self, size: int) -> None:
+    self.sizes[size] += 1
+
+  @property
+  def flushes(self) -> int:
+    return sum(self.sizes.values())
+
+  @property
+  def mean(self) -> float:
+    return sum(size * n for size, n in self.sizes.items()) / max(1, self.flushes)
+
+  def __str__(self) -> str:
+    histogram = " ".join(f"{size}:{n}" for size, n in sorted(self.sizes.items()))
+    return f"{self.flushes} batches, mean size {self.mean:.2f}, sizes {{{histogram}}}"
+
 
 Result = Union[Tuple[np.ndarray, Optional[dict]], BaseException]
 
