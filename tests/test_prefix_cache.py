@@ -13,7 +13,7 @@ from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.inference.prefix_cache import BLOCK, block_keys
 from exo.inference.sampling import SamplingParams
 from exo.networking.discovery import NoDiscovery
-from exo.orchestration.batching import scheduler as scheduler_module
+from exo.orchestration.steps import scheduler as scheduler_module
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.batching.plugin import register_batching
 from exo.orchestration.generation import generate

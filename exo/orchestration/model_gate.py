@@ -1,14 +1,10 @@
 """Which models this node's engines serve, and when another may be loaded.
 
-A request holds the gate for its model from its first work at this node until it ends. The gate's `room` says
-whether a model may be let in beside the models requests hold now (OneModel, the default: only when none is held, the
-node's engine holding one model at a time; the node's ModelPool: while its memory and its limit of loaded models
-allow, unloading idle models to make room). A model is never unloaded under a request that holds it, so one user's
-request for another model never wipes the KV caches of the requests in flight. Requests wait in line, in arrival
-order: the first one whose model has no room waits until enough requests have ended, and those that arrive after it
-wait behind it, whatever their model, so busy models cannot starve another. A request that waits longer than
-`wait_s` ends with ModelBusy. A preload holds the gate like a request while it loads, so no request for another
-model is let in meanwhile if there is no room for both (the load would replace that request's model under it)."""
+A request holds the gate for its model from its first work here until it ends; the gate's `room` says whether a model
+may be let in beside those held (OneModel: only when none is; the node's ModelPool: while its memory and limit of
+loaded models allow). A model is never unloaded under a request that holds it. Requests wait in line in arrival
+order, whatever their model, so busy models cannot starve another; one that waits longer than `wait_s` ends with
+ModelBusy. A preload holds the gate like a request while it loads."""
 import asyncio
 from collections import deque
 from typing import Collection, Deque, Dict, List, Optional, Set, Tuple

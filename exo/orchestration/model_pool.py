@@ -1,17 +1,13 @@
 """The chat models this node holds at once, one engine each, and the room the model gate gives another model.
 
-The node's engine (`node.inference_engine`, the class it was started with) takes the first model; each further model
-gets an engine of the same class, built as exo builds engines (exo/inference/engines.py) and set up like the first
-(quantize-on-load, prefix budget). A node whose engine exo cannot build again (a subclass: a test's, a plugin's) holds
-one model at a time, as it always did. A request runs on the engine of its model (`engine_of`), from its turn at the
-gate to its end.
+The node's engine takes the first model; each further model gets an engine of the same class, built as exo builds
+engines (exo/inference/engines.py) and set up like the first. A node whose engine exo cannot build again (a subclass)
+holds one model at a time. A request runs on the engine of its model (`engine_of`) from its turn at the gate to its end.
 
-Room: another model is let in while the models requests hold, with it, number at most `max_models` and weigh at most
-the memory this node offers the cluster (its device capabilities, EXO_MEMORY_MB), each weighed as placement weighs it
-(its weights and KV reserve). Idle models go first to make room, least recently used first; a model alone always gets
-in (as before, a node loads what it is asked for). An idle model is unloaded after its keep-alive (exo/keep_alive.py:
-the node's EXO_KEEP_ALIVE, or what the latest request for it asked, Ollama's `keep_alive`); the model on the node's own
-engine is kept unless a request asks otherwise."""
+Room: another model is let in while the models held, with it, number at most `max_models` and weigh (as placement
+weighs them) at most the memory this node offers; idle models are unloaded to make room, least recently used first,
+and a model alone always gets in. An idle model is unloaded after its keep-alive (exo/keep_alive.py); the model on the
+node's own engine is kept unless a request asks otherwise."""
 import logging
 import math
 import time

@@ -1,19 +1,10 @@
-"""Node: one member of the cluster. It runs the layers a request's route gives it in steps (its one step loop, several
-requests a step with batching, one without), samples on the last layers, and passes each step's rows on, packed per
-next hop where the receiver reads packed messages, one message each where it may be an upstream exo node.
+"""Node: one member of the cluster. It runs the layers a request's route gives it in its one step loop (several
+requests a step with batching, one without), samples on the last layers, and passes each step's rows on.
 
-Each request has one record here (exo/orchestration/requests.py). Every way work reaches the node (a prompt, a
-tensor, a result, a status, a step, a sampled token) checks it first, so a request that has ended never runs,
-samples, allocates or comes back. A request ends once: finished on the node that samples its last token (the others
-learn it from that token), cancelled by its origin (its client left), or failed anywhere; cancellations and failures
-travel to the nodes of its route as opaque statuses and every node drops the request before its next step and frees
-its KV cache.
-
-The node is wired from parts, each with its own job: the inbox (statuses from peers, parsed once, by kind), the
-placement (placements.py: the members' facts, the groups they give each model, this node's own layers), routing and
-forwarding (routing/: the group a new request goes to, the route it carries, the next hop, the tokens back to the
-origin), the prompt-prefix protocol (prefixes.py), membership and health (membership.py), the step loop and the step core
-(steps/). What stays here: the lifecycle, the public API upstream's callers
+The node is wired from parts, each with its own job: the inbox and status handlers (statuses by kind), placements.py
+(the groups each model gets, this node's layers), routing/ (the group a new request goes to, the next hop, tokens
+back to the origin), prefixes.py, membership.py, lifecycle.py (how requests start and end), passes.py and steps/ (the
+step loop and the step core). What stays here: the lifecycle of the node itself, the public API upstream's callers
 use, and the plugin manager whose hooks pick the steps' policy and wrap each row's result."""
 import asyncio
 import logging

@@ -160,13 +160,6 @@ class Passes:
     request.engine = self.node.model_pool.engine_of(shard)
     request.advance(Status.PREFILLING)
 
-  async def run_pass(self, shard: Shard, tensor: np.ndarray, request: Request, inference_state: Optional[dict],
-                     accepted: Optional[asyncio.Future] = None) -> None:
-    """A prompt's pass here: a batch of one through the node's step loop; its error raised."""
-    [result] = await self.node.steps.run(shard, [(request.id, tensor, inference_state)], accepted)
-    if isinstance(result, BaseException):
-      raise result
-
   def passed(self, shard: Shard, request: Request, positions: int, state: Optional[dict]) -> Optional[dict]:
     """After a pass of `positions` positions: the request's record moves on; the state its result goes on with."""
     if not self.node.requests.is_live(request.id):  # it ended while the pass ran, which may have made a cache again

@@ -2,20 +2,14 @@
 from them (exo/topology/placement.py), which groups have their layers loaded, and loading this node's own layers as
 soon as it is placed.
 
-Determinism: every node derives the placement itself from the same announced facts, rather than one node deciding
-for the others. Each member announces its facts (a `placement_member` status: engine, float width, memory offered,
-measured speed, placement mode) and the layers its engine holds, every topology round and whenever they change; the
-placement is a pure function of the facts and the model's shape, and its version is a hash of the facts. Nothing
-has to be elected or agreed, no node is special, and a node that leaves takes nothing with it. Two nodes that have not
-heard the same facts yet (for a second or two after a node joins) may derive different placements; that is safe
-because a request carries its route, planned by its origin: every node on it runs the layers the route names, and one
-that cannot (it neither holds them nor is placed to, and loading them would disturb a request of its own) refuses the
-request with an error, never guesses.
+Every node derives the placement itself, a pure function of the announced facts (a `placement_member` status, sent
+every topology round and whenever they change) and the model's shape, versioned by a hash of the facts: nothing is
+elected, and a node that leaves takes nothing with it. Two nodes that have not heard the same facts yet may derive
+different placements for a moment; that is safe because a request carries the route its origin planned, and a node
+that cannot run the layers a route gives it refuses the request with an error, never guesses.
 
-Mixed rings. Routes are used only among members that announced. A peer that has not announced within
-ANNOUNCE_GRACE_S of joining (an upstream exo node) turns routing off: the ring is then one pipeline over every node,
-each deriving its layers from its own topology view, as exo always did (the node keeps announcing; upstream nodes
-ignore the status)."""
+Mixed rings. A peer that has not announced within ANNOUNCE_GRACE_S of joining (an upstream exo node) turns routing
+off: the ring is then one pipeline over every node, each deriving its layers from its own view, as exo always did."""
 import asyncio
 import logging
 import time

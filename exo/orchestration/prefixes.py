@@ -1,14 +1,12 @@
 """The prompt-prefix protocol between the nodes of a request's route (the engines' stores: exo/inference/prefix_cache.py).
 
-When every node of a request's route reuses prefixes, its first node names the prompt's token blocks, starts the
-request from the longest prefix its engine holds and runs only the rest; the block keys and the positions reused
-travel in the request's inference state (`"prefix"`), so each node starts from the same prefix, and each files the
-request's KV under those keys once its prompt has run there. A node that lacks the prefix says so (a prefix_miss
-status) and the first node runs the prompt again, whole, on every node. When the request finishes, the first node,
-which knows the answer's tokens too, sends every node the keys of all the blocks its cache holds (a prefix_extend
-status), then files them itself: a later request only names blocks that every node has been told of. Nodes announce
-whether they reuse prefixes at all (a prefix_cache status); upstream nodes never do, and a route with one of them
-reuses nothing."""
+When every node of a route reuses prefixes (each announces it: a prefix_cache status; upstream nodes never do), the
+first node names the prompt's token blocks, starts the request from the longest prefix its engine holds and runs only
+the rest; the keys and positions reused travel in the inference state (`"prefix"`), and each node files the request's
+KV under those keys once its prompt has run there. A node that lacks the prefix says so (prefix_miss) and the first
+node runs the prompt again, whole. When the request finishes, the first node sends every node the keys of all its
+blocks, the answer's included (prefix_extend), then files them itself: a later request only names blocks every node
+has been told of."""
 import asyncio
 import logging
 from typing import Optional, Set
@@ -55,7 +53,7 @@ class PrefixProtocol:
     if self.reused_on_route(request):
       await self._run_from_prefix(shard, tokens, request, state, accepted=accepted)
     else:
-      await self.node.passes.run_pass(shard, tokens, request, state, accepted)
+      await self.node.steps.infer(shard, request.id, tokens, state, accepted)
 
   async def _run_from_prefix(self, shard: Shard, tokens: np.ndarray, request: Request, state: dict, reuse: bool = True,
                              accepted: Optional[asyncio.Future] = None) -> None:
@@ -67,7 +65,7 @@ class PrefixProtocol:
     request.positions = reused
     request.first_stage.rerun = (shard, tokens) if reused else None  # kept while another node may lack the prefix
     request.first_stage.sequence = tokens[0].tolist()
-    await self.node.passes.run_pass(shard, tokens[:, reused:], request, {**state, "prefix": {"keys": keys, "reuse": reused}}, accepted)
+    await self.node.steps.infer(shard, request.id, tokens[:, reused:], {**state, "prefix": {"keys": keys, "reuse": reused}}, accepted)
 
   def fed_back(self, request: Request, tensor: np.ndarray) -> None:
     """A token came back to the first node: its cache holds it too."""

@@ -1,16 +1,13 @@
 """How a node passes requests on: the route it gives a new request (at its origin), the route it follows for every
 message (the one the request brought, or its own ring), the next hop's message, and the tokens back to the origin.
 
-Messages. A routed request's prompt goes once to its first hop; then its hidden states go hop to hop, each message
-with the route in the inference state (and, on the prompt's first pass down the route, the sampling parameters). The
-rows of one engine step that go on to the same next hop travel as one SendTensor (packing.py): one message per hop
-per step. The last hop's tokens go to the origin only: when the origin is the route's first hop, a token rides
-back on the tensor that feeds it (no message of its own); otherwise each engine step's tokens for one origin travel
-together as one `tokens` status, one message per origin per step however many rows it sampled, sent in order (one
-in flight per destination, the next one carrying whatever accumulated meanwhile). A request's last token also goes
-to the other nodes of its route, which end it. Statuses about a request (its end, an error, a prefix miss) go to
-the nodes of its route and its origin. A request without a travelling route behaves as exo always did: SendResult
-to its origin, the last one to every peer.
+A routed request's prompt goes once to its first hop; then its hidden states go hop to hop with the route in the
+inference state (and, on the prompt's first pass, the sampling parameters), one SendTensor per hop per step
+(packing.py). The last hop's tokens go to the origin only: on the tensor that feeds the first hop when the origin is
+that hop, else as one `tokens` status per origin per step (one in flight per destination, the next carrying whatever
+accumulated meanwhile). A request's last token, and statuses about it (its end, an error, a prefix miss), go to the
+nodes of its route and its origin. A request without a travelling route behaves as exo always did: SendResult to its
+origin, the last one to every peer.
 
 Load. Each group's first node reports, at most every REPORT_S and only when it changed, how much of its work each
 origin sent (a `group_load` status), so that every origin's router sees the others' requests too."""

@@ -1,13 +1,10 @@
-"""What a stage's step leaves behind, and how it is made: one StepOutput per step, sent at once.
+"""The step core: what a stage's step leaves behind, one StepOutput per step, sent at once.
 
-A step's rows (a batch of one on a node without batching) each end in one of four ways: their hidden states (or, past
-the last layers, their new token) go on to the next hop of their route, their token goes to their origin, they
-finish, or they fail. `StepCore.finishing_for` is what the step loop runs after each step's forward pass: on the last
-layers the rows' tokens drawn together, then `finish_step`. `StepCore.add` puts one row's outcome into the step's output (`Node.process_inference_result`,
-through the `exo_process_inference_result` hook, is what calls it); `StepCore.finish_step` runs that for every row of
-a step inside the step's output; `Forwarding.send` sends an output: one SendTensor per next hop (a step's rows for one
-hop packed together, routing/packing.py), one token message per origin, SendResult as upstream exo for requests
-without a travelling route."""
+Each row of a step goes on to the next hop of its route (hidden states, or past the last layers its new token), sends
+its token to its origin, finishes, or fails. `finishing_for` is what the step loop runs after each forward pass: on the
+last layers the rows' tokens drawn together, then `finish_step`, which passes every row through
+`Node.process_inference_result` (the `exo_process_inference_result` hook, whose core calls `add`) into the step's
+output. `Forwarding.send` sends it: one SendTensor per next hop (routing/packing.py), one token message per origin."""
 import asyncio
 import contextvars
 import logging
@@ -142,22 +139,11 @@ class StepCore:
         tokens.append(e)
     return tokens
 
-  async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
-    """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at
-    once: a batch of one). On the last layers its token is the one its step drew, else it is sampled alone here."""
-    in_step = CURRENT.get()
-    output = in_step or StepOutput()
-    await self._add(output, shard, result, request_id, state)
-    if in_step is None:
-      self.node.forwarding.send(output)
-      for _, error in output.failed:
-        raise error
-
   async def finish_step(self, shard: Shard, rows: List[Tuple[str, int, np.ndarray, Optional[dict]]],
-                        sampled: Optional[Dict[str, Union[int, Exception]]] = None) -> StepOutput:
+                        sampled: Dict[str, Union[int, Exception]]) -> StepOutput:
     """Every row a step finished (request id, positions it ran, result, state), each through
     `Node.process_inference_result` into one output, which the caller sends."""
-    output = StepOutput(sampled=dict(sampled or {}))
+    output = StepOutput(sampled=sampled)
     reset = CURRENT.set(output)
     try:
       for request_id, positions, result, state in rows:
@@ -174,6 +160,17 @@ class StepCore:
     finally:
       CURRENT.reset(reset)
     return output
+
+  async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
+    """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at
+    once: a batch of one). On the last layers its token is the one its step drew, else it is sampled alone here."""
+    in_step = CURRENT.get()
+    output = in_step or StepOutput()
+    await self._add(output, shard, result, request_id, state)
+    if in_step is None:
+      self.node.forwarding.send(output)
+      for _, error in output.failed:
+        raise error
 
   async def _add(self, output: StepOutput, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     node = self.node

@@ -63,9 +63,9 @@ class StepLoop:
     return self.schedulers[shard]
 
   async def infer(self, shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict],
-                  accepted: Optional[asyncio.Future] = None, whole: bool = False) -> Tuple[np.ndarray, Optional[dict]]:
-    """One row, a batch of one: its result (None where a finisher took it), or its error raised."""
-    [result] = await self.run(shard, [(request_id, tensor, state)], accepted, whole)
+                  accepted: Optional[asyncio.Future] = None) -> Optional[Tuple[np.ndarray, Optional[dict]]]:
+    """One row (a prompt's pass), a batch of one: its result (None where a finisher took it), or its error raised."""
+    [result] = await self.run(shard, [(request_id, tensor, state)], accepted)
     if isinstance(result, BaseException):
       raise result
     return result

@@ -1,24 +1,19 @@
 """Continuous batching at one node for one shard, as a policy: `schedule(now)` says what the next engine step runs,
-`update(step, results, now)` takes what it returned. Nothing here waits or touches the engine; the step loop
-(step_loop.py) drives it with the clock, tests with a fake one.
+`update(step, results, now)` takes what it returned. Nothing here waits or touches the engine; the step loop drives it
+with the clock, tests with a fake one.
 
-A step takes ready requests, oldest first, up to the batch size: decode tokens, and chunks of new prompts up to
-`prefill_chunk` prompt tokens per step, or 2 per decode row when that is more (so a long prompt shares steps with
-running streams instead of freezing them). Each request keeps its own KV cache in the engine and carries on exactly
-as unbatched; requests join and leave between steps.
+A step takes ready requests, oldest first, up to the batch size: decode tokens, and prompts in chunks (up to
+`prefill_chunk` tokens a step, or 2 per decode row when that is more), so a long prompt shares steps with running
+streams instead of freezing them. Requests join and leave between steps.
 
 Micro-batches. The node with the first layers splits its requests into m groups (micro_batches.py says how many)
-that travel the ring one behind the other, so that every stage works while the others do. Each request there
-belongs to one group, balanced by rows; a group's step starts once all its live members are back, or once the late
-ones are overdue (ROUND_TRIP_SLACK typical round trips after they left), and never waits for another group.
+that travel the ring one behind the other, so that every stage works while the others do. A group's step starts once
+its live members are back, or once the late ones are ROUND_TRIP_SLACK typical round trips overdue.
 
-The other stages see each group arrive. From a batching stage of this fork it comes as one packed message (one
-step's rows of the stage before, packed even when there is one): a whole batch, whose step is due at once. Nodes that
-send one message per request (upstream nodes, this fork's nodes without batching) make it a burst of single messages,
-each a batch of one, which a step gathers: it waits while requests it handed back are still going and due back within the wait (left a typical round
-trip ago), up to `timeout_s` after the latest arrival and GATHER_LIMIT timeouts after the first; the next group comes
-a whole step of the previous stage later, so it is not waited for and groups stay apart. A lone request never waits:
-with nothing else going on this shard, a step starts at once."""
+The other stages see each group arrive: as one packed message from a batching stage of this fork (a whole batch, due
+at once), or as a burst of single messages from nodes that send one per request, which a step gathers for up to
+`timeout_s` after the latest arrival (GATHER_LIMIT timeouts after the first), unless none of the requests it handed
+back is due within the wait. A lone request never waits."""
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
