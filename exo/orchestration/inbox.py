@@ -1,11 +1,9 @@
 """The node's inbox of opaque statuses: each one parsed and checked once (statuses.parse), then handed to the
 handlers of its kind.
 
-Two tables. Peer handlers act on what other nodes say about requests (a request's parameters, its end, a prefix
-miss, its tokens); a status from this node itself never reaches them, because the node acted before it spoke. Observers
-see every status of their kind, this node's own included (who is working, download progress, what each member
-announced). A peer handler that returns False drops the status: no other handler and no `on_opaque_status` observer
-sees it (a request's end from a node that is not on its path, say)."""
+Peer handlers act on what other nodes say about requests; a status from this node itself never reaches them (the node
+acted before it spoke), and one that returns False drops the status: no other handler or `on_opaque_status` observer
+sees it. Observers see every status of their kind, this node's own included."""
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
 

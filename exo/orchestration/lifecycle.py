@@ -1,10 +1,9 @@
 """How requests start and end on a node, and what its local clients hear of them.
 
-A request starts at its origin (`start_request`: its route, or its parameters told to every node) and ends once:
-finished on the node that samples its last token (the others learn it from that token), cancelled by its origin (its
-client left), or failed anywhere. Cancellations and failures travel to the nodes of its route as opaque statuses;
-every node drops the request before its next step and frees its KV cache. Its local client (`watch`) hears its tokens
-and, when it ends otherwise than finished, why."""
+A request starts at its origin (`start_request`) and ends once: finished on the node that samples its last token (the
+others learn it from that token), cancelled by its origin, or failed anywhere; cancellations and failures travel to
+the nodes of its route as opaque statuses, and every node drops the request before its next step and frees its KV
+cache. Its local client (`watch`) hears its tokens and, when it ends otherwise than finished, why."""
 import asyncio
 import logging
 from typing import Dict, List, Optional, Set
@@ -31,8 +30,8 @@ class Lifecycle:
   def watch(self, request_id: str) -> asyncio.Queue:
     """Events of one request for its local client: RequestEvent(tokens, finished, error). Only this request's
     tokens wake it."""
-    queue = self.watchers[request_id] = asyncio.Queue()
-    return queue
+    self.watchers[request_id] = asyncio.Queue()
+    return self.watchers[request_id]
 
   def unwatch(self, request_id: str) -> None:
     self.watchers.pop(request_id, None)

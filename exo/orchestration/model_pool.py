@@ -154,9 +154,6 @@ class ModelPool(OneModel, KeptPool):
         return
     self.asked_keep_alive[model_id] = seconds
 
-  def sweep(self) -> List[str]:
-    return self.residents.sweep()
-
   def close(self) -> None:
     if self.residents.timer is not None:
       self.residents.timer.cancel()
@@ -187,7 +184,7 @@ class ModelPool(OneModel, KeptPool):
   def describe(self) -> List[dict]:
     """The chat models loaded, for /api/ps, /v1/models and /v1/state: the model, its layers here, the requests using
     it, seconds loaded and seconds until unloaded (None: never, or in use). What has expired is unloaded first."""
-    self.sweep()
+    self.residents.sweep()
     now = self.residents.clock()
     rows = []
     for key, resident in self.residents.residents.items():

@@ -1,10 +1,7 @@
-"""A request's passes through this node's layers: a prompt from its first layers (tokenised here), a message's
-tensor (one request's, or a packed step's rows, which enter as one batch), each row's turn at the model gate, the rows
-into the node's step loop together (`_run_batch`), and what the node's step core needs after a step: the record moved
-on, the token budget, the sampler.
-
-Every way work reaches the node checks the request first, so a request that has ended never runs, samples, allocates
-or comes back."""
+"""A request's passes through this node's layers: a prompt from its first layers (tokenised here, unless it came as
+token ids), a message's tensor (one request's, or a packed step's rows, which enter the step loop as one batch), each
+row's turn at the model gate, and what the step core needs after a step: the record moved on, the token budget, the
+sampler. Every way work reaches the node checks the request first, so a request that has ended never runs again."""
 import asyncio
 import json
 import logging
@@ -36,8 +33,7 @@ class Passes:
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
-    is resolved once its forward pass here has started (steps/loop.py: accept)."""
+    """Node.process_prompt's work."""
     request_id = request_id or str(uuid.uuid4())
     self.node.lifecycle.accepts_prompt(request_id)
     request = self.node.lifecycle.open_request(request_id)

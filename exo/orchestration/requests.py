@@ -97,13 +97,17 @@ class Request:
   admitted: Optional["asyncio.Future[None]"] = None  # its turn at the model gate here, once it has asked
   ring: Tuple[str, ...] = ()  # ids of the nodes of its route: the nodes it needs
   route: Optional["Route"] = None  # the Route it follows here (routing/route.py), once it has work here or was routed here
-  group: Optional[str] = None  # the placement group its route is (travelling routes only)
   told_next: bool = False  # this node has sent it on along its route once (its parameters went with it)
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
   sampling: Optional[Sampling] = None  # on the node that samples it, from its first step there (sampled_here)
   delivery: Optional[Delivery] = None  # where its tokens are delivered, from the first (delivered_here)
   first_stage: Optional[FirstStage] = None  # on the node with its first layers, once its prompt is tokenised there
   created: float = field(default_factory=time.monotonic)
+
+  @property
+  def group(self) -> Optional[str]:
+    """The placement group its route is (travelling routes only)."""
+    return self.route.group if self.route is not None and self.route.travels else None
 
   def sampled_here(self) -> Sampling:
     self.sampling = self.sampling or Sampling(make_generator(self.params.seed))

@@ -1,12 +1,9 @@
 """The batching plugin: lets concurrent requests share this node's steps.
 
-Every forward pass on a node goes through its one step loop (Node.steps) and is finished by its step core
-(exo/orchestration/steps/core.py): a step's rows sampled together on the last layers, then one output, one message
-per next hop and one token message per origin. Without this plugin each shard's Scheduler takes one row a step; with
-it (`exo_scheduler`) a step takes up to EXO_BATCH_SIZE rows, waits up to EXO_BATCH_TIMEOUT_MS for others to join,
-cuts prompts in chunks beside running streams, and keeps micro-batches in flight round the ring, from what the stages
-tell each other their steps take. Requests without a travelling route (rings with upstream nodes) still go as one
-message each, so nodes without this plugin (or upstream exo nodes) share the ring unchanged."""
+A scheduling policy (`exo_scheduler`): without it each shard's Scheduler takes one row a step; with it a step takes up
+to EXO_BATCH_SIZE rows, waits up to EXO_BATCH_TIMEOUT_MS for others to join, cuts prompts in chunks beside running
+streams, and keeps micro-batches in flight round the ring, sized from what the stages tell each other their steps take
+(a `stage_timing` status). Nodes without it, and upstream exo nodes, share the ring unchanged."""
 import logging
 import math
 import time

@@ -64,7 +64,6 @@ class Forwarding:
     request.route, request.ring = route, route.node_ids
     if route.travels:
       request.origin = route.origin
-      request.group = route.group
     return route
 
   def route_of(self, request: Request, base: Shard, state: Optional[dict]) -> Route:

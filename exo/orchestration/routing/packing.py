@@ -1,11 +1,8 @@
 """One SendTensor for the rows of one engine step that go on to the same next hop.
 
-Between nodes that follow routes (and from a node to itself), the hidden states (or, back to a route's first hop, the
-tokens) of every request a step ran are sent together: their tensors joined along the positions, the state listing
-each request's id, its positions and its own inference state (route, parameters, prefix) under `"rows"`, and the first
-request's route at the top (a receiver checks the message as a routed one). The receiver's rows enter its step loop
-together, as one batch (Passes.process_tensor). A step's rows thus cost one message per hop instead of one each, the
-cost a pipeline pays per token besides its steps."""
+Their tensors are joined along the positions; the state lists each row's request id, positions and own inference
+state under `"rows"`, with the first row's route at the top (so the receiver checks it as a routed message). The
+receiver's rows enter its step loop together, as one batch (Passes.process_tensor)."""
 from typing import Annotated, List, Optional, Tuple
 
 import numpy as np

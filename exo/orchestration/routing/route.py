@@ -1,10 +1,8 @@
 """A request's route: the nodes that run it, first layers first, each with its layers, the placement version it was
-planned under and the node whose client waits for its tokens (its origin).
+planned under and its origin (the node whose client waits for its tokens).
 
-A routed request carries its route in its inference state (`"route"`, JSON), and every node on it follows the route,
-not its own view of the topology: it runs the layers the route gives it and passes the request to the next hop, and
-the last hop's tokens go to the origin. Its sampling parameters ride along the prompt's first pass (`"params"`), so
-the node that samples it has them before its first token. A ring route (`travels` False) is the one every node
+A routed request carries its route in its inference state (`"route"`, JSON); every node on it runs the layers the
+route gives it, not those of its own view of the topology. A ring route (`travels` False) is the one every node
 derives from its own topology when no route came with a request, as exo always did; it never goes on the wire."""
 import functools
 from dataclasses import dataclass

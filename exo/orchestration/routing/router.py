@@ -1,21 +1,17 @@
 """The choice of a group for each new request, at the node where it arrives (its origin).
 
-Load. A group's load is the prompt tokens it still has to compute (a prompt counts what its cached prefix does not
-cover) plus ROW_TOKENS for each of its requests, waiting or running: a prompt is computed once, while a request's row
-takes a share of every step until its answer ends, so rows are what a burst must spread evenly (weighed at one token
-each, a burst of prompts cached on one group went 21 to 9 onto it and that group set the burst's pace). This node
-counts its own requests the moment it sends them, so a burst spreads at once; the other origins' requests come from
-what each group's first node reports (a `group_load` status: each origin's share, at most every REPORT_S, kept for
+Load. A group's load is the prompt tokens it still has to compute (less what its cached prefix covers) plus
+ROW_TOKENS for each of its requests, waiting or running: a request's row takes a share of every step until its answer
+ends, so rows are what a burst must spread evenly. This node counts its own requests the moment it sends them; the
+other origins' come from what each group's first node reports (`group_load`, at most every REPORT_S, kept for
 REPORT_FRESH_S).
 
-Prefix affinity. The router remembers, per group, the keys of the token blocks it sent there (prompts, and once a
-request has finished its answer too: the block keys the engines' prefix caches file them under). A prompt whose
-blocks a group holds, for at least PREFIX_MIN_SHARE of them and PREFIX_MIN_TOKENS more than the least loaded group
-holds (a short system prompt every prompt starts with is no reason), goes there unless that group's load exceeds the least
-loaded group's by more than the margin: PREFIX_SLACK plus the tokens its cache spares (a cached prefix is worth the
-tokens it saves). So a conversation's next turn goes back to the group that holds its earlier turns. Otherwise the
-least loaded group, ties going to the group that contains this node (its tokens need no hop), then placement order.
-Nothing here waits or sends: the clock is a parameter, so tests run it by hand."""
+Prefix affinity. The router remembers, per group, the block keys of the prompts (and finished answers) it sent there.
+A prompt goes to the group that holds most of its blocks (at least PREFIX_MIN_SHARE of them and PREFIX_MIN_TOKENS
+more than the least loaded group: a short shared system prompt is no reason) unless that group's load exceeds the
+least loaded one's by more than PREFIX_SLACK plus the tokens its cache spares; so a conversation's next turn goes back
+to the group that holds its earlier turns. Otherwise the least loaded group, ties going to a group that contains this
+node, then placement order. Nothing here waits or sends: the clock is a parameter."""
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
