@@ -19,8 +19,10 @@ from exo.orchestration import statuses
 from exo.orchestration.generation import generate
 from exo.orchestration.model_gate import LeftTheLine, ModelBusy, ModelGate
 from exo.orchestration.node import Node
+from exo.orchestration.routing.route import Route
 from exo.orchestration.requests import QUEUED_KEPT, QUEUED_KEPT_S, RequestRegistry, Status
 from exo.topology.device_capabilities import DeviceCapabilities
+from exo.topology.placement import Stage
 from exo.topology.ring_memory_weighted_partitioning_strategy import RingMemoryWeightedPartitioningStrategy
 from tests.support.waiting import eventually
 
@@ -329,7 +331,7 @@ async def test_only_a_requests_origin_may_cancel_it_and_only_its_ring_may_fail_i
   two_node_view(node, origin, bystander)
   node.peer_hosts["stranger"] = {"10.0.0.8"}  # a peer that is not in this request's ring
   node.receive_status("r", json.dumps({"type": "request_params", "request_id": "r", "params": {}, "origin": "origin"}), "10.0.0.1")
-  node.requests.get("r").ring = ("origin", "second")
+  node.requests.get("r").route = Route((Stage("origin", 0, 0), Stage("second", 1, 1)))
   node.receive_status("r", json.dumps({"type": "cancel_request", "request_id": "r"}), "10.0.0.7")
   node.receive_status("r", json.dumps({"type": "request_error", "request_id": "r", "error": "boom"}), "10.0.0.8")
   assert node.requests.get("r") is not None
@@ -378,7 +380,7 @@ async def test_a_peer_whose_check_runs_out_once_keeps_its_requests_and_one_that_
   node.peers, node.peer_hosts = [busy, gone], {"busy": {"10.0.0.1"}, "gone": {"10.0.0.2"}}
   for request_id, peer in (("rb", busy), ("rg", gone)):
     node.receive_status(request_id, json.dumps({"type": "request_params", "request_id": request_id, "params": {}, "origin": peer.id()}), peer.host)
-    node.requests.get(request_id).ring = (peer.id(), "here")
+    node.requests.get(request_id).route = Route((Stage(peer.id(), 0, 0), Stage("here", 1, 1)))
   heard = {request_id: node.lifecycle.watch(request_id) for request_id in ("rb", "rg")}
 
   await node.membership.check_peers()

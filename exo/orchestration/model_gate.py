@@ -46,10 +46,13 @@ class ModelGate:
     self.wait_s = wait_s
     self.room = room or OneModel()
     self.serving: Optional[str] = None  # the model let in last
-    self.holders: Set[str] = set()  # request ids
-    self.model_of: Dict[str, str] = {}  # holder -> its model
+    self.model_of: Dict[str, str] = {}  # holder (a request id, or a preload's) -> its model
     self.preloads: Set[str] = set()  # the holders that are preloads, not requests
     self._line: Deque[Tuple[str, str, asyncio.Future]] = deque()  # (model, request id, admitted)
+
+  @property
+  def holders(self) -> Set[str]:
+    return set(self.model_of)
 
   def held(self, besides_preloads: bool = False) -> Set[str]:
     """The models requests (and preloads, unless `besides_preloads`) hold now."""
@@ -79,7 +82,7 @@ class ModelGate:
     return True
 
   async def enter(self, request_id: str, model: str) -> None:
-    if request_id in self.holders:
+    if request_id in self.model_of:
       return
     if self.idle_for(model):
       self._admit(request_id, model)
@@ -90,7 +93,7 @@ class ModelGate:
       await asyncio.wait_for(asyncio.shield(admitted), self.wait_s)
     except asyncio.TimeoutError:
       serving = ", ".join(sorted(self.held())) or self.serving
-      raise ModelBusy(f"this node is serving {serving} to {len(self.holders)} request(s); the request for {model} "
+      raise ModelBusy(f"this node is serving {serving} to {len(self.model_of)} request(s); the request for {model} "
                       f"waited {self.wait_s:.0f} s for them to end") from None
     finally:
       if not admitted.done():  # timed out or cancelled: out of the line
@@ -99,7 +102,6 @@ class ModelGate:
 
   def leave(self, request_id: str) -> None:
     """The request has ended here: it lets go of the model, or leaves the line."""
-    self.holders.discard(request_id)
     self.preloads.discard(request_id)
     model = self.model_of.pop(request_id, None)
     if model is not None and model not in self.model_of.values():
@@ -113,7 +115,6 @@ class ModelGate:
     if model not in self.model_of.values():
       self.room.admit(model)
     self.serving = model
-    self.holders.add(request_id)
     self.model_of[request_id] = model
 
   def _let_in(self) -> None:

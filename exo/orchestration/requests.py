@@ -95,7 +95,6 @@ class Request:
   model: Optional[str] = None  # the model it runs on here, once it has work here
   engine: Optional["InferenceEngine"] = None  # the engine its model runs on here (the node's model pool), once the gate let it in
   admitted: Optional["asyncio.Future[None]"] = None  # its turn at the model gate here, once it has asked
-  ring: Tuple[str, ...] = ()  # ids of the nodes of its route: the nodes it needs
   route: Optional["Route"] = None  # the Route it follows here (routing/route.py), once it has work here or was routed here
   told_next: bool = False  # this node has sent it on along its route once (its parameters went with it)
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
@@ -103,6 +102,11 @@ class Request:
   delivery: Optional[Delivery] = None  # where its tokens are delivered, from the first (delivered_here)
   first_stage: Optional[FirstStage] = None  # on the node with its first layers, once its prompt is tokenised there
   created: float = field(default_factory=time.monotonic)
+
+  @property
+  def ring(self) -> Tuple[str, ...]:
+    """The ids of the nodes of its route: the nodes it needs."""
+    return () if self.route is None else self.route.node_ids
 
   @property
   def group(self) -> Optional[str]:

@@ -61,7 +61,7 @@ class Forwarding:
     return self.set_route(request, Route(choice.group.stages, placement.version, self.node.id))
 
   def set_route(self, request: Request, route: Route) -> Route:
-    request.route, request.ring = route, route.node_ids
+    request.route = route
     if route.travels:
       request.origin = route.origin
     return route
