@@ -1,11 +1,6 @@
-"""Batching settings, read once at start-up: CLI flags win over the environment.
-
-  EXO_BATCH_SIZE / --batch-size              most requests in one engine step or one sampling call (1 = off)
-  EXO_BATCH_TIMEOUT_MS / --batch-timeout-ms  longest a ready request waits for others to join its step
-  EXO_PREFILL_CHUNK / --prefill-chunk        prompt tokens one step takes while other streams are running, at least (0 = whole prompts)
-
-Batching is on when the size is 2 or more. A timeout or chunk size without a size is refused, like any value
-out of range, so a typo never silently leaves batching off."""
+"""Batching settings (EXO_BATCH_SIZE, EXO_BATCH_TIMEOUT_MS, EXO_PREFILL_CHUNK and their flags, described in
+exo/settings.py), read once at start-up. Batching is on when the size is 2 or more; a timeout or chunk size without a
+size is refused, like any value out of range, so a typo never silently leaves batching off."""
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
