@@ -79,7 +79,7 @@ class Node(RingMember):
     self.lifecycle = Lifecycle(self)
     self.step_core = StepCore(self)
     self.steps = StepLoop(inference_engine, lambda shard: self.plugins.hook.exo_scheduler(node=self, shard=shard), self.requests.is_live,
-                          lambda scheduler, step, done: self.plugins.hook.exo_step_done(node=self, scheduler=scheduler, step=step),
+                          lambda scheduler, step: self.plugins.hook.exo_step_done(node=self, scheduler=scheduler, step=step),
                           finishing_for=self.step_core.finishing_for, engine_for=self.model_pool.engine_of)
     self.passes = Passes(self)
     self.prefix_protocol = PrefixProtocol(self)

@@ -42,7 +42,7 @@ def accept(accepted: Optional[asyncio.Future]) -> None:
 
 class StepLoop:
   def __init__(self, engine, new_scheduler: Callable[[Shard], Scheduler], is_live: Callable[[str], bool] = lambda request_id: True,
-               on_step: Callable[[Scheduler, Step, Done], None] = lambda scheduler, step, done: None,
+               on_step: Callable[[Scheduler, Step], None] = lambda scheduler, step: None,
                finishing_for: Callable[[Scheduler, Step], Optional[Callable[[Done], Awaitable[Callable[[], None]]]]] = lambda scheduler, step: None,
                engine_for: Optional[Callable[[Shard], object]] = None):
     self.engine, self.new_scheduler, self.is_live, self.on_step, self.clock = engine, new_scheduler, is_live, on_step, time.monotonic
@@ -216,7 +216,7 @@ class StepLoop:
     for row, _ in done:
       if not self.is_live(row.request_id):
         scheduler.drop(row.request_id)
-    self.on_step(scheduler, step, done)
+    self.on_step(scheduler, step)
     if send is not None:
       send()  # after the waiters (a hop to this node itself runs the row's next pass, which must find it free)
       await asyncio.sleep(0)  # the sends start before the next step takes the engine
