@@ -66,9 +66,7 @@ CURRENT: contextvars.ContextVar[Optional[StepOutput]] = contextvars.ContextVar("
 
 
 class StepCore:
-  """Turns the results of a node's forward passes into step outputs. Handed what it needs: the request records, the
-  engine (tokenizer and context length), the sampler, the route's next hop with the state it carries, the token budget,
-  and the bookkeeping after a pass."""
+  """Turns the results of a node's forward passes into step outputs."""
 
   def __init__(self, node):
     self.node = node  # its public parts: requests, model pool, passes (sampler, budget, bookkeeping), forwarding, steps, the hook
