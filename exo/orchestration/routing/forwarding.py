@@ -100,8 +100,9 @@ class Forwarding:
     node = self.node
     if not node.partitioning_strategy:
       return Route((Stage(node.id, 0, base.n_layers - 1),))
-    return Route(tuple(Stage(p.node_id, s.start_layer, s.end_layer) for p, s in zip(node.partitions(), (node.get_current_shard(base, i)
-                                                                                                   for i in range(len(node.partitions()))))))
+    partitions = node.partitions()
+    shards = (node.get_current_shard(base, i) for i in range(len(partitions)))
+    return Route(tuple(Stage(p.node_id, s.start_layer, s.end_layer) for p, s in zip(partitions, shards)))
 
   # --- the next hop ---
 
