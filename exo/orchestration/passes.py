@@ -1,19 +1,16 @@
 """A request's passes through this node's layers: a prompt from its first layers (tokenised here, unless it came as
 token ids), a message's tensor (one request's, or a packed step's rows, which enter the step loop as one batch), each
-row's turn at the model gate, and what the step core needs after a step: the record moved on, the token budget, the
-sampler. Every way work reaches the node checks the request first, so a request that has ended never runs again."""
+row's turn at the model gate, and the request's record moved on after each pass (`passed`). Every way work reaches the
+node checks the request first, so a request that has ended never runs again."""
 import asyncio
 import json
 import logging
 import time
 import uuid
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-from exo.inference import constrained
-from exo.inference.grammar import MaskTimes
-from exo.inference.sampling import SamplingParams
 from exo.inference.shard import Shard
 from exo.orchestration import statuses
 from exo.orchestration.steps.loop import accept
@@ -64,7 +61,7 @@ class Passes:
       await self._enter(request, shard)
       tokens = await self._prompt_tokens(shard, prompt, (inference_state or {}).get(PROMPT_IDS))
       request.first_stage = FirstStage(tokens.shape[1])
-      context = self._context_length(request)
+      context = self.context_length(request)
       if context is not None and tokens.shape[1] >= context:
         raise ValueError(f"the prompt is {tokens.shape[1]:,} tokens; this model's context is {context:,}")
       state = {k: v for k, v in (inference_state or {}).items() if k != PROMPT_IDS}  # the ids go no further than here
@@ -166,24 +163,5 @@ class Passes:
     request.advance(Status.DECODING)
     return state
 
-  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
-                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
-    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
-    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
-    node cannot follow gets an error in place of its token."""
-    requests = [self.node.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    return await constrained.sample_requests(self.node.model_pool.engine_of(shard), requests, results, f"node {self.node.id}", masks, mask_times,
-                                             [self.tokens_left(r) for r in requests])
-
-  def token_limit(self, request: Request) -> int:
-    return min(request.params.max_tokens or self.node.max_generate_tokens, self.node.max_generate_tokens)
-
-  def tokens_left(self, request: Request) -> int:
-    """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
-    context's (one fewer than the context would hold, to be sure)."""
-    left = self.token_limit(request) - len(request.sampled_here().tokens)
-    context = self._context_length(request)
-    return left if context is None else min(left, context - request.positions)
-
-  def _context_length(self, request: Request) -> Optional[int]:
+  def context_length(self, request: Request) -> Optional[int]:
     return (request.engine or self.node.inference_engine).context_length

@@ -2,9 +2,10 @@
 
 Each row of a step goes on to the next hop of its route (hidden states, or past the last layers its new token), sends
 its token to its origin, finishes, or fails. `finishing_for` is what the step loop runs after each forward pass: on the
-last layers the rows' tokens drawn together, then `finish_step`, which passes every row through
-`Node.process_inference_result` (the `exo_process_inference_result` hook, whose core calls `add`) into the step's
-output. `Forwarding.send` sends it: one SendTensor per next hop (routing/packing.py), one token message per origin."""
+last layers the rows' tokens drawn together (`sample_tokens`, within each request's token budget), then
+`finish_step`, which passes every row through `Node.process_inference_result` (the `exo_process_inference_result`
+hook, whose core calls `add`) into the step's output. `Forwarding.send` sends it: one SendTensor per next hop
+(routing/packing.py), one token message per origin."""
 import asyncio
 import contextvars
 import logging
@@ -15,7 +16,7 @@ import numpy as np
 
 from exo.inference import constrained
 from exo.inference.grammar import Constraint, MaskTimes
-from exo.inference.sampling import TokenLogprobs
+from exo.inference.sampling import SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import eos_ids
 from exo.logs import VERBOSE
@@ -121,7 +122,7 @@ class StepCore:
     """One vectorised call for every row; if it fails, each row on its own so that a bad row fails alone."""
     states = [self.node.requests.get(request_id) for request_id in request_ids]
     saved = [state.sampled_here().generator.bit_generator.state for state in states]
-    sample = self.node.passes.sample_tokens
+    sample = self.sample_tokens
     try:
       return list(await sample(shard, results, request_ids, masks, self.mask_times))
     except Exception as e:
@@ -159,6 +160,25 @@ class StepCore:
       CURRENT.reset(reset)
     return output
 
+  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
+                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
+    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
+    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
+    node cannot follow gets an error in place of its token."""
+    requests = [self.node.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
+    return await constrained.sample_requests(self.node.model_pool.engine_of(shard), requests, results, f"node {self.node.id}", masks, mask_times,
+                                             [self.tokens_left(r) for r in requests])
+
+  def token_limit(self, request: Request) -> int:
+    return min(request.params.max_tokens or self.node.max_generate_tokens, self.node.max_generate_tokens)
+
+  def tokens_left(self, request: Request) -> int:
+    """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
+    context's (one fewer than the context would hold, to be sure)."""
+    left = self.token_limit(request) - len(request.sampled_here().tokens)
+    context = self.node.passes.context_length(request)
+    return left if context is None else min(left, context - request.positions)
+
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at
     once: a batch of one). On the last layers its token is the one its step drew, else it is sampled alone here."""
@@ -180,7 +200,7 @@ class StepCore:
       return
     token = output.sampled.pop(request_id, None)
     if token is None:
-      token = (await node.passes.sample_tokens(shard, [result], [request_id]))[0]
+      token = (await self.sample_tokens(shard, [result], [request_id]))[0]
     if isinstance(token, Exception):
       output.failed.append((request_id, token))
       return
@@ -192,7 +212,7 @@ class StepCore:
     engine = node.model_pool.engine_of(shard)  # the engine of the request's model (ModelPool), so its tokenizer is the request's
     if sampling.eos_ids is None:
       sampling.eos_ids = eos_ids(engine.tokenizer)
-    limit, context = node.passes.token_limit(request), engine.context_length
+    limit, context = self.token_limit(request), engine.context_length
     finished = ((token in sampling.eos_ids and not request.params.ignore_eos) or len(sampling.tokens) >= limit
                 or (context is not None and request.positions >= context) or (sampling.constraint is not None and sampling.constraint.finished))
     log.debug("[%s] token %d (%d/%d) finished=%s", request_id, token, len(sampling.tokens), limit, finished)  # (the cluster tests read it)
