@@ -37,7 +37,7 @@ class Lifecycle:
     self.watchers.pop(request_id, None)
 
   async def start_request(self, request_id: str, params: SamplingParams, base_shard: Optional[Shard] = None,
-                          prompt_ids: Optional[List[int]] = None, prompt_tokens: int = 0) -> None:
+                          prompt_ids: Optional[List[int]] = None) -> None:
     """Open the request here (its origin). Where routes are on (and `base_shard` says the model), pick the group it goes
     to (`prompt_ids` let it go where its prefix is cached): its parameters travel with its prompt. Otherwise tell every
     node its sampling parameters before its prompt enters the ring."""
@@ -45,7 +45,7 @@ class Lifecycle:
     if request is None:
       raise ValueError(f"request {request_id} has already ended")
     request.params = params
-    route = self.node.forwarding.route_new(request, base_shard, prompt_ids, prompt_tokens or len(prompt_ids or ())) if base_shard is not None else None
+    route = self.node.forwarding.route_new(request, base_shard, prompt_ids) if base_shard is not None else None
     sampler = route.hops[-1].node_id if route is not None else self.node.ring_ids()[-1]
     if params.grammar and sampler != self.node.id and sampler not in self.node.peer_grammar_engines:
       # Its grammar would be ignored there (an upstream node, or one before structured output): no unconstrained answer.

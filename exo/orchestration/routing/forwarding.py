@@ -47,7 +47,7 @@ class Forwarding:
 
   # --- routes ---
 
-  def route_new(self, request: Request, base: Shard, prompt_ids: Optional[List[int]], prompt_tokens: int) -> Optional[Route]:
+  def route_new(self, request: Request, base: Shard, prompt_ids: Optional[List[int]]) -> Optional[Route]:
     """At the origin: the group the request goes to, or None where routes are off."""
     placements = self.node.placements
     placement = placements.placement(base)
@@ -57,7 +57,7 @@ class Forwarding:
     ready = [g for g in groups if placements.ready(g, base)]
     self._see_loads_here()
     choice = self.router.choose(ready or groups, base.model_id, prompt_ids)
-    self.router.sent_to(request.id, choice, base.model_id, prompt_ids, prompt_tokens)
+    self.router.sent_to(request.id, choice, base.model_id, prompt_ids, len(prompt_ids or ()))
     return self.set_route(request, Route(choice.group.stages, placement.version, self.node.id))
 
   def set_route(self, request: Request, route: Route) -> Route:
