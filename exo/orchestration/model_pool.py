@@ -10,13 +10,12 @@ and a model alone always gets in. An idle model is unloaded after its keep-alive
 node's own engine is kept unless a request asks otherwise."""
 import logging
 import math
-import time
 from typing import Callable, Collection, Dict, List, Optional
 
 from exo import settings
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference.shard import Shard
-from exo.keep_alive import DEFAULT_KEEP_ALIVE_S, KeepAlive, KeptPool
+from exo.keep_alive import KeepAlive, KeptPool
 from exo.orchestration.model_gate import OneModel, gate_key
 from exo.topology.placement import MemberFacts, stage_bytes
 
@@ -33,16 +32,15 @@ def max_loaded_models(args, environ) -> int:
 
 
 class ModelPool(OneModel, KeptPool):
-  def __init__(self, engine: InferenceEngine, downloader, own_facts: Callable[[], MemberFacts], keep_alive: float = DEFAULT_KEEP_ALIVE_S,
-               max_models: int = DEFAULT_MAX_LOADED_MODELS, clock: Callable[[], float] = time.monotonic):
+  def __init__(self, engine: InferenceEngine, downloader, own_facts: Callable[[], MemberFacts]):
     # The node's own engine (it takes the first model), where further engines' files come from, and the facts this
     # node announces (its float width and the memory it offers), by which a model's size is weighed.
     self.engine, self.downloader, self.own_facts = engine, downloader, own_facts
-    self.max_models = max_models
+    self.max_models = DEFAULT_MAX_LOADED_MODELS  # EXO_MAX_LOADED_MODELS's, which exo.main sets
     self.engines: Dict[str, InferenceEngine] = {}  # gate key -> the engine that holds it
     self.shards: Dict[str, Shard] = {}  # gate key -> its shard, for its size
     self.free: List[InferenceEngine] = [engine]  # engines that hold no model now
-    self.residents = KeepAlive(self._unload, keep_alive, clock)
+    self.residents = KeepAlive(self._unload)
     self.asked_keep_alive: Dict[str, float] = {}  # model id -> the keep-alive its latest request asked for
     self.loads = 0  # models loaded so far: how tests and logs see that nothing was loaded twice
 
