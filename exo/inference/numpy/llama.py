@@ -18,6 +18,7 @@ from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tabl
 from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import Workers, full_product, product, split_columns, split_over_cores, weight_matrix, weight_rows
+from exo.inference.numpy.fused_decode import FusedDecode
 from exo.inference.numpy.packed import PackedMatrix, SharedDecode
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.numpy.rotary import rope
@@ -97,6 +98,7 @@ class Llama:
       self.pool = KVPool(len(self.layers), c.n_kv_heads, c.head_dim, c.max_position_embeddings, dtype=kv_dtype, **sliding)
     quantized = any(isinstance(layer["o"], PackedMatrix) for layer in self.layers) or isinstance(self.head, PackedMatrix)
     self.shared_decode = SharedDecode() if quantized else None  # whether a decode step shares its products among OpenMP's threads
+    self.fused_decode = FusedDecode.build(self)  # a plain layer's decode steps in one compiled call (None: not this model's)
 
   def new_cache(self) -> KVCache:
     return KVCache(self.pool)
@@ -165,6 +167,8 @@ class Llama:
     return h, step, order
 
   def _layers(self, h: np.ndarray, step: Step, workers: Optional[Workers] = None) -> np.ndarray:
+    if self.fused_decode is not None and workers is None and self.fused_decode.takes(step):
+      return self.fused_decode.run(h, step)
     c = self.config
     hd, n_heads, n_kv = c.head_dim, c.n_heads, c.n_kv_heads
     rows = step.rows

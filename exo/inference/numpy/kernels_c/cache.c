@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "arrays.h"
+#include "kernel_parts.h"
 #include "vectors.h"
 
 /* out (a contiguous float32 array of src's shape) = src's (4 dimensions, float16, any strides) bits as float32: exponent and mantissa shifted into a float32's, which,
@@ -124,6 +125,23 @@ ATTEND_VECTORS(attend_64, 4)   /* head dimension 64 (SmolLM2, Llama 3.2 1B) */
 ATTEND_VECTORS(attend_128, 8)  /* 128 (most larger models) */
 ATTEND_VECTORS(attend_32, 2)
 ATTEND_VECTORS(attend_96, 6)
+
+/* One query head's attention over positions [start, end) of its keys and values, every array contiguous along a head
+   dimension of head_dim floats (rows of keys and values `stride` floats apart), into row; scores: end - start + head_dim
+   floats of scratch. (decoder.c's layers.) */
+void attend_contiguous(const float *keys, const float *values, int64_t stride, const float *query, int64_t start, int64_t end,
+                       int64_t head_dim, float *scores, float *row) {
+  if (head_dim == 64)
+    attend_64(keys, values, stride, query, start, end, 0.0f, NULL, scores, row);
+  else if (head_dim == 128)
+    attend_128(keys, values, stride, query, start, end, 0.0f, NULL, scores, row);
+  else if (head_dim == 32)
+    attend_32(keys, values, stride, query, start, end, 0.0f, NULL, scores, row);
+  else if (head_dim == 96)
+    attend_96(keys, values, stride, query, start, end, 0.0f, NULL, scores, row);
+  else
+    attend_head(keys, values, stride, 1, query, 1, start, end, head_dim, 0.0f, NULL, scores, scores + (end - start), row, 1);
+}
 
 /* attn[first + r] (attn: float32 (rows, heads * head dim)) = query row first + r's attention (q: (rows, heads, head dim), scaled) over positions
    [ends[r] - window (0 where window is 0), ends[r]) of slab slot slot + r, layer li: one pass over its cache, the

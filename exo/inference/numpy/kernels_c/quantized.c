@@ -16,22 +16,11 @@ high codes the odd ones, unit-stride. Other group sizes take plain loops. */
 #include <string.h>
 
 #include "arrays.h"
+#include "quantized.h"
 #include "vectors.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-#define PANEL 64 /* weight rows one task of a parallel product takes */
-
-enum { VALUES_HALF = 0, VALUES_FLOAT = 1, VALUES_BYTE = 2 }; /* 16-bit bits through the table, float32, 8-bit through it */
-
-typedef struct {
-  const uint8_t *codes; /* n_out rows of row_bytes */
-  const void *scales, *biases; /* n_out rows of n_groups; biases NULL for MXFP4 */
-  const float *table;
-  int64_t n_out, n_in, row_bytes, n_groups;
-  int32_t bits, kind, fp4;
-} matrix;
 
 static inline float value_at(const void *values, int kind, const float *table, int64_t i) {
   if (kind == VALUES_HALF) return table[((const uint16_t *)values)[i]];
@@ -81,17 +70,10 @@ static inline __attribute__((always_inline)) void split_codes(const uint8_t *p, 
   *high = __builtin_convertvector(hi, vf);
 }
 
-/* Inputs as the kernels read them: for 4 bits the even inputs (rows, in / 2), then the odd ones; every row's group
-   sums (rows, n_groups) after them. */
-typedef struct {
-  const float *a, *b, *sums;
-  int64_t stride; /* between input rows of a and b */
-} inputs;
+int64_t prepared_floats(const matrix *m, int64_t rows) { return rows * (m->bits == 4 ? m->n_in : 0) + rows * m->n_groups + 1; }
 
-static float *prepare(const matrix *m, const float *x, int64_t rows, inputs *in) {
+void prepare_into(const matrix *m, const float *x, int64_t rows, inputs *in, float *scratch) {
   int64_t n_in = m->n_in, half = n_in / 2, group = n_in / m->n_groups;
-  float *scratch = malloc(sizeof(float) * (size_t)(rows * (m->bits == 4 ? n_in : 0) + rows * m->n_groups + 1));
-  if (!scratch) return NULL;
   float *sums = scratch + (m->bits == 4 ? rows * n_in : 0);
   if (m->bits == 4) {
     float *even = scratch, *odd = scratch + rows * half;
@@ -112,6 +94,11 @@ static float *prepare(const matrix *m, const float *x, int64_t rows, inputs *in)
       sums[r * m->n_groups + g] = s;
     }
   in->sums = sums;
+}
+
+static float *prepare(const matrix *m, const float *x, int64_t rows, inputs *in) {
+  float *scratch = malloc(sizeof(float) * (size_t)prepared_floats(m, rows));
+  if (scratch) prepare_into(m, x, rows, in, scratch);
   return scratch;
 }
 
@@ -208,7 +195,7 @@ static float dot_plain(const matrix *m, const inputs *in, int64_t j, int64_t r) 
 }
 
 /* out[r * out_stride + j - lo] = x[r] . w[j] for weight rows j in [j0, j1). */
-static void rows_range(const matrix *m, const inputs *in, int64_t rows, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t os) {
+void rows_range(const matrix *m, const inputs *in, int64_t rows, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t os) {
   if ((m->row_bytes / m->n_groups) % LANES) {
     for (int64_t j = j0; j < j1; j++)
       for (int64_t r = 0; r < rows; r++) out[r * os + j - lo] = dot_plain(m, in, j, r);

@@ -4,6 +4,7 @@
 #include <stdint.h>
 
 #include "arrays.h"
+#include "kernel_parts.h"
 
 #ifdef __clang__
 #define NO_CONTRACTION
@@ -43,6 +44,13 @@ NO_CONTRACTION static void rope_strided(const float *x, const int64_t *xs, const
 #pragma clang fp contract(off)
 #endif
   rope_row(x, xs, c, s, cs, ss, scale, out, os, heads, half, 0);
+}
+
+/* heads of head_dim (2 * half) floats one after another, turned by cos and sin (half floats each) and scaled, into out
+   laid out the same (decoder.c's layers). */
+void rope_contiguous(const float *x, const float *cos, const float *sin, float scale, float *out, int64_t heads, int64_t half) {
+  const int64_t strides[3] = {0, 2 * half, 1};
+  rope_unit(x, strides, cos, sin, scale, out, strides, heads, half);
 }
 
 void rope(const void *x_array, const void *cos_array, const void *sin_array, float scale, const void *out_array) {

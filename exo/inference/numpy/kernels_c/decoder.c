@@ -1,0 +1,165 @@
+/* A plain dense decoder's layers for a step of decode rows (fused_decode.py), in one call: per layer the attention
+   norm, the q/k/v product (and its biases), RoPE of queries and keys, keys and values into each row's float32 cache
+   slot, attention over it, the output product added to the residual stream, the MLP norm, gate/up with SiLU(gate) *
+   up, and the down product added to the stream.
+
+   Shared, the whole call is one OpenMP parallel region: the threads split each product's weight rows by panels (as
+   quantized.c's parallel_rows) and the attention by (row, head), and meet at a barrier after each phase, so a step
+   pays one fork and join, not one per product, and no Python runs between the phases. Not shared, the same code
+   runs on the calling thread alone. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kernel_parts.h"
+#include "quantized.h"
+
+#define PAIR 32 /* gate/up's outputs interleaved in pairs of PAIR gate then PAIR up (llama.py); PANEL is two of them */
+
+typedef struct {
+  matrix qkv, o, gate_up, down;
+  const float *attn_norm, *mlp_norm, *qkv_bias, *o_bias; /* biases NULL where the model has none */
+} decoder_layer;
+
+typedef struct {
+  int64_t n_layers, hidden, n_heads, n_kv, head_dim, inter, positions; /* positions: a cache row's, the pool's */
+  float eps, scale;                                                     /* RMS norms' epsilon, the queries' scale */
+} decoder_shape;
+
+/* out = x * weight / rms(x), one row of n, as llama.py's rms_norm */
+static void rms_norm_row(const float *x, const float *weight, int64_t n, float eps, float *out) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; i++) s += x[i] * x[i];
+  const float scale = 1.0f / sqrtf(s * (1.0f / (float)n) + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = x[i] * weight[i] * scale;
+}
+
+static void norm_and_prepare(const decoder_shape *d, const float *h, const float *weight, int64_t rows, float *x, const matrix *m,
+                             inputs *in, float *scratch) {
+  for (int64_t r = 0; r < rows; r++) rms_norm_row(h + r * d->hidden, weight, d->hidden, d->eps, x + r * d->hidden);
+  prepare_into(m, x, rows, in, scratch);
+}
+
+/* h (rows, hidden) through layers 0..n_layers for rows that are each one new position: row r's cache slot at slots[r]
+   ((layers, keys and values, kv heads, positions, head dim) float32), its position positions[r], its RoPE cos and
+   sin at cos, sin + r * head_dim / 2. Returns 0, or -1 where memory ran out (h then partly updated). */
+int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h, int64_t rows, float *const *slots,
+                  const int64_t *positions, const float *cos, const float *sin, int shared) {
+  const int64_t hidden = d->hidden, hd = d->head_dim, half = hd / 2, n_heads = d->n_heads, n_kv = d->n_kv;
+  const int64_t qkv_width = (n_heads + 2 * n_kv) * hd, q_width = n_heads * hd, group = n_heads / n_kv;
+  const int64_t row_floats = d->positions * hd, layer_floats = 2 * n_kv * row_floats;
+  int64_t prepared = 0, longest = 1;
+  for (int64_t li = 0; li < d->n_layers; li++) {
+    const matrix *ms[4] = {&layers[li].qkv, &layers[li].o, &layers[li].gate_up, &layers[li].down};
+    for (int i = 0; i < 4; i++) prepared = prepared_floats(ms[i], rows) > prepared ? prepared_floats(ms[i], rows) : prepared;
+  }
+  for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+  const int64_t work_floats = rows * (hidden + qkv_width + 2 * q_width + d->inter) + prepared;
+  float *work = malloc(sizeof(float) * (size_t)work_floats);
+  if (!work) return -1;
+  float *x = work, *qkv = x + rows * hidden, *q = qkv + rows * qkv_width, *attn = q + rows * q_width, *act = attn + rows * q_width;
+  float *scratch = act + rows * d->inter;
+  inputs in;
+  int failed = 0;
+
+#pragma omp parallel if (shared)
+  {
+    /* each thread's panel of products (rows, PANEL) and attention scores */
+    float *mine = malloc(sizeof(float) * (size_t)(rows * PANEL + longest + hd));
+    if (!mine) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp barrier
+    float *panel = mine, *scores = mine + rows * PANEL;
+    for (int64_t li = 0; li < d->n_layers && !failed; li++) {
+      const decoder_layer *layer = layers + li;
+#pragma omp single
+      norm_and_prepare(d, h, layer->attn_norm, rows, x, &layer->qkv, &in, scratch);
+
+      const int64_t qkv_panels = (qkv_width + PANEL - 1) / PANEL;
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < qkv_panels; p++) {
+        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < qkv_width ? j0 + PANEL : qkv_width;
+        rows_range(&layer->qkv, &in, rows, 0, j0, j1, qkv, qkv_width);
+      }
+
+      /* each (row, query head): biased, turned and scaled into q; each (row, kv head): its key turned and its value
+         into the row's cache */
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < rows * (n_heads + n_kv); t++) {
+        const int64_t r = t / (n_heads + n_kv), head = t % (n_heads + n_kv);
+        float *out = qkv + r * qkv_width;
+        const float *c = cos + r * half, *s = sin + r * half;
+        if (head < n_heads) {
+          float *part = out + head * hd;
+          if (layer->qkv_bias)
+            for (int64_t i = 0; i < hd; i++) part[i] += layer->qkv_bias[head * hd + i];
+          rope_contiguous(part, c, s, d->scale, q + r * q_width + head * hd, 1, half);
+          continue;
+        }
+        const int64_t g = head - n_heads;
+        float *key = out + q_width + g * hd, *value = out + q_width + n_kv * hd + g * hd;
+        if (layer->qkv_bias)
+          for (int64_t i = 0; i < hd; i++) {
+            key[i] += layer->qkv_bias[q_width + g * hd + i];
+            value[i] += layer->qkv_bias[q_width + n_kv * hd + g * hd + i];
+          }
+        float *cached = slots[r] + li * layer_floats + g * row_floats + positions[r] * hd;
+        rope_contiguous(key, c, s, 1.0f, cached, 1, half);
+        float *cached_value = cached + n_kv * row_floats;
+        for (int64_t i = 0; i < hd; i++) cached_value[i] = value[i];
+      }
+
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < rows * n_heads; t++) {
+        const int64_t r = t / n_heads, head = t % n_heads;
+        const float *keys = slots[r] + li * layer_floats + (head / group) * row_floats;
+        attend_contiguous(keys, keys + n_kv * row_floats, hd, q + r * q_width + head * hd, 0, positions[r] + 1, hd, scores,
+                          attn + r * q_width + head * hd);
+      }
+
+#pragma omp single
+      prepare_into(&layer->o, attn, rows, &in, scratch);
+      const int64_t hidden_panels = (hidden + PANEL - 1) / PANEL;
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < hidden_panels; p++) {
+        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < hidden ? j0 + PANEL : hidden;
+        rows_range(&layer->o, &in, rows, j0, j0, j1, panel, PANEL);
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t j = j0; j < j1; j++) {
+            float v = panel[r * PANEL + j - j0];
+            if (layer->o_bias) v += layer->o_bias[j];
+            h[r * hidden + j] += v;
+          }
+      }
+
+#pragma omp single
+      norm_and_prepare(d, h, layer->mlp_norm, rows, x, &layer->gate_up, &in, scratch);
+      const int64_t pairs = 2 * d->inter / PANEL;
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < pairs; p++) {
+        rows_range(&layer->gate_up, &in, rows, p * PANEL, p * PANEL, (p + 1) * PANEL, panel, PANEL);
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t i = 0; i < PAIR; i++) {
+            const float gate = panel[r * PANEL + i], up = panel[r * PANEL + PAIR + i];
+            act[r * d->inter + p * PAIR + i] = gate / (1.0f + expf(-gate)) * up;
+          }
+      }
+
+#pragma omp single
+      prepare_into(&layer->down, act, rows, &in, scratch);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < hidden_panels; p++) {
+        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < hidden ? j0 + PANEL : hidden;
+        rows_range(&layer->down, &in, rows, j0, j0, j1, panel, PANEL);
+        for (int64_t r = 0; r < rows; r++)
+          for (int64_t j = j0; j < j1; j++) h[r * hidden + j] += panel[r * PANEL + j - j0];
+      }
+    }
+    free(mine);
+  }
+  free(work);
+  return failed ? -1 : 0;
+}

@@ -1,0 +1,32 @@
+/* A quantized matrix as the kernels read it (packed.py's PackedMatrix, native.py's Matrix), and the direct product's
+   parts that other kernels run from inside their own parallel regions (decoder.c). */
+#ifndef EXO_QUANTIZED_H
+#define EXO_QUANTIZED_H
+#include <stdint.h>
+
+#define PANEL 64 /* weight rows one task of a parallel product takes */
+
+enum { VALUES_HALF = 0, VALUES_FLOAT = 1, VALUES_BYTE = 2 }; /* 16-bit bits through the table, float32, 8-bit through it */
+
+typedef struct {
+  const uint8_t *codes; /* n_out rows of row_bytes */
+  const void *scales, *biases; /* n_out rows of n_groups; biases NULL for MXFP4 */
+  const float *table;
+  int64_t n_out, n_in, row_bytes, n_groups;
+  int32_t bits, kind, fp4;
+} matrix;
+
+/* Inputs as the kernels read them: for 4 bits the even inputs (rows, in / 2), then the odd ones; every row's group
+   sums (rows, n_groups) after them. */
+typedef struct {
+  const float *a, *b, *sums;
+  int64_t stride; /* between input rows of a and b */
+} inputs;
+
+/* floats of scratch prepare_into needs for `rows` input rows */
+int64_t prepared_floats(const matrix *m, int64_t rows);
+/* x (rows, in) contiguous as the kernels read it, into scratch (prepared_floats long) */
+void prepare_into(const matrix *m, const float *x, int64_t rows, inputs *in, float *scratch);
+/* out[r * out_stride + j - lo] = x[r] . w[j] for weight rows j in [j0, j1), on the calling thread */
+void rows_range(const matrix *m, const inputs *in, int64_t rows, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t out_stride);
+#endif
