@@ -7,7 +7,10 @@ All rows of all requests go through each weight product together, the product's 
 Every step of a layer that follows a product runs inside that product's column slices, on whichever core computed
 them: RoPE and the cache write after q/k/v, the residual add after the output and down projections, SiLU-and-gate
 after gate/up (whose columns are interleaved in 32-column pairs so that each slice holds both halves). Only the
-two RMS norms of a layer, over whole rows, run between the slices."""
+two RMS norms of a layer, over whole rows, run between the slices.
+
+A step of a few decode rows of a plain model (quantized, none of the other families' features) runs every layer in
+one compiled call instead (fused_decode.py)."""
 import math
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
