@@ -15,6 +15,9 @@
 #include "quantized.h"
 
 #define PAIR 32 /* gate/up's outputs interleaved in pairs of PAIR gate then PAIR up (llama.py); PANEL is two of them */
+/* weight rows a task of the other products: half a PANEL, so that their tasks split evenly between two threads
+   (SmolLM2's output and down products are 9 panels of 64 rows, 5 against 4; 18 of 32 split 9 and 9) */
+#define SLICE 32
 
 typedef struct {
   matrix qkv, o, gate_up, down;
@@ -78,10 +81,10 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
 #pragma omp single
       norm_and_prepare(d, h, layer->attn_norm, rows, x, &layer->qkv, &in, scratch);
 
-      const int64_t qkv_panels = (qkv_width + PANEL - 1) / PANEL;
+      const int64_t qkv_slices = (qkv_width + SLICE - 1) / SLICE;
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < qkv_panels; p++) {
-        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < qkv_width ? j0 + PANEL : qkv_width;
+      for (int64_t p = 0; p < qkv_slices; p++) {
+        const int64_t j0 = p * SLICE, j1 = j0 + SLICE < qkv_width ? j0 + SLICE : qkv_width;
         rows_range(&layer->qkv, &in, rows, 0, j0, j1, qkv, qkv_width);
       }
 
@@ -122,10 +125,10 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
 
 #pragma omp single
       prepare_into(&layer->o, attn, rows, &in, scratch);
-      const int64_t hidden_panels = (hidden + PANEL - 1) / PANEL;
+      const int64_t hidden_slices = (hidden + SLICE - 1) / SLICE;
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < hidden_panels; p++) {
-        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < hidden ? j0 + PANEL : hidden;
+      for (int64_t p = 0; p < hidden_slices; p++) {
+        const int64_t j0 = p * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
         rows_range(&layer->o, &in, rows, j0, j0, j1, panel, PANEL);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t j = j0; j < j1; j++) {
@@ -151,8 +154,8 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
 #pragma omp single
       prepare_into(&layer->down, act, rows, &in, scratch);
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < hidden_panels; p++) {
-        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < hidden ? j0 + PANEL : hidden;
+      for (int64_t p = 0; p < hidden_slices; p++) {
+        const int64_t j0 = p * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
         rows_range(&layer->down, &in, rows, j0, j0, j1, panel, PANEL);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t j = j0; j < j1; j++) h[r * hidden + j] += panel[r * PANEL + j - j0];
