@@ -124,3 +124,22 @@ def test_only_few_decode_rows_take_the_fused_pass(smollm2):
   finally:
     kernels.set_step_shared(False)
     model.fused_decode.run, model.shared_decode = run, shared_decode
+
+
+def test_two_shards_fused_equal_the_whole_model(smollm2, smollm2_path):
+  """A pipeline's shards each run their own layers fused (hidden states in, hidden states out), as the whole model."""
+  n_layers = smollm2.config.n_layers
+  shards = []
+  for start, end in ((0, 11), (12, n_layers - 1)):
+    shard = Shard(str(smollm2_path), start, end, n_layers)
+    config, weights = load_shard_weights(smollm2_path, shard, keep_quantized=True)
+    shards.append(Llama(config, shard, weights))
+  assert all(model.fused_decode is not None for model in shards)
+  whole_cache, shard_caches = [smollm2.new_cache()], [[model.new_cache()] for model in shards]
+  prompt = np.arange(40, 60)
+  steps = [prompt] + [np.array([token]) for token in (71, 502, 9)]
+  for tokens in steps:
+    want = smollm2.forward([tokens], whole_cache)[0]
+    hidden = shards[0].forward([tokens], shard_caches[0])[0]
+    got = shards[1].forward([hidden], shard_caches[1])[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
