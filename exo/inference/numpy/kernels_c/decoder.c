@@ -58,27 +58,26 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
     for (int i = 0; i < 4; i++) prepared = prepared_floats(ms[i], rows) > prepared ? prepared_floats(ms[i], rows) : prepared;
   }
   for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-  const int64_t work_floats = rows * (hidden + qkv_width + 2 * q_width + d->inter) + prepared;
+  const int64_t work_floats = rows * (qkv_width + 2 * q_width + d->inter);
   float *work = malloc(sizeof(float) * (size_t)work_floats);
   if (!work) return -1;
-  float *x = work, *qkv = x + rows * hidden, *q = qkv + rows * qkv_width, *attn = q + rows * q_width, *act = attn + rows * q_width;
-  float *scratch = act + rows * d->inter;
-  inputs in;
+  float *qkv = work, *q = qkv + rows * qkv_width, *attn = q + rows * q_width, *act = attn + rows * q_width;
   int failed = 0;
 
 #pragma omp parallel if (shared)
   {
-    /* each thread's panel of products (rows, PANEL) and attention scores */
-    float *mine = malloc(sizeof(float) * (size_t)(rows * PANEL + longest + hd));
+    /* each thread's panel of products (rows, PANEL), attention scores, and a product's inputs as the kernels read
+       them: every thread prepares its own copy (a few us), which spares a barrier a product */
+    float *mine = malloc(sizeof(float) * (size_t)(rows * PANEL + longest + hd + rows * hidden + prepared));
     if (!mine) {
 #pragma omp atomic write
       failed = 1;
     }
 #pragma omp barrier
-    float *panel = mine, *scores = mine + rows * PANEL;
+    float *panel = mine, *scores = mine + rows * PANEL, *x = scores + longest + hd, *scratch = x + rows * hidden;
+    inputs in;
     for (int64_t li = 0; li < d->n_layers && !failed; li++) {
       const decoder_layer *layer = layers + li;
-#pragma omp single
       norm_and_prepare(d, h, layer->attn_norm, rows, x, &layer->qkv, &in, scratch);
 
       const int64_t qkv_slices = (qkv_width + SLICE - 1) / SLICE;
@@ -123,7 +122,6 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
                           attn + r * q_width + head * hd);
       }
 
-#pragma omp single
       prepare_into(&layer->o, attn, rows, &in, scratch);
       const int64_t hidden_slices = (hidden + SLICE - 1) / SLICE;
 #pragma omp for schedule(static)
@@ -138,7 +136,6 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
           }
       }
 
-#pragma omp single
       norm_and_prepare(d, h, layer->mlp_norm, rows, x, &layer->gate_up, &in, scratch);
       const int64_t pairs = 2 * d->inter / PANEL;
 #pragma omp for schedule(static)
@@ -151,7 +148,6 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
           }
       }
 
-#pragma omp single
       prepare_into(&layer->down, act, rows, &in, scratch);
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < hidden_slices; p++) {
