@@ -171,9 +171,9 @@ def test_decode_steps_share_their_products_the_faster_way_and_try_the_other_now_
   monkeypatch.setitem(packed._parallel, "usable", True)
   steps = FakeSteps(serial=0.017, shared=0.013)  # not much slower: tried every TRY_EVERY steps
   every = packed.SharedDecode.TRY_EVERY
-  ways = steps.run(3 + 3 * every)
-  assert ways[:3] == [False, False, True]  # the first step untimed, then one each way
-  assert [i for i, shared in enumerate(ways) if not shared][2:] == [2 + every, 2 + 2 * every, 2 + 3 * every]  # serial: tries
+  ways = steps.run(4 + 3 * every)
+  assert ways[:4] == [False, False, True, True]  # each way's first step untimed, then timed
+  assert [i for i, shared in enumerate(ways) if not shared][2:] == [3 + every, 3 + 2 * every, 3 + 3 * every]  # serial: tries
   assert not kernels.step_is_shared()  # only inside a step
 
   steps.cost[True] = 0.200  # another process took the other core: the shared threads wait for it

@@ -16,7 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import numpy as np
 
@@ -82,7 +82,7 @@ def _shares() -> bool:
 @dataclass
 class _StepTimes:
   seconds: Dict[bool, float] = field(default_factory=dict)  # shared or not -> a step's seconds (a moving average)
-  steps: int = 0
+  warmed: Set[bool] = field(default_factory=set)  # the ways that have run their first, untimed step
   every: int = 0  # steps between two tries of the slower way
   countdown: int = 0  # steps before the next try
 
@@ -94,8 +94,9 @@ class SharedDecode:
   the threads wait for each other: a step ran up to 40x slower at GNU OpenMP's default spin, 4x at the
   GOMP_SPINCOUNT exo sets. So the model times its steps both ways, by rows, runs the faster, and now and then tries
   the slower way again, in case the machine's load changed: every TRY_EVERY steps, twice as seldom (up to
-  TRY_AT_MOST_EVERY) each time it is still much slower. A model's first step counts for nothing (caches and pages
-  touched the first time)."""
+  TRY_AT_MOST_EVERY) each time it is still much slower. A model's first step each way counts for nothing (caches and
+  pages touched the first time; shared, OpenMP's threads starting: 30-80 ms, which kept a fresh model from sharing
+  until its first try)."""
   TRY_EVERY, TRY_AT_MOST_EVERY = 32, 1024
   MUCH_SLOWER = 1.5
 
@@ -106,8 +107,9 @@ class SharedDecode:
   def choose(self, rows: int) -> Tuple[bool, bool]:
     """(whether a step of `rows` rows runs shared, whether that is the slower way, tried)"""
     times = self.times.setdefault(rows, _StepTimes(every=self.TRY_EVERY))
-    if times.steps < 2 or True not in times.seconds:  # serial first (the first step untimed), then shared once
-      return times.steps >= 2, False
+    for way in (False, True):  # serial first, then shared, until each has a timed step
+      if way not in times.seconds:
+        return way, False
     faster = times.seconds[True] < times.seconds[False]
     tried = times.countdown == 0
     return faster != tried, tried
@@ -127,8 +129,8 @@ class SharedDecode:
     self._record(self.times[rows], shared, tried, self.clock() - started)
 
   def _record(self, times: _StepTimes, shared: bool, tried: bool, took: float) -> None:
-    times.steps += 1
-    if times.steps == 1:
+    if shared not in times.warmed:
+      times.warmed.add(shared)
       return
     last = times.seconds.get(shared)
     if tried:
@@ -140,11 +142,6 @@ class SharedDecode:
 
 def _no_biases(shape) -> np.ndarray:
   """Zero biases for MXFP4, read by the same kernels: one float32 zero seen at every place (no memory)."""
-  return np.broadcast_to(np.zeros(1, dtype=np.float32), shape)
-
-
-def _no_biases(shape) -> np.ndarray:
-  """Zero biases for MXFP4 (never read): one float32 zero seen at every place (no memory)."""
   return np.broadcast_to(np.zeros(1, dtype=np.float32), shape)
 
 
