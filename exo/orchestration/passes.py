@@ -100,11 +100,11 @@ class Passes:
     except ValueError as e:
       log.warning("exo: dropped a malformed packed message: %s", e)
       return None
-    arrived = [row for row in await asyncio.gather(*[self._arrive(base_shard, *row) for row in rows]) if row is not None]
+    arrived = [row for row in await _together([self._arrive(base_shard, *row) for row in rows]) if row is not None]
     shards = {}  # shard -> its rows (one hop's rows share one)
     for shard, row in arrived:
       shards.setdefault(shard, []).append(row)
-    await asyncio.gather(*[self._run_batch(shard, batch, accepted, packed) for shard, batch in shards.items()])
+    await _together([self._run_batch(shard, batch, accepted, packed) for shard, batch in shards.items()])
     return None
 
   async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Optional[tuple]:
@@ -165,3 +165,11 @@ class Passes:
 
   def context_length(self, request: Request) -> Optional[int]:
     return (request.engine or self.node.inference_engine).context_length
+
+
+async def _together(coroutines: list) -> list:
+  """The coroutines' results, run concurrently; a lone one is awaited in place (gather would make it a task of its
+  own, a turn of the event loop later: a single message's row, or a packed message's one shard, is the usual case)."""
+  if len(coroutines) == 1:
+    return [await coroutines[0]]
+  return await asyncio.gather(*coroutines)

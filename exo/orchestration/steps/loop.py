@@ -34,6 +34,34 @@ class BatcherStopped(RuntimeError):
   """The node is stopping: the item was not run."""
 
 
+class Wake:
+  """The loop's wake-up call: `set` ends the loop task's `sleep` on the next turn of the event loop (an asyncio.Event
+  under wait_for takes three turns and a task of its own, on the path of every message to the next step). A set while
+  the task is not asleep is not kept: the task looks at its work before it sleeps."""
+
+  def __init__(self) -> None:
+    self._sleeper: Optional[asyncio.Future] = None
+
+  def set(self) -> None:
+    _settle(self._sleeper, True)
+
+  async def sleep(self, timeout: float) -> bool:
+    """Until set (True) or `timeout` seconds have passed (False)."""
+    loop = asyncio.get_running_loop()
+    sleeper = self._sleeper = loop.create_future()
+    timer = loop.call_later(max(timeout, 0.0), _settle, sleeper, False)
+    try:
+      return await sleeper
+    finally:
+      timer.cancel()
+      self._sleeper = None
+
+
+def _settle(future: Optional[asyncio.Future], result: bool) -> None:
+  if future is not None and not future.done():
+    future.set_result(result)
+
+
 def accept(accepted: Optional[asyncio.Future]) -> None:
   """Resolve a message's acceptance, if it has one that nobody resolved yet."""
   if accepted is not None and not accepted.done():
@@ -53,7 +81,7 @@ class StepLoop:
     self._steps_run = 0
     self._waiters: Dict[str, Tuple[asyncio.Future, Optional[asyncio.Future]]] = {}  # request id -> (result, acceptance)
     self._coming: Set[str] = set()  # rows a step sent on to this node itself, until they are in a line again (or end)
-    self._wake = asyncio.Event()
+    self._wake = Wake()
     self._task: Optional[asyncio.Task] = None
     self._stopped = False
 
@@ -149,12 +177,7 @@ class StepLoop:
         await self._step(scheduler, step)
         return
     due = min((s.due(now) for s in self.schedulers.values()), default=float("inf"))
-    self._wake.clear()
-    wait = IDLE_LOOK_S if due == float("inf") else min(IDLE_LOOK_S, max(due - now, 0.0005))
-    try:
-      await asyncio.wait_for(self._wake.wait(), wait)
-    except asyncio.TimeoutError:
-      pass
+    await self._wake.sleep(IDLE_LOOK_S if due == float("inf") else min(IDLE_LOOK_S, max(due - now, 0.0005)))
 
   async def _let_arrivals_in(self) -> None:
     """Rows that are on their way here start the next step with the others: a new prompt's prefix lookup, which runs
@@ -164,10 +187,7 @@ class StepLoop:
     At most ARRIVAL_WAIT_S."""
     deadline = time.monotonic() + ARRIVAL_WAIT_S
     while (self._prefix_starts_queued() > 0 or self._coming) and not self._stopped:
-      self._wake.clear()
-      try:
-        await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
-      except asyncio.TimeoutError:
+      if not await self._wake.sleep(deadline - time.monotonic()):
         self._coming.clear()  # (one that never came, e.g. its prefix was missing here, is not waited for again)
         return
 
@@ -216,10 +236,10 @@ class StepLoop:
     for row, _ in done:
       if not self.is_live(row.request_id):
         scheduler.drop(row.request_id)
-    self.on_step(scheduler, step)
     if send is not None:
       send()  # after the waiters (a hop to this node itself runs the row's next pass, which must find it free)
-      await asyncio.sleep(0)  # the sends start before the next step takes the engine
+      await asyncio.sleep(0)  # the sends start before the next step takes the engine, and before the step's bookkeeping
+    self.on_step(scheduler, step)
 
   async def stop(self) -> None:
     """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
