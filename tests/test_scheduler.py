@@ -391,6 +391,21 @@ async def test_a_message_is_accepted_when_its_step_starts_not_when_it_arrives():
   await loop.stop()
 
 
+async def test_a_row_reaches_a_sleeping_loops_engine_two_turns_of_the_event_loop_after_it_arrives():
+  """Every message of a pipeline meets an idle loop (it sleeps while the other stages work): each turn of the event
+  loop between the message and its engine call is time between tokens (an Event under wait_for took four)."""
+  engine = StepEngine()
+  loop = step_loop(engine)
+  await asyncio.wait_for(loop.infer(LAST, "a", TOKEN, None), 5)
+  await eventually(lambda: loop._wake.asleep, timeout=5)  # nothing due: the loop sleeps
+  call = asyncio.ensure_future(loop.infer(LAST, "b", TOKEN, None))
+  for _ in range(2):  # the call lines its row up and wakes the loop; the loop's next turn runs the step
+    await asyncio.sleep(0)
+  assert engine.steps[-1] == ["b"]
+  await asyncio.wait_for(call, 5)
+  await loop.stop()
+
+
 async def test_a_steps_output_is_sent_before_the_next_step_and_its_waiters_hear_none():
   """On one core a send that starts after the next step has begun waits on that step's pieces: the next stage gets
   its rows late. The step's finisher returns what sends its output; the loop hands its waiters None (their rows are

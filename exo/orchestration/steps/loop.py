@@ -45,6 +45,10 @@ class Wake:
   def set(self) -> None:
     _settle(self._sleeper, True)
 
+  @property
+  def asleep(self) -> bool:
+    return self._sleeper is not None
+
   async def sleep(self, timeout: float) -> bool:
     """Until set (True) or `timeout` seconds have passed (False)."""
     loop = asyncio.get_running_loop()
