@@ -394,14 +394,29 @@ async def test_a_message_is_accepted_when_its_step_starts_not_when_it_arrives():
 async def test_a_row_reaches_a_sleeping_loops_engine_two_turns_of_the_event_loop_after_it_arrives():
   """Every message of a pipeline meets an idle loop (it sleeps while the other stages work): each turn of the event
   loop between the message and its engine call is time between tokens (an Event under wait_for took four)."""
-  engine = StepEngine()
+  turns = 0
+
+  class Counting(StepEngine):
+    async def infer_batch(self, shard, items):
+      self.turn_at_entry = turns + 1  # the turn under way: the ticks run so far, and this one
+      return await super().infer_batch(shard, items)
+
+  def tick() -> None:  # once a turn of the event loop, until the engine has been called
+    nonlocal turns
+    turns += 1
+    if not engine.entered.is_set():
+      asyncio.get_running_loop().call_soon(tick)
+  engine = Counting()
   loop = step_loop(engine)
   await asyncio.wait_for(loop.infer(LAST, "a", TOKEN, None), 5)
   await eventually(lambda: loop._wake.asleep, timeout=5)  # nothing due: the loop sleeps
+  engine.entered.clear()
+  turns = 0
   call = asyncio.ensure_future(loop.infer(LAST, "b", TOKEN, None))
-  for _ in range(2):  # the call lines its row up and wakes the loop; the loop's next turn runs the step
-    await asyncio.sleep(0)
+  asyncio.get_running_loop().call_soon(tick)
+  await asyncio.wait_for(engine.entered.wait(), 5)
   assert engine.steps[-1] == ["b"]
+  assert engine.turn_at_entry <= 2  # the call lines its row up and wakes the loop; the loop's next turn runs the step
   await asyncio.wait_for(call, 5)
   await loop.stop()
 
