@@ -107,8 +107,7 @@ class FusedDecode:
     for slab, row_range, slot_index, _ in step.writes:
       slots[row_range] = slab.ctypes.data + slot_index.astype(np.uintp) * slab.strides[0]
     positions = np.ascontiguousarray(step.positions, dtype=np.int64)
-    angles = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
-    cos, sin = np.cos(angles), np.sin(angles)
+    cos, sin = step.layout.angles(self.inv_freq)  # (rows, 1, head_dim // 2), contiguous: rows of head_dim // 2
     if _lib.decode_layers(self._layers, self._shape, h.ctypes.data, rows, slots.ctypes.data, positions.ctypes.data,
                           cos.ctypes.data, sin.ctypes.data, packed._shares()):
       raise MemoryError("no memory for a decode step's buffers")

@@ -141,7 +141,7 @@ class SharedDecode:
 
 
 def _no_biases(shape) -> np.ndarray:
-  """Zero biases for MXFP4, read by the same kernels: one float32 zero seen at every place (no memory)."""
+  """Zero biases for MXFP4 (never read: the kernels and numpy's form skip them): one float32 zero seen at every place (no memory)."""
   return np.broadcast_to(np.zeros(1, dtype=np.float32), shape)
 
 
