@@ -61,15 +61,14 @@ class Wake:
       self._sleeper = None
 
 
-def _settle(future: Optional[asyncio.Future], result: bool) -> None:
+def _settle(future: Optional[asyncio.Future], result: Optional[bool]) -> None:
   if future is not None and not future.done():
     future.set_result(result)
 
 
 def accept(accepted: Optional[asyncio.Future]) -> None:
   """Resolve a message's acceptance, if it has one that nobody resolved yet."""
-  if accepted is not None and not accepted.done():
-    accepted.set_result(None)
+  _settle(accepted, None)
 
 
 class StepLoop:
