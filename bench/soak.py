@@ -9,9 +9,11 @@ turn with SmolLM2. It reports:
 - greedy divergences: a finished answer that differs from its prompt's solo answer, or a cancelled one that is not a
   prefix of it (must be 0);
 - live requests and KV bytes on every node once the clients have stopped, from GET /v1/state (must be 0);
-- each node's resident memory at the start, middle and end: flat within 10%, not counting what its prefix cache
-  holds at either end (held to --prefix-cache-mb; its prompts and answers are filed from the solo runs on, and a
-  second model's load empties it).
+- each node's resident memory at the start, middle and end: flat within 10% or GROWTH_ALLOWANCE_MIB, whichever is
+  more, not counting what its prefix cache holds at either end (held to --prefix-cache-mb; its prompts and answers
+  are filed from the solo runs on, and a second model's load empties it). The allowance covers the pages a node first
+  touches under 64 clients (per-thread tiles, thread stacks: ~25 MiB), which were under 10% of a node that held
+  numba's compiler (~330 MiB) but not of one without it (~240 MiB).
 
   python bench/soak.py --seconds 600              # one node, then a 2-node ring
   python bench/soak.py --seconds 60 --rings 1     # one node only
@@ -36,6 +38,7 @@ from bench import MODEL, Cluster, make_prompts  # noqa: E402
 SECOND_MODEL = "llama-3.2-1b"
 PROMPT_TOKENS = [30, 60, 120, 250, 500, 800, 1100, 1500]  # 30: SmolLM2's chat template with its default system prompt is 27
 ANSWER_TOKENS = 24
+GROWTH_ALLOWANCE_MIB = 32  # resident growth that passes whatever the node's size (see the module's doc)
 
 
 def prompt_pool(salt: int, lengths: List[int]) -> List[Tuple[str, str]]:
@@ -159,11 +162,13 @@ async def soak(cluster: Cluster, args) -> dict:
     await asyncio.sleep(0.25)
     states = await node_states(ports)
   memory["end"], memory["prefix_end"] = await settled_resident_mib(cluster), prefix_cache_mib(states)
-  growth = [(e - pe) / (s - ps) - 1 for s, ps, e, pe in zip(memory["start"], memory["prefix_start"], memory["end"], memory["prefix_end"])]
+  grown = [(e - pe) - (s - ps) for s, ps, e, pe in zip(memory["start"], memory["prefix_start"], memory["end"], memory["prefix_end"])]
+  growth = [g / (s - ps) for g, s, ps in zip(grown, memory["start"], memory["prefix_start"])]
   return {"nodes": cluster.nodes, "seconds": round(elapsed, 1), "clients": clients, **counts, "errors": len(errors),
           "error_examples": errors[:5], "divergences": len(divergences), "divergence_examples": divergences[:5],
           "live_after": sum(len(s["requests"]) for s in states), "kv_bytes_after": sum(s["kv_bytes"] for s in states),
-          "resident_mib": memory, "memory_growth": max(growth)}
+          "resident_mib": memory, "memory_growth": max(growth),
+          "memory_growth_mib": max(grown)}
 
 
 def install_second_model(home: Path) -> None:
@@ -181,7 +186,7 @@ def install_second_model(home: Path) -> None:
 
 def passed(result: dict) -> bool:
   return (result["errors"] == 0 and result["divergences"] == 0 and result["live_after"] == 0 and result["kv_bytes_after"] == 0
-          and result["memory_growth"] <= 0.10)
+          and (result["memory_growth"] <= 0.10 or result["memory_growth_mib"] <= GROWTH_ALLOWANCE_MIB))
 
 
 async def main(args) -> int:
