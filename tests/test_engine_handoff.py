@@ -1,0 +1,43 @@
+"""The hand-over of a call to a Llama engine's thread: the event loop lets the thread start the call before it runs
+anything else (a thread must take the GIL to start, and the event loop would hold it while it ran the callbacks due),
+and a call queued behind another is not waited for."""
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from exo.inference.llama_engine import LlamaShardEngine
+
+pytestmark = pytest.mark.unit
+
+
+def engine() -> LlamaShardEngine:
+  return LlamaShardEngine(None, ThreadPoolExecutor(max_workers=1))
+
+
+def test_the_engine_thread_starts_a_call_before_the_event_loop_runs_its_callbacks():
+  async def main():
+    e, order = engine(), []
+    loop = asyncio.get_running_loop()
+    for _ in range(20):
+      loop.call_soon(order.append, "event loop")
+      await e._run(order.append, "engine")
+      assert order[-2:] == ["engine", "event loop"]
+    e.executor.shutdown()
+  asyncio.run(main())
+
+
+def test_a_call_queued_behind_another_does_not_hold_up_the_event_loop():
+  async def main():
+    e, release, order = engine(), threading.Event(), []
+    first = asyncio.ensure_future(e._run(release.wait, 10))
+    await asyncio.sleep(0)  # the first call has started, and blocks its thread until released
+    second = asyncio.ensure_future(e._run(order.append, "second"))
+    await asyncio.sleep(0)
+    assert e._queued == 2 and order == []  # the second is queued, and the event loop goes on meanwhile
+    release.set()
+    await asyncio.gather(first, second)
+    assert order == ["second"] and e._queued == 0
+    e.executor.shutdown()
+  asyncio.run(main())
