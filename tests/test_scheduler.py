@@ -448,6 +448,30 @@ async def test_a_steps_output_is_sent_before_the_next_step_and_its_waiters_hear_
   await loop.stop()
 
 
+async def test_a_steps_on_step_runs_once_the_next_step_has_the_engine_or_the_loop_goes_idle():
+  """The bookkeeping after a step (on_step: the batching plugin's view of the ring) is not on the way from one step
+  to the next: it runs while the next step's engine call runs, or, with no next step, before the loop sleeps."""
+  events: List[str] = []
+
+  class Recording(StepEngine):
+    async def infer_batch(self, shard, items):
+      events.append(f"step {items[0][0]}")
+      if items[0][0] == "b":
+        self.release.clear()
+      return await super().infer_batch(shard, items)
+
+  engine = Recording()
+  loop = StepLoop(engine, lambda shard: Scheduler(shard, 1, 0.0, 0), on_step=lambda scheduler, step: events.append(f"on_step {step.rows[0][0].request_id}"))
+  calls = asyncio.ensure_future(asyncio.gather(loop.infer(LAST, "a", TOKEN, None), loop.infer(LAST, "b", TOKEN, None)))
+  await eventually(lambda: "on_step a" in events, timeout=5)
+  assert events == ["step a", "step b", "on_step a"]  # b's step holds the engine meanwhile
+  engine.release.set()
+  await asyncio.wait_for(calls, 5)
+  await eventually(lambda: loop._wake.asleep, timeout=5)
+  assert events == ["step a", "step b", "on_step a", "on_step b"]
+  await loop.stop()
+
+
 async def test_rows_a_step_sends_back_to_this_node_share_the_next_step():
   """A ring of one sends each decode row back to itself, and the rows arrive one after the other. The loop waits for
   the rows it was told are coming (with no batch timeout to gather them by), so every step keeps both rows: here b

@@ -48,8 +48,9 @@ def exo_scheduler(node, shard) -> Optional["Scheduler"]:
 
 @hookspec
 def exo_step_done(node, scheduler, step) -> None:
-  """A step has run and its output has been made, before it is sent (the batching plugin keeps its view of the ring
-  current here)."""
+  """A step has run and its output has been sent: called once the next step has the engine (or before the step loop
+  waits for work), so that it is not on the way from one step to the next (the batching plugin keeps its view of the
+  ring current here)."""
 
 
 @hookspec(firstresult=True)

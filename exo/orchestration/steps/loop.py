@@ -87,6 +87,7 @@ class StepLoop:
     self._wake = Wake()
     self._task: Optional[asyncio.Task] = None
     self._stopped = False
+    self._stepped: List[Tuple[Scheduler, Step]] = []  # steps run whose on_step is still to come (see _report_steps)
 
   def scheduler(self, shard: Shard) -> Scheduler:
     if shard not in self.schedulers:
@@ -179,6 +180,7 @@ class StepLoop:
         self._turns[shard] = self._steps_run
         await self._step(scheduler, step)
         return
+    self._report_steps()
     due = min((s.due(now) for s in self.schedulers.values()), default=float("inf"))
     await self._wake.sleep(IDLE_LOOK_S if due == float("inf") else min(IDLE_LOOK_S, max(due - now, 0.0005)))
 
@@ -190,6 +192,7 @@ class StepLoop:
     At most ARRIVAL_WAIT_S."""
     deadline = time.monotonic() + ARRIVAL_WAIT_S
     while (self._prefix_starts_queued() > 0 or self._coming) and not self._stopped:
+      self._report_steps()
       if not await self._wake.sleep(deadline - time.monotonic()):
         self._coming.clear()  # (one that never came, e.g. its prefix was missing here, is not waited for again)
         return
@@ -211,7 +214,10 @@ class StepLoop:
     items = step.items()
     finish = self.finishing_for(scheduler, step)
     try:
-      results = list(await self.engine_for(scheduler.shard).infer_batch(scheduler.shard, items))
+      engine_call = self.engine_for(scheduler.shard).infer_batch(scheduler.shard, items)
+      if self._stepped:  # the last steps' on_step runs once this step has the engine, not on the way to it
+        asyncio.get_running_loop().call_soon(self._report_steps)
+      results = list(await engine_call)
       if len(results) != len(items):
         raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
       results = [_checked(r) for r in results]
@@ -241,8 +247,17 @@ class StepLoop:
         scheduler.drop(row.request_id)
     if send is not None:
       send()  # after the waiters (a hop to this node itself runs the row's next pass, which must find it free)
-      await asyncio.sleep(0)  # the sends start before the next step takes the engine, and before the step's bookkeeping
-    self.on_step(scheduler, step)
+      await asyncio.sleep(0)  # the sends start before the next step takes the engine
+    self._stepped.append((scheduler, step))
+
+  def _report_steps(self) -> None:
+    """on_step for the steps run since it last ran: while the next step runs, or before the loop waits."""
+    stepped, self._stepped = self._stepped, []
+    try:
+      for scheduler, step in stepped:
+        self.on_step(scheduler, step)
+    except Exception as e:  # as a failing step would: its rows' requests end with it rather than wait forever
+      self._fail_all(e)
 
   async def stop(self) -> None:
     """Let the step under way finish (nothing cancels it), then fail the requests still waiting."""
@@ -250,6 +265,7 @@ class StepLoop:
     self._wake.set()
     if self._task is not None:
       await asyncio.gather(self._task, return_exceptions=True)
+    self._report_steps()
     self._fail_all(BatcherStopped("node stopping"))
 
   def _fail_all(self, error: BaseException) -> None:
