@@ -1,0 +1,61 @@
+"""One node, one stream (or a few at once), through the real HTTP API with batching on: the time between tokens
+against the bare engine step at the same rows on the same cores, the figure of "time between tokens spent outside
+the engine" (target: 1/ITL at least 95% of 1/step for one stream).
+
+  python bench/one_stream.py                       # the node on every core, 1 stream, 3 repeats of 128 tokens
+  python bench/one_stream.py --cores 1 --streams 8
+
+Each repeat is a burst of --streams streams; ITL p50 is the median over the repeats. The bare step is
+bench/machines.py's step_times (the whole model, the same rows, a context of the prompt and half the reply), timed in
+a child pinned to the same cores right after the node has stopped. On a shared machine both drift with the others'
+load: compare figures of one run."""
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import ROOT, burst, make_prompts, summarise  # noqa: E402
+from machines import Machines  # noqa: E402
+
+
+class OneNode(Machines):
+  def cores(self, i: int) -> set:
+    return self.args.core_set
+
+
+async def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--engine", default="numpy")
+  p.add_argument("--cores", default=None, help="the cores the node and the step timer are pinned to, e.g. 1 or 0,1 (default: all of this process's)")
+  p.add_argument("--streams", type=int, default=1)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--tokens", type=int, default=128)
+  p.add_argument("--prompt-tokens", type=int, default=64)
+  args = p.parse_args()
+  args.core_set = {int(c) for c in args.cores.split(",")} if args.cores else os.sched_getaffinity(0)
+  args.cores_per_node, args.hop_delay_ms, args.batch_size, args.batch_timeout_ms, args.prefill_chunk = len(args.core_set), 0, max(2, args.streams), 5.0, None
+  itls = []
+  async with OneNode(1, args, Path(tempfile.mkdtemp(prefix="exo-one-stream-"))) as node:
+    await burst(node.url, make_prompts(2, 48, salt=99), 8)  # warm-up: the model's first steps, allocations
+    for repeat in range(args.repeats):
+      result = summarise(await burst(node.url, make_prompts(args.streams, args.prompt_tokens, salt=repeat), args.tokens))
+      itls.append(result["itl_p50"])
+      print(f"  repeat {repeat}: ITL p50 {1e3 * result['itl_p50']:.2f} ms, {result['tok_s']:.1f} tok/s", flush=True)
+  timer = subprocess.run([sys.executable, str(ROOT / "bench" / "machines.py"), "--step-times", str(args.streams), "--engine", args.engine,
+                          "--context", str(args.prompt_tokens + args.tokens // 2)], cwd=ROOT, capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, args.core_set))
+  step = json.loads(timer.stdout.strip().splitlines()[-1])[str(args.streams)]
+  itl = statistics.median(itls)
+  print(f"{args.streams} stream(s) on core(s) {','.join(map(str, sorted(args.core_set)))}: ITL p50 {1e3 * itl:.2f} ms, bare {args.streams}-row step "
+        f"{1e3 * step:.2f} ms, step / ITL {step / itl:.3f} (outside the engine {1e3 * (itl - step):.2f} ms a token)")
+
+
+if __name__ == "__main__":
+  asyncio.run(main())
