@@ -47,6 +47,7 @@ class Matrix(ctypes.Structure):
 array = ctypes.py_object  # a numpy array itself, its fields read by the kernel (kernels_c/arrays.h)
 SIGNATURES = {
   "product_arrays": (ctypes.c_int, [p, array, array, i64, i64, ctypes.c_int]),
+  "panel_product_arrays": (ctypes.c_int, [p, array, array, i64, i64, ctypes.c_int]),
   "has_threads": (ctypes.c_int, []),
   "widen_tile": (None, [p, i64, i64, array]),
   "dequantize_rows": (None, [p, p, i64, p]),

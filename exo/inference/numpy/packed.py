@@ -24,6 +24,10 @@ from exo.inference.numpy import kernels, native
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 8  # SmolLM2's products one core, direct against tiles: 8 rows 0.82x the time (gate/up, down), 16 rows 1.2-1.5x
+# Above DIRECT_ROWS, up to PANEL_ROWS, the panel kernel (kernels_c/panels.c: small panels of weights widened into L1
+# and multiplied by every row in registers). SmolLM2's products on one core (bench/panel_speed.py), its time against
+# tiles widened for BLAS: 8 rows 0.74x, 16 rows 0.75x, 32 rows 0.86x, 64 rows 0.81x, 128 rows 0.92x; 256 rows the same.
+PANEL_ROWS = 128
 # From LARGE_TILE_ROWS input rows a tile as large as a core's share of a layer's matrix, up to 4 MiB: one widening
 # call and one BLAS call for it (64 rows: 1.1-1.2x faster than 512 KiB tiles). Fewer rows, where BLAS reads the tile
 # about as fast as it is written, take tiles that stay in a core's L2 cache.
@@ -218,12 +222,31 @@ class PackedMatrix:
       raise MemoryError("no memory for a product's inputs")
     out[...] = whole
 
+  def panels(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: bool = False) -> None:
+    """out = x (rows, in) @ this matrix's rows a..b, transposed, by the panel kernel (kernels_c/panels.c): each weight
+    read once for every row, widened a small panel at a time. As `direct` for the arguments."""
+    shared = shared and _parallel["usable"]
+    status = _lib.panel_product_arrays(self._kernel, x, out, a, b, shared) if x.dtype is _FLOAT32 and out.dtype is _FLOAT32 else -2
+    if status == -1:
+      raise MemoryError("no memory for a product's inputs")
+    if status == 0:
+      return
+    if out.shape != (x.shape[0], b - a) or x.ndim != 2 or x.shape[1] != self.shape[1] or not 0 <= a <= b <= self.shape[0] or not len(x):
+      raise ValueError(f"a product of {x.shape} inputs with rows {a}..{b} of a {self.shape} matrix into {out.shape}")
+    whole = np.empty(out.shape, dtype=np.float32)
+    if _lib.panel_product_arrays(self._kernel, np.ascontiguousarray(x, dtype=np.float32), whole, a, b, shared):
+      raise MemoryError("no memory for a product's inputs")
+    out[...] = whole
+
   def product(self, x: np.ndarray, a: int, b: int, out: Optional[np.ndarray] = None) -> np.ndarray:
     """x (rows, in) @ this matrix's rows a..b, transposed: (rows, b - a) float32, written into `out` if given."""
     if out is None:
       out = np.empty((x.shape[0], b - a), dtype=np.float32)
     if x.shape[0] <= DIRECT_ROWS and self._kernel is not None:
       self.direct(x, a, b, out)  # (which takes x as it comes: float32 and contiguous, or converts it)
+      return out
+    if x.shape[0] <= PANEL_ROWS and self._kernel is not None:
+      self.panels(x, a, b, out)
       return out
     x = np.ascontiguousarray(x, dtype=np.float32)
     # Many rows (prefill): x @ tile.T straight into the output; BLAS runs it nearly as fast as float32 (in, out)

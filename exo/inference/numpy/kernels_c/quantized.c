@@ -262,11 +262,12 @@ int has_threads(void) {
 #endif
 }
 
-/* Weight row j as float32 into dest, inputs in order: plain loops (groups that are not whole vectors). */
-static void widen_plain(const matrix *m, int64_t j, float *restrict dest) {
-  const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups;
+/* Groups g0..g1 of weight row j as float32 into dest, inputs in order: plain loops (groups that are not whole vectors). */
+static void widen_plain(const matrix *m, int64_t j, int64_t g0, int64_t g1, float *restrict dest) {
+  const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups, per_byte = m->bits == 4 ? 2 : 1;
   const uint8_t *row = m->codes + j * m->row_bytes;
-  for (int64_t g = 0; g < n_groups; g++) {
+  dest -= g0 * group_bytes * per_byte;
+  for (int64_t g = g0; g < g1; g++) {
     float scale = value_at(m->scales, m->kind, m->table, j * n_groups + g);
     float bias = m->fp4 ? 0.0f : value_at(m->biases, m->kind, m->table, j * n_groups + g);
     for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k++) {
@@ -280,8 +281,8 @@ static void widen_plain(const matrix *m, int64_t j, float *restrict dest) {
   }
 }
 
-/* 16 bytes of codes at k as float32 into dest, inputs in order: a byte's low code is the even input's, its high code
-   the odd one's. */
+/* 16 bytes of codes at k as float32 into dest (the chunk's first input), inputs in order: a byte's low code is the
+   even input's, its high code the odd one's. */
 static inline __attribute__((always_inline)) void widen_chunk(const uint8_t *row, int64_t k, float scale, float bias,
                                                               float *restrict dest, const int bits, const int fp4) {
   if (bits == 4) {
@@ -289,43 +290,44 @@ static inline __attribute__((always_inline)) void widen_chunk(const uint8_t *row
     split_codes(row + k, fp4, &low, &high);
     low = low * scale + bias, high = high * scale + bias;
 #if defined(__clang__) || __GNUC__ >= 12
-    store(dest + 2 * k, __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
-    store(dest + 2 * k + LANES, __builtin_shufflevector(low, high, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+    store(dest, __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+    store(dest + LANES, __builtin_shufflevector(low, high, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
 #else
-    for (int i = 0; i < LANES; i++) dest[2 * k + 2 * i] = low[i], dest[2 * k + 2 * i + 1] = high[i];
+    for (int i = 0; i < LANES; i++) dest[2 * i] = low[i], dest[2 * i + 1] = high[i];
 #endif
   } else {
-    store(dest + k, __builtin_convertvector(bytes_to_ints(row + k), vf) * scale + bias);
+    store(dest, __builtin_convertvector(bytes_to_ints(row + k), vf) * scale + bias);
   }
 }
 
-/* Weight row j as float32 into dest, inputs in order, by vectors. */
-static inline __attribute__((always_inline)) void widen_row(const matrix *m, int64_t j, float *restrict dest, const int bits,
-                                                            const int fp4, const int kind) {
-  const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups;
+/* Groups g0..g1 of weight row j as float32 into dest, inputs in order, by vectors. */
+static inline __attribute__((always_inline)) void widen_row(const matrix *m, int64_t j, int64_t g0, int64_t g1, float *restrict dest,
+                                                            const int bits, const int fp4, const int kind) {
+  const int64_t n_groups = m->n_groups, group_bytes = m->row_bytes / n_groups, per_byte = bits == 4 ? 2 : 1;
   const uint8_t *row = m->codes + j * m->row_bytes;
   const void *scales = m->scales, *biases = m->biases;
   const float *table = m->table;
+  dest -= g0 * group_bytes * per_byte;
   if (group_bytes == LANES) { /* one chunk a group (GGUF's 32-input blocks of 4-bit codes): no inner loop */
-    for (int64_t g = 0; g < n_groups; g++) {
+    for (int64_t g = g0; g < g1; g++) {
       const float scale = value_at(scales, kind, table, j * n_groups + g);
       const float bias = fp4 ? 0.0f : value_at(biases, kind, table, j * n_groups + g);
-      widen_chunk(row, g * LANES, scale, bias, dest, bits, fp4);
+      widen_chunk(row, g * LANES, scale, bias, dest + g * LANES * per_byte, bits, fp4);
     }
     return;
   }
-  for (int64_t g = 0; g < n_groups; g++) {
+  for (int64_t g = g0; g < g1; g++) {
     const float scale = value_at(scales, kind, table, j * n_groups + g);
     const float bias = fp4 ? 0.0f : value_at(biases, kind, table, j * n_groups + g);
-    for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k += LANES) widen_chunk(row, k, scale, bias, dest, bits, fp4);
+    for (int64_t k = g * group_bytes; k < (g + 1) * group_bytes; k += LANES) widen_chunk(row, k, scale, bias, dest + k * per_byte, bits, fp4);
   }
 }
 
-/* Rows ids[i] (ids NULL: j0 + i) for i in [0, n) as float32 into out, rows out_stride floats apart. */
-typedef void (*widen_fn)(const matrix *, int64_t, const int64_t *, int64_t, float *, int64_t);
+/* Groups g0..g1 of rows ids[i] (ids NULL: j0 + i) for i in [0, n) as float32 into out, rows out_stride floats apart. */
+typedef void (*widen_fn)(const matrix *, int64_t, const int64_t *, int64_t, int64_t, int64_t, float *, int64_t);
 #define WIDEN(name, bits, fp4, kind) \
-  static void name(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, float *out, int64_t out_stride) { \
-    for (int64_t i = 0; i < n; i++) widen_row(m, ids ? ids[i] : j0 + i, out + i * out_stride, bits, fp4, kind); \
+  static void name(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, int64_t g0, int64_t g1, float *out, int64_t out_stride) { \
+    for (int64_t i = 0; i < n; i++) widen_row(m, ids ? ids[i] : j0 + i, g0, g1, out + i * out_stride, bits, fp4, kind); \
   }
 WIDEN(widen4_half, 4, 0, VALUES_HALF)
 WIDEN(widen4_float, 4, 0, VALUES_FLOAT)
@@ -333,14 +335,18 @@ WIDEN(widen4_fp4, 4, 1, VALUES_BYTE)
 WIDEN(widen8_half, 8, 0, VALUES_HALF)
 WIDEN(widen8_float, 8, 0, VALUES_FLOAT)
 
-static void widen_rows(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, float *out, int64_t out_stride) {
+void widen_groups(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, int64_t g0, int64_t g1, float *out, int64_t out_stride) {
   if ((m->row_bytes / m->n_groups) % LANES) {
-    for (int64_t i = 0; i < n; i++) widen_plain(m, ids ? ids[i] : j0 + i, out + i * out_stride);
+    for (int64_t i = 0; i < n; i++) widen_plain(m, ids ? ids[i] : j0 + i, g0, g1, out + i * out_stride);
     return;
   }
   widen_fn widen = m->bits == 4 ? (m->fp4 ? widen4_fp4 : m->kind == VALUES_FLOAT ? widen4_float : widen4_half)
                                 : (m->kind == VALUES_FLOAT ? widen8_float : widen8_half);
-  widen(m, j0, ids, n, out, out_stride);
+  widen(m, j0, ids, n, g0, g1, out, out_stride);
+}
+
+static void widen_rows(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, float *out, int64_t out_stride) {
+  widen_groups(m, j0, ids, n, 0, m->n_groups, out, out_stride);
 }
 
 /* tile[j - lo] = weight row j as float32 for j in [lo, hi), for BLAS; tile: a float32 numpy array (arrays.h) of at

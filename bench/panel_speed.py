@@ -1,0 +1,98 @@
+"""A batched decode step of the numpy engine with the panel kernel (kernels_c/panels.c) against the same step with
+quantized tiles widened for BLAS, in one process, steps alternated, so that a shared machine's load falls on both.
+
+  python bench/panel_speed.py --rows 8,16,32 --steps 20
+  python bench/panel_speed.py --products   # each of SmolLM2's products alone on one core, every layer's in turn
+
+Whole steps: the embedded SmolLM2 (GGUF Q4_1 layers, Q8_0 head), each stream's cache holding --context tokens; the
+median ms of each way's steps and the ratio. --products: one core, each matrix of every layer in turn (so that they
+come from memory as in a step), for the direct kernel (up to 16 rows), the panels and the tiles."""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exo.download.shard_files import embedded_model_path  # noqa: E402
+from exo.inference.numpy import llama, packed  # noqa: E402
+from exo.inference.numpy.kernels import single_threaded_blas  # noqa: E402
+from exo.inference.shard import Shard  # noqa: E402
+from exo.inference.weights import load_config, load_shard_weights  # noqa: E402
+
+WAYS = {"panels": packed.PANEL_ROWS, "tiles": 0}  # packed.PANEL_ROWS for each way
+
+
+def load(path: str) -> llama.Llama:
+  n_layers = load_config(path).n_layers
+  shard = Shard(path, 0, n_layers - 1, n_layers)
+  config, weights = load_shard_weights(path, shard, keep_quantized=True)
+  return llama.Llama(config, shard, weights)
+
+
+def steps(model: llama.Llama, args) -> None:
+  rng = np.random.default_rng(0)
+  for rows in args.rows:
+    caches = [model.new_cache() for _ in range(rows)]
+    model.forward([rng.integers(100, 10000, args.context) for _ in range(rows)], caches)
+    times = {way: [] for way in WAYS}
+    for step in range(args.steps + 1):
+      for way, panel_rows in WAYS.items():
+        packed.PANEL_ROWS = panel_rows
+        tokens = [rng.integers(100, 10000, 1) for _ in range(rows)]
+        started = time.perf_counter()
+        model.forward(tokens, caches)
+        if step:  # the first of each way warms
+          times[way].append(time.perf_counter() - started)
+    p, t = (1000 * statistics.median(times[way]) for way in WAYS)
+    print(f"{rows:>3} rows: panels {p:.1f} ms, tiles {t:.1f} ms a step: {t / p:.2f}x ({rows * 1000 / p:.0f} against "
+          f"{rows * 1000 / t:.0f} tokens/s)", flush=True)
+    del caches
+
+
+def products(model: llama.Llama, args) -> None:
+  matrices = {name: [layer[name] for layer in model.layers] for name in ("qkv", "o", "gate_up", "down")}
+  matrices["head"] = [model.head]
+  rng = np.random.default_rng(0)
+  for rows in args.rows:
+    ways = {"panels": lambda w, x, out: w.panels(x, 0, w.shape[0], out)}
+    ways["tiles"] = lambda w, x, out: w.product(x, 0, w.shape[0], out)  # (PANEL_ROWS 0: the tiles)
+    if rows <= 16:
+      ways["direct"] = lambda w, x, out: w.direct(x, 0, w.shape[0], out, shared=False)
+    totals = {way: 0.0 for way in ways}
+    for name, ws in matrices.items():
+      x = rng.standard_normal((rows, ws[0].shape[1])).astype(np.float32)
+      out = np.empty((rows, ws[0].shape[0]), dtype=np.float32)
+      best = {way: float("inf") for way in ways}
+      for _ in range(args.repeats):
+        for way, run in ways.items():
+          packed.PANEL_ROWS, saved_direct = 0, packed.DIRECT_ROWS
+          packed.DIRECT_ROWS = 0
+          started = time.perf_counter()
+          for w in ws:
+            run(w, x, out)
+          best[way] = min(best[way], time.perf_counter() - started)
+          packed.DIRECT_ROWS = saved_direct
+      for way in ways:
+        totals[way] += best[way]
+      print(f"  {rows:>3} rows {name}: " + ", ".join(f"{way} {1000 * s:.1f} ms" for way, s in best.items()))
+    print(f"{rows:>3} rows, every product once: " + ", ".join(f"{way} {1000 * s:.1f} ms ({s / totals['tiles']:.2f}x tiles)"
+                                                            for way, s in totals.items()), flush=True)
+  packed.PANEL_ROWS = WAYS["panels"]
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", help="a quantized checkpoint's path (default: the embedded SmolLM2)")
+  parser.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32])
+  parser.add_argument("--steps", type=int, default=20, help="timed steps of each way per row count")
+  parser.add_argument("--repeats", type=int, default=3, help="--products: runs of each way, the best counted")
+  parser.add_argument("--context", type=int, default=24, help="tokens each stream's cache holds before the timed steps")
+  parser.add_argument("--products", action="store_true", help="each product alone on one core, not whole steps")
+  args = parser.parse_args()
+  single_threaded_blas()
+  model = load(args.model or str(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")))
+  (products if args.products else steps)(model, args)

@@ -1,0 +1,158 @@
+/* Products of a quantized weight with a few dozen input rows (batched decode): the weight read once, float32 FMAs for
+   every row.
+
+quantized.c's direct kernel turns each chunk of codes into floats for at most four input rows, and beyond eight rows
+the engine widened whole tiles to float32 for BLAS, writing and reading back four bytes a weight. Here a panel of NR
+weight rows (outputs) is widened, one block of about 256 inputs at a time, into a buffer that stays in the core's L1
+cache, and a register-blocked kernel multiplies it by the inputs: the inputs transposed (in, rows), eight rows a
+vector, each panel weight broadcast against them. NR x MV accumulators (MV vectors of eight rows) stay in registers
+over the block; blocks add into a small buffer of the panel's sums, turned into the output's (rows, columns) at the
+end. Each product is float32 and in input order within a block, so it equals the dequantised matrix's up to
+summation order. Eight-float vectors (GCC's and clang's vector extensions) are what every x86 CPU since AVX and
+every ARM one computes at full rate; NR is picked for the registers there are (32 with AVX-512, else 16). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "arrays.h"
+#include "quantized.h"
+
+typedef float v8 __attribute__((vector_size(32)));
+#define ROW_VECTORS 4 /* input rows a chunk, in vectors of eight: a chunk's rows share the panel while it is in L1 */
+#define CHUNK_ROWS (8 * ROW_VECTORS)
+#define BLOCK_INPUTS 256 /* inputs a panel block holds (rounded to whole groups) */
+
+static inline v8 load8(const float *p) {
+  v8 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* acc[j][v] += sum over k < kc of panel[j][k] * x[k][v]: NR panel rows (kc floats apart), MV vectors of eight input
+   rows (x: kc rows xs floats apart); acc: NR rows of CHUNK_ROWS floats. */
+static inline __attribute__((always_inline)) void panel_block(const float *panel, int64_t kc, const float *x, int64_t xs, float *acc,
+                                                              const int NR, const int MV) {
+  v8 c[16][ROW_VECTORS]; /* fixed sizes (not NR, MV: arrays of those are variable-length, kept in memory) */
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; j++)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; v++) c[j][v] = load8(acc + j * CHUNK_ROWS + 8 * v);
+  for (int64_t k = 0; k < kc; k++) {
+    v8 xv[ROW_VECTORS];
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; v++) xv[v] = load8(x + k * xs + 8 * v);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; j++) {
+      const float w = panel[j * kc + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < MV; v++) c[j][v] += xv[v] * w;
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NR; j++)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; v++) store8(acc + j * CHUNK_ROWS + 8 * v, c[j][v]);
+}
+
+typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, float *);
+#define BLOCK(NR, MV) \
+  static void block_##NR##_##MV(const float *panel, int64_t kc, const float *x, int64_t xs, float *acc) { \
+    panel_block(panel, kc, x, xs, acc, NR, MV); \
+  }
+/* Panel widths by the vectors of rows a chunk holds (1..4): as many accumulators as leave registers for the inputs */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define NR1 16
+#define NR2 12
+#define NR3 8
+#define NR4 6
+BLOCK(16, 1) BLOCK(12, 1) BLOCK(12, 2) BLOCK(8, 1) BLOCK(8, 2) BLOCK(8, 3) BLOCK(6, 1) BLOCK(6, 2) BLOCK(6, 3) BLOCK(6, 4)
+static const block_fn BLOCKS[4][4] = {{block_16_1}, {block_12_1, block_12_2}, {block_8_1, block_8_2, block_8_3}, {block_6_1, block_6_2, block_6_3, block_6_4}};
+#else
+#define NR1 8
+#define NR2 6
+#define NR3 4
+#define NR4 3
+BLOCK(8, 1) BLOCK(6, 1) BLOCK(6, 2) BLOCK(4, 1) BLOCK(4, 2) BLOCK(4, 3) BLOCK(3, 1) BLOCK(3, 2) BLOCK(3, 3) BLOCK(3, 4)
+static const block_fn BLOCKS[4][4] = {{block_8_1}, {block_6_1, block_6_2}, {block_4_1, block_4_2, block_4_3}, {block_3_1, block_3_2, block_3_3, block_3_4}};
+#endif
+static const int PANEL_ROWS[4] = {NR1, NR2, NR3, NR4};
+#define MAX_NR NR1
+
+/* Scratch of one thread's panels: the block of widened weights and the panel's sums for every chunk of rows. */
+typedef struct {
+  float *panel, *acc;
+} scratch;
+
+/* Weight rows j0..j1 (at most nr) @ the transposed inputs xt (n_in, padded) into out[r * os + j - lo]. */
+static void panel_rows(const matrix *m, const float *xt, int64_t rows, int64_t padded, int64_t lo, int64_t j0, int64_t j1, float *out,
+                       int64_t os, int width, scratch *s) {
+  const int64_t n_in = m->n_in, group = n_in / m->n_groups, block_groups = group >= BLOCK_INPUTS ? 1 : BLOCK_INPUTS / group;
+  const int64_t n = j1 - j0, chunks = (padded + CHUNK_ROWS - 1) / CHUNK_ROWS;
+  const int nr = PANEL_ROWS[width - 1];
+  memset(s->acc, 0, sizeof(float) * (size_t)(chunks * MAX_NR * CHUNK_ROWS));
+  for (int64_t g0 = 0; g0 < m->n_groups; g0 += block_groups) {
+    const int64_t g1 = g0 + block_groups < m->n_groups ? g0 + block_groups : m->n_groups, kc = (g1 - g0) * group;
+    widen_groups(m, j0, NULL, n, g0, g1, s->panel, kc);
+    if (n < nr) memset(s->panel + n * kc, 0, sizeof(float) * (size_t)((nr - n) * kc));
+    for (int64_t c = 0; c < chunks; c++) {
+      const int64_t vectors = (padded - c * CHUNK_ROWS) / 8 < ROW_VECTORS ? (padded - c * CHUNK_ROWS) / 8 : ROW_VECTORS;
+      BLOCKS[width - 1][vectors - 1](s->panel, kc, xt + g0 * group * padded + c * CHUNK_ROWS, padded, s->acc + c * MAX_NR * CHUNK_ROWS);
+    }
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    const float *sums = s->acc + (r / CHUNK_ROWS) * MAX_NR * CHUNK_ROWS + r % CHUNK_ROWS;
+    for (int64_t j = 0; j < n; j++) out[r * os + j0 + j - lo] = sums[j * CHUNK_ROWS];
+  }
+}
+
+static int scratch_for(const matrix *m, int64_t padded, scratch *s) {
+  const int64_t group = m->n_in / m->n_groups, block = group >= BLOCK_INPUTS ? group : BLOCK_INPUTS / group * group;
+  const int64_t chunks = (padded + CHUNK_ROWS - 1) / CHUNK_ROWS;
+  s->panel = malloc(sizeof(float) * (size_t)(MAX_NR * block));
+  s->acc = malloc(sizeof(float) * (size_t)(chunks * MAX_NR * CHUNK_ROWS));
+  if (s->panel && s->acc) return 0;
+  free(s->panel), free(s->acc);
+  return -1;
+}
+
+/* x (rows, in) contiguous @ weight rows lo..hi into out (rows, hi - lo; rows os floats apart); its panels shared among
+   OpenMP's threads where `shared` (and the library has them). Returns 0, or -1 where memory ran out. */
+int panel_product(const matrix *m, const float *x, int64_t rows, int64_t lo, int64_t hi, float *out, int64_t os, int shared) {
+  const int64_t n_in = m->n_in, padded = (rows + 7) / 8 * 8;
+  const int width = padded / 8 < ROW_VECTORS ? (int)(padded / 8) : ROW_VECTORS, nr = PANEL_ROWS[width - 1];
+  float *xt = calloc((size_t)(n_in * padded), sizeof(float));
+  if (!xt) return -1;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t k = 0; k < n_in; k++) xt[k * padded + r] = x[r * n_in + k];
+  const int64_t panels = (hi - lo + nr - 1) / nr;
+  int failed = 0;
+#pragma omp parallel if (shared) reduction(| : failed)
+  {
+    scratch s;
+    if (scratch_for(m, padded, &s)) {
+      failed = 1;
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; p++) {
+        const int64_t j0 = lo + p * nr, j1 = j0 + nr < hi ? j0 + nr : hi;
+        panel_rows(m, xt, rows, padded, lo, j0, j1, out, os, width, &s);
+      }
+      free(s.panel), free(s.acc);
+    }
+  }
+  free(xt);
+  return failed ? -1 : 0;
+}
+
+/* panel_product with x and out float32 numpy arrays (arrays.h), as quantized.c's product_arrays: -2, computing
+   nothing, unless x is (rows, in) contiguous, out (rows, hi - lo) with contiguous rows and lo..hi within the matrix. */
+int panel_product_arrays(const matrix *m, const void *x, const void *out, int64_t lo, int64_t hi, int shared) {
+  const array_fields *xf = fields(x), *of = fields(out);
+  if (xf->nd != 2 || of->nd != 2 || xf->shape[1] != m->n_in || xf->strides[1] != 4 || (xf->shape[0] > 1 && xf->strides[0] != 4 * m->n_in)
+      || of->shape[0] != xf->shape[0] || of->shape[1] != hi - lo || (hi > lo + 1 && of->strides[1] != 4) || of->strides[0] % 4
+      || lo < 0 || lo > hi || hi > m->n_out || xf->shape[0] < 1)
+    return -2;
+  return panel_product(m, (const float *)xf->data, xf->shape[0], lo, hi, (float *)of->data, of->strides[0] / 4, shared);
+}
