@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo.download.shard_files import embedded_model_path  # noqa: E402
 from exo.inference.numpy import llama  # noqa: E402
+from exo.inference.numpy.engine import GIL_SWITCH_S  # noqa: E402
 from exo.inference.numpy.kernels import single_threaded_blas  # noqa: E402
 from exo.inference.shard import Shard  # noqa: E402
 from exo.inference.weights import load_config, load_shard_weights  # noqa: E402
@@ -39,6 +40,7 @@ def timed_phase(original):
 
 def main(args) -> None:
   single_threaded_blas()
+  sys.setswitchinterval(GIL_SWITCH_S)  # as the engine runs its steps
   path = args.model or str(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
   n_layers = load_config(path).n_layers
   shard = Shard(path, 0, n_layers - 1, n_layers)

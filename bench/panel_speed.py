@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo.download.shard_files import embedded_model_path  # noqa: E402
 from exo.inference.numpy import llama, packed  # noqa: E402
+from exo.inference.numpy.engine import GIL_SWITCH_S  # noqa: E402
 from exo.inference.numpy.kernels import single_threaded_blas  # noqa: E402
 from exo.inference.shard import Shard  # noqa: E402
 from exo.inference.weights import load_config, load_shard_weights  # noqa: E402
@@ -94,5 +95,6 @@ if __name__ == "__main__":
   parser.add_argument("--products", action="store_true", help="each product alone on one core, not whole steps")
   args = parser.parse_args()
   single_threaded_blas()
+  sys.setswitchinterval(GIL_SWITCH_S)  # as the engine runs its steps
   model = load(args.model or str(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")))
   (products if args.products else steps)(model, args)

@@ -1,7 +1,8 @@
 """Quantized weights kept packed in the numpy engine: GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks read as the
 gguf package dequantises them, and every product and lookup of the compiled kernels equal to the same matrix dequantised to
-float32, for each bit width, group size and scale format, on the few-rows (direct) path and both tiled BLAS paths
-(some rows: products computed transposed; many rows: as they are)."""
+float32, for each bit width, group size and scale format, on the few-rows (direct) path, the panels (batched decode; every
+row count: tests/test_panel_products.py) and both tiled BLAS paths (some rows: products computed transposed; many rows:
+as they are)."""
 import gguf
 import numpy as np
 import pytest
@@ -107,8 +108,10 @@ def test_products_from_mlx_affine_matrices_equal_the_dequantised_products(bits, 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_products_over_several_tiles_equal_the_dequantised_products(type_name, monkeypatch):
-  """Tiles of 32 weight rows: the 80-row slices check_products takes span three, the last one partial."""
+  """Tiles of 32 weight rows: the 80-row slices check_products takes span three, the last one partial (every row
+  count above the direct kernel's: no panels)."""
   monkeypatch.setattr(packed, "TILE_BYTES", 32 * 4 * 256)
+  monkeypatch.setattr(packed, "PANEL_ROWS", 0)
   raw, reference = gguf_matrix(type_name)
   check_products(PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 96)), reference)
 

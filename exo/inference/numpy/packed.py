@@ -222,10 +222,10 @@ class PackedMatrix:
       raise MemoryError("no memory for a product's inputs")
     out[...] = whole
 
-  def panels(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: bool = False) -> None:
+  def panels(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: Optional[bool] = None) -> None:
     """out = x (rows, in) @ this matrix's rows a..b, transposed, by the panel kernel (kernels_c/panels.c): each weight
     read once for every row, widened a small panel at a time. As `direct` for the arguments."""
-    shared = shared and _parallel["usable"]
+    shared = _shares() if shared is None else shared and _parallel["usable"]
     status = _lib.panel_product_arrays(self._kernel, x, out, a, b, shared) if x.dtype is _FLOAT32 and out.dtype is _FLOAT32 else -2
     if status == -1:
       raise MemoryError("no memory for a product's inputs")
