@@ -94,3 +94,22 @@ def test_greedy_alone_equals_the_float_checkpoint_with_close_logits(engines):
       pytest.fail(f"{text!r}: part at token {step}; the float model's top two logits there were {top2[1] - top2[0]:.2e} apart")
     # Until they part (they do not), every step's logits agree as two float32 summation orders do.
     np.testing.assert_allclose(logits["quantized"], logits["float"], rtol=0, atol=common.FLOAT16_KV_LOGIT_ATOL)
+
+
+@pytest.mark.parametrize("streams", [16, 37])
+def test_batched_decode_through_the_panels_gives_each_requests_tokens_alone(engines, streams, monkeypatch):
+  """16 streams (two vectors of rows a panel) and 37 (a chunk of 32 rows and one of 5): every decode step's products
+  run through the panel kernel, and each request's greedy tokens equal its own alone (one row a step: the direct
+  kernels)."""
+  engine = engines["quantized"]
+  texts = [f"{common.OPENINGS[i % len(common.OPENINGS)]} ({i})" for i in range(streams)]
+  prompts = common.prompt_ids(engine, texts)
+  panel_rows = []
+  panels = PackedMatrix.panels
+  monkeypatch.setattr(PackedMatrix, "panels", lambda self, x, *args, **kw: panel_rows.append(len(x)) or panels(self, x, *args, **kw))
+  together = asyncio.run(common.batched(engine, prompts, 12, f"panels-{streams}", join_every=0, stop_at_eos=False))
+  assert panel_rows.count(streams) >= 11 * 30 * 4, "the decode steps' layer products did not run through the panels"
+  monkeypatch.setattr(PackedMatrix, "panels", panels)
+  alone = [asyncio.run(common.greedy(engine, f"alone-{streams}-{i}", ids, 12, stop_at_eos=False)) for i, ids in enumerate(prompts)]
+  for i, (got, want) in enumerate(zip(together, alone)):
+    assert got == want, f"request {i} of {streams}: batched and alone part at token {first_difference(got, want)}"
