@@ -38,7 +38,7 @@ def check_panels(matrix: PackedMatrix, reference: np.ndarray, rows_list=range(2,
 @needs_kernels
 @pytest.mark.parametrize("type_name", list(BLOCK_BYTES))
 def test_panels_from_gguf_blocks_equal_the_dequantised_products(type_name):
-  raw, reference = gguf_matrix(type_name, rows=53, cols=512)  # 53 outputs: partial panels; 512 inputs: two blocks
+  raw, reference = gguf_matrix(type_name, rows=53, cols=2304)  # 53 outputs: partial panels; 2304 inputs: two blocks
   check_panels(PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 53)), reference)
 
 
@@ -47,15 +47,15 @@ def test_panels_from_gguf_blocks_equal_the_dequantised_products(type_name):
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16", "float32"])
 def test_panels_from_mlx_affine_matrices_equal_the_dequantised_products(bits, group, scale_dtype):
-  w = mlx_matrix(bits, group, scale_dtype, rows=29, cols=384)  # 384 inputs: a block of 256 and a partial one
+  w = mlx_matrix(bits, group, scale_dtype, rows=29, cols=2176)  # 2176 inputs: a block of 2048 and a partial one
   check_panels(PackedMatrix.from_quantized(w), w.dequantize(), rows_list=(2, 9, 16, 17, 31, 40, 64))
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits, group, cols", [(4, 8, 72), (8, 24, 96), (4, 16, 48), (8, 512, 1024)])
+@pytest.mark.parametrize("bits, group, cols", [(4, 8, 72), (8, 24, 96), (4, 16, 48), (8, 2560, 5120)])
 def test_panels_over_groups_that_are_not_whole_vectors_or_span_blocks(bits, group, cols):
   """4-bit groups of 8 and 16 inputs, 8-bit ones of 24 (4, 8 and 24 bytes, not whole 16-byte vectors: the plain
-  loops), and 8-bit groups of 512, larger than a block of inputs."""
+  loops), and 8-bit groups of 2560, larger than a block of inputs."""
   w = mlx_matrix(bits, group, "float16", rows=19, cols=cols)
   matrix = PackedMatrix.from_quantized(w)
   check_panels(matrix, w.dequantize(), rows_list=(2, 11, 33))

@@ -3,13 +3,13 @@ kernels (kernels_c/quantized.c, native.py), or by numpy where no C compiler work
 
 Rows are the matrix's outputs, as checkpoints store them; a product's output columns a..b are rows a..b here, so the
 engine's column slices (kernels.py) are slices of rows. Up to DIRECT_ROWS input rows a product reads the codes
-directly (decode steps of a few streams: each chunk of codes turned into floats once for four input rows). Above (or
-without the compiled kernels, at any rows), it
-widens a tile of weight rows at a time into float32, in a scratch buffer each thread keeps (up to TILE_BYTES, 4 MiB),
-and lets BLAS multiply it (batched decode and prefill: bound by arithmetic, where BLAS is several times faster than
-the direct kernel and the widening is paid once for all rows). How the tile meets BLAS depends on the rows, by
-measurement (bench/quantized_speed.py): up to TRANSPOSED_ROWS, tile @ x.T into a transposed output; above, x @ tile.T
-straight into the output."""
+directly (decode steps of a few streams: each chunk of codes turned into floats once for four input rows). Up to
+PANEL_ROWS (batched decode: bound by arithmetic) the panel kernel widens a few weight rows at a time into a buffer in
+the core's cache and multiplies them by every input row in registers (kernels_c/panels.c). Above (prefill; or
+without the compiled kernels, at any rows), it widens a tile of weight rows at a time into float32, in a scratch
+buffer each thread keeps (up to TILE_BYTES, 4 MiB), and lets BLAS multiply it (the widening paid once for all rows).
+How the tile meets BLAS depends on the rows, by measurement (bench/quantized_speed.py): up to TRANSPOSED_ROWS, tile @
+x.T into a transposed output; above, x @ tile.T straight into the output."""
 import ctypes
 import os
 import threading
@@ -24,7 +24,7 @@ from exo.inference.numpy import kernels, native
 from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 8  # SmolLM2's products one core, direct against tiles: 8 rows 0.82x the time (gate/up, down), 16 rows 1.2-1.5x
-# Above DIRECT_ROWS, up to PANEL_ROWS, the panel kernel (kernels_c/panels.c: small panels of weights widened into L1
+# Above DIRECT_ROWS, up to PANEL_ROWS, the panel kernel (kernels_c/panels.c: small panels of weights widened in cache
 # and multiplied by every row in registers). SmolLM2's products on one core (bench/panel_speed.py), its time against
 # tiles widened for BLAS: 8 rows 0.74x, 16 rows 0.75x, 32 rows 0.86x, 64 rows 0.81x, 128 rows 0.92x; 256 rows the same.
 PANEL_ROWS = 128

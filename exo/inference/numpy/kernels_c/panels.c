@@ -3,7 +3,7 @@
 
 quantized.c's direct kernel turns each chunk of codes into floats for at most four input rows, and beyond eight rows
 the engine widened whole tiles to float32 for BLAS, writing and reading back four bytes a weight. Here a panel of NR
-weight rows (outputs) is widened, one block of about 256 inputs at a time, into a buffer that stays in the core's L1
+weight rows (outputs) is widened, one block of up to 2048 inputs at a time, into a buffer that stays in the core's L2
 cache, and a register-blocked kernel multiplies it by the inputs: the inputs transposed (in, rows), eight rows a
 vector, each panel weight broadcast against them. NR x MV accumulators (MV vectors of eight rows) stay in registers
 over the block; blocks add into a small buffer of the panel's sums, turned into the output's (rows, columns) at the
@@ -18,9 +18,11 @@ every ARM one computes at full rate; NR is picked for the registers there are (3
 #include "quantized.h"
 
 typedef float v8 __attribute__((vector_size(32)));
-#define ROW_VECTORS 4 /* input rows a chunk, in vectors of eight: a chunk's rows share the panel while it is in L1 */
+#define ROW_VECTORS 4 /* input rows a chunk, in vectors of eight: a chunk's rows share the panel while it is in cache */
 #define CHUNK_ROWS (8 * ROW_VECTORS)
-#define BLOCK_INPUTS 256 /* inputs a panel block holds (rounded to whole groups) */
+/* inputs a panel block holds (rounded to whole groups): 128 KiB for 16 weight rows, in L2. On SmolLM2 at 16 rows,
+   blocks of 1536 inputs against 256 (in L1) took 0.8x the time for down (1536 inputs), 0.95x for the others (576). */
+#define BLOCK_INPUTS 2048
 
 static inline v8 load8(const float *p) {
   v8 v;
