@@ -38,8 +38,10 @@ def check_panels(matrix: PackedMatrix, reference: np.ndarray, rows_list=range(2,
 @needs_kernels
 @pytest.mark.parametrize("type_name", list(BLOCK_BYTES))
 def test_panels_from_gguf_blocks_equal_the_dequantised_products(type_name):
+  """Every row count for the embedded SmolLM2's formats (Q4_1 layers, Q8_0 head), some for the others."""
   raw, reference = gguf_matrix(type_name, rows=53, cols=2304)  # 53 outputs: partial panels; 2304 inputs: two blocks
-  check_panels(PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 53)), reference)
+  rows = range(2, 65) if type_name in ("Q4_1", "Q8_0") else (2, 8, 9, 16, 24, 31, 32, 33, 47, 64)
+  check_panels(PackedMatrix.from_quantized(from_gguf_blocks(raw, type_name, 53)), reference, rows)
 
 
 @needs_kernels
