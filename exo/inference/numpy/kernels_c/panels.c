@@ -82,15 +82,35 @@ static const block_fn BLOCKS[4][4] = {{block_8_1}, {block_6_1, block_6_2}, {bloc
 static const int PANEL_ROWS[4] = {NR1, NR2, NR3, NR4};
 #define MAX_NR NR1
 
+/* Inputs a block of the panel holds: whole groups, BLOCK_INPUTS or fewer unless a group is larger. */
+static int64_t block_inputs(const matrix *m) {
+  const int64_t group = m->n_in / m->n_groups, block = group >= BLOCK_INPUTS ? group : BLOCK_INPUTS / group * group;
+  return block < m->n_in ? block : m->n_in;
+}
+
 /* Scratch of one thread's panels: the block of widened weights and the panel's sums for every chunk of rows. */
 typedef struct {
   float *panel, *acc;
 } scratch;
 
+/* A buffer of at least `floats` floats that the calling thread keeps for its next products (`which`: 0 the inputs
+   transposed, 1 the panels' scratch), grown as needed; NULL where memory ran out. Kept, not allocated per product:
+   buffers of 128 KiB and more come from mmap, and a product touching fresh pages cost 15 us more. */
+static float *kept_buffer(int which, size_t floats) {
+  static __thread float *buffers[2];
+  static __thread size_t sizes[2];
+  if (sizes[which] < floats) {
+    free(buffers[which]);
+    buffers[which] = malloc(sizeof(float) * floats);
+    sizes[which] = buffers[which] ? floats : 0;
+  }
+  return buffers[which];
+}
+
 /* Weight rows j0..j1 (at most nr) @ the transposed inputs xt (n_in, padded) into out[r * os + j - lo]. */
 static void panel_rows(const matrix *m, const float *xt, int64_t rows, int64_t padded, int64_t lo, int64_t j0, int64_t j1, float *out,
                        int64_t os, int width, scratch *s) {
-  const int64_t n_in = m->n_in, group = n_in / m->n_groups, block_groups = group >= BLOCK_INPUTS ? 1 : BLOCK_INPUTS / group;
+  const int64_t group = m->n_in / m->n_groups, block_groups = block_inputs(m) / group;
   const int64_t n = j1 - j0, chunks = (padded + CHUNK_ROWS - 1) / CHUNK_ROWS;
   const int nr = PANEL_ROWS[width - 1];
   memset(s->acc, 0, sizeof(float) * (size_t)(chunks * MAX_NR * CHUNK_ROWS));
@@ -110,13 +130,10 @@ static void panel_rows(const matrix *m, const float *xt, int64_t rows, int64_t p
 }
 
 static int scratch_for(const matrix *m, int64_t padded, scratch *s) {
-  const int64_t group = m->n_in / m->n_groups, block = group >= BLOCK_INPUTS ? group : BLOCK_INPUTS / group * group;
-  const int64_t chunks = (padded + CHUNK_ROWS - 1) / CHUNK_ROWS;
-  s->panel = malloc(sizeof(float) * (size_t)(MAX_NR * block));
-  s->acc = malloc(sizeof(float) * (size_t)(chunks * MAX_NR * CHUNK_ROWS));
-  if (s->panel && s->acc) return 0;
-  free(s->panel), free(s->acc);
-  return -1;
+  const int64_t chunks = (padded + CHUNK_ROWS - 1) / CHUNK_ROWS, panel = MAX_NR * block_inputs(m);
+  float *kept = kept_buffer(1, (size_t)(panel + chunks * MAX_NR * CHUNK_ROWS));
+  s->panel = kept, s->acc = kept ? kept + panel : NULL;
+  return kept ? 0 : -1;
 }
 
 /* x (rows, in) contiguous @ weight rows lo..hi into out (rows, hi - lo; rows os floats apart); its panels shared among
@@ -124,10 +141,12 @@ static int scratch_for(const matrix *m, int64_t padded, scratch *s) {
 int panel_product(const matrix *m, const float *x, int64_t rows, int64_t lo, int64_t hi, float *out, int64_t os, int shared) {
   const int64_t n_in = m->n_in, padded = (rows + 7) / 8 * 8;
   const int width = padded / 8 < ROW_VECTORS ? (int)(padded / 8) : ROW_VECTORS, nr = PANEL_ROWS[width - 1];
-  float *xt = calloc((size_t)(n_in * padded), sizeof(float));
+  float *xt = kept_buffer(0, (size_t)(n_in * padded));
   if (!xt) return -1;
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t k = 0; k < n_in; k++) xt[k * padded + r] = x[r * n_in + k];
+  for (int64_t k = 0; k < n_in; k++) {
+    for (int64_t r = 0; r < rows; r++) xt[k * padded + r] = x[r * n_in + k];
+    for (int64_t r = rows; r < padded; r++) xt[k * padded + r] = 0.0f;
+  }
   const int64_t panels = (hi - lo + nr - 1) / nr;
   int failed = 0;
 #pragma omp parallel if (shared) reduction(| : failed)
@@ -141,10 +160,8 @@ int panel_product(const matrix *m, const float *x, int64_t rows, int64_t lo, int
         const int64_t j0 = lo + p * nr, j1 = j0 + nr < hi ? j0 + nr : hi;
         panel_rows(m, xt, rows, padded, lo, j0, j1, out, os, width, &s);
       }
-      free(s.panel), free(s.acc);
     }
   }
-  free(xt);
   return failed ? -1 : 0;
 }
 
