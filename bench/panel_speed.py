@@ -5,7 +5,8 @@ quantized tiles widened for BLAS, in one process, steps alternated, so that a sh
   python bench/panel_speed.py --products   # each of SmolLM2's products alone on one core, every layer's in turn
 
 Whole steps: the embedded SmolLM2 (GGUF Q4_1 layers, Q8_0 head), each stream's cache holding --context tokens; the
-median ms of each way's steps and the ratio. --products: one core, each matrix of every layer in turn (so that they
+median ms of each way's steps and the ratio, and the same of the CPU time the process spent (all its threads), which
+other processes on a shared machine disturb less. --products: one core, each matrix of every layer in turn (so that they
 come from memory as in a step), for the direct kernel (up to 16 rows), the panels and the tiles."""
 import argparse
 import statistics
@@ -39,18 +40,20 @@ def steps(model: llama.Llama, args) -> None:
   for rows in args.rows:
     caches = [model.new_cache() for _ in range(rows)]
     model.forward([rng.integers(100, 10000, args.context) for _ in range(rows)], caches)
-    times = {way: [] for way in WAYS}
+    times, cpu = {way: [] for way in WAYS}, {way: [] for way in WAYS}
     for step in range(args.steps + 1):
       for way, panel_rows in WAYS.items():
         packed.PANEL_ROWS = panel_rows
         tokens = [rng.integers(100, 10000, 1) for _ in range(rows)]
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         model.forward(tokens, caches)
         if step:  # the first of each way warms
           times[way].append(time.perf_counter() - started)
+          cpu[way].append(time.process_time() - started_cpu)
     p, t = (1000 * statistics.median(times[way]) for way in WAYS)
+    p_cpu, t_cpu = (1000 * statistics.median(cpu[way]) for way in WAYS)
     print(f"{rows:>3} rows: panels {p:.1f} ms, tiles {t:.1f} ms a step: {t / p:.2f}x ({rows * 1000 / p:.0f} against "
-          f"{rows * 1000 / t:.0f} tokens/s)", flush=True)
+          f"{rows * 1000 / t:.0f} tokens/s); CPU time a step {p_cpu:.1f} against {t_cpu:.1f} ms, {t_cpu / p_cpu:.2f}x", flush=True)
     del caches
 
 
