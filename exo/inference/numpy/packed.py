@@ -207,26 +207,20 @@ class PackedMatrix:
   def direct(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: Optional[bool] = None) -> None:
     """out = x (rows, in) @ this matrix's rows a..b, transposed, straight from the codes: on OpenMP's threads where
     `shared` (None: as the step chose, _shares) and the kernels have them, else on the calling core. out: (rows, b -
-    a) float32. The kernel checks the shapes and strides itself (checked here they cost as much as a small product):
-    only what it refuses is looked at here."""
-    shared = _shares() if shared is None else shared and _parallel["usable"]
-    status = _lib.product_arrays(self._kernel, x, out, a, b, shared) if x.dtype is _FLOAT32 and out.dtype is _FLOAT32 else -2
-    if status == -1:
-      raise MemoryError("no memory for a product's inputs")
-    if status == 0:
-      return
-    if out.shape != (x.shape[0], b - a) or x.ndim != 2 or x.shape[1] != self.shape[1] or not 0 <= a <= b <= self.shape[0]:
-      raise ValueError(f"a product of {x.shape} inputs with rows {a}..{b} of a {self.shape} matrix into {out.shape}")
-    whole = np.empty(out.shape, dtype=np.float32)
-    if _lib.product_arrays(self._kernel, np.ascontiguousarray(x, dtype=np.float32), whole, a, b, shared):
-      raise MemoryError("no memory for a product's inputs")
-    out[...] = whole
+    a) float32."""
+    self._run(_lib.product_arrays, x, a, b, out, shared)
 
   def panels(self, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: Optional[bool] = None) -> None:
-    """out = x (rows, in) @ this matrix's rows a..b, transposed, by the panel kernel (kernels_c/panels.c): each weight
-    read once for every row, widened a small panel at a time. As `direct` for the arguments."""
+    """As `direct`, by the panel kernel (kernels_c/panels.c): each weight read once for every row, widened a small
+    panel at a time."""
+    self._run(_lib.panel_product_arrays, x, a, b, out, shared)
+
+  def _run(self, kernel, x: np.ndarray, a: int, b: int, out: np.ndarray, shared: Optional[bool]) -> None:
+    """kernel(matrix, x, out, a, b, shared), one of the compiled products over numpy arrays. The kernel checks the
+    shapes and strides itself (checked here they cost as much as a small product): only what it refuses is looked at
+    here."""
     shared = _shares() if shared is None else shared and _parallel["usable"]
-    status = _lib.panel_product_arrays(self._kernel, x, out, a, b, shared) if x.dtype is _FLOAT32 and out.dtype is _FLOAT32 else -2
+    status = kernel(self._kernel, x, out, a, b, shared) if x.dtype is _FLOAT32 and out.dtype is _FLOAT32 else -2
     if status == -1:
       raise MemoryError("no memory for a product's inputs")
     if status == 0:
@@ -234,7 +228,7 @@ class PackedMatrix:
     if out.shape != (x.shape[0], b - a) or x.ndim != 2 or x.shape[1] != self.shape[1] or not 0 <= a <= b <= self.shape[0] or not len(x):
       raise ValueError(f"a product of {x.shape} inputs with rows {a}..{b} of a {self.shape} matrix into {out.shape}")
     whole = np.empty(out.shape, dtype=np.float32)
-    if _lib.panel_product_arrays(self._kernel, np.ascontiguousarray(x, dtype=np.float32), whole, a, b, shared):
+    if kernel(self._kernel, np.ascontiguousarray(x, dtype=np.float32), whole, a, b, shared):
       raise MemoryError("no memory for a product's inputs")
     out[...] = whole
 

@@ -58,29 +58,29 @@ static inline __attribute__((always_inline)) void panel_block(const float *panel
     for (int v = 0; v < MV; v++) store8(acc + j * CHUNK_ROWS + 8 * v, c[j][v]);
 }
 
-typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, float *);
-#define BLOCK(NR, MV) \
-  static void block_##NR##_##MV(const float *panel, int64_t kc, const float *x, int64_t xs, float *acc) { \
-    panel_block(panel, kc, x, xs, acc, NR, MV); \
-  }
 /* Panel widths by the vectors of rows a chunk holds (1..4): as many accumulators as leave registers for the inputs */
 #if defined(__AVX512F__) || defined(__aarch64__)
 #define NR1 16
 #define NR2 12
 #define NR3 8
 #define NR4 6
-BLOCK(16, 1) BLOCK(12, 1) BLOCK(12, 2) BLOCK(8, 1) BLOCK(8, 2) BLOCK(8, 3) BLOCK(6, 1) BLOCK(6, 2) BLOCK(6, 3) BLOCK(6, 4)
-static const block_fn BLOCKS[4][4] = {{block_16_1}, {block_12_1, block_12_2}, {block_8_1, block_8_2, block_8_3}, {block_6_1, block_6_2, block_6_3, block_6_4}};
 #else
 #define NR1 8
 #define NR2 6
 #define NR3 4
 #define NR4 3
-BLOCK(8, 1) BLOCK(6, 1) BLOCK(6, 2) BLOCK(4, 1) BLOCK(4, 2) BLOCK(4, 3) BLOCK(3, 1) BLOCK(3, 2) BLOCK(3, 3) BLOCK(3, 4)
-static const block_fn BLOCKS[4][4] = {{block_8_1}, {block_6_1, block_6_2}, {block_4_1, block_4_2, block_4_3}, {block_3_1, block_3_2, block_3_3, block_3_4}};
 #endif
 static const int PANEL_ROWS[4] = {NR1, NR2, NR3, NR4};
 #define MAX_NR NR1
+
+/* block_W_MV: panels of NR<W> weight rows against MV vectors of input rows (MV <= W) */
+typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, float *);
+#define BLOCK(W, MV) \
+  static void block_##W##_##MV(const float *panel, int64_t kc, const float *x, int64_t xs, float *acc) { \
+    panel_block(panel, kc, x, xs, acc, NR##W, MV); \
+  }
+BLOCK(1, 1) BLOCK(2, 1) BLOCK(2, 2) BLOCK(3, 1) BLOCK(3, 2) BLOCK(3, 3) BLOCK(4, 1) BLOCK(4, 2) BLOCK(4, 3) BLOCK(4, 4)
+static const block_fn BLOCKS[4][4] = {{block_1_1}, {block_2_1, block_2_2}, {block_3_1, block_3_2, block_3_3}, {block_4_1, block_4_2, block_4_3, block_4_4}};
 
 /* Inputs a block of the panel holds: whole groups, BLOCK_INPUTS or fewer unless a group is larger. */
 static int64_t block_inputs(const matrix *m) {
