@@ -25,8 +25,9 @@ from exo.inference.quantized import QuantizedWeight
 
 DIRECT_ROWS = 8  # SmolLM2's products one core, direct against tiles: 8 rows 0.82x the time (gate/up, down), 16 rows 1.2-1.5x
 # Above DIRECT_ROWS, up to PANEL_ROWS, the panel kernel (kernels_c/panels.c: small panels of weights widened in cache
-# and multiplied by every row in registers). SmolLM2's products on one core (bench/panel_speed.py), its time against
-# tiles widened for BLAS: 8 rows 0.74x, 16 rows 0.75x, 32 rows 0.86x, 64 rows 0.81x, 128 rows 0.92x; 256 rows the same.
+# and multiplied by every row in registers). SmolLM2's products on one core (bench/panel_speed.py --products, one run
+# on a loaded machine), its time against tiles widened for BLAS: 8 rows 0.69x (the direct kernel 0.72x), 16 rows 0.72x,
+# 32 rows 0.81x, 64 rows 0.88x, 128 rows 1.00x, 256 rows 0.94x.
 PANEL_ROWS = 128
 # From LARGE_TILE_ROWS input rows a tile as large as a core's share of a layer's matrix, up to 4 MiB: one widening
 # call and one BLAS call for it (64 rows: 1.1-1.2x faster than 512 KiB tiles). Fewer rows, where BLAS reads the tile
