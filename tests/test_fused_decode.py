@@ -1,6 +1,7 @@
 """The fused decode pass (exo/inference/numpy/fused_decode.py, kernels_c/decoder.c) gives the logits llama.py's
 layers give, step after step, for 1, 3 and 8 decode rows of requests at different cache lengths, on one core and
-shared among OpenMP's threads; and a model with a feature it does not compute is left to llama.py's layers.
+shared among OpenMP's threads, taking the step whole (embedding to logits in one call) where the shard's ends are
+quantized; and a model with a feature it does not compute is left to llama.py's layers.
 
 Both passes do the same float32 operations but sum in other orders (the RMS norms, SiLU's exp from libm rather than
 numpy): on the embedded SmolLM2 the logits (up to about 30) differ by at most 6e-5 (measured), held here to LOGITS_ATOL,
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from exo.inference.numpy import kernels, packed
+from exo.inference.numpy.fused_decode import FusedDecode
 from exo.inference.numpy.llama import Llama
 from exo.inference.shard import Shard
 from exo.inference.weights import load_config, load_shard_weights
@@ -32,15 +34,32 @@ def smollm2(smollm2_path):
   return whole_model(smollm2_path)
 
 
-def fused_against_layers(model: Llama, rows: int, shared: bool, seed: int = 0) -> float:
+def recording(fused, runs: list):
+  """Patches `fused` to note each step it takes, as ("whole", rows) or ("layers", rows); returns the undo."""
+  run, whole = fused.run, fused.step
+
+  def step(inputs, caches):
+    out = whole(inputs, caches)
+    if out is not None:
+      runs.append(("whole", len(inputs)))
+    return out
+  fused.run = lambda h, step: runs.append(("layers", step.rows)) or run(h, step)
+  fused.step = step
+
+  def undo():
+    fused.run, fused.step = run, whole
+  return undo
+
+
+def fused_against_layers(model: Llama, rows: int, shared: bool, seed: int = 0, fused=None) -> float:
   """The largest logit difference over STEPS decode steps of `rows` requests (cache lengths 5, 22, 39, ...), fused
-  against llama.py's layers from equal caches; asserts the fused pass ran where it takes the step and the greedy tokens
-  agree."""
-  fused, shared_decode = model.fused_decode, model.shared_decode
+  (the model's own pass, or `fused`) against llama.py's layers from equal caches; asserts the fused pass ran where it
+  takes the step, whole where the model's ends are compiled, and the greedy tokens agree."""
+  own, shared_decode = model.fused_decode, model.shared_decode
+  fused = fused or own
   assert fused is not None
   runs = []
-  run = fused.run
-  fused.run = lambda h, step: runs.append(step.rows) or run(h, step)
+  undo = recording(fused, runs)
   model.shared_decode = None  # the step's choice made here, not timed
   kernels.set_step_shared(shared)
   rng = np.random.default_rng(seed)
@@ -63,10 +82,11 @@ def fused_against_layers(model: Llama, rows: int, shared: bool, seed: int = 0) -
       worst = max(worst, float(np.abs(got - want).max()))
   finally:
     kernels.set_step_shared(False)
-    fused.run = run
-    model.fused_decode, model.shared_decode = fused, shared_decode
+    undo()
+    model.fused_decode, model.shared_decode = own, shared_decode
   takes = rows == 1 or (shared and packed._parallel["usable"])
-  assert runs == ([rows] * STEPS if takes else []), "the fused pass ran where it does not take the step, or not where it does"
+  how = "whole" if fused.whole else "layers"
+  assert runs == ([(how, rows)] * STEPS if takes else []), "the fused pass ran where it does not take the step, or not where it does"
   return worst
 
 
@@ -74,7 +94,28 @@ def fused_against_layers(model: Llama, rows: int, shared: bool, seed: int = 0) -
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_smollm2_decode_steps_fused_equal_the_layers(smollm2, rows, shared):
   assert smollm2.fused_decode is not None, "the embedded SmolLM2 (plain Llama layers, quantized) is the fused pass's model"
+  assert smollm2.fused_decode.whole and smollm2.fused_decode.embeds, "its tied 8-bit embedding and head are compiled: whole steps"
   fused_against_layers(smollm2, rows, shared)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_smollm2_layers_alone_fused_equal_the_layers(smollm2, shared):
+  """The layers fused with the ends left to llama.py (what a shard whose head the kernels cannot read runs)."""
+  fused_against_layers(smollm2, 3 if shared else 1, shared, fused=FusedDecode(smollm2, whole_steps=False))
+
+
+def test_a_whole_step_refuses_a_token_outside_the_vocabulary_and_leaves_the_caches(smollm2):
+  caches = [smollm2.new_cache() for _ in range(2)]
+  smollm2.forward([np.arange(3, 9), np.arange(3, 12)], caches)
+  kernels.set_step_shared(True)
+  try:
+    with pytest.raises(IndexError):
+      smollm2.fused_decode.step([np.array([5]), np.array([smollm2.config.vocab_size])], caches)
+    assert [cache.length for cache in caches] == [6, 9]
+  finally:
+    kernels.set_step_shared(False)
+  assert smollm2.fused_decode.step([np.array([5])], caches[:1]) is not None
+  assert caches[0].length == 7
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -110,8 +151,7 @@ def test_float_weights_and_a_float16_cache_run_the_layers():
 def test_only_few_decode_rows_take_the_fused_pass(smollm2):
   """A prompt's rows, or more than DIRECT_ROWS decode rows, take the layers; one decode row the fused pass."""
   model, calls = smollm2, []
-  run = model.fused_decode.run
-  model.fused_decode.run = lambda h, step: calls.append(step.rows) or run(h, step)
+  undo = recording(model.fused_decode, calls)
   shared_decode, model.shared_decode = model.shared_decode, None
   kernels.set_step_shared(True)
   try:
@@ -120,10 +160,11 @@ def test_only_few_decode_rows_take_the_fused_pass(smollm2):
     model.forward([np.array([7]) for _ in caches], caches)
     assert calls == []
     model.forward([np.array([7])], caches[:1])
-    assert calls == [1]
+    assert calls == [("whole", 1)]
   finally:
     kernels.set_step_shared(False)
-    model.fused_decode.run, model.shared_decode = run, shared_decode
+    undo()
+    model.shared_decode = shared_decode
 
 
 def test_two_shards_fused_equal_the_whole_model(smollm2, smollm2_path):
@@ -135,11 +176,30 @@ def test_two_shards_fused_equal_the_whole_model(smollm2, smollm2_path):
     config, weights = load_shard_weights(smollm2_path, shard, keep_quantized=True)
     shards.append(Llama(config, shard, weights))
   assert all(model.fused_decode is not None for model in shards)
+  first, last = (model.fused_decode for model in shards)
+  assert (first.first, first.last, last.first, last.last) == (True, False, False, True)
+  runs = [[], []]
+  undo = [recording(first, runs[0]), recording(last, runs[1])]
   whole_cache, shard_caches = [smollm2.new_cache()], [[model.new_cache()] for model in shards]
   prompt = np.arange(40, 60)
   steps = [prompt] + [np.array([token]) for token in (71, 502, 9)]
-  for tokens in steps:
-    want = smollm2.forward([tokens], whole_cache)[0]
-    hidden = shards[0].forward([tokens], shard_caches[0])[0]
-    got = shards[1].forward([hidden], shard_caches[1])[0]
-    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
+  try:
+    for tokens in steps:
+      want = smollm2.forward([tokens], whole_cache)[0]
+      hidden = shards[0].forward([tokens], shard_caches[0])[0]
+      got = shards[1].forward([hidden], shard_caches[1])[0]
+      np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
+  finally:
+    [u() for u in undo]
+  assert runs == [[("whole", 1)] * 3] * 2, "each shard's decode steps whole: token ids to hidden states, hidden states to logits"
+
+
+def test_a_head_the_kernels_do_not_read_leaves_the_ends_to_the_layers_path():
+  """Float head weights (here the quantized head widened back): the layers fused, the norm and head in numpy."""
+  model = whole_model(FIXTURES / "llama", quantize=8)
+  assert model.fused_decode.whole
+  model.head = np.ascontiguousarray(model.head.dequantize().T)  # (in, out) float32, as kernels.weight_matrix keeps it
+  model.embed = model.head
+  model.fused_decode = FusedDecode.build(model)
+  assert not model.fused_decode.whole and not model.fused_decode.embeds
+  fused_against_layers(model, 1, False)

@@ -310,12 +310,17 @@ class StepRows:
     """RoPE's cos and sin for each row, float32 (rows, 1, head_dim // 2) to broadcast over heads; `rows` past the
     step's own (padding) take position 0."""
     positions = self.positions if rows is None else np.concatenate([self.positions, np.zeros(rows - self.rows, dtype=np.int64)])
-    angles = positions[:, None].astype(np.float32) * inv_freq[None, :]
-    return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+    return rope_angles(positions, inv_freq)
 
   def split(self, h) -> List:
     """Each request's own rows of `h` (padding left out)."""
     return [h[a:a + n] for a, n in zip(self.offsets[:-1].tolist(), self.lengths)]
+
+
+def rope_angles(positions: np.ndarray, inv_freq: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+  """RoPE's cos and sin at each of `positions`, float32 (len(positions), 1, head_dim // 2)."""
+  angles = positions[:, None].astype(np.float32) * inv_freq[None, :]
+  return np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
 
 
 def step_input(inputs: Sequence[np.ndarray], first_shard: bool, hidden_size: int) -> np.ndarray:

@@ -72,6 +72,7 @@ class KVPool:
     # bytes of a row handed back at a time: a quarter of the window's, whole pages, at least one
     self.forget_step = max(mmap.PAGESIZE, (self.window or 0) * self.position_bytes // 4 // mmap.PAGESIZE * mmap.PAGESIZE)
     self.slabs: List[np.ndarray] = []
+    self._slab_addresses: List[int] = []  # where each slab starts in memory (a slab never moves)
     self._maps: List[mmap.mmap] = []
     self.refs: List[int] = []  # per slot
     self._lock = threading.Lock()  # slots may be freed from another thread than the one stepping the model
@@ -83,6 +84,7 @@ class KVPool:
       buffer.madvise(mmap.MADV_NOHUGEPAGE)
     self._maps.append(buffer)
     self.slabs.append(np.frombuffer(buffer, dtype=self.dtype).reshape((SLAB_SLOTS,) + self.slot_shape))
+    self._slab_addresses.append(self.slabs[-1].ctypes.data)
     self.refs += [0] * SLAB_SLOTS
 
   def take(self) -> int:
@@ -122,6 +124,11 @@ class KVPool:
     first_seen = max(0, length + 1 - self.window)
     return first_seen * self.position_bytes // mmap.PAGESIZE * mmap.PAGESIZE
 
+  def slot_address(self, slot: int) -> int:
+    """Where the slot starts in memory, for compiled code that writes it (fused_decode.py)."""
+    slab, index = divmod(slot, SLAB_SLOTS)
+    return self._slab_addresses[slab] + index * self.slot_bytes
+
   def where(self, slot: int) -> Tuple[np.ndarray, int]:
     """(its slab, its index there)."""
     slab, index = divmod(slot, SLAB_SLOTS)
@@ -135,6 +142,7 @@ class KVCache:
 
   def __init__(self, pool: KVPool):
     self.pool, self.slot, self.length, self.forgotten = pool, pool.take(), 0, 0
+    self.address = pool.slot_address(self.slot)
     weakref.finalize(self, pool.release, self.slot)
 
   def advance(self, positions: int) -> None:

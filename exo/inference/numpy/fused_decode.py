@@ -1,4 +1,4 @@
-"""A decode step's layers in one compiled call (kernels_c/decoder.c), for the plain dense decoder with quantized weights.
+"""A decode step in one compiled call (kernels_c/decoder.c), for the plain dense decoder with quantized weights.
 
 A one-row step through llama.py's layers is ~7 products and a dozen small numpy operations a layer, each a Python
 call (and, shared among OpenMP's threads, a fork and join a product): for SmolLM2 about a fifth of the step's time
@@ -12,15 +12,23 @@ post norms, sliding windows, softcaps, sinks, experts, latent attention, GELU, r
 float weights) is told apart once, as it is built (`FusedDecode.build` answers None), and runs llama.py's layers. A
 step runs here only when every row is one new position of its request, there are at most DIRECT_ROWS of them, and
 either the step is shared or it has one row (unshared, llama.py shares a multi-row step's products among the
-engine's worker threads; this runs on one core)."""
+engine's worker threads; this runs on one core).
+
+Such a step is taken whole where the shard's ends are quantized too (`step`): the token embeddings looked up, the
+layers, the final norm and the head's product (SmolLM2's tied 8-bit embedding, 49,152 outputs: a third of the
+weights a token reads, which llama.py ran on one core after the layers) in the same call and parallel region, and
+none of the step's bookkeeping (Step: jobs, cache writes by slab) that the layers' path needs. Otherwise the layers
+run here (`run`) and llama.py does the rest."""
 import ctypes
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
+from exo.inference.llama_layout import rope_angles, step_input
 from exo.inference.numpy import native, packed
-from exo.inference.numpy.attention import Step
-from exo.inference.numpy.kernels import PARALLEL_ROWS
+from exo.inference.numpy.attention import Step, soft_cap
+from exo.inference.numpy.cache import KVCache
+from exo.inference.numpy.kernels import PARALLEL_ROWS, weight_rows
 from exo.inference.numpy.packed import DIRECT_ROWS, PackedMatrix
 
 _lib = native.library()
@@ -38,6 +46,16 @@ class DecoderShape(ctypes.Structure):
   """decoder.c's decoder_shape"""
   _fields_ = [(name, ctypes.c_int64) for name in ("n_layers", "hidden", "n_heads", "n_kv", "head_dim", "inter", "positions")] + \
              [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class DecoderEnds(ctypes.Structure):
+  """decoder.c's decoder_ends"""
+  _fields_ = [("embed", ctypes.c_void_p), ("head", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("embed_scale", ctypes.c_float)]
+
+
+def _compiled(w) -> Optional[int]:
+  """A weight's address for the kernels (native.Matrix), or None where they do not read it (float weights)."""
+  return w._kernel if isinstance(w, PackedMatrix) else None
 
 
 def _covers(model) -> bool:
@@ -62,7 +80,8 @@ def _covers(model) -> bool:
 
 
 class FusedDecode:
-  def __init__(self, model):
+  def __init__(self, model, whole_steps: bool = True):
+    """`whole_steps`: take a step whole (`step`) where the shard's ends allow; False leaves the ends to llama.py."""
     c = model.config
     as_float = lambda a: None if a is None else np.ascontiguousarray(a, dtype=np.float32)
     self.keep: List[np.ndarray] = []  # the arrays the C structures point into
@@ -86,18 +105,32 @@ class FusedDecode:
     self.inv_freq = model.rope_tables[0]
     self._layers, self._shape = ctypes.addressof(self.layers), ctypes.addressof(self.shape)
 
+    # the ends: the embedding looked up here (else by numpy before the call); the head here, or the step is not taken
+    # whole. (The model itself is not held: a cycle would keep its weights after its engine lets it go.)
+    self.config, self.first, self.last = c, model.shard.is_first_layer(), model.head is not None
+    self.embedding = (model.embed if model.embed is not None else model.head) if self.first else None
+    embedding = self.embedding
+    self.embeds = _compiled(embedding) is not None
+    self.whole = whole_steps and (not self.last or _compiled(model.head) is not None)
+    self.ends = DecoderEnds(_compiled(embedding) if self.embeds else None, _compiled(model.head) if self.last else None,
+                            address(model.norm) if self.last else None, np.float32(c.embedding_scale))
+    self.keep.append(model.head)
+    self._ends = ctypes.addressof(self.ends)
+
   @classmethod
   def build(cls, model) -> Optional["FusedDecode"]:
     """The fused pass for `model` (a llama.Llama), or None where it does not cover the model."""
     return cls(model) if _covers(model) else None
 
   @staticmethod
-  def takes(step: Step) -> bool:
-    """Whether this step runs here: decode rows only, few enough, and shared or one row (see the module's doc)."""
-    rows = step.rows
-    if rows > DIRECT_ROWS or rows != len(step.layout.lengths):
-      return False
-    return rows < PARALLEL_ROWS or packed._shares()
+  def takes_rows(rows: int) -> bool:
+    """Whether `rows` decode rows are few enough for this pass, and shared or one (see the module's doc)."""
+    return rows <= DIRECT_ROWS and (rows < PARALLEL_ROWS or packed._shares())
+
+  @classmethod
+  def takes(cls, step: Step) -> bool:
+    """Whether this step's layers run here: decode rows only, few enough, and shared or one row."""
+    return step.rows == len(step.layout.lengths) and cls.takes_rows(step.rows)
 
   def run(self, h: np.ndarray, step: Step) -> np.ndarray:
     """h (rows, hidden) float32 through every layer, in place; the rows' keys and values written to their caches."""
@@ -106,9 +139,50 @@ class FusedDecode:
     slots = np.empty(rows, dtype=np.uintp)
     for slab, row_range, slot_index, _ in step.writes:
       slots[row_range] = slab.ctypes.data + slot_index.astype(np.uintp) * slab.strides[0]
-    positions = np.ascontiguousarray(step.positions, dtype=np.int64)
-    cos, sin = step.layout.angles(self.inv_freq)  # (rows, 1, head_dim // 2), contiguous: rows of head_dim // 2
-    if _lib.decode_layers(self._layers, self._shape, h.ctypes.data, rows, slots.ctypes.data, positions.ctypes.data,
-                          cos.ctypes.data, sin.ctypes.data, packed._shares()):
-      raise MemoryError("no memory for a decode step's buffers")
+    self._call(None, h, None, step.positions, slots)
     return h
+
+  def step(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> Optional[List[np.ndarray]]:
+    """llama.Llama.forward's answer for a step this pass takes whole (one new position a request, few enough
+    requests, the shard's head, if it has one, compiled): one call from token ids or hidden states to logits or
+    hidden states, the caches advanced. None, touching nothing, for any other step."""
+    rows = len(inputs)
+    if not self.whole or not rows or not self.takes_rows(rows) or any(len(x) != 1 for x in inputs):
+      return None
+    c = self.config
+    positions = np.array([cache.length for cache in caches], dtype=np.int64)
+    if rows and positions.max() + 1 > caches[0].capacity:
+      raise ValueError(f"a request of {positions.max() + 1} positions exceeds the context of {caches[0].capacity}")
+    slots = np.array([cache.address for cache in caches], dtype=np.uintp)
+    ids = None
+    if self.first and self.embeds:
+      ids = step_input(inputs, True, c.hidden_size)
+      h = np.empty((rows, c.hidden_size), dtype=np.float32)
+    elif self.first:
+      h = weight_rows(self.embedding, step_input(inputs, True, c.hidden_size))
+      if c.embedding_scale != 1.0:
+        h *= np.float32(c.embedding_scale)
+    else:
+      h = step_input(inputs, False, c.hidden_size)  # (a copy: the layers write it in place)
+    logits = np.empty((rows, c.vocab_size), dtype=np.float32) if self.last else None
+    self._call(ids, h, logits, positions, slots)
+    for cache in caches:
+      cache.advance(1)
+    if not self.last:
+      return [h[i:i + 1] for i in range(rows)]
+    if c.logits_scale != 1.0:
+      logits *= np.float32(c.logits_scale)
+    if c.final_softcap is not None:
+      soft_cap(logits, c.final_softcap)
+    return [logits[i:i + 1] for i in range(rows)]
+
+  def _call(self, ids: Optional[np.ndarray], h: np.ndarray, logits: Optional[np.ndarray], positions: np.ndarray, slots: np.ndarray) -> None:
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    cos, sin = rope_angles(positions, self.inv_freq)  # (rows, 1, head_dim // 2), contiguous: rows of head_dim // 2
+    status = _lib.decode_step(self._layers, self._shape, self._ends, None if ids is None else ids.ctypes.data, h.ctypes.data,
+                              None if logits is None else logits.ctypes.data, len(h), slots.ctypes.data, positions.ctypes.data,
+                              cos.ctypes.data, sin.ctypes.data, packed._shares())
+    if status == -2:
+      raise IndexError(f"row ids out of range 0..{self.embedding.shape[0] - 1}")
+    if status:
+      raise MemoryError("no memory for a decode step's buffers")

@@ -10,7 +10,8 @@ after gate/up (whose columns are interleaved in 32-column pairs so that each sli
 two RMS norms of a layer, over whole rows, run between the slices.
 
 A step of a few decode rows of a plain model (quantized, none of the other families' features) runs every layer in
-one compiled call instead (fused_decode.py)."""
+one compiled call instead, and where the shard's ends are quantized too, the whole step from token ids to logits
+(fused_decode.py)."""
 import math
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -113,7 +114,8 @@ class Llama:
     """inputs[i]: token ids (L_i,) on the first shard, else hidden states (L_i, d).
     Returns per request: hidden states (L_i, d), or on the last shard the logits of its last position (1, vocab)."""
     with self._decode_step(inputs):
-      return self._forward(inputs, caches)
+      whole = None if self.fused_decode is None else self.fused_decode.step(inputs, caches)
+      return whole if whole is not None else self._forward(inputs, caches)
 
   def _decode_step(self, inputs: Sequence[np.ndarray]):
     return nullcontext() if self.shared_decode is None else self.shared_decode.step(sum(len(x) for x in inputs))

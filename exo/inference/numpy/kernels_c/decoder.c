@@ -1,11 +1,13 @@
-/* A plain dense decoder's layers for a step of decode rows (fused_decode.py), in one call: per layer the attention
-   norm, the q/k/v product (and its biases), RoPE of queries and keys, keys and values into each row's float32 cache
-   slot, attention over it, the output product added to the residual stream, the MLP norm, gate/up with SiLU(gate) *
-   up, and the down product added to the stream.
+/* A plain dense decoder's step of decode rows (fused_decode.py), in one call: on the first shard the rows' token
+   embeddings, then per layer the attention norm, the q/k/v product (and its biases), RoPE of queries and keys, keys
+   and values into each row's float32 cache slot, attention over it, the output product added to the residual stream,
+   the MLP norm, gate/up with SiLU(gate) * up, and the down product added to the stream; on the last shard the final
+   norm and the head's product, the logits.
 
    Shared, the whole call is one OpenMP parallel region: the threads split each product's weight rows by panels (as
    quantized.c's parallel_rows) and the attention by (row, head), and meet at a barrier after each phase, so a step
-   pays one fork and join, not one per product, and no Python runs between the phases. Not shared, the same code
+   pays one fork and join, not one per product, and no Python runs between the phases (the head's 49,152 outputs are
+   one more such phase: in Python after the layers they ran on one core). Not shared, the same code
    runs on the calling thread alone. */
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +25,14 @@ typedef struct {
   matrix qkv, o, gate_up, down;
   const float *attn_norm, *mlp_norm, *qkv_bias, *o_bias; /* biases NULL where the model has none */
 } decoder_layer;
+
+/* The shard's ends: the embedding (first shard) and the final norm and head (last shard); NULL where the shard lacks
+   one, or where Python computes it (an embedding or head the kernels do not read) */
+typedef struct {
+  const matrix *embed, *head;
+  const float *norm;
+  float embed_scale;
+} decoder_ends;
 
 typedef struct {
   int64_t n_layers, hidden, n_heads, n_kv, head_dim, inter, positions; /* positions: a cache row's, the pool's */
@@ -44,15 +54,27 @@ static void norm_and_prepare(const decoder_shape *d, const float *h, const float
   prepare_into(m, x, rows, in, scratch);
 }
 
-/* h (rows, hidden) through layers 0..n_layers for rows that are each one new position: row r's cache slot at slots[r]
-   ((layers, keys and values, kv heads, positions, head dim) float32), its position positions[r], its RoPE cos and
-   sin at cos, sin + r * head_dim / 2. Returns 0, or -1 where memory ran out (h then partly updated). */
-int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h, int64_t rows, float *const *slots,
-                  const int64_t *positions, const float *cos, const float *sin, int shared) {
+/* One decode step for rows that are each one new position: on the first shard (ids not NULL) h is made from the
+   rows' token ids, then it goes through layers 0..n_layers, and on the last shard (logits not NULL) the final norm
+   and the head's product write logits (rows, head->n_out). Row r's cache slot is at slots[r] ((layers, keys and
+   values, kv heads, positions, head dim) float32), its position positions[r], its RoPE cos and sin at cos, sin + r *
+   head_dim / 2. Returns 0; -1 where memory ran out (h then partly updated); -2, computing nothing, where a token id
+   lies outside the embedding. */
+int decode_step(const decoder_layer *layers, const decoder_shape *d, const decoder_ends *ends, const int64_t *ids, float *h,
+                float *logits, int64_t rows, float *const *slots, const int64_t *positions, const float *cos, const float *sin,
+                int shared) {
   const int64_t hidden = d->hidden, hd = d->head_dim, half = hd / 2, n_heads = d->n_heads, n_kv = d->n_kv;
   const int64_t qkv_width = (n_heads + 2 * n_kv) * hd, q_width = n_heads * hd, group = n_heads / n_kv;
   const int64_t row_floats = d->positions * hd, layer_floats = 2 * n_kv * row_floats;
-  int64_t prepared = 0, longest = 1;
+  const matrix *head = logits ? ends->head : NULL;
+  if (ids) {
+    for (int64_t r = 0; r < rows; r++)
+      if (ids[r] < 0 || ids[r] >= ends->embed->n_out) return -2;
+    dequantize_rows(ends->embed, ids, rows, h);
+    if (ends->embed_scale != 1.0f)
+      for (int64_t i = 0; i < rows * hidden; i++) h[i] *= ends->embed_scale;
+  }
+  int64_t prepared = head ? prepared_floats(head, rows) : 0, longest = 1;
   for (int64_t li = 0; li < d->n_layers; li++) {
     const matrix *ms[4] = {&layers[li].qkv, &layers[li].o, &layers[li].gate_up, &layers[li].down};
     for (int i = 0; i < 4; i++) prepared = prepared_floats(ms[i], rows) > prepared ? prepared_floats(ms[i], rows) : prepared;
@@ -155,6 +177,15 @@ int decode_layers(const decoder_layer *layers, const decoder_shape *d, float *h,
         rows_range(&layer->down, &in, rows, j0, j0, j1, panel, PANEL);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t j = j0; j < j1; j++) h[r * hidden + j] += panel[r * PANEL + j - j0];
+      }
+    }
+    if (head && !failed) { /* (the down product's loop ended at a barrier: h is whole) */
+      norm_and_prepare(d, h, ends->norm, rows, x, head, &in, scratch);
+      const int64_t head_panels = (head->n_out + PANEL - 1) / PANEL;
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < head_panels; p++) {
+        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < head->n_out ? j0 + PANEL : head->n_out;
+        rows_range(head, &in, rows, 0, j0, j1, logits, head->n_out);
       }
     }
     free(mine);

@@ -31,4 +31,6 @@ void prepare_into(const matrix *m, const float *x, int64_t rows, inputs *in, flo
 void rows_range(const matrix *m, const inputs *in, int64_t rows, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t out_stride);
 /* groups g0..g1 of weight rows ids[i] (ids NULL: j0 + i), i < n, as float32 into out, rows out_stride floats apart */
 void widen_groups(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, int64_t g0, int64_t g1, float *out, int64_t out_stride);
+/* out[i] = weight row ids[i] as float32, rows n_in floats apart (ids within the matrix: the caller checks) */
+void dequantize_rows(const matrix *m, const int64_t *ids, int64_t n, float *out);
 #endif
