@@ -61,13 +61,14 @@ def _bf16_table() -> np.ndarray:
   return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
 
 
-# 16-bit scales' and biases' bits read through a table of their float32 values (256 KiB: it stays in a core's cache)
+# 16-bit scales' and biases' bits read through a table of their float32 values: numpy's form (the compiled kernels
+# convert them themselves where the CPU can), and E8M0 exponents
 TABLES = {"float16": _f16_table(), "bfloat16": _bf16_table(), "float32": np.zeros(1, dtype=np.float32),
           # E8M0's 2 ** (e - 127), a quarter of it (the kernels take E2M1 codes as four times their values); 255 is NaN
           "e8m0": np.append(np.ldexp(np.float32(1.0), np.arange(255) - 129), np.nan).astype(np.float32)}
 E2M1_TIMES_4 = np.array([0, 2, 4, 6, 8, 12, 16, 24, 0, -2, -4, -6, -8, -12, -16, -24], dtype=np.float32)
 _FLOAT32 = np.dtype(np.float32)
-VALUES_KIND = {np.dtype(np.uint16): 0, np.dtype(np.float32): 1, np.dtype(np.uint8): 2}  # quantized.c's VALUES_*
+VALUES_KIND = {"float16": 0, "float32": 1, "e8m0": 2, "bfloat16": 3}  # quantized.c's VALUES_*, by table
 
 _lib = native.library()
 _parallel = {"usable": kernels.CORES > 1 and _lib is not None and bool(_lib.has_threads())}  # False in a forked child
@@ -168,7 +169,7 @@ class PackedMatrix:
     address = lambda a: a.ctypes.data
     return native.Matrix(address(self.codes), address(self.scales), None if self.fp4 is not None else address(self.biases),
                          address(self.table), self.codes.shape[0], self.shape[1], self.codes.shape[1], self.scales.shape[1],
-                         self.bits, VALUES_KIND[self.scales.dtype], 1 if self.fp4 else 0)
+                         self.bits, VALUES_KIND[self.table_name], 1 if self.fp4 else 0)
 
   @classmethod
   def supports(cls, w: QuantizedWeight) -> bool:

@@ -6,7 +6,9 @@
 
 #define PANEL 64 /* weight rows one task of a parallel product takes */
 
-enum { VALUES_HALF = 0, VALUES_FLOAT = 1, VALUES_BYTE = 2 }; /* 16-bit bits through the table, float32, 8-bit through it */
+/* scales' and biases' form: float16 bits (converted by the CPU where it can, else through the table), float32, 8-bit
+   codes through the table (MXFP4's exponents), bfloat16 bits (the high half of a float32) */
+enum { VALUES_F16 = 0, VALUES_FLOAT = 1, VALUES_BYTE = 2, VALUES_BF16 = 3 };
 
 typedef struct {
   const uint8_t *codes; /* n_out rows of row_bytes */
