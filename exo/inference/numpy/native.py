@@ -172,6 +172,12 @@ def _load() -> Optional[ctypes.CDLL]:
   if offset is None:
     log.warning("exo: numpy's arrays are laid out as the compiled kernels do not expect; the numpy engine's kernels run in numpy")
     return None
+  return prepared(lib, offset)
+
+
+def prepared(lib: ctypes.CDLL, offset: int) -> ctypes.CDLL:
+  """A loaded library of the kernels, told where numpy's array fields lie (array_fields_offset) and its functions'
+  signatures."""
   ctypes.c_int64.in_dll(lib, "exo_array_offset").value = offset
   for name, (restype, argtypes) in SIGNATURES.items():
     function = getattr(lib, name)

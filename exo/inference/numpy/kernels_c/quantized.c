@@ -28,9 +28,9 @@ high codes the odd ones, unit-stride. Other group sizes take plain loops. */
 static inline float value_at(const void *values, int kind, const float *table, int64_t i) {
   if (kind == VALUES_F16) {
     const uint16_t bits = ((const uint16_t *)values)[i];
-#if defined(__F16C__)
+#if defined(__F16C__) && !defined(EXO_HALVES_BY_TABLE) /* (the table's way: bench/decode_step.py's baseline) */
     return _cvtsh_ss(bits);
-#elif defined(__aarch64__)
+#elif defined(__aarch64__) && !defined(EXO_HALVES_BY_TABLE)
     __fp16 half;
     memcpy(&half, &bits, sizeof half);
     return (float)half;
