@@ -4,14 +4,22 @@
    the MLP norm, gate/up with SiLU(gate) * up, and the down product added to the stream; on the last shard the final
    norm and the head's product, the logits.
 
-   Shared, the whole call is one OpenMP parallel region: the threads split each product's weight rows by panels (as
-   quantized.c's parallel_rows) and the attention by (row, head), and meet at a barrier after each phase, so a step
-   pays one fork and join, not one per product, and no Python runs between the phases (the head's 49,152 outputs are
-   one more such phase: in Python after the layers they ran on one core). Not shared, the same code
-   runs on the calling thread alone. */
+   Shared, the whole call is one OpenMP parallel region: the threads take each product's weight rows by slices and
+   the attention by (row, head), task by task, and wait for each phase's tasks to be done before the next (`phase`),
+   so a step pays one fork and join, not one per product, and no Python runs between the phases (the head's 49,152
+   outputs are one more such phase). Not shared, the same code runs on the calling thread alone. */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+static int omp_get_num_threads(void) { return 1; }
+#endif
 
 #include "kernel_parts.h"
 #include "quantized.h"
@@ -38,6 +46,57 @@ typedef struct {
   int64_t n_layers, hidden, n_heads, n_kv, head_dim, inter, positions; /* positions: a cache row's, the pool's */
   float eps, scale;                                                     /* RMS norms' epsilon, the queries' scale */
 } decoder_shape;
+
+/* A phase of the step. Its tasks are cut into one contiguous range a thread, as a static schedule would: each thread
+   takes its own range's tasks in order, then those left in the others' ranges. A thread waits for the phase's tasks
+   to be done, not for the other threads to arrive: with another process on the machine a thread may be descheduled
+   for milliseconds, and at a barrier after each of a step's ~180 phases every such pause stopped the whole step (a
+   shared one-row SmolLM2 step took 60-110 ms at load 4-6, against 7-8 ms quiet). Now a thread that lies idle holds up
+   only the task it had taken; the others do the rest of its range. (Taking every task from one shared counter
+   instead cost a quiet step a fifth more: its cache line crossed between the cores at every task, and each thread's
+   weight rows were no longer contiguous.) */
+typedef struct {
+  int64_t taken; /* tasks of this range taken (and tries past its last) */
+  char apart[56]; /* one cache line a counter */
+} cursor;
+#define PHASES 6 /* a layer's */
+#define HEAD_ROWS 256 /* the head's weight rows a task: 192 of SmolLM2's, few enough that taking them costs little */
+#define SPINS 4000 /* waits a thread spins (each a pause) before it yields its core to whichever thread the kernel picks */
+
+typedef struct {
+  cursor *ranges; /* the phase's, one a thread; then its count of tasks done */
+  int me, threads;
+} team;
+
+static inline cursor *phase_of(const team *tm, int64_t ph) { return tm->ranges + ph * (tm->threads + 1); }
+
+/* The next task of phase ph for this thread, or -1 when none is left. */
+static inline int64_t take(const team *tm, int64_t ph, int64_t tasks) {
+  cursor *ranges = phase_of(tm, ph);
+  for (int k = 0; k < tm->threads; k++) {
+    const int v = (tm->me + k) % tm->threads;
+    const int64_t lo = tasks * v / tm->threads, n = tasks * (v + 1) / tm->threads - lo;
+    if (__atomic_load_n(&ranges[v].taken, __ATOMIC_RELAXED) >= n) continue;
+    const int64_t t = __atomic_fetch_add(&ranges[v].taken, 1, __ATOMIC_RELAXED);
+    if (t < n) return lo + t;
+  }
+  return -1;
+}
+
+/* This thread's `count` tasks of phase ph are done; then it waits for all `tasks` of it. */
+static inline void end_phase(const team *tm, int64_t ph, int64_t count, int64_t tasks) {
+  int64_t *finished = &phase_of(tm, ph)[tm->threads].taken;
+  __atomic_fetch_add(finished, count, __ATOMIC_RELEASE);
+  for (int spins = 0; __atomic_load_n(finished, __ATOMIC_ACQUIRE) < tasks; spins++) {
+    if (spins < SPINS) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      sched_yield();
+    }
+  }
+}
 
 /* out = x * weight / rms(x), one row of n, as llama.py's rms_norm */
 static void rms_norm_row(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -84,35 +143,46 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
   float *work = malloc(sizeof(float) * (size_t)work_floats);
   if (!work) return -1;
   float *qkv = work, *q = qkv + rows * qkv_width, *attn = q + rows * q_width, *act = attn + rows * q_width;
+  const int64_t n_phases = PHASES * d->n_layers + 1;
+  const int threads = shared ? omp_get_max_threads() : 1;
+  cursor *phases = calloc((size_t)(n_phases * (threads + 1)), sizeof(cursor));
+  if (!phases) {
+    free(work);
+    return -1;
+  }
   int failed = 0;
 
-#pragma omp parallel if (shared)
+#pragma omp parallel if (shared) num_threads(threads)
   {
+    const team tm = {phases, omp_get_thread_num(), omp_get_num_threads()};
     /* each thread's panel of products (rows, PANEL), attention scores, and a product's inputs as the kernels read
-       them: every thread prepares its own copy (a few us), which spares a barrier a product */
+       them: every thread prepares its own copy (a few us) when it takes its first task of a phase, which spares a
+       barrier a product. A thread without memory takes no task: the others do them all. */
     float *mine = malloc(sizeof(float) * (size_t)(rows * PANEL + longest + hd + rows * hidden + prepared));
     if (!mine) {
 #pragma omp atomic write
       failed = 1;
     }
-#pragma omp barrier
-    float *panel = mine, *scores = mine + rows * PANEL, *x = scores + longest + hd, *scratch = x + rows * hidden;
+    float *panel = mine, *scores = mine + rows * PANEL, *x = mine ? scores + longest + hd : NULL, *scratch = mine ? x + rows * hidden : NULL;
     inputs in;
-    for (int64_t li = 0; li < d->n_layers && !failed; li++) {
+    int64_t t, count; /* a task, and how many of the phase's this thread did */
+    int64_t ph = 0;
+    for (int64_t li = 0; li < d->n_layers && mine; li++) {
       const decoder_layer *layer = layers + li;
-      norm_and_prepare(d, h, layer->attn_norm, rows, x, &layer->qkv, &in, scratch);
 
       const int64_t qkv_slices = (qkv_width + SLICE - 1) / SLICE;
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < qkv_slices; p++) {
-        const int64_t j0 = p * SLICE, j1 = j0 + SLICE < qkv_width ? j0 + SLICE : qkv_width;
+      count = 0;
+      for (int ready = 0; (t = take(&tm, ph, qkv_slices)) >= 0; count++) {
+        if (!ready++) norm_and_prepare(d, h, layer->attn_norm, rows, x, &layer->qkv, &in, scratch);
+        const int64_t j0 = t * SLICE, j1 = j0 + SLICE < qkv_width ? j0 + SLICE : qkv_width;
         rows_range(&layer->qkv, &in, rows, 0, j0, j1, qkv, qkv_width);
       }
+      end_phase(&tm, ph++, count, qkv_slices);
 
       /* each (row, query head): biased, turned and scaled into q; each (row, kv head): its key turned and its value
          into the row's cache */
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < rows * (n_heads + n_kv); t++) {
+      count = 0;
+      for (; (t = take(&tm, ph, rows * (n_heads + n_kv))) >= 0; count++) {
         const int64_t r = t / (n_heads + n_kv), head = t % (n_heads + n_kv);
         float *out = qkv + r * qkv_width;
         const float *c = cos + r * half, *s = sin + r * half;
@@ -135,20 +205,22 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
         float *cached_value = cached + n_kv * row_floats;
         for (int64_t i = 0; i < hd; i++) cached_value[i] = value[i];
       }
+      end_phase(&tm, ph++, count, rows * (n_heads + n_kv));
 
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < rows * n_heads; t++) {
+      count = 0;
+      for (; (t = take(&tm, ph, rows * n_heads)) >= 0; count++) {
         const int64_t r = t / n_heads, head = t % n_heads;
         const float *keys = slots[r] + li * layer_floats + (head / group) * row_floats;
         attend_contiguous(keys, keys + n_kv * row_floats, hd, q + r * q_width + head * hd, 0, positions[r] + 1, hd, scores,
                           attn + r * q_width + head * hd);
       }
+      end_phase(&tm, ph++, count, rows * n_heads);
 
-      prepare_into(&layer->o, attn, rows, &in, scratch);
       const int64_t hidden_slices = (hidden + SLICE - 1) / SLICE;
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < hidden_slices; p++) {
-        const int64_t j0 = p * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
+      count = 0;
+      for (int ready = 0; (t = take(&tm, ph, hidden_slices)) >= 0; count++) {
+        if (!ready++) prepare_into(&layer->o, attn, rows, &in, scratch);
+        const int64_t j0 = t * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
         rows_range(&layer->o, &in, rows, j0, j0, j1, panel, PANEL);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t j = j0; j < j1; j++) {
@@ -157,39 +229,44 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
             h[r * hidden + j] += v;
           }
       }
+      end_phase(&tm, ph++, count, hidden_slices);
 
-      norm_and_prepare(d, h, layer->mlp_norm, rows, x, &layer->gate_up, &in, scratch);
       const int64_t pairs = 2 * d->inter / PANEL;
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < pairs; p++) {
-        rows_range(&layer->gate_up, &in, rows, p * PANEL, p * PANEL, (p + 1) * PANEL, panel, PANEL);
+      count = 0;
+      for (int ready = 0; (t = take(&tm, ph, pairs)) >= 0; count++) {
+        if (!ready++) norm_and_prepare(d, h, layer->mlp_norm, rows, x, &layer->gate_up, &in, scratch);
+        rows_range(&layer->gate_up, &in, rows, t * PANEL, t * PANEL, (t + 1) * PANEL, panel, PANEL);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t i = 0; i < PAIR; i++) {
             const float gate = panel[r * PANEL + i], up = panel[r * PANEL + PAIR + i];
-            act[r * d->inter + p * PAIR + i] = gate / (1.0f + expf(-gate)) * up;
+            act[r * d->inter + t * PAIR + i] = gate / (1.0f + expf(-gate)) * up;
           }
       }
+      end_phase(&tm, ph++, count, pairs);
 
-      prepare_into(&layer->down, act, rows, &in, scratch);
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < hidden_slices; p++) {
-        const int64_t j0 = p * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
+      count = 0;
+
+      for (int ready = 0; (t = take(&tm, ph, hidden_slices)) >= 0; count++) {
+        if (!ready++) prepare_into(&layer->down, act, rows, &in, scratch);
+        const int64_t j0 = t * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
         rows_range(&layer->down, &in, rows, j0, j0, j1, panel, PANEL);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t j = j0; j < j1; j++) h[r * hidden + j] += panel[r * PANEL + j - j0];
       }
+      end_phase(&tm, ph++, count, hidden_slices);
     }
-    if (head && !failed) { /* (the down product's loop ended at a barrier: h is whole) */
-      norm_and_prepare(d, h, ends->norm, rows, x, head, &in, scratch);
-      const int64_t head_panels = (head->n_out + PANEL - 1) / PANEL;
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < head_panels; p++) {
-        const int64_t j0 = p * PANEL, j1 = j0 + PANEL < head->n_out ? j0 + PANEL : head->n_out;
+    if (head && mine) {
+      const int64_t head_tasks = (head->n_out + HEAD_ROWS - 1) / HEAD_ROWS;
+      count = 0;
+      for (int ready = 0; (t = take(&tm, ph, head_tasks)) >= 0; count++) {
+        if (!ready++) norm_and_prepare(d, h, ends->norm, rows, x, head, &in, scratch);
+        const int64_t j0 = t * HEAD_ROWS, j1 = j0 + HEAD_ROWS < head->n_out ? j0 + HEAD_ROWS : head->n_out;
         rows_range(head, &in, rows, 0, j0, j1, logits, head->n_out);
       }
     }
     free(mine);
   }
+  free(phases);
   free(work);
   return failed ? -1 : 0;
 }
