@@ -9,7 +9,8 @@ alike.
 `whole step`: the step in one compiled call (fused_decode.FusedDecode.step: embedding, layers, final norm and head).
 `before`: the layers alone in that call, the embedding, final norm and head in numpy around it (the head's product
 still compiled), and the kernels built to read float16 scales through their table (EXO_HALVES_BY_TABLE: the way they
-were read before the CPU converted them; with --same-kernels, the kernels the engine loaded).
+were read before the CPU converted them; with --same-kernels, the kernels the engine loaded; with --before-library,
+that build, e.g. of an earlier revision's kernels_c).
 
 Per stream count and way: `auto` as a node runs (each pass with its own packed.SharedDecode timing the shared and
 one-core ways and taking the faster), `shared` (OpenMP's threads) and `one core` forced. Prints median ms a step,
@@ -67,7 +68,9 @@ async def main(args) -> None:
   await engine.ensure_shard(shard)
   model = engine.model
   loaded = native.library()
-  passes = {"before": (FusedDecode(model, whole_steps=False), loaded if args.same_kernels else table_kernels()),
+  before_kernels = loaded if args.same_kernels else table_kernels() if args.before_library is None else \
+      native.prepared(ctypes.CDLL(args.before_library), native.array_fields_offset())
+  passes = {"before": (FusedDecode(model, whole_steps=False), before_kernels),
             "whole step": (FusedDecode(model), loaded)}
   assert passes["whole step"][0].whole, "this model's ends are not compiled: no whole step to measure"
   on_engine = lambda fn, *a: engine.executor.submit(fn, *a).result()  # the step's sharing is the engine thread's own
@@ -115,4 +118,6 @@ if __name__ == "__main__":
   parser.add_argument("--steps", type=int, default=48, help="timed steps of each pass per stream count and way")
   parser.add_argument("--context", type=int, default=24, help="tokens each stream's prompt holds before the timed steps")
   parser.add_argument("--same-kernels", action="store_true", help="both passes on the engine's kernels")
+  parser.add_argument("--before-library", help="the before pass on this build of the kernels (any with decode_step), "
+                      "in place of the engine's built with EXO_HALVES_BY_TABLE")
   asyncio.run(main(parser.parse_args()))
