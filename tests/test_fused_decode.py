@@ -6,6 +6,12 @@ quantized; and a model with a feature it does not compute is left to llama.py's 
 Both passes do the same float32 operations but sum in other orders (the RMS norms, SiLU's exp from libm rather than
 numpy): on the embedded SmolLM2 the logits (up to about 30) differ by at most 6e-5 (measured), held here to LOGITS_ATOL,
 and every step's greedy token is the same."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -96,6 +102,22 @@ def test_smollm2_decode_steps_fused_equal_the_layers(smollm2, rows, shared):
   assert smollm2.fused_decode is not None, "the embedded SmolLM2 (plain Llama layers, quantized) is the fused pass's model"
   assert smollm2.fused_decode.whole and smollm2.fused_decode.embeds, "its tied 8-bit embedding and head are compiled: whole steps"
   fused_against_layers(smollm2, rows, shared)
+
+
+def test_more_threads_than_cores_take_each_others_tasks_and_still_equal_the_layers(smollm2_path):
+  """Seven OpenMP threads on this machine's cores (in a process of its own: the thread count is read as OpenMP
+  starts): the kernel deschedules them constantly, so threads take what is left of others' ranges (decoder.c's
+  phase), with ranges of uneven length; the steps must still equal llama.py's layers."""
+  script = textwrap.dedent(f"""
+    from tests.test_fused_decode import fused_against_layers, whole_model
+    model = whole_model({str(smollm2_path)!r})
+    for rows in (1, 3, 8):
+      fused_against_layers(model, rows, shared=True, seed=rows)
+    print("equal")
+  """)
+  done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "7"}, capture_output=True,
+                        text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+  assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("shared", [False, True])

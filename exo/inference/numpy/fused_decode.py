@@ -3,7 +3,8 @@
 A one-row step through llama.py's layers is ~7 products and a dozen small numpy operations a layer, each a Python
 call (and, shared among OpenMP's threads, a fork and join a product): for SmolLM2 about a fifth of the step's time
 went to that, not to arithmetic. Here every layer of the step runs in C, in one OpenMP parallel region when the step
-is shared (packed.SharedDecode chooses, as for the direct products), with a barrier between phases.
+is shared (packed.SharedDecode chooses, as for the direct products), each phase's tasks done before the next
+(decoder.c's `phase`: a thread waits for the tasks, not for a descheduled thread to reach a barrier).
 
 It covers what a plain Llama-style layer holds: both input norms, q/k/v (with or without biases), RoPE over whole
 heads, a float32 cache that every query sees whole, softmax attention, the output product (with or without a bias),
@@ -16,7 +17,8 @@ engine's worker threads; this runs on one core).
 
 Such a step is taken whole where the shard's ends are quantized too (`step`): the token embeddings looked up, the
 layers, the final norm and the head's product (SmolLM2's tied 8-bit embedding, 49,152 outputs: a third of the
-weights a token reads, which llama.py ran on one core after the layers) in the same call and parallel region, and
+weights a token reads, which llama.py ran after the call, a product and a fork and join of its own) in the same
+call and parallel region, and
 none of the step's bookkeeping (Step: jobs, cache writes by slab) that the layers' path needs. Otherwise the layers
 run here (`run`) and llama.py does the rest."""
 import ctypes

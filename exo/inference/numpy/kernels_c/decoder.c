@@ -157,7 +157,7 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
     const team tm = {phases, omp_get_thread_num(), omp_get_num_threads()};
     /* each thread's panel of products (rows, PANEL), attention scores, and a product's inputs as the kernels read
        them: every thread prepares its own copy (a few us) when it takes its first task of a phase, which spares a
-       barrier a product. A thread without memory takes no task: the others do them all. */
+       wait a product (a thread that takes a task knows the phase before is done and the next not begun). A thread without memory takes no task: the others do them all. */
     float *mine = malloc(sizeof(float) * (size_t)(rows * PANEL + longest + hd + rows * hidden + prepared));
     if (!mine) {
 #pragma omp atomic write
