@@ -6,7 +6,9 @@ route gives it, not those of its own view of the topology. A ring route (`travel
 derives from its own topology when no route came with a request, as exo always did; it never goes on the wire."""
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Annotated, Any, List, Optional, Tuple
+
+from pydantic import BaseModel, Field, StrictInt, StrictStr, StringConstraints, ValidationError
 
 from exo.inference.shard import Shard
 from exo.topology.placement import Stage
@@ -68,26 +70,24 @@ class Route:
     Route itself when it is one already (a hop inside this process, or checked by the gRPC server)."""
     if isinstance(data, Route):
       return data
-    if not isinstance(data, dict):
-      raise InvalidRoute("route must be an object")
-    version, origin, hops = data.get("v"), data.get("origin"), data.get("hops")
-    if not isinstance(version, str) or not version or len(version) > MAX_ID_CHARS:
-      raise InvalidRoute("route.v must be a non-empty string")
-    if not isinstance(origin, str) or not origin or len(origin) > MAX_ID_CHARS:
-      raise InvalidRoute("route.origin must be a node id")
-    if not isinstance(hops, list) or not 1 <= len(hops) <= MAX_HOPS:
-      raise InvalidRoute(f"route.hops must list 1 to {MAX_HOPS} hops")
-    stages, expected = [], 0
-    for hop in hops:
-      if (not isinstance(hop, list) or len(hop) != 3 or not isinstance(hop[0], str) or not hop[0] or len(hop[0]) > MAX_ID_CHARS
-          or not all(isinstance(v, int) and not isinstance(v, bool) for v in hop[1:])):
-        raise InvalidRoute("each route hop must be [node id, first layer, last layer]")
-      if hop[1] != expected or hop[2] < hop[1]:
-        raise InvalidRoute(f"route hops must cover the layers in order from 0; hop {hop!r} does not start at {expected}")
-      stages.append(Stage(hop[0], hop[1], hop[2]))
-      expected = hop[2] + 1
-    if expected != n_layers:
-      raise InvalidRoute(f"route covers {expected} layers, the model has {n_layers}")
+    try:
+      wire = _Wire.model_validate(data)
+    except ValidationError as e:
+      first = e.errors(include_url=False)[0]
+      raise InvalidRoute(f"route.{'.'.join(map(str, first['loc']))}: {first['msg']}" if first["loc"] else "route must be an object") from None
+    stages = tuple(Stage(*hop) for hop in wire.hops)
+    if [s.start for s in stages] != [0] + [s.end + 1 for s in stages[:-1]] or any(s.end < s.start for s in stages) or stages[-1].end != n_layers - 1:
+      raise InvalidRoute(f"route hops must cover the {n_layers} layers in order from 0, each once: {wire.hops!r}"[:MAX_ID_CHARS])
     if len({s.node_id for s in stages}) != len(stages):
       raise InvalidRoute("a node appears twice on the route")
-    return cls(tuple(stages), version, origin)
+    return cls(stages, wire.v, wire.origin)
+
+
+NodeId = Annotated[StrictStr, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+class _Wire(BaseModel):
+  """A route as it travels: the placement version, the origin, and [node id, first layer, last layer] per hop."""
+  v: NodeId
+  origin: NodeId
+  hops: Annotated[List[Tuple[NodeId, StrictInt, StrictInt]], Field(min_length=1, max_length=MAX_HOPS)]
