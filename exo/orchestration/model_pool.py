@@ -44,8 +44,6 @@ class ModelPool(OneModel, KeptPool):
     self.asked_keep_alive: Dict[str, float] = {}  # model id -> the keep-alive its latest request asked for
     self.loads = 0  # models loaded so far: how tests and logs see that nothing was loaded twice
 
-  # --- engines ---
-
   def engine_of(self, shard: Shard) -> InferenceEngine:
     """The engine that holds (or is loading) `shard`; the node's own engine when none does."""
     return self.engines.get(gate_key(shard)) or self.engine
@@ -71,8 +69,6 @@ class ModelPool(OneModel, KeptPool):
 
   def capacity(self) -> int:
     return max(1, self.max_models) if self._engine_name() is not None else 1
-
-  # --- the gate's room ---
 
   def expect(self, shard: Shard) -> None:
     """A request (or preload) is about to ask the gate for `shard`: its size is known from here on."""
@@ -138,8 +134,6 @@ class ModelPool(OneModel, KeptPool):
     if unload is not None:
       unload()
     self.free.append(engine)
-
-  # --- keep-alive ---
 
   def keep(self, model_id: str, seconds: float, now: bool = False) -> None:
     """A request for `model_id` asks that it stay `seconds` after its requests end (Ollama's keep_alive; 0: unload it

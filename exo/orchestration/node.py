@@ -89,8 +89,6 @@ class Node(RingMember):
     self.plugins.add_hookspecs(hookspecs)
     self.plugins.register(CorePlugin(), name="exo-core")  # installed plugins: exo.main.load_installed_plugins
 
-  # --- lifecycle ---
-
   async def start(self, wait_for_peers: int = 0) -> None:
     self.device_capabilities = await device_capabilities(self.inference_engine.device_name)
     if self.memory_offered_mb is not None:
@@ -135,8 +133,6 @@ class Node(RingMember):
     task.add_done_callback(self._tasks.discard)
     return task
 
-  # --- the request registry, as upstream's attributes ---
-
   @property
   def outstanding_requests(self) -> Dict[str, str]:
     """Live requests here -> their status."""
@@ -158,8 +154,6 @@ class Node(RingMember):
             "prefix_cache": self.inference_engine.prefix_cache_state(),
             "models": self.model_pool.describe(), "model_loads": self.model_pool.loads}
 
-  # --- the work (passes.py) ---
-
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
     """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
@@ -175,9 +169,8 @@ class Node(RingMember):
   async def process_inference_result(self, shard, result: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None):
     return await self.plugins.hook.exo_process_inference_result(node=self, shard=shard, result=result, request_id=request_id, inference_state=inference_state)
 
-  # --- the ring, by partition index (upstream's API; requests follow their routes through self.forwarding) ---
-
   async def forward_prompt(self, base_shard: Shard, prompt: str, request_id: str, target_index: int, inference_state: Optional[dict] = None) -> None:
+    """Upstream's API, by partition index (requests follow their routes through self.forwarding)."""
     await self.forwarding.send_prompt(*self._partition_stage(base_shard, target_index), prompt, request_id, inference_state)
 
   async def forward_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: str, target_index: int, inference_state: Optional[dict] = None) -> None:
@@ -203,8 +196,6 @@ class Node(RingMember):
     senders = self.peers_at(host)
     allowed = {request.origin} if origin_only and request.origin else {request.origin, *request.ring}
     return bool(senders & allowed) or not (request.origin or request.ring)
-
-  # --- membership ---
 
   async def update_peers(self, wait_for_peers: int = 0) -> bool:
     changed, added, removed, moved = await self._update_peers(wait_for_peers)
@@ -244,8 +235,6 @@ class Node(RingMember):
 
   def get_topology_inference_engines(self) -> List[List[str]]:
     return list(self.peer_engines.values())
-
-  # --- what peers send ---
 
   @property
   def on_token(self) -> AsyncCallbackSystem[str, Tuple[str, List[int], bool]]:

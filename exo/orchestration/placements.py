@@ -56,8 +56,6 @@ class Placements:
       raise ValueError(f"placement must be one of {', '.join(MODES)}, got {mode!r}")
     self.mode, self.float_bytes, self.speed = mode, float_bytes, speed
 
-  # --- the members and their facts ---
-
   def own_facts(self) -> MemberFacts:
     node = self.node
     return MemberFacts(node.id, node.inference_engine.__class__.__name__, self.float_bytes, node.device_capabilities.memory, self.speed, self.mode)
@@ -120,8 +118,6 @@ class Placements:
     node.model_pool.expect(shard)  # (its size and model, for whether it fits beside the models held here)
     return node.model_pool.holds(shard) or self.own_shard(shard) == shard or node.model_gate.no_request_disturbed_by(gate_key(shard))
 
-  # --- what peers announce ---
-
   async def announce(self) -> None:
     if self.mode is None:
       return
@@ -169,8 +165,6 @@ class Placements:
   def is_suspect(self, node_id: str) -> bool:
     return node_id in self.suspects
 
-  # --- loading this node's layers ---
-
   def settle(self) -> None:
     """Load this node's layers of the model in use (the one its engine holds, else the one most peers hold, else the
     expected one) as soon as it is placed, unless that would disturb a request (it tries again at the next round); say
@@ -195,8 +189,6 @@ class Placements:
       return None
     (model_id, n_layers), _ = min(counts.items(), key=lambda item: (-item[1], item[0]))
     return Shard(model_id, 0, 0, n_layers)
-
-  # --- the view (/v1/topology, the TUI) ---
 
   def to_json(self, bases: List[Shard]) -> dict:
     if self.mode is None:

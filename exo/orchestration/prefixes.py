@@ -45,8 +45,6 @@ class PrefixProtocol:
     block = BLOCK if self.engine.reuses_prefixes else 0
     await self.node.broadcast_opaque_status("", statuses.PrefixCache.build(node_id=self.node.id, block=block))
 
-  # --- on the first node ---
-
   async def run_prompt(self, shard: Shard, tokens: np.ndarray, request: Request, state: dict, accepted: Optional[asyncio.Future]) -> None:
     """A prompt's pass from its first layers: from a cached prefix when every node of its route reuses them."""
     state = {k: v for k, v in state.items() if k != "prefix"}  # only this node may name one
@@ -103,8 +101,6 @@ class PrefixProtocol:
       pass
     except Exception as e:
       await self.node.lifecycle.fail_request(request.id, e)
-
-  # --- on the other nodes ---
 
   async def start_here(self, shard: Shard, request: Request, state: Optional[dict]) -> bool:
     """A pass that names a prefix, on a node after the first: the request's cache starts afresh with it. False (and

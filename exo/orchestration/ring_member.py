@@ -47,8 +47,6 @@ class RingMember:
     self._partitions: Tuple[Optional[tuple], List[Partition]] = (None, [])  # (what they were computed from, partitions)
     self._shards: Dict[Tuple[str, int], List[Shard]] = {}  # (model id, layers) -> each partition's shard, for _partitions
 
-  # --- partitions ---
-
   def partitions(self) -> List[Partition]:
     if self.id not in self.topology.nodes:  # before the first topology collection: a ring of one
       self.topology.update_node(self.id, self.device_capabilities)
@@ -81,8 +79,6 @@ class RingMember:
     if model not in self._shards:
       self._shards[model] = map_partitions_to_shards(partitions, base_shard.n_layers, base_shard.model_id)
     return self._shards[model][index]
-
-  # --- peers ---
 
   def is_member_host(self, host: Optional[str]) -> bool:
     """Whether a call from `host` comes from a ring member. Peers are known by address only: the wire has no
@@ -173,8 +169,6 @@ class RingMember:
   @property
   def on_opaque_status(self) -> AsyncCallbackSystem[str, Tuple[str, str]]:
     return self._on_opaque_status
-
-  # --- sending to the others ---
 
   async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None,
                              preface: Optional[Dict[str, str]] = None) -> None:

@@ -31,8 +31,6 @@ class BatchingPlugin:
     self._reported: Dict[Shard, float] = {}  # when each of our stages last told the others its step cost
     node.inbox.observe(statuses.STAGE_TIMING, self._heard_stage_timing)
 
-  # --- hooks ---
-
   @hookimpl
   def exo_scheduler(self, node, shard):
     scheduler = Scheduler(shard, self.config.batch_size, self.config.timeout_ms / 1000, self.config.prefill_chunk)
@@ -57,8 +55,6 @@ class BatchingPlugin:
     if not sampling.flushes and not steps.flushes:
       return None
     return f"mean batch size {sampling.mean:.1f} (sampling), {steps.mean:.1f} (engine steps)"
-
-  # --- what the other stages take (for the number of micro-batches) ---
 
   def _report(self, scheduler: Scheduler) -> None:
     """Every STAGE_REPORT_S, tell the ring what this stage's decode steps take (a status old nodes ignore)."""

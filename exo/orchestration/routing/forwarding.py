@@ -45,8 +45,6 @@ class Forwarding:
     node.inbox.on_peer(statuses.TOKENS, self._heard_tokens)
     node.inbox.observe(statuses.GROUP_LOAD, self._heard_load)
 
-  # --- routes ---
-
   def route_new(self, request: Request, base: Shard, prompt_ids: Optional[List[int]]) -> Optional[Route]:
     """At the origin: the group the request goes to, or None where routes are off."""
     placements = self.node.placements
@@ -103,8 +101,6 @@ class Forwarding:
     partitions = node.partitions()
     shards = (node.get_current_shard(base, i) for i in range(len(partitions)))
     return Route(tuple(Stage(p.node_id, s.start_layer, s.end_layer) for p, s in zip(partitions, shards)))
-
-  # --- the next hop ---
 
   def outgoing(self, request: Request, state: Optional[dict], to: Stage, prompt: bool = False) -> Optional[dict]:
     """The inference state a hop's message carries: the route, and the sampling parameters while the prompt's first
@@ -172,8 +168,6 @@ class Forwarding:
       raise ValueError(f"node {node_id} is not among this node's peers")
     return peer
 
-  # --- tokens ---
-
   @staticmethod
   def rides_the_ring(request: Request) -> bool:
     """Whether the request's tokens reach its origin on the tensors that feed them back: the origin is the route's first
@@ -237,8 +231,6 @@ class Forwarding:
         delivery.logprobs_ahead[delivery.received] = TokenLogprobs(float(top[0]), [(int(t), float(lp)) for t, lp in top[1]])
       node.on_result(rid, tokens, finished, sender_host)
 
-  # --- statuses about a request ---
-
   async def tell(self, request: Optional[Request], request_id: str, status: str) -> None:
     """A status about a request: to the nodes of its route and its origin (every peer for a request without a
     travelling route), and to this node's own observers."""
@@ -249,8 +241,6 @@ class Forwarding:
       return
     targets = (set(route.node_ids) | {request.origin}) - {node.id}
     await node.broadcast_opaque_status(request_id, status, to=targets)
-
-  # --- load reports ---
 
   def _loads_here(self) -> Dict[str, Dict[str, List[int]]]:
     """For each group whose first node this is: each origin's share of its work, [prompt tokens waiting, requests

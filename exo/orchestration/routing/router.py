@@ -57,8 +57,6 @@ class Router:
     self.keys: Dict[str, "OrderedDict[str, None]"] = {}  # group -> block keys sent there, oldest first
     self.routed: Counter = Counter()  # reason -> requests
 
-  # --- the choice ---
-
   def choose(self, groups: Sequence[Group], model: str, prompt_ids: Optional[Sequence[int]]) -> Choice:
     keys = block_keys(model, prompt_ids) if prompt_ids is not None and len(prompt_ids) >= BLOCK else []
     if len(groups) == 1:
@@ -91,8 +89,6 @@ class Router:
       held += 1
     return held
 
-  # --- what this node sent, and what came back ---
-
   def sent_to(self, request_id: str, choice: Choice, model: str, prompt_ids: Optional[List[int]], prompt_tokens: int) -> None:
     """Count a request on its group from now on; its prompt's blocks are that group's from now on."""
     self.sent[request_id] = Sent(choice.group.name, model, prompt_ids, max(1, prompt_tokens - choice.cached))
@@ -124,8 +120,6 @@ class Router:
       known.move_to_end(key)
     while len(known) > KEYS_KEPT:
       known.popitem(last=False)
-
-  # --- load ---
 
   def report(self, group: str, loads: Dict[str, Tuple[int, int, int]]) -> None:
     """A group's first node says how much of its work each origin sent: (prompt tokens waiting, requests running,

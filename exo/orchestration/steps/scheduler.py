@@ -105,8 +105,6 @@ class Scheduler:
     between two of them)."""
     return cls(shard, 1, 0.0, LONE_PROMPT_CHUNK)
 
-  # --- what happens to requests ---
-
   def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float, whole: bool = False) -> Row:
     if request_id in self.ready:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {self.shard}")
@@ -123,8 +121,6 @@ class Scheduler:
     self.away.pop(request_id, None)
     self.group_of.pop(request_id, None)
     return self.ready.pop(request_id, None)
-
-  # --- the policy ---
 
   def schedule(self, now: float) -> Optional[Step]:
     """The step to run now, or None (then `due(now)` says when to ask again)."""
@@ -193,8 +189,6 @@ class Scheduler:
       return None
     per_group = max(1, math.ceil(self._live() / max(1, self.groups)))
     return max(0.0, min(self.round_trips) - sum(cost(per_group) for cost in others))
-
-  # --- inside ---
 
   def _by_group(self) -> Dict[Optional[int], List[Row]]:
     """The ready rows by group (None: newcomers, and every row off the first layers' node); also counts each
