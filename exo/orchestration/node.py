@@ -1,11 +1,6 @@
-"""Node: one member of the cluster. It runs the layers a request's route gives it in its one step loop (several
-requests a step with batching, one without), samples on the last layers, and passes each step's rows on.
-
-The node is wired from parts, each with its own job: the inbox and status handlers (statuses by kind), placements.py
-(the groups each model gets, this node's layers), routing/ (the group a new request goes to, the next hop, tokens
-back to the origin), prefixes.py, membership.py, lifecycle.py (how requests start and end), passes.py and steps/ (the
-step loop and the step core). What stays here: the lifecycle of the node itself, the public API upstream's callers
-use, and the plugin manager whose hooks pick the steps' policy and wrap each row's result."""
+"""Node: one member of the cluster, a thin shell over its parts (placements, routing/, prefixes, membership,
+lifecycle, passes, steps/): the node's own lifecycle, the public API upstream's callers use, and the plugin manager
+whose hooks pick the steps' policy and wrap each row's result."""
 import asyncio
 import logging
 from typing import Dict, List, Optional, Set, Tuple
@@ -121,8 +116,7 @@ class Node(RingMember):
       await self.server.stop()
 
   def pending(self) -> Dict[str, int]:
-    """Work under way here that no caller awaits (a read-only view): detached tasks (sends to peers, filings),
-    KV caches being freed, finished answers being filed, and local clients watching a request."""
+    """Work under way here that no caller awaits: detached tasks, KV caches being freed, answers being filed, watchers."""
     return {"tasks": len(self._tasks), "releases": len(self.lifecycle.releases), "filings": len(self.prefix_protocol.filings),
             "watchers": len(self.lifecycle.watchers)}
 
@@ -144,8 +138,7 @@ class Node(RingMember):
     return {r.id: (r.sampling.tokens, False) for r in self.requests if r.sampling and r.sampling.tokens}
 
   def state(self) -> dict:
-    """The live view (GET /v1/state): each live request here, its group, and the KV memory it holds; the chat models
-    loaded (ModelPool.describe)."""
+    """The live view (GET /v1/state): the live requests here and their KV memory, the chat models loaded."""
     engines = self.model_pool.all_engines()
     return {"node_id": self.id,
             "requests": [{"id": r.id, "model": r.model, "status": r.status.value, "positions": r.positions,
@@ -156,14 +149,12 @@ class Node(RingMember):
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Run a prompt from its first layers here (or pass it on to the node that has them). `accepted`, if given,
-    is resolved once its forward pass here has started (steps/loop.py: accept)."""
+    """Run a prompt from its first layers here (or pass it on); `accepted` is resolved once its pass has started."""
     return await self.passes.process_prompt(base_shard, prompt, request_id, inference_state, accepted)
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Run this node's layers for a message's tensor (one request's, or a packed step's rows, as one batch), then what
-    follows. `accepted` as for process_prompt."""
+    """Run this node's layers for a message's tensor (one request's, or a packed step's rows, as one batch)."""
     return await self.passes.process_tensor(base_shard, tensor, request_id, inference_state, accepted)
 
   async def process_inference_result(self, shard, result: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None):
@@ -181,8 +172,7 @@ class Node(RingMember):
     return Stage(self.partitions()[index].node_id, shard.start_layer, shard.end_layer), shard
 
   def own_shard(self, base_shard: Shard) -> Shard:
-    """This node's layers of a model: those its placement gives it where routes are on, else its partition's
-    (get_current_shard, the ring every node derives from its own view)."""
+    """This node's layers of a model: its placement's where routes are on, else its partition's."""
     return self.placements.own_shard(base_shard) or self.get_current_shard(base_shard)
 
   def ring_ids(self, shard: Optional[Shard] = None) -> Tuple[str, ...]:
@@ -207,8 +197,7 @@ class Node(RingMember):
     await self.membership.collect_periodically(interval)
 
   async def announce(self) -> None:
-    """Tell the ring what this node does beyond upstream's (upstream nodes ignore it, and never say): whether it reuses
-    prompt prefixes, that it follows requests' grammars when it samples them, and its placement facts."""
+    """Tell the ring what this node does beyond upstream's: prefix reuse, grammars, placement facts."""
     await self.prefix_protocol.announce()
     if grammar.available():
       await self.broadcast_opaque_status("", statuses.StructuredOutput.build(node_id=self.id, engine=grammar.ENGINE))
@@ -252,7 +241,7 @@ class Node(RingMember):
     self.lifecycle.on_result(request_id, result, is_finished, sender_host)
 
   def receive_status(self, request_id: str, raw: str, sender_host: Optional[str] = None) -> None:
-    """A peer's SendOpaqueStatus: checked once, acted on by the handlers of its kind, then passed to the observers."""
+    """A peer's SendOpaqueStatus: checked once, acted on by its kind's handlers, then passed to the observers."""
     if self.inbox.from_peer(request_id, raw, sender_host):
       self._on_opaque_status.trigger_all(request_id, raw)
 
