@@ -1,19 +1,15 @@
 """Continuous batching at one node for one shard, as a policy: `schedule(now)` says what the next engine step runs,
-`update(step, results, now)` takes what it returned. Nothing here waits or touches the engine; the step loop drives it
-with the clock, tests with a fake one.
+`update(step, results, now)` takes what it returned. Nothing here waits or touches the engine (tests drive it with a
+fake clock).
 
-A step takes ready requests, oldest first, up to the batch size: decode tokens, and prompts in chunks (up to
-`prefill_chunk` tokens a step, or 2 per decode row when that is more), so a long prompt shares steps with running
-streams instead of freezing them. Requests join and leave between steps.
+A step takes ready requests, oldest first, up to the batch size: decode tokens, and prompts in chunks, so a long prompt
+shares steps with running streams instead of freezing them.
 
-Micro-batches. The node with the first layers splits its requests into m groups (micro_batches.py says how many)
-that travel the ring one behind the other, so that every stage works while the others do. A group's step starts once
-its live members are back, or once the late ones are ROUND_TRIP_SLACK typical round trips overdue.
-
-The other stages see each group arrive: as one packed message from a batching stage of this fork (a whole batch, due
-at once), or as a burst of single messages from nodes that send one per request, which a step gathers for up to
-`timeout_s` after the latest arrival (GATHER_LIMIT timeouts after the first), unless none of the requests it handed
-back is due within the wait. A lone request never waits."""
+Micro-batches: the node with the first layers splits its requests into m groups (micro_batches.py) that travel the
+ring one behind the other; a group's step starts once its live members are back, or ROUND_TRIP_SLACK typical round
+trips after the late ones were due. The other stages take a packed message (a whole step of the stage before) at once,
+and gather single messages (upstream nodes send one per request) for up to `timeout_s` after the latest arrival
+(GATHER_LIMIT timeouts after the first), unless none of the rows they handed back is due within the wait."""
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -101,8 +97,7 @@ class Scheduler:
 
   @classmethod
   def one_at_a_time(cls, shard: Shard) -> "Scheduler":
-    """A node without batching: one row a step, no wait, a long prompt in LONE_PROMPT_CHUNK pieces (an end lands
-    between two of them)."""
+    """A node without batching: one row a step, no wait, a long prompt in LONE_PROMPT_CHUNK pieces."""
     return cls(shard, 1, 0.0, LONE_PROMPT_CHUNK)
 
   def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float, whole: bool = False) -> Row:
@@ -115,8 +110,7 @@ class Scheduler:
     return row
 
   def drop(self, request_id: str) -> Optional[Row]:
-    """The request has ended here, or its caller has gone: it leaves (a prompt between two chunks too). Returns its
-    row if it was waiting."""
+    """The request has ended here, or its caller has gone: it leaves. Returns its row if it was waiting."""
     self.decodes.pop(request_id, None)
     self.away.pop(request_id, None)
     self.group_of.pop(request_id, None)
@@ -147,8 +141,7 @@ class Scheduler:
     return min((self._due_at(key, rows, now) for key, rows in self._by_group().items()), default=math.inf)
 
   def update(self, step: Step, results: List[Result], now: float) -> List[Tuple[Row, Result]]:
-    """Take a step's results. Returns the rows whose whole input has now run (or failed), each with its result;
-    a prompt with chunks still to go stays ready."""
+    """Take a step's results; returns the rows whose whole input has now run (or failed), each with its result."""
     decode_only = all(take == 1 for _, take in step.rows)
     self.times.record(step.started, now, len(step.rows), decode_only)
     self.stats.record(len(step.rows))
@@ -179,8 +172,7 @@ class Scheduler:
     return sorted(self.round_trips)[len(self.round_trips) // 2] if self.round_trips else None
 
   def hop_estimate(self) -> Optional[float]:
-    """Seconds a group spends between stages per round beyond their steps (first layers' node only): the shortest
-    recent round trip less the other stages' steps for a group of this size."""
+    """Seconds a group spends between stages per round beyond their steps (first layers' node only)."""
     if not self.round_trips or not self.shard.is_first_layer():
       return None
     own = self.times.cost()
@@ -191,8 +183,7 @@ class Scheduler:
     return max(0.0, min(self.round_trips) - sum(cost(per_group) for cost in others))
 
   def _by_group(self) -> Dict[Optional[int], List[Row]]:
-    """The ready rows by group (None: newcomers, and every row off the first layers' node); also counts each
-    group's live members."""
+    """The ready rows by group (None: newcomers, and every row off the first layers' node)."""
     self._members = Counter(self.group_of.values())
     groups: Dict[Optional[int], List[Row]] = {}
     for row in self.ready.values():
@@ -204,7 +195,7 @@ class Scheduler:
     return [] if key is None else [r for r, c in self.group_of.items() if c == key and r not in self.ready]
 
   def _due_at(self, key: Optional[int], rows: List[Row], now: float) -> float:
-    """When the ready rows of one group (None: newcomers, and every row off the first layers' node) may start their step."""
+    """When the ready rows of one group may start their step."""
     grouped = key is not None and self.shard.is_first_layer()
     if not self.shard.is_first_layer() and all(row.whole for row in rows):
       return now  # each message is a whole batch (see the module's docstring)
@@ -223,10 +214,8 @@ class Scheduler:
     return start_by
 
   def _due_group(self, now: float) -> Tuple[Optional[int], List[Row]]:
-    """The group whose step is due and the rows the step may take, in readiness order.
-
-    On the first layers' node: the due group that has waited longest, with newcomers while it has room (newcomers
-    alone fill the smallest group). Elsewhere: every ready row."""
+    """The group whose step is due and its rows, in readiness order: on the first layers' node the due group that has
+    waited longest, with newcomers while it has room; elsewhere every ready row."""
     if not self.shard.is_first_layer():
       return None, list(self.ready.values())
     by_group = self._by_group()
@@ -259,8 +248,7 @@ class Scheduler:
     return min(sizes, key=lambda g: (sizes[g], g))
 
   def _rebalance(self, key: int, rows: List[Row]) -> List[Row]:
-    """A group that has grown two or more members larger than the smallest (requests left the others) hands its
-    newest ready members over, half the difference; they go with their new group from now on."""
+    """A group two or more members larger than the smallest hands its newest ready members over."""
     moving = []
     for row in reversed(rows):
       sizes = self._group_sizes()
@@ -272,7 +260,7 @@ class Scheduler:
     return moving
 
   def _plan_groups(self) -> None:
-    """m for the live requests, from the measured step costs and hops; before there is a fit, one group per stage."""
+    """m for the live requests, from the measured costs; before there is a fit, one group per stage."""
     live = self._live()
     if self.stages == 1:  # nothing to keep busy while a group is away: a split would only pay the fixed cost twice
       self.groups = 1
@@ -286,15 +274,11 @@ class Scheduler:
     self.groups = best_groups(max(1, live), [own, *others], hops)
 
   def _pick(self, candidates: List[Row]) -> List[Tuple[Row, int]]:
-    """(row, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget.
-
-    Chunks protect running streams, those past RUNNING_AFTER tokens here. With none here (a lone prompt, or a burst of
-    requests that arrived together) prompts run in chunks of up to LONE_PROMPT_CHUNK tokens: a burst then starts
-    decoding together in full steps, instead of its last prompts trickling in while the first ones decode."""
+    """(row, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget. With
+    no running stream here, chunks of up to LONE_PROMPT_CHUNK, so a burst starts decoding together in full steps."""
     running = any(self.decodes.get(request_id, 0) >= RUNNING_AFTER for request_id in [*self.ready, *self.away])
     if running and self.prefill_chunk:
-      # A chunk stalls the step's streams by its share of the step: with many decode rows the step is long anyway,
-      # and a chunk that grows with them stalls them no more than prefill_chunk stalls a few.
+      # A chunk that grows with the decode rows stalls many of them no more than prefill_chunk stalls a few.
       decode_rows = min(self.batch_size, sum(1 for row in candidates if row.length == 1))
       budget = max(self.prefill_chunk, PROMPT_TOKENS_PER_DECODE_ROW * decode_rows)
     else:
