@@ -1,16 +1,11 @@
 """The step loop: one per node, through which every forward pass goes. It asks each shard's Scheduler for the next
-step, runs it on the engine of that shard's model (`engine_for`; one step at a time, so a step holds one model's rows),
-and hands the results back to the Scheduler and the waiting callers. When several shards have a step due, the one that
-stepped least recently goes first.
+step, runs it on the engine of that shard's model (one step at a time; the shard that stepped least recently first),
+and hands the results back to the Scheduler and the waiting callers (`run`).
 
-Callers wait in `run` (a message's rows, lined up together) or `infer` (one row). A request that ends leaves at once
-(`forget`), its waiter failing with RequestEnded. `finishing_for(scheduler, step)`, asked just before the engine call,
-may return what finishes the step's rows (on a Node, the step core: exo/orchestration/steps/core.py); it returns what
-sends their output, which runs once the waiters have heard None, before the next step.
-
-A message's acceptance: the gRPC server makes one future per SendTensor / SendPrompt and replies once it is resolved
-(`accept`), which the loop does just before the step that runs the message's rows. A batch's messages thus get their
-replies while its step runs, not one by one before it."""
+A request that ends leaves at once (`forget`), its waiter failing with RequestEnded. `finishing_for(scheduler, step)`,
+asked before the engine call, may return what finishes the step's rows (on a Node, the step core); that returns what
+sends their output, run once the waiters have heard None, before the next step. A message's `accepted` future (the
+gRPC server replies once it is resolved) is resolved just before the step that runs its rows."""
 import asyncio
 import logging
 import time
@@ -35,9 +30,8 @@ class BatcherStopped(RuntimeError):
 
 
 class Wake:
-  """The loop's wake-up call: `set` ends the loop task's `sleep` on the next turn of the event loop (an asyncio.Event
-  under wait_for takes three turns and a task of its own, on the path of every message to the next step). A set while
-  the task is not asleep is not kept: the task looks at its work before it sleeps."""
+  """The loop's wake-up call: `set` ends `sleep` on the next turn of the event loop (an asyncio.Event under wait_for
+  takes three turns and a task of its own). A set while the task is awake is not kept: it looks at its work first."""
 
   def __init__(self) -> None:
     self._sleeper: Optional[asyncio.Future] = None
@@ -104,8 +98,8 @@ class StepLoop:
 
   async def run(self, shard: Shard, rows: List[Tuple[str, np.ndarray, Optional[dict]]], accepted: Optional[asyncio.Future] = None,
                 whole: bool = False) -> List[object]:
-    """A message's rows (request id, input, state), into line together, as one batch (`whole`: a step of the stage
-    before, due at once); each one's result, or its exception, once its step has finished it."""
+    """A message's rows (request id, input, state), into line together (`whole`: a step of the stage before, due at
+    once); each one's result, or its exception, once its step has finished it."""
     if self._stopped:
       raise BatcherStopped("batching has stopped on this node")
     scheduler = self.scheduler(shard)
@@ -135,8 +129,7 @@ class StepLoop:
     return future
 
   def expect(self, request_ids: Iterable[str]) -> None:
-    """Rows just sent on to this node itself (a ring of one, or a stage that follows itself): the next step waits for
-    them to be back in line (see _let_arrivals_in), so that they share it."""
+    """Rows just sent on to this node itself: the next step waits for them (see _let_arrivals_in)."""
     self._coming.update(request_ids)
     self._wake.set()
 
@@ -185,11 +178,8 @@ class StepLoop:
     await self._wake.sleep(IDLE_LOOK_S if due == float("inf") else min(IDLE_LOOK_S, max(due - now, 0.0005)))
 
   async def _let_arrivals_in(self) -> None:
-    """Rows that are on their way here start the next step with the others: a new prompt's prefix lookup, which runs
-    on the engine's thread queued behind the step under way (its request arrives a moment after that step), and the
-    rows the last step sent on to this node itself (a few event-loop turns through the node). Without this wait the
-    next step would start first and leave them a whole step behind (a burst's prompts would trickle in, one step each).
-    At most ARRIVAL_WAIT_S."""
+    """Up to ARRIVAL_WAIT_S for rows on their way here (a new prompt's prefix lookup queued on the engine's thread, the
+    rows the last step sent to this node itself), so they join the next step instead of trailing it by one."""
     deadline = time.monotonic() + ARRIVAL_WAIT_S
     while (self._prefix_starts_queued() > 0 or self._coming) and not self._stopped:
       self._report_steps()
