@@ -1,11 +1,7 @@
-"""The step core: what a stage's step leaves behind, one StepOutput per step, sent at once.
-
-Each row of a step goes on to the next hop of its route (hidden states, or past the last layers its new token), sends
-its token to its origin, finishes, or fails. `finishing_for` is what the step loop runs after each forward pass: on the
-last layers the rows' tokens drawn together (`sample_tokens`, within each request's token budget), then
-`finish_step`, which passes every row through `Node.process_inference_result` (the `exo_process_inference_result`
-hook, whose core calls `add`) into the step's output. `Forwarding.send` sends it: one SendTensor per next hop
-(routing/packing.py), one token message per origin."""
+"""The step core: what a stage's step leaves behind, one StepOutput per step, sent at once by `Forwarding.send` (one
+SendTensor per next hop, one token message per origin). After each forward pass the step loop runs `finishing_for`:
+on the last layers the rows' tokens drawn together, then each row through `Node.process_inference_result` (whose core
+implementation calls `add`) into the step's output."""
 import asyncio
 import contextvars
 import logging
@@ -75,9 +71,8 @@ class StepCore:
     self.mask_times = MaskTimes()  # grammar masks computed during steps
 
   def finishing_for(self, scheduler, step):
-    """What finishes the rows a step of the step loop finishes, together, right after its forward pass: on the last
-    layers their sampling (the masks of rows that follow a grammar computed meanwhile on the grammar threads,
-    compiling a new request's grammar first, beside its prompt's pass), then one output for all of them."""
+    """What finishes a step's rows, right after its forward pass: on the last layers their sampling (grammar masks
+    computed meanwhile on the grammar threads), then one output for all of them."""
     shard, masks, node = scheduler.shard, None, self.node
     if shard.is_last_layer():
       finishing = [node.requests.get(row.request_id) for row, take in step.rows if take == row.length]
@@ -103,7 +98,8 @@ class StepCore:
     return {request_id: mask for (request_id, _), mask in zip(ready, masks)}
 
   async def _sample(self, shard: Shard, done, masks: Optional[asyncio.Future]) -> Dict[str, Union[int, Exception]]:
-    """The token of each row the step finished, drawn together."""
+    """The token of each row the step finished, drawn in one vectorised call; if it fails, each row alone, so that a
+    bad row fails alone."""
     # A request that ended while its step ran (error, cancel, stop) must not be revived by its token.
     rows = [(row.request_id, result[0]) for row, result in done if not isinstance(result, BaseException) and self.node.requests.is_live(row.request_id)]
     try:
@@ -112,36 +108,30 @@ class StepCore:
       ready = {}
     if not rows:
       return {}
-    request_ids = [request_id for request_id, _ in rows]
-    tokens = await self._sample_rows(shard, [logits for _, logits in rows], request_ids, [ready.get(r) for r in request_ids])
+    request_ids, results = [r for r, _ in rows], [logits for _, logits in rows]
+    masks = [ready.get(r) for r in request_ids]
     self.sampling_stats.record(len(rows))
     log.debug("[batching] sampled %d request(s) together on %s; sampling: %s", len(rows), shard.model_id, self.sampling_stats)
-    return dict(zip(request_ids, tokens))
-
-  async def _sample_rows(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: List[Optional[np.ndarray]]) -> List[Union[int, Exception]]:
-    """One vectorised call for every row; if it fails, each row on its own so that a bad row fails alone."""
-    states = [self.node.requests.get(request_id) for request_id in request_ids]
-    saved = [state.sampled_here().generator.bit_generator.state for state in states]
-    sample = self.sample_tokens
+    states = [self.node.requests.get(request_id).sampled_here() for request_id in request_ids]
+    saved = [state.generator.bit_generator.state for state in states]
     try:
-      return list(await sample(shard, results, request_ids, masks, self.mask_times))
+      return dict(zip(request_ids, await self.sample_tokens(shard, results, request_ids, masks, self.mask_times)))
     except Exception as e:
-      if len(results) == 1:
-        return [e]
-      log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(results), e)
-    tokens: List[Union[int, Exception]] = []
+      if len(rows) == 1:
+        return {request_ids[0]: e}
+      log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(rows), e)
+    tokens: Dict[str, Union[int, Exception]] = {}
     for state, generator_state, result, request_id, mask in zip(states, saved, results, request_ids, masks):
-      state.sampled_here().generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
+      state.generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
       try:
-        tokens.append((await sample(shard, [result], [request_id], [mask], self.mask_times))[0])
+        tokens[request_id] = (await self.sample_tokens(shard, [result], [request_id], [mask], self.mask_times))[0]
       except Exception as e:
-        tokens.append(e)
+        tokens[request_id] = e
     return tokens
 
   async def finish_step(self, shard: Shard, rows: List[Tuple[str, int, np.ndarray, Optional[dict]]],
                         sampled: Dict[str, Union[int, Exception]]) -> StepOutput:
-    """Every row a step finished (request id, positions it ran, result, state), each through
-    `Node.process_inference_result` into one output, which the caller sends."""
+    """Every row a step finished (request id, positions, result, state), through `process_inference_result` into one output."""
     output = StepOutput(sampled=sampled)
     reset = CURRENT.set(output)
     try:
@@ -162,9 +152,8 @@ class StepCore:
 
   async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
                           mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
-    """Sample each request's next token from its logits, each with its own parameters, random stream and grammar
-    (exo/inference/constrained.py; `masks` may hold grammar masks computed already). A request whose grammar this
-    node cannot follow gets an error in place of its token."""
+    """Each request's next token from its logits, with its own parameters, random stream and grammar
+    (inference/constrained.py); a grammar this node cannot follow gives an error in place of the token."""
     requests = [self.node.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
     return await constrained.sample_requests(self.node.model_pool.engine_of(shard), requests, results, f"node {self.node.id}", masks, mask_times,
                                              [self.tokens_left(r) for r in requests])
@@ -173,15 +162,13 @@ class StepCore:
     return min(request.params.max_tokens or self.node.max_generate_tokens, self.node.max_generate_tokens)
 
   def tokens_left(self, request: Request) -> int:
-    """The tokens a request may still be given here, the one about to be sampled included: its budget's, or the
-    context's (one fewer than the context would hold, to be sure)."""
+    """The tokens a request may still be given here, the one about to be sampled included."""
     left = self.token_limit(request) - len(request.sampled_here().tokens)
     context = self.node.passes.context_length(request)
     return left if context is None else min(left, context - request.positions)
 
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
-    """One row's outcome, into the output of the step under way (or, outside a step, an output of its own, sent at
-    once: a batch of one). On the last layers its token is the one its step drew, else it is sampled alone here."""
+    """One row's outcome, into the output of the step under way (outside a step, an output of its own, sent at once)."""
     in_step = CURRENT.get()
     output = in_step or StepOutput()
     await self._add(output, shard, result, request_id, state)
