@@ -1,16 +1,12 @@
 """How a node passes requests on: the route it gives a new request (at its origin), the route it follows for every
-message (the one the request brought, or its own ring), the next hop's message, and the tokens back to the origin.
+message, the next hop's message, and the tokens back to the origin.
 
-A routed request's prompt goes once to its first hop; then its hidden states go hop to hop with the route in the
-inference state (and, on the prompt's first pass, the sampling parameters), one SendTensor per hop per step
-(packing.py). The last hop's tokens go to the origin only: on the tensor that feeds the first hop when the origin is
-that hop, else as one `tokens` status per origin per step (one in flight per destination, the next carrying whatever
-accumulated meanwhile). A request's last token, and statuses about it (its end, an error, a prefix miss), go to the
-nodes of its route and its origin. A request without a travelling route behaves as exo always did: SendResult to its
-origin, the last one to every peer.
+A routed request's prompt goes once to its first hop, then its hidden states hop to hop with the route in the inference
+state, one SendTensor per hop per step (packing.py). Its tokens go to the origin only: on the tensor that feeds the
+first hop when the origin is that hop, else as one `tokens` status per origin per step. Its last token and statuses
+about it go to the nodes of its route and its origin. A request without a travelling route behaves as exo always did.
 
-Load. Each group's first node reports, at most every REPORT_S and only when it changed, how much of its work each
-origin sent (a `group_load` status), so that every origin's router sees the others' requests too."""
+Each group's first node reports how much of its work each origin sent (`group_load`), so every router sees it all."""
 import asyncio
 import logging
 import time
@@ -65,8 +61,8 @@ class Forwarding:
     return route
 
   def route_of(self, request: Request, base: Shard, state: Optional[dict]) -> Route:
-    """The route this node follows for the request: the one it brought (checked), the one it already has, or, for a
-    request without one, the ring this node derives from its topology. ValueError if it brought one that differs."""
+    """The route this node follows for the request: the one it brought (checked), the one it has, or the ring this
+    node derives from its topology. ValueError if it brought one that differs."""
     data = (state or {}).get("route")
     if data is not None and request.route is not None and request.route.travels and (data is request.route or data == request.route.json):
       return request.route  # the route it came with before: nothing more to check
@@ -85,7 +81,7 @@ class Forwarding:
     return request.route
 
   def _check_servable(self, route: Route, base: Shard) -> None:
-    """A route may only give this node layers it can serve (Placements.can_serve): anything else it refuses, clearly."""
+    """A route may only give this node layers it can serve (Placements.can_serve)."""
     own = route.shard_of(self.node.id, base)
     placements = self.node.placements
     if own is not None and not placements.can_serve(own):
@@ -103,8 +99,7 @@ class Forwarding:
     return Route(tuple(Stage(p.node_id, s.start_layer, s.end_layer) for p, s in zip(partitions, shards)))
 
   def outgoing(self, request: Request, state: Optional[dict], to: Stage, prompt: bool = False) -> Optional[dict]:
-    """The inference state a hop's message carries: the route, and the sampling parameters while the prompt's first
-    pass goes down the route."""
+    """The inference state a hop's message carries: the route, and the parameters on the prompt's first pass."""
     route = request.route
     if route is None or not route.travels:  # a ring route, which upstream nodes may be on: the prompt goes as text only
       return None if state is None else {k: v for k, v in state.items() if k != PROMPT_IDS}
@@ -129,9 +124,8 @@ class Forwarding:
       await self._peer(to.node_id).send_prompt(shard, prompt, request_id=request_id, inference_state=state)
 
   def send(self, output: StepOutput) -> None:
-    """A step's output, sent at once: its finished requests end here, each next hop gets one message (the rows bound
-    for it packed), each origin one token message, this node's own clients their tokens on the next turn of the event
-    loop (after the sends have started), and the failed rows' requests fail on their routes."""
+    """A step's output, sent at once: finished requests end, each next hop gets one message, each origin one token
+    message (this node's own clients on the next turn of the event loop), and failed rows fail their requests."""
     node = self.node
     for request_id in output.finished:
       node.lifecycle.end_request(request_id, Status.FINISHED)
@@ -145,8 +139,7 @@ class Forwarding:
       node.spawn(node.lifecycle.fail_request(request_id, error))
 
   async def _send_hop(self, hop: Hop) -> None:
-    """One message for the rows bound to one next hop (packing.py; a lone row packed too, so the next stage knows it
-    has the whole step); each row's request fails if it cannot go."""
+    """One message for the rows bound to one next hop (a lone row packed too: the next stage has the whole step)."""
     tensor, state = pack(hop.rows) if hop.packable else (hop.rows[0][1], hop.rows[0][2])
     try:
       await self.send_tensor(hop.to, hop.shard, tensor, hop.rows[0][0], state)
@@ -170,8 +163,7 @@ class Forwarding:
 
   @staticmethod
   def rides_the_ring(request: Request) -> bool:
-    """Whether the request's tokens reach its origin on the tensors that feed them back: the origin is the route's first
-    hop, and the tokens need no logprobs beside them."""
+    """Whether the request's tokens reach its origin, its route's first hop, on the tensors that feed them back."""
     route = request.route
     return (route is not None and route.travels and len(route.hops) > 1 and request.origin == route.first.node_id
             and request.params.logprobs is None)
@@ -232,8 +224,7 @@ class Forwarding:
       node.on_result(rid, tokens, finished, sender_host)
 
   async def tell(self, request: Optional[Request], request_id: str, status: str) -> None:
-    """A status about a request: to the nodes of its route and its origin (every peer for a request without a
-    travelling route), and to this node's own observers."""
+    """A status about a request: to the nodes of its route and its origin (every peer without a travelling route)."""
     node = self.node
     route = request.route if request is not None else None
     if route is None or not route.travels:
@@ -243,8 +234,7 @@ class Forwarding:
     await node.broadcast_opaque_status(request_id, status, to=targets)
 
   def _loads_here(self) -> Dict[str, Dict[str, List[int]]]:
-    """For each group whose first node this is: each origin's share of its work, [prompt tokens waiting, requests
-    running, requests waiting]."""
+    """For each group whose first node this is: each origin's [prompt tokens waiting, requests running, waiting]."""
     loads: Dict[str, Dict[str, List[int]]] = {}
     for request in self.node.requests:
       route = request.route
@@ -274,8 +264,7 @@ class Forwarding:
         self.report_loads()
 
   def report_loads(self) -> None:
-    """On each group's first node: each origin's share of the group's work, when it changed (at most every REPORT_S,
-    and again before the last report goes stale at the others)."""
+    """Each origin's share of the groups led here, when it changed (at most every REPORT_S, and before it goes stale)."""
     node, now = self.node, time.monotonic()
     loads = self._see_loads_here()
     for group in set(self._reported) | set(loads):
