@@ -79,11 +79,11 @@ class Membership:
     for peer, (ok, seconds) in zip(peers, checks):
       if ok:
         self.slow_checks.pop(peer.id(), None)
-        node.placements.cleared(peer.id())
+        node.placements.suspects.pop(peer.id(), None)
         continue
       if peer not in node.peers:  # it left the ring meanwhile: update_peers ends its requests
         continue
-      node.placements.suspect(peer.id())
+      node.placements.suspects[peer.id()] = time.monotonic()
       if not self.is_dead(peer.id(), seconds):
         continue
       how = "its health check failed" if seconds < ANSWERED_S else f"{SLOW_CHECKS_BEFORE_DEAD} health checks in a row went unanswered"

@@ -1,15 +1,11 @@
-"""This node's part in placement: the facts the members that follow routes announced, each model's placement derived
-from them (exo/topology/placement.py), which groups have their layers loaded, and loading this node's own layers as
-soon as it is placed.
+"""This node's part in placement: the facts the members that follow routes announced (`placement_member`), each
+model's placement derived from them (topology/placement.py), which groups have their layers loaded, and loading this
+node's own layers as soon as it is placed.
 
-Every node derives the placement itself, a pure function of the announced facts (a `placement_member` status, sent
-every topology round and whenever they change) and the model's shape, versioned by a hash of the facts: nothing is
-elected, and a node that leaves takes nothing with it. Two nodes that have not heard the same facts yet may derive
-different placements for a moment; that is safe because a request carries the route its origin planned, and a node
-that cannot run the layers a route gives it refuses the request with an error, never guesses.
-
-Mixed rings. A peer that has not announced within ANNOUNCE_GRACE_S of joining (an upstream exo node) turns routing
-off: the ring is then one pipeline over every node, each deriving its layers from its own view, as exo always did."""
+Every node derives the placement itself from the announced facts, versioned by their hash: nothing is elected, and a
+node that leaves takes nothing with it. Two nodes may briefly derive different placements; a request carries the route
+its origin planned, and a node that cannot run the layers a route gives it refuses it. A peer that has not announced
+within ANNOUNCE_GRACE_S of joining (an upstream node) turns routing off: the ring is then one pipeline, as exo's."""
 import asyncio
 import logging
 import time
@@ -72,8 +68,7 @@ class Placements:
     return [p.id() for p in self.node.peers if p.id() not in self.peer_facts and now - self.joined_at.get(p.id(), now) >= self.grace_s]
 
   def heard_all_peers(self) -> bool:
-    """Every connected peer has announced its facts, or has been taken for an upstream node: the placement this node
-    derives now counts every node of the ring (true at once for a node that does not follow routes)."""
+    """Every connected peer has announced its facts or been taken for an upstream node (the placement counts them all)."""
     undeclared = set(self.undeclared())
     return self.mode is None or all(p.id() in self.peer_facts or p.id() in undeclared for p in self.node.peers)
 
@@ -112,8 +107,7 @@ class Placements:
 
   def can_serve(self, shard: Shard) -> bool:
     """Whether this node runs these layers for a route: it holds them, it is placed to, or it can load them without
-    disturbing a request, at most after a preload (nodes that have not heard the same facts yet plan other cuts for a
-    moment, and a node that just started may still be loading the model it expected)."""
+    disturbing a request (nodes that have not heard the same facts yet plan other cuts for a moment)."""
     node = self.node
     node.model_pool.expect(shard)  # (its size and model, for whether it fits beside the models held here)
     return node.model_pool.holds(shard) or self.own_shard(shard) == shard or node.model_gate.no_request_disturbed_by(gate_key(shard))
@@ -156,20 +150,13 @@ class Placements:
     if added and self.mode is not None:
       self.node.spawn(self.announce())  # the newcomers hear of this node at once
 
-  def suspect(self, node_id: str) -> None:
-    self.suspects[node_id] = time.monotonic()
-
-  def cleared(self, node_id: str) -> None:
-    self.suspects.pop(node_id, None)
-
   def is_suspect(self, node_id: str) -> bool:
     return node_id in self.suspects
 
   def settle(self) -> None:
-    """Load this node's layers of the model in use (the one its engine holds, else the one most peers hold, else the
-    expected one) as soon as it is placed, unless that would disturb a request (it tries again at the next round); say
-    so once loaded. Not before every peer has announced: a placement derived without them could be a whole copy of a
-    model this node cannot hold."""
+    """Load this node's layers of the model in use (its engine's, else the one most peers hold, else the expected one)
+    once placed, unless that would disturb a request; not before every peer has announced (a placement without them
+    could be a whole copy of a model this node cannot hold)."""
     if not self.active or any(p.id() not in self.peer_facts for p in self.node.peers):
       return
     loaded = self.loaded(self.node.id)
@@ -205,9 +192,8 @@ class Placements:
     return view
 
   async def preload(self, shard: Shard) -> None:
-    """Load our own layers of a model (a peer started a prompt for it, or this node has just been placed), unless
-    that would disturb the requests this node serves. The download leaves the model gate open (it may take minutes);
-    the load holds it, so no request for another model starts meanwhile."""
+    """Load our own layers of a model unless that would disturb the requests this node serves. The download leaves
+    the model gate open (it may take minutes); the load holds it."""
     node = self.node
     try:
       card = model_card(shard.model_id)
