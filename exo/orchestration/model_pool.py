@@ -1,13 +1,9 @@
 """The chat models this node holds at once, one engine each, and the room the model gate gives another model.
 
-The node's engine takes the first model; each further model gets an engine of the same class, built as exo builds
-engines (exo/inference/engines.py) and set up like the first. A node whose engine exo cannot build again (a subclass)
-holds one model at a time. A request runs on the engine of its model (`engine_of`) from its turn at the gate to its end.
-
-Room: another model is let in while the models held, with it, number at most `max_models` and weigh (as placement
-weighs them) at most the memory this node offers; idle models are unloaded to make room, least recently used first,
-and a model alone always gets in. An idle model is unloaded after its keep-alive (exo/keep_alive.py); the model on the
-node's own engine is kept unless a request asks otherwise."""
+The node's engine takes the first model; each further one gets an engine of the same class, set up like the first (a
+subclass exo cannot build again holds one model at a time). Another model is let in while the models held number at
+most `max_models` and weigh at most the memory this node offers; idle models are unloaded to make room, least recently
+used first, or after their keep-alive (exo/keep_alive.py); the node's own engine's model stays unless asked."""
 import logging
 import math
 from typing import Callable, Collection, Dict, List, Optional
@@ -33,8 +29,7 @@ def max_loaded_models(args, environ) -> int:
 
 class ModelPool(OneModel, KeptPool):
   def __init__(self, engine: InferenceEngine, downloader, own_facts: Callable[[], MemberFacts]):
-    # The node's own engine (it takes the first model), where further engines' files come from, and the facts this
-    # node announces (its float width and the memory it offers), by which a model's size is weighed.
+    # own_facts: what this node announces (float width, memory offered), by which a model's size is weighed.
     self.engine, self.downloader, self.own_facts = engine, downloader, own_facts
     self.max_models = DEFAULT_MAX_LOADED_MODELS  # EXO_MAX_LOADED_MODELS's, which exo.main sets
     self.engines: Dict[str, InferenceEngine] = {}  # gate key -> the engine that holds it
@@ -85,8 +80,7 @@ class ModelPool(OneModel, KeptPool):
     return memory_mb * 2**20 if memory_mb > 0 else math.inf
 
   def _other_layers(self, key: str, keys: Collection[str]) -> List[str]:
-    """Those of `keys` that are other layers of the same model (never held beside each other: a second partial copy
-    would only serve a route planned on facts this node has not heard yet)."""
+    """Those of `keys` that are other layers of the same model (never held beside each other)."""
     shard = self.shards.get(key)
     return [k for k in keys if k != key and shard is not None and k in self.shards and self.shards[k].model_id == shard.model_id]
 
@@ -111,8 +105,7 @@ class ModelPool(OneModel, KeptPool):
     shard = self.shards.get(model)
     asked = self.asked_keep_alive.pop(shard.model_id, None) if shard is not None else None
     if asked is None and self.engines.get(model) is self.engine:
-      # The node's own engine's model (the one placement placed here, or its default) stays unless a request asks
-      # otherwise or room is needed: unloading it would only have placement load it again.
+      # The own engine's model stays unless asked or room is needed: placement would only load it again.
       asked = math.inf
     self.residents.release(model, asked)
 
@@ -136,8 +129,7 @@ class ModelPool(OneModel, KeptPool):
     self.free.append(engine)
 
   def keep(self, model_id: str, seconds: float, now: bool = False) -> None:
-    """A request for `model_id` asks that it stay `seconds` after its requests end (Ollama's keep_alive; 0: unload it
-    when they end). `now` (no request follows: Ollama's empty-prompt generate) applies it to an idle model at once."""
+    """Keep `model_id` `seconds` after its requests end (Ollama's keep_alive); `now`: apply it to an idle model at once."""
     for key, shard in self.shards.items():
       resident = self.residents.residents.get(key)
       if now and shard.model_id == model_id and resident is not None and resident.in_use == 0:
@@ -160,22 +152,17 @@ class ModelPool(OneModel, KeptPool):
     return [self.shards[key] for key in self.residents.residents if key in self.shards]
 
   def announced(self) -> Optional[Shard]:
-    """The shard this node tells the ring it holds (one, as the placement status carries it): the node's own engine's
-    while it holds it, so that it does not change as requests alternate between models; else the one used last."""
-    own = self.engine.shard
-    return own if own is not None and self.holds(own) else self.latest() or own
-
-  def latest(self) -> Optional[Shard]:
-    """The loaded shard used last, one in use first (None: none is loaded)."""
-    loaded = [k for k in self.residents.residents if k in self.shards and self.holds(self.shards[k])]
-    if not loaded:
-      return None
-    key = max(loaded, key=lambda k: (self.residents.residents[k].in_use > 0, self.residents.residents[k].last_used, self.residents.residents[k].uses))
-    return self.shards[key]
+    """The shard this node tells the ring it holds: the own engine's while it holds it (steady as requests alternate
+    between models), else the loaded one used last, one in use first."""
+    own, residents = self.engine.shard, self.residents.residents
+    if own is not None and self.holds(own):
+      return own
+    loaded = [k for k in residents if k in self.shards and self.holds(self.shards[k])]
+    latest = max(loaded, key=lambda k: (residents[k].in_use > 0, residents[k].last_used, residents[k].uses), default=None)
+    return self.shards[latest] if latest is not None else own
 
   def describe(self) -> List[dict]:
-    """The chat models loaded, for /api/ps, /v1/models and /v1/state: the model, its layers here, the requests using
-    it, seconds loaded and seconds until unloaded (None: never, or in use). What has expired is unloaded first."""
+    """The chat models loaded, for /api/ps, /v1/models and /v1/state (what has expired is unloaded first)."""
     self.residents.sweep()
     now = self.residents.clock()
     rows = []
