@@ -1,9 +1,8 @@
 """What a node knows of each request: one record per request id, with a status that only moves forward.
 
-A record is opened when the node first hears of a request (its parameters, its prompt or a tensor) and closed
-once: finished, failed or cancelled. Closed ids are remembered for a while (ENDED_KEPT_S, at most ENDED_KEPT), so a
-message that arrives late for an ended request is dropped instead of starting it again. Records that never got any
-work here (parameters sent by a peer for a request that never came) expire after QUEUED_KEPT_S."""
+A record is opened when the node first hears of a request and closed once. Closed ids are remembered a while, so a late
+message for an ended request is dropped instead of starting it again; records that never got work here (parameters
+for a request that never came) expire after QUEUED_KEPT_S."""
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ import numpy as np
 from exo.inference.sampling import SamplingParams, TokenLogprobs, make_generator
 from exo.inference.shard import Shard
 
-if TYPE_CHECKING:  # (annotations only: these modules need nothing from here, but importing them here would be slow or circular)
+if TYPE_CHECKING:  # (importing them here would be slow or circular)
   import asyncio
 
   from exo.inference.grammar import Constraint
@@ -35,8 +34,7 @@ class RequestEnded(Exception):
 
 @dataclass
 class RequestEvent:
-  """What a request's local client hears: new tokens (the last with finished=True), or its end with an error; and
-  when it asked for logprobs, one entry per token (None where a node did not send them)."""
+  """What a request's local client hears: new tokens (the last with finished=True) and their logprobs, or an error."""
   tokens: List[int]
   finished: bool
   error: Optional[str] = None
@@ -163,8 +161,7 @@ class RequestRegistry:
     return request
 
   def end(self, request_id: str, status: Status) -> Optional[Request]:
-    """Close the request (also if it was never seen here, so that late messages for it are dropped); returns its
-    record if it was live."""
+    """Close the request (also if never seen here, so that late messages are dropped); its record if it was live."""
     assert status.ended
     request = self._live.pop(request_id, None)
     if request is not None:
@@ -188,9 +185,7 @@ class RequestRegistry:
     return request is not None and request.status is Status.QUEUED
 
   def _make_room(self) -> None:
-    """At most QUEUED_KEPT records without work: a peer flooding parameters for requests that never come pushes out
-    the oldest of those, never a request that has started. (Ids that have started or ended leave `_opened` as they
-    come to its front.)"""
+    """At most QUEUED_KEPT records without work: a flood of parameters pushes out the oldest, never a started request."""
     while len(self._opened) >= QUEUED_KEPT:
       request_id, _ = self._opened.popitem(last=False)
       if self._queued(request_id):
