@@ -1,9 +1,8 @@
 """Membership and health: what the node does when peers come and go, and how it notices a peer that died.
 
-A request needs the nodes of its route. When one of them leaves (discovery dropped it) or stops answering health
-checks, exactly the requests that need it end with an error naming it; the others go on. A node that joins changes
-nothing in flight where requests carry their routes; on a ring where each node derives its layers from its own view
-of the members (upstream nodes present, or routes off), every request in flight lost its place and ends too."""
+When a node of a request's route leaves or stops answering health checks, exactly the requests that need it end with
+an error naming it. A node that joins changes nothing where requests carry their routes; on a derived ring (upstream
+nodes present, or routes off) every request in flight lost its place and ends too."""
 import asyncio
 import logging
 import time
@@ -17,11 +16,8 @@ from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
 log = logging.getLogger(__name__)
 
 PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-checked
-# A check that fails sooner than this was answered: the peer's port refused the connection (its process is gone) or
-# it said it is unhealthy. One that runs out its 5 s timeout may be a live peer busy for a moment (loading a model,
-# a long step on a loaded machine), so the peer counts as dead only after SLOW_CHECKS_BEFORE_DEAD such checks in a row.
-# A peer that dies mid-request ends it within PEER_CHECK_S (at once if a send to it fails); one that hangs, within
-# about SLOW_CHECKS_BEFORE_DEAD * (PEER_CHECK_S + 5 s).
+# A check that fails sooner than ANSWERED_S was answered (refused, or unhealthy): the peer is dead. One that runs out
+# its 5 s timeout may be a live peer busy for a moment: dead only after SLOW_CHECKS_BEFORE_DEAD in a row.
 ANSWERED_S = 1.0
 SLOW_CHECKS_BEFORE_DEAD = 2
 
@@ -54,8 +50,8 @@ class Membership:
       node.spawn(self._tell_departed(gone[peer_id], errors))
 
   async def _tell_departed(self, peer, errors: List[Tuple[str, str]]) -> None:
-    """A node that left this node's ring (it may only have missed health checks) may still hold the requests
-    that crossed it, which no later status reaches: tell it they failed, best effort, then close the channel."""
+    """A node that left (it may only have missed health checks) may still hold the requests that crossed it: tell it
+    they failed, best effort, then close the channel."""
     try:
       for request_id, status in errors:
         await asyncio.wait_for(peer.send_opaque_status(request_id, status), PEER_CALL_TIMEOUT_S)
@@ -70,8 +66,7 @@ class Membership:
       await self.check_peers()
 
   async def check_peers(self) -> None:
-    """Health-check the peers live requests need; a dead one ends them, with an error naming it. A peer that fails a
-    check gets no new request until it answers again."""
+    """Health-check the peers live requests need; a dead one ends them. One that fails a check gets no new request."""
     node = self.node
     needed = {n for request in node.requests for n in request.ring} - {node.id}
     peers = [p for p in node.peers if p.id() in needed or node.placements.is_suspect(p.id())]
@@ -94,8 +89,7 @@ class Membership:
           node.spawn(node.lifecycle.fail_request(request.id, message))
 
   def is_dead(self, peer_id: str, seconds: float) -> bool:
-    """After a failed health check that took `seconds`: whether the peer counts as dead (it answered, or has let
-    SLOW_CHECKS_BEFORE_DEAD checks in a row run out)."""
+    """After a failed health check that took `seconds`: whether the peer counts as dead."""
     slow = self.slow_checks.pop(peer_id, 0) + 1
     if seconds >= ANSWERED_S and slow < SLOW_CHECKS_BEFORE_DEAD:
       self.slow_checks[peer_id] = slow

@@ -1,12 +1,10 @@
-"""The prompt-prefix protocol between the nodes of a request's route (the engines' stores: exo/inference/prefix_cache.py).
+"""The prompt-prefix protocol between the nodes of a request's route (the engines' stores: inference/prefix_cache.py).
 
-When every node of a route reuses prefixes (each announces it: a prefix_cache status; upstream nodes never do), the
-first node names the prompt's token blocks, starts the request from the longest prefix its engine holds and runs only
-the rest; the keys and positions reused travel in the inference state (`"prefix"`), and each node files the request's
-KV under those keys once its prompt has run there. A node that lacks the prefix says so (prefix_miss) and the first
-node runs the prompt again, whole. When the request finishes, the first node sends every node the keys of all its
-blocks, the answer's included (prefix_extend), then files them itself: a later request only names blocks every node
-has been told of."""
+When every node of a route reuses prefixes (a prefix_cache status says so; upstream nodes never do), the first node
+starts the request from the longest prefix its engine holds; the keys and positions reused travel in the inference
+state (`"prefix"`), and each node files the request's KV under those keys. A node that lacks the prefix says so
+(prefix_miss) and the prompt runs again, whole. A finished request's keys, the answer's included, go to every node
+first (prefix_extend) and are filed at the first node last: later requests only name blocks every node was told of."""
 import asyncio
 import logging
 from typing import Optional, Set
@@ -33,7 +31,7 @@ class PrefixProtocol:
 
   @property
   def engine(self):
-    """The node's own engine: whether it reuses prefixes says for every engine of its class (the model pool's)."""
+    """The node's own engine (whether it reuses prefixes says for every engine of its class)."""
     return self.node.inference_engine
 
   def reused_on_route(self, request: Request) -> bool:
@@ -77,8 +75,7 @@ class PrefixProtocol:
       filing.add_done_callback(self.filings.discard)
 
   async def _file_answer(self, request: Request) -> None:
-    """Once the request has finished: every node files the blocks its cache holds, the answer's included. The others
-    are told first, so that no later request is sent to reuse blocks a peer never heard of."""
+    """Every node files the finished request's blocks, the answer's included; the others first."""
     keys = block_keys(request.model, np.array(request.first_stage.sequence, dtype=np.int64))
     if len(keys) * BLOCK <= request.first_stage.prompt_tokens:  # the answer completed no block past the prompt's
       return
@@ -103,8 +100,7 @@ class PrefixProtocol:
       await self.node.lifecycle.fail_request(request.id, e)
 
   async def start_here(self, shard: Shard, request: Request, state: Optional[dict]) -> bool:
-    """A pass that names a prefix, on a node after the first: the request's cache starts afresh with it. False (and
-    the first node told) if this node does not hold it."""
+    """A pass that names a prefix, after the first node: the cache starts with it; False (first node told) if not held."""
     prefix = (state or {}).get("prefix")
     if prefix is None:
       return True
@@ -119,8 +115,7 @@ class PrefixProtocol:
     return True
 
   def ran(self, shard: Shard, request: Request, state: Optional[dict]) -> Optional[dict]:
-    """After a pass: a prompt that named its prefix is filed under its keys here; past the last layers the tokens
-    that follow travel without it."""
+    """After a pass: a prompt that named its prefix is filed under its keys; past the last layers it goes no further."""
     prefix = (state or {}).get("prefix")
     if prefix is None:
       return state

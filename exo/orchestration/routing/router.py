@@ -1,17 +1,13 @@
 """The choice of a group for each new request, at the node where it arrives (its origin).
 
-Load. A group's load is the prompt tokens it still has to compute (less what its cached prefix covers) plus
-ROW_TOKENS for each of its requests, waiting or running: a request's row takes a share of every step until its answer
-ends, so rows are what a burst must spread evenly. This node counts its own requests the moment it sends them; the
-other origins' come from what each group's first node reports (`group_load`, at most every REPORT_S, kept for
-REPORT_FRESH_S).
+Load: the prompt tokens a group still has to compute (less its cached prefix) plus ROW_TOKENS per request, waiting or
+running (a row takes a share of every step until its answer ends). Own requests count the moment they are sent; the
+other origins' come from each group's first node (`group_load`, kept REPORT_FRESH_S).
 
-Prefix affinity. The router remembers, per group, the block keys of the prompts (and finished answers) it sent there.
-A prompt goes to the group that holds most of its blocks (at least PREFIX_MIN_SHARE of them and PREFIX_MIN_TOKENS
-more than the least loaded group: a short shared system prompt is no reason) unless that group's load exceeds the
-least loaded one's by more than PREFIX_SLACK plus the tokens its cache spares; so a conversation's next turn goes back
-to the group that holds its earlier turns. Otherwise the least loaded group, ties going to a group that contains this
-node, then placement order. Nothing here waits or sends: the clock is a parameter."""
+Prefix affinity: a prompt goes to the group that was sent most of its blocks (at least PREFIX_MIN_SHARE, and
+PREFIX_MIN_TOKENS more than the least loaded group: a short shared system prompt is no reason) unless its load exceeds
+the least one's by more than PREFIX_SLACK plus the tokens its cache spares. Otherwise the least loaded group, ties
+going to one that contains this node. Nothing here waits or sends: the clock is a parameter."""
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -96,8 +92,7 @@ class Router:
       self._remember(choice.group.name, block_keys(model, prompt_ids))
 
   def tokens(self, request_id: str, tokens: Sequence[int], finished: bool) -> None:
-    """Tokens of a request this node routed reached it: it is running; once finished, its answer's blocks are its
-    group's too (the engines file them), and it no longer counts."""
+    """Tokens of a request this node routed: it is running; once finished its answer's blocks are its group's too."""
     sent = self.sent.get(request_id)
     if sent is None:
       return
@@ -122,8 +117,7 @@ class Router:
       known.popitem(last=False)
 
   def report(self, group: str, loads: Dict[str, Tuple[int, int, int]]) -> None:
-    """A group's first node says how much of its work each origin sent: (prompt tokens waiting, requests running,
-    requests waiting)."""
+    """A group's first node says each origin's (prompt tokens waiting, requests running, requests waiting)."""
     self.reports[group] = (loads, self.clock())
 
   def own(self, group: str) -> Tuple[int, int, int]:
