@@ -19,17 +19,6 @@ log = logging.getLogger(__name__)
 PEER_CALL_TIMEOUT_S = 15.0
 
 
-def caller_host(peer: Optional[str]) -> Optional[str]:
-  """The IP address in a gRPC `context.peer()` ("ipv4:10.0.0.2:5678", "ipv6:[::1]:5678"), or None (unix sockets)."""
-  if not peer or not peer.startswith(("ipv4:", "ipv6:")):
-    return None
-  address = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
-  try:
-    return str(ipaddress.ip_address(address.split("%")[0]))
-  except ValueError:
-    return None
-
-
 class RingMember:
   def __init__(self, _id: str, discovery, partitioning_strategy: Optional[PartitioningStrategy], topology_viz=None):
     self.id = _id

@@ -1,5 +1,6 @@
 """Server side of the ring: NodeService handlers that hand work to the Node (docs/architecture.md, "The ring protocol")."""
 import asyncio
+import ipaddress
 import logging
 from typing import Optional, Set
 
@@ -15,7 +16,6 @@ from exo.networking.grpc.codec import decode_inference_state, decode_shard, deco
 from exo.networking.grpc.grpc_peer_handle import CHANNEL_OPTIONS
 from exo.networking.server import Server
 from exo.orchestration.steps.loop import accept
-from exo.orchestration.ring_member import caller_host
 
 log = logging.getLogger(__name__)
 MESSAGES, STATUSES = level_of(5), level_of(8)  # each message received; each status too
@@ -25,6 +25,17 @@ MESSAGES, STATUSES = level_of(5), level_of(8)  # each message received; each sta
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.max_concurrent_streams", 0)]
 STOP_GRACE_S = 5.0
 REPLY_WAIT_S = 0.1  # a reply waits at most this long for the forward pass to start
+
+
+def caller_host(peer: Optional[str]) -> Optional[str]:
+  """The IP address in a gRPC `context.peer()` ("ipv4:10.0.0.2:5678", "ipv6:[::1]:5678"), or None (unix sockets)."""
+  if not peer or not peer.startswith(("ipv4:", "ipv6:")):
+    return None
+  address = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
+  try:
+    return str(ipaddress.ip_address(address.split("%")[0]))
+  except ValueError:
+    return None
 
 
 class GRPCServer(Server, pb_grpc.NodeServiceServicer):
