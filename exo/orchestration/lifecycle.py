@@ -1,9 +1,8 @@
 """How requests start and end on a node, and what its local clients hear of them.
 
-A request starts at its origin (`start_request`) and ends once: finished on the node that samples its last token (the
-others learn it from that token), cancelled by its origin, or failed anywhere; cancellations and failures travel to
-the nodes of its route as opaque statuses, and every node drops the request before its next step and frees its KV
-cache. Its local client (`watch`) hears its tokens and, when it ends otherwise than finished, why."""
+A request starts at its origin (`start_request`) and ends once: finished where its last token is sampled, cancelled by
+its origin, or failed anywhere (both travel to its route as statuses); every node then drops it before its next step
+and frees its KV cache. Its local client (`watch`) hears its tokens and, when it ends otherwise, why."""
 import asyncio
 import logging
 from typing import Dict, List, Optional, Set
@@ -20,7 +19,7 @@ log = logging.getLogger(__name__)
 
 class Lifecycle:
   def __init__(self, node):
-    self.node = node  # its public parts: requests, engine, forwarding, prefixes, model gate, hooks, peers' grammar engines
+    self.node = node
     self.watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
     self.releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
 
@@ -28,8 +27,7 @@ class Lifecycle:
     return self.node.requests.open(request_id, SamplingParams(temperature=self.node.default_sample_temperature))
 
   def watch(self, request_id: str) -> asyncio.Queue:
-    """Events of one request for its local client: RequestEvent(tokens, finished, error). Only this request's
-    tokens wake it."""
+    """Events of one request for its local client (RequestEvent); only this request's tokens wake it."""
     self.watchers[request_id] = asyncio.Queue()
     return self.watchers[request_id]
 
@@ -38,9 +36,8 @@ class Lifecycle:
 
   async def start_request(self, request_id: str, params: SamplingParams, base_shard: Optional[Shard] = None,
                           prompt_ids: Optional[List[int]] = None) -> None:
-    """Open the request here (its origin). Where routes are on (and `base_shard` says the model), pick the group it goes
-    to (`prompt_ids` let it go where its prefix is cached): its parameters travel with its prompt. Otherwise tell every
-    node its sampling parameters before its prompt enters the ring."""
+    """Open the request here (its origin) and pick its group where routes are on (its parameters then travel with its
+    prompt); otherwise tell every node its sampling parameters before its prompt enters the ring."""
     request = self.node.requests.open(request_id, params, self.node.id)
     if request is None:
       raise ValueError(f"request {request_id} has already ended")
@@ -72,8 +69,7 @@ class Lifecycle:
       await self.node.forwarding.tell(request, request_id, statuses.RequestError.build(request_id=request_id, error=message))
 
   def end_request(self, request_id: str, status: Status, error: Optional[str] = None) -> bool:
-    """End the request here, whatever it is doing: it leaves every queue, its KV cache is freed, its local client
-    learns why. True if it was live here."""
+    """End the request here, whatever it is doing (queues, KV cache, its local client told why). True if it was live."""
     request = self.node.requests.end(request_id, status)
     if request is None:
       return False
@@ -114,8 +110,7 @@ class Lifecycle:
     self.node.on_token.trigger_all(request_id, tokens, is_finished)
 
   def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
-    """A peer's SendResult (or a token that reached this node otherwise): tokens for a local client; the last one ends
-    the request here too."""
+    """A peer's SendResult (or a token that reached this node otherwise); the last one ends the request here too."""
     if self.node.requests.ended(request_id) is not None:
       return
     request = self.node.requests.get(request_id)

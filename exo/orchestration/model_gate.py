@@ -1,10 +1,9 @@
 """Which models this node's engines serve, and when another may be loaded.
 
-A request holds the gate for its model from its first work here until it ends; the gate's `room` says whether a model
-may be let in beside those held (OneModel: only when none is; the node's ModelPool: while its memory and limit of
-loaded models allow). A model is never unloaded under a request that holds it. Requests wait in line in arrival
-order, whatever their model, so busy models cannot starve another; one that waits longer than `wait_s` ends with
-ModelBusy. A preload holds the gate like a request while it loads."""
+A request holds the gate for its model from its first work here until it ends; `room` says whether a model may be let
+in beside those held (OneModel: only when none is; ModelPool: while memory and its limit allow). Requests wait in line
+in arrival order, whatever their model, so busy models cannot starve another; one that waits longer than `wait_s`
+ends with ModelBusy. A preload holds the gate like a request while it loads."""
 import asyncio
 from collections import deque
 from typing import Collection, Deque, Dict, List, Optional, Set, Tuple
@@ -13,8 +12,8 @@ DEFAULT_WAIT_S = 300.0
 
 
 def gate_key(shard) -> str:
-  """What the gate admits requests by: the model, and the layers when they are not all of it (a node that is to hold
-  other layers of the same model must wait for the requests on the ones it holds, as for another model)."""
+  """What the gate admits requests by: the model, and the layers when they are not all of it (other layers of a model
+  wait as another model would)."""
   whole = shard.start_layer == 0 and shard.end_layer == shard.n_layers - 1
   return shard.model_id if whole else f"{shard.model_id} (layers {shard.start_layer}-{shard.end_layer})"
 

@@ -1,7 +1,6 @@
-"""A request's passes through this node's layers: a prompt from its first layers (tokenised here, unless it came as
-token ids), a message's tensor (one request's, or a packed step's rows, which enter the step loop as one batch), each
-row's turn at the model gate, and the request's record moved on after each pass (`passed`). Every way work reaches the
-node checks the request first, so a request that has ended never runs again."""
+"""A request's passes through this node's layers: a prompt from its first layers, a message's tensor (one request's,
+or a packed step's rows, which enter the step loop as one batch), each row's turn at the model gate, and the request's
+record moved on after each pass. Every way in checks the request first, so an ended request never runs again."""
 import asyncio
 import json
 import logging
@@ -26,11 +25,10 @@ Row = Tuple[Request, np.ndarray, Optional[dict]]  # a request, its input here, t
 
 class Passes:
   def __init__(self, node):
-    self.node = node  # its public parts: requests, engine, model gate, forwarding, prefixes, hooks, request ends
+    self.node = node
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Node.process_prompt's work."""
     request_id = request_id or str(uuid.uuid4())
     self.node.lifecycle.accepts_prompt(request_id)
     request = self.node.lifecycle.open_request(request_id)
@@ -90,10 +88,8 @@ class Passes:
 
   async def process_tensor(self, base_shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None,
                            accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
-    """Run this node's layers for a message's tensor, then what follows. `accepted` as for process_prompt. A message
-    is one batch: a packed one (one step's rows of the stage before, routing/packing.py) or a single request's (a batch
-    of one, as upstream nodes send). Every row is made ready (its route checked, its turn at the model gate, its
-    prefix), then all of them enter the step loop together, so that they share its next step."""
+    """A message is one batch: a packed one (a step's rows of the stage before) or a single request's (as upstream
+    nodes send). Every row is made ready (route, model gate, prefix), then all enter the step loop together."""
     packed = bool(inference_state and ROWS in inference_state)
     try:
       rows = unpack(tensor, inference_state) if packed else [(request_id or str(uuid.uuid4()), tensor, inference_state)]
@@ -129,17 +125,14 @@ class Passes:
       return None
 
   async def _run_batch(self, shard: Shard, rows: List[Row], accepted: Optional[asyncio.Future], whole: bool) -> None:
-    """A message's rows into the node's step loop together, as one batch (`whole`: a step of the stage before, due at
-    once); each step that runs some of them finishes and sends them. A row that fails fails its request."""
+    """A message's rows into the step loop together (`whole`: a step of the stage before, due at once)."""
     results = await self.node.steps.run(shard, [(request.id, tensor, state) for request, tensor, state in rows], accepted, whole)
     for (request, _, _), result in zip(rows, results):
       if isinstance(result, Exception) and not isinstance(result, RequestEnded):
         await self.node.lifecycle.fail_request(request.id, result)
 
   async def _enter(self, request: Request, shard: Shard) -> None:
-    """Wait until this node's engine serves the request's layers (see ModelGate). Every message of the request
-    waits for its one turn: a second one that arrives while the first still waits must not run on the engine
-    (it would load the model under the requests that hold the gate)."""
+    """Wait until this node's engine serves the request's layers (ModelGate); all its messages wait for its one turn."""
     if request.admitted is None:  # its first work here
       request.model = shard.model_id
       self.node.model_pool.expect(shard)
@@ -168,8 +161,7 @@ class Passes:
 
 
 async def _together(coroutines: list) -> list:
-  """The coroutines' results, run concurrently; a lone one is awaited in place (gather would make it a task of its
-  own, a turn of the event loop later: a single message's row, or a packed message's one shard, is the usual case)."""
+  """The coroutines' results, run concurrently; a lone one (the usual case) awaited in place, not a turn later as a task."""
   if len(coroutines) == 1:
     return [await coroutines[0]]
   return await asyncio.gather(*coroutines)

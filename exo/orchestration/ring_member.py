@@ -1,6 +1,5 @@
-"""A node's place in the ring: its peers, the topology, the partition of layers, and sending to the others.
-
-Node builds on this (the request lifecycle); nothing here knows of requests."""
+"""A node's place in the ring: its peers, the topology, the partition of layers, and sending to the others (nothing
+here knows of requests)."""
 import asyncio
 import ipaddress
 import logging
@@ -161,8 +160,7 @@ class RingMember:
 
   async def broadcast_result(self, request_id: str, result: List[int], is_finished: bool, to: Optional[str] = None,
                              preface: Optional[Dict[str, str]] = None) -> None:
-    """SendResult to every peer, or only to peer `to`; a peer named in `preface` gets that opaque status first (the
-    gRPC servers act on a status before they answer it, so it is there when the result arrives)."""
+    """SendResult to every peer, or only to `to`; a peer named in `preface` gets that opaque status first."""
     async def send(peer):
       try:
         if preface and peer.id() in preface:
@@ -173,14 +171,13 @@ class RingMember:
     await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() == to])
 
   async def broadcast_opaque_status(self, request_id: str, status: str, to: Optional[Set[str]] = None) -> None:
-    """SendOpaqueStatus to every peer (or only to the peers in `to`), after this node's own observers: the inbox's
-    (statuses parsed once), then `on_opaque_status`'s."""
+    """SendOpaqueStatus to every peer (or only to those in `to`), after this node's own observers."""
     async def send(peer):
       try:
         await asyncio.wait_for(peer.send_opaque_status(request_id, status), PEER_CALL_TIMEOUT_S)
       except Exception as e:
         log.log(VERBOSE, "Error sending opaque status to %s: %r", peer.id(), e)
-    # Local observers first: a dead peer (up to a 10 s connect wait) must not delay, e.g., a request_error for our own client.
+    # Local observers first: a dead peer must not delay, e.g., a request_error for our own client.
     self.inbox.from_self(request_id, status)
     self._on_opaque_status.trigger_all(request_id, status)
     await asyncio.gather(*[send(p) for p in self.peers if to is None or p.id() in to])
