@@ -25,8 +25,7 @@ async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingP
 
 async def _next(events: asyncio.Queue, timeout: float) -> RequestEvent:
   """The queue's next event, asyncio.TimeoutError after `timeout`. Not asyncio.wait_for: before Python 3.12 it drops a
-  cancellation that lands as the item arrives, and a client that left just as a token came kept its generation to
-  the end."""
+  cancellation that lands as the item arrives."""
   getter = asyncio.ensure_future(events.get())
   try:
     done, _ = await asyncio.wait({getter}, timeout=timeout)
@@ -40,11 +39,9 @@ async def _next(events: asyncio.Queue, timeout: float) -> RequestEvent:
 
 async def generate_events(node: Node, base_shard: Shard, prompt: str, params: SamplingParams = SamplingParams(),
                           request_id: Optional[str] = None, timeout: float = 900.0, prompt_ids: Optional[List[int]] = None) -> AsyncIterator[RequestEvent]:
-  """Yield one request's token events (tokens, is_finished, and logprobs when it asked for them) until it finishes.
-  `prompt_ids`, the prompt's token ids where the caller has them, let the request go where its prefix is cached.
-
-  Raises GenerationError if a node reports the request failed, asyncio.TimeoutError if the prompt or any token
-  takes longer than `timeout`. Leaving early (break, client gone, exception) cancels generation in the ring."""
+  """Yield one request's token events until it finishes (`prompt_ids`, where the caller has them, travel instead of
+  the text). GenerationError if it failed, asyncio.TimeoutError if a token takes longer than `timeout`; leaving early
+  cancels it in the ring."""
   request_id = request_id or str(uuid.uuid4())
   events = node.lifecycle.watch(request_id)
   finished, prefill = False, None
@@ -55,7 +52,6 @@ async def generate_events(node: Node, base_shard: Shard, prompt: str, params: Sa
   try:
     await node.lifecycle.start_request(request_id, params, base_shard, prompt_ids)
     # The prompt runs beside the wait for events: an end that arrives mid-prefill reaches the client at once.
-    # Tokenised once, where it arrived: its ids go with it to the first layers' node (text only to upstream nodes).
     state = {PROMPT_IDS: [int(t) for t in prompt_ids]} if prompt_ids else {}
     prefill = asyncio.ensure_future(node.process_prompt(base_shard, prompt, request_id=request_id, inference_state=state))
     prefill.add_done_callback(prefill_done)

@@ -1,9 +1,6 @@
-"""The node's inbox of opaque statuses: each one parsed and checked once (statuses.parse), then handed to the
-handlers of its kind.
-
-Peer handlers act on what other nodes say about requests; a status from this node itself never reaches them (the node
-acted before it spoke), and one that returns False drops the status: no other handler or `on_opaque_status` observer
-sees it. Observers see every status of their kind, this node's own included."""
+"""The node's inbox of opaque statuses: each one parsed and checked once (statuses.parse), then handed to its kind's
+handlers. Peer handlers act on what other nodes say (never on this node's own statuses) and may drop a status by
+returning False; observers see every status of their kind, this node's own included."""
 import logging
 from typing import Callable, Dict, List, Optional, Tuple
 

@@ -1,7 +1,6 @@
-"""What the node does with each kind of status it hears about requests and about its peers (the inbox parses each one
-once and hands it here by kind): a request's sampling parameters, its end (cancelled by its origin, or failed on its
-path), a token's logprobs sent ahead of it; who is working, download progress, the peers' engines and grammar engines. The other kinds
-belong to the parts that act on them (placements, routing, prefixes, the batching plugin)."""
+"""What the node does with the statuses it hears about requests (parameters, ends, logprobs sent ahead of a token)
+and peers (who is working, download progress, engines and grammar engines). Other kinds belong to the parts that act
+on them."""
 import logging
 from typing import Optional, Union
 
@@ -51,8 +50,7 @@ class StatusHandlers:
     return None
 
   def _heard_logprobs(self, request_id: str, status: statuses.TokenLogprobsStatus, sender_host: Optional[str]) -> None:
-    """Keep a token's logprobs until the token itself arrives: only for a request of ours that asked for them, from a
-    node on its path, for a token not yet received and at most PEER_LOGPROBS_AHEAD tokens ahead."""
+    """Keep a token's logprobs until the token arrives (ours, asked for, from its path, at most PEER_LOGPROBS_AHEAD ahead)."""
     request, position = self.node.requests.get(status.request_id), status.position
     if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status.top) > request.params.logprobs
         or not 0 <= position - request.delivered_here().received < PEER_LOGPROBS_AHEAD

@@ -1,6 +1,5 @@
-"""Batching settings (EXO_BATCH_SIZE, EXO_BATCH_TIMEOUT_MS, EXO_PREFILL_CHUNK and their flags, described in
-exo/settings.py), read once at start-up. Batching is on when the size is 2 or more; a timeout or chunk size without a
-size is refused, like any value out of range, so a typo never silently leaves batching off."""
+"""Batching settings (EXO_BATCH_SIZE, EXO_BATCH_TIMEOUT_MS, EXO_PREFILL_CHUNK and their flags: exo/settings.py). On
+with a size of 2 or more; a timeout or chunk without a size is refused, so a typo never silently leaves it off."""
 from dataclasses import dataclass
 from typing import Mapping, Optional
 

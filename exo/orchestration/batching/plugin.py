@@ -1,9 +1,7 @@
-"""The batching plugin: lets concurrent requests share this node's steps.
-
-A scheduling policy (`exo_scheduler`): without it each shard's Scheduler takes one row a step; with it a step takes up
-to EXO_BATCH_SIZE rows, waits up to EXO_BATCH_TIMEOUT_MS for others to join, cuts prompts in chunks beside running
-streams, and keeps micro-batches in flight round the ring, sized from what the stages tell each other their steps take
-(a `stage_timing` status). Nodes without it, and upstream exo nodes, share the ring unchanged."""
+"""The batching plugin (`exo_scheduler`): each shard's steps take up to EXO_BATCH_SIZE rows, wait up to
+EXO_BATCH_TIMEOUT_MS for others to join, cut prompts in chunks beside running streams, and keep micro-batches in flight
+round the ring, sized from what the stages tell each other their steps take (`stage_timing`). Nodes without it, and
+upstream nodes, share the ring unchanged."""
 import logging
 import math
 import time

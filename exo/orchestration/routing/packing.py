@@ -1,8 +1,6 @@
-"""One SendTensor for the rows of one engine step that go on to the same next hop.
-
-Their tensors are joined along the positions; the state lists each row's request id, positions and own inference
-state under `"rows"`, with the first row's route at the top (so the receiver checks it as a routed message). The
-receiver's rows enter its step loop together, as one batch (Passes.process_tensor)."""
+"""One SendTensor for the rows of one engine step that go on to the same next hop: their tensors joined along the
+positions, and under `"rows"` each row's request id, positions and own state (the first row's route at the top, so the
+receiver checks it as a routed message). The receiver's rows enter its step loop as one batch."""
 from typing import Annotated, List, Optional, Tuple
 
 import numpy as np

@@ -1,14 +1,9 @@
 """How many micro-batches keep a ring of stages working, from what the steps are measured to take.
 
-A ring of p stages where every request travels as one batch has one stage working at a time. With m groups one
-behind the other, each stage works on one group while the others are elsewhere (GPipe's bubble is (p-1)/(m+p-1)
-for a single pass; a ring that goes round and round has none once m groups fill it). More groups are not free: a
-step costs a fixed part (reading the weights) plus a part per row, and m groups pay the fixed part m times.
-
-For m groups of N rows together, one round of every row through every stage takes at least
-  - each stage's busy time, m * fixed + per_row * N, and
-  - one group's own round trip, the sum of the stages' steps for N / m rows plus the hops between them,
-and the best m is the one whose larger bound is smallest. A fast stage next to a slow one, or a slow link, moves it."""
+With m groups one behind the other round a ring of p stages, each stage works on one group while the others are
+elsewhere; but a step costs a fixed part (reading the weights) plus a part per row, and m groups pay the fixed part m
+times. One round of N rows takes at least each stage's busy time (m * fixed + per_row * N) and one group's round trip
+(the stages' steps for N / m rows plus the hops): the best m makes the larger bound smallest."""
 import math
 from collections import deque
 from dataclasses import dataclass
