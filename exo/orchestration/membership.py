@@ -79,7 +79,9 @@ class Membership:
       if peer not in node.peers:  # it left the ring meanwhile: update_peers ends its requests
         continue
       node.placements.suspects[peer.id()] = time.monotonic()
-      if not self.is_dead(peer.id(), seconds):
+      slow = self.slow_checks.pop(peer.id(), 0) + 1
+      if seconds >= ANSWERED_S and slow < SLOW_CHECKS_BEFORE_DEAD:  # unanswered, but maybe only busy: not dead yet
+        self.slow_checks[peer.id()] = slow
         continue
       how = "its health check failed" if seconds < ANSWERED_S else f"{SLOW_CHECKS_BEFORE_DEAD} health checks in a row went unanswered"
       why = getattr(peer, "health_failure", None)  # the gRPC handle's reason, where the handle keeps one
@@ -87,14 +89,6 @@ class Membership:
       for request in node.requests:
         if peer.id() in request.ring:
           node.spawn(node.lifecycle.fail_request(request.id, message))
-
-  def is_dead(self, peer_id: str, seconds: float) -> bool:
-    """After a failed health check that took `seconds`: whether the peer counts as dead."""
-    slow = self.slow_checks.pop(peer_id, 0) + 1
-    if seconds >= ANSWERED_S and slow < SLOW_CHECKS_BEFORE_DEAD:
-      self.slow_checks[peer_id] = slow
-      return False
-    return True
 
   async def collect_periodically(self, interval: float) -> None:
     node = self.node

@@ -14,7 +14,7 @@ from exo.inference.inference_engine import InferenceEngine, inference_engine_cla
 from exo.inference import grammar
 from exo.inference.shard import Shard
 from exo.orchestration import hookspecs, statuses
-from exo.orchestration.steps.scheduler import Scheduler
+from exo.orchestration.steps.scheduler import LONE_PROMPT_CHUNK, Scheduler
 from exo.orchestration.steps.loop import StepLoop
 from exo.orchestration.hookspecs import hookimpl
 from exo.orchestration.lifecycle import Lifecycle
@@ -42,7 +42,7 @@ class CorePlugin:
 
   @hookimpl(trylast=True)
   def exo_scheduler(self, node, shard):
-    return Scheduler.one_at_a_time(shard)
+    return Scheduler(shard, 1, 0.0, LONE_PROMPT_CHUNK)  # one row a step, no wait, a long prompt in pieces
 
   @hookimpl(trylast=True)
   def exo_process_inference_result(self, node, shard, result, request_id, inference_state):

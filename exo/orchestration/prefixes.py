@@ -34,10 +34,6 @@ class PrefixProtocol:
     """The node's own engine (whether it reuses prefixes says for every engine of its class)."""
     return self.node.inference_engine
 
-  def reused_on_route(self, request: Request) -> bool:
-    return (self.engine.reuses_prefixes
-            and all(self.node.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.node.id))
-
   async def announce(self) -> None:
     """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
     block = BLOCK if self.engine.reuses_prefixes else 0
@@ -46,7 +42,7 @@ class PrefixProtocol:
   async def run_prompt(self, shard: Shard, tokens: np.ndarray, request: Request, state: dict, accepted: Optional[asyncio.Future]) -> None:
     """A prompt's pass from its first layers: from a cached prefix when every node of its route reuses them."""
     state = {k: v for k, v in state.items() if k != "prefix"}  # only this node may name one
-    if self.reused_on_route(request):
+    if self.engine.reuses_prefixes and all(self.node.peer_prefix_blocks.get(n) == BLOCK for n in request.ring if n != self.node.id):
       await self._run_from_prefix(shard, tokens, request, state, accepted=accepted)
     else:
       await self.node.steps.infer(shard, request.id, tokens, state, accepted)

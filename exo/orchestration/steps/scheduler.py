@@ -95,11 +95,6 @@ class Scheduler:
     self.groups = 1  # micro-batches the first layers' node keeps going
     self._members: Counter = Counter()
 
-  @classmethod
-  def one_at_a_time(cls, shard: Shard) -> "Scheduler":
-    """A node without batching: one row a step, no wait, a long prompt in LONE_PROMPT_CHUNK pieces."""
-    return cls(shard, 1, 0.0, LONE_PROMPT_CHUNK)
-
   def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float, whole: bool = False) -> Row:
     if request_id in self.ready:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {self.shard}")
