@@ -1,9 +1,7 @@
 """A request's route: the nodes that run it, first layers first, each with its layers, the placement version it was
-planned under and its origin (the node whose client waits for its tokens).
-
-A routed request carries its route in its inference state (`"route"`, JSON); every node on it runs the layers the
-route gives it, not those of its own view of the topology. A ring route (`travels` False) is the one every node
-derives from its own topology when no route came with a request, as exo always did; it never goes on the wire."""
+planned under and its origin (the node whose client waits for its tokens). A routed request carries it in its
+inference state (`"route"`); a ring route (`travels` False) is the one each node derives from its own topology when
+none came, as exo always did, and never goes on the wire."""
 import functools
 from dataclasses import dataclass
 from typing import Annotated, Any, List, Optional, Tuple
