@@ -36,17 +36,14 @@ class StatusHandlers:
       request.params, request.origin = status.params, status.origin
 
   def _heard_end(self, request_id: str, status: Union[statuses.CancelRequest, statuses.RequestError], sender_host: Optional[str]) -> Optional[bool]:
-    kind, request_id_ = status.type, status.request_id
-    request = self.node.requests.get(request_id_)
-    if request is not None and sender_host is not None and not self.node.on_path(request, sender_host, origin_only=kind == statuses.CANCEL_REQUEST):
-      log.warning("exo: dropped a %s for %s from %s, which is not its origin or on its path", kind, request_id_, sender_host)
+    cancel, request = status.type == statuses.CANCEL_REQUEST, self.node.requests.get(status.request_id)
+    if request is not None and sender_host is not None and not self.node.on_path(request, sender_host, origin_only=cancel):
+      log.warning("exo: dropped a %s for %s from %s, which is not its origin or on its path", status.type, status.request_id, sender_host)
       return False
     if request is None:
-      self.node.requests.end(request_id_, Status.FAILED)  # not seen here yet: a late hop must not start it
-    elif kind == statuses.CANCEL_REQUEST:
-      self.node.lifecycle.end_request(request_id_, Status.CANCELLED)
+      self.node.requests.end(status.request_id, Status.FAILED)  # not seen here yet: a late hop must not start it
     else:
-      self.node.lifecycle.end_request(request_id_, Status.FAILED, status.error)
+      self.node.lifecycle.end_request(status.request_id, Status.CANCELLED if cancel else Status.FAILED, None if cancel else status.error)
     return None
 
   def _heard_logprobs(self, request_id: str, status: statuses.TokenLogprobsStatus, sender_host: Optional[str]) -> None:
