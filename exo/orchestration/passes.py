@@ -96,12 +96,17 @@ class Passes:
     except ValueError as e:
       log.warning("exo: dropped a malformed packed message: %s", e)
       return None
+    await self.process_rows(base_shard, rows, accepted, packed)
+
+  async def process_rows(self, base_shard: Shard, rows: List[Tuple[str, np.ndarray, Optional[dict]]], accepted: Optional[asyncio.Future] = None,
+                         whole: bool = True) -> None:
+    """A message's rows, as process_tensor runs them once unpacked (a step's rows sent on to this node itself come
+    here as they are: packing them only to unpack them took ~0.1 ms of every one-node step)."""
     arrived = [row for row in await _together([self._arrive(base_shard, *row) for row in rows]) if row is not None]
     shards = {}  # shard -> its rows (one hop's rows share one)
     for shard, row in arrived:
       shards.setdefault(shard, []).append(row)
-    await _together([self._run_batch(shard, batch, accepted, packed) for shard, batch in shards.items()])
-    return None
+    await _together([self._run_batch(shard, batch, accepted, whole) for shard, batch in shards.items()])
 
   async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Optional[tuple]:
     """A row of a message, made ready for its pass here: (shard, (request, tensor, state)), or None if it does not run."""

@@ -139,9 +139,13 @@ class Forwarding:
       node.spawn(node.lifecycle.fail_request(request_id, error))
 
   async def _send_hop(self, hop: Hop) -> None:
-    """One message for the rows bound to one next hop (a lone row packed too: the next stage has the whole step)."""
-    tensor, state = pack(hop.rows) if hop.packable else (hop.rows[0][1], hop.rows[0][2])
+    """One message for the rows bound to one next hop (a lone row packed too: the next stage has the whole step; to
+    this node itself the rows go as they are)."""
     try:
+      if hop.packable and hop.to.node_id == self.node.id:
+        await self.node.passes.process_rows(hop.shard, [(request_id, tensor, state or {}) for request_id, tensor, state in hop.rows])
+        return
+      tensor, state = pack(hop.rows) if hop.packable else (hop.rows[0][1], hop.rows[0][2])
       await self.send_tensor(hop.to, hop.shard, tensor, hop.rows[0][0], state)
     except Exception as e:
       for request_id, _, _ in hop.rows:
