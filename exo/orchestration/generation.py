@@ -25,7 +25,10 @@ async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingP
 
 async def _next(events: asyncio.Queue, timeout: float) -> RequestEvent:
   """The queue's next event, asyncio.TimeoutError after `timeout`. Not asyncio.wait_for: before Python 3.12 it drops a
-  cancellation that lands as the item arrives."""
+  cancellation that lands as the item arrives. asyncio.timeout (3.11+) cancels this task itself: no task per token."""
+  if hasattr(asyncio, "timeout"):
+    async with asyncio.timeout(timeout):
+      return await events.get()
   getter = asyncio.ensure_future(events.get())
   try:
     done, _ = await asyncio.wait({getter}, timeout=timeout)
