@@ -11,7 +11,7 @@ import numpy as np
 
 from exo.inference.closing import within_budget
 from exo.inference.grammar import CannotConstrain, Constraint, GrammarError, MaskTimes, compute_masks, in_grammar_thread
-from exo.inference.penalties import rows_to_sample
+from exo.inference.penalties import processes, rows_to_sample
 from exo.inference.sampling import SamplingParams, allowed, draw_then_check, last_rows, masked, sample_rows, token_logprobs
 from exo.inference.tokenizers import eos_ids
 
@@ -117,6 +117,9 @@ async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarr
   grammars), its logprobs set on the record when it asked, its matcher advanced; a request whose grammar `sampler`
   (the node, for the error) cannot follow gets an error in place of its token. `budgets`: each request's tokens
   left, this one included (a constrained answer is closed within them)."""
+  if not any(r.params.grammar or r.params.logprobs is not None or processes(r.params) for r in requests):  # the usual rows: drawn as they are
+    drawn = await engine.sample_batch(list(results), [r.params for r in requests], [r.sampled_here().generator for r in requests])
+    return [int(t) for t in np.asarray(drawn).reshape(-1)]
   prepared = await prepare(requests, engine.tokenizer)
   out: List[Union[int, Exception]] = [CannotConstrain(f"{sampler} cannot constrain this request's output, so it does not answer it: {c}")
                                       if isinstance(c, Exception) else 0 for c in prepared]
