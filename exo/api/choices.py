@@ -68,6 +68,11 @@ _DONE = object()
 async def run_choices(choices: List[Choice], events_of: Callable[[Choice], AsyncIterator[RequestEvent]]) -> AsyncIterator[Delta]:
   """Every choice's deltas until each has finished. The first failure ends them all and is raised; leaving early
   cancels the choices still running (and with them their generations in the ring)."""
+  if len(choices) == 1:  # a lone choice's deltas come straight from it: no task and queue of its own per token
+    async with aclosing(_deltas(choices[0], events_of)) as deltas:
+      async for delta in deltas:
+        yield delta
+    return
   queue: asyncio.Queue = asyncio.Queue()
   tasks = [asyncio.create_task(_run(choice, events_of, queue)) for choice in choices]
   running = len(tasks)
@@ -88,11 +93,21 @@ async def run_choices(choices: List[Choice], events_of: Callable[[Choice], Async
 
 async def _run(choice: Choice, events_of: Callable[[Choice], AsyncIterator[RequestEvent]], queue: asyncio.Queue) -> None:
   try:
+    async with aclosing(_deltas(choice, events_of)) as deltas:
+      async for delta in deltas:
+        queue.put_nowait(delta)
+    queue.put_nowait(_DONE)
+  except Exception as e:  # (a cancellation is not one: it comes from run_choices, which is leaving)
+    queue.put_nowait(e)
+
+
+async def _deltas(choice: Choice, events_of: Callable[[Choice], AsyncIterator[RequestEvent]]) -> AsyncIterator[Delta]:
+  try:
     if choice.first is not None:
       await choice.first.prefilled.wait()
     await choice.ticket.admit(choice.kv_bytes)
     if choice.echo:
-      queue.put_nowait(Delta(choice.index, choice.echo, None))
+      yield Delta(choice.index, choice.echo, None)
     async with aclosing(events_of(choice)) as events:
       async for event in events:
         choice.prefilled.set()
@@ -107,12 +122,9 @@ async def _run(choice: Choice, events_of: Callable[[Choice], AsyncIterator[Reque
             text, deltas = choice.tools.feed(text, last)
             calls = _fragments(deltas)
           # The event's logprobs go with its first delta.
-          queue.put_nowait(Delta(choice.index, text, logprobs if i == 0 or logprobs is None else [], calls, choice.finish if last else None, thinking))
+          yield Delta(choice.index, text, logprobs if i == 0 or logprobs is None else [], calls, choice.finish if last else None, thinking)
         if choice.reply.finish_reason is not None:
           break  # leaving early (a stop string) cancels the rest of its generation
-    queue.put_nowait(_DONE)
-  except Exception as e:  # (a cancellation is not one: it comes from run_choices, which is leaving)
-    queue.put_nowait(e)
   finally:
     choice.ticket.leave()  # its place goes to the next choice or request at once, not when the whole request ends
     choice.prefilled.set()  # the others of its prompt never wait for a choice that has ended
