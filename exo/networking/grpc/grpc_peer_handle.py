@@ -1,7 +1,7 @@
 """Client side of the ring: one gRPC channel to one peer (docs/architecture.md, "The ring protocol")."""
 import asyncio
 import logging
-from typing import List, Optional
+from typing import Awaitable, List, Optional
 
 import grpc
 import numpy as np
@@ -171,10 +171,26 @@ class GRPCPeerHandle(PeerHandle):
     return None
 
   async def send_tensor(self, shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Optional[np.ndarray]:
-    await self._ensure_connected()
-    request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self.wire_state(inference_state))
-    await self.unless_refused(self.stub.SendTensor, request)
+    await self.start_tensor(shard, tensor, request_id, inference_state)
     return None
+
+  def start_tensor(self, shard: Shard, tensor: np.ndarray, request_id: Optional[str] = None, inference_state: Optional[dict] = None) -> Awaitable[None]:
+    """send_tensor, except that on a ready channel the call starts here, not when the caller next yields: a step's
+    hop then leaves ahead of whatever the event loop has queued meanwhile (a pipeline pays two hops a token)."""
+    request = pb.TensorRequest(shard=encode_shard(shard), tensor=encode_tensor(tensor), request_id=request_id, inference_state=self.wire_state(inference_state))
+    started = self.stub.SendTensor(request) if self.channel is not None and self.channel.get_state() == grpc.ChannelConnectivity.READY else None
+    return self._send_tensor(request, started)
+
+  async def _send_tensor(self, request: pb.TensorRequest, started: Optional[grpc.aio.UnaryUnaryCall]) -> None:
+    if started is not None:
+      try:
+        await started
+        return
+      except grpc.aio.AioRpcError as e:
+        if not refused_stream(e):
+          raise
+    await self._ensure_connected()
+    await self.unless_refused(self.stub.SendTensor, request)
 
   async def send_result(self, request_id: str, result: List[int], is_finished: bool) -> None:
     await self._ensure_connected()

@@ -10,7 +10,7 @@ Each group's first node reports how much of its work each origin sent (`group_lo
 import asyncio
 import logging
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Awaitable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -130,34 +130,41 @@ class Forwarding:
     for request_id in output.finished:
       node.lifecycle.end_request(request_id, Status.FINISHED)
     for hop in output.hops.values():
-      node.spawn(self._send_hop(hop))
+      node.spawn(self._send_hop(hop, self._start_hop(hop)))
     loop = asyncio.get_running_loop()
-    for token in output.tokens:
-      loop.call_soon(node.trigger_on_token_callbacks, token.request.id, [token.token], token.finished, token.logprobs and [token.logprobs])
+    for token in output.tokens:  # a turn later: after the hops' calls have sent their messages
+      loop.call_soon(loop.call_soon, node.trigger_on_token_callbacks, token.request.id, [token.token], token.finished, token.logprobs and [token.logprobs])
       self.send_token(token.request, token.token, token.finished, token.logprobs)
     for request_id, error in output.failed:
       node.spawn(node.lifecycle.fail_request(request_id, error))
 
-  async def _send_hop(self, hop: Hop) -> None:
+  def _start_hop(self, hop: Hop) -> Awaitable[None]:
     """One message for the rows bound to one next hop (a lone row packed too: the next stage has the whole step; to
-    this node itself the rows go as they are)."""
+    this node itself the rows go as they are), started now: a peer's call is on its way before this turn ends."""
     try:
       if hop.packable and hop.to.node_id == self.node.id:
-        await self.node.passes.process_rows(hop.shard, [(request_id, tensor, state or {}) for request_id, tensor, state in hop.rows])
-        return
+        return self.node.passes.process_rows(hop.shard, [(request_id, tensor, state or {}) for request_id, tensor, state in hop.rows])
       tensor, state = pack(hop.rows) if hop.packable else (hop.rows[0][1], hop.rows[0][2])
-      await self.send_tensor(hop.to, hop.shard, tensor, hop.rows[0][0], state)
+      return self.send_tensor(hop.to, hop.shard, tensor, hop.rows[0][0], state)
+    except Exception as e:
+      return _raise(e)
+
+  async def _send_hop(self, hop: Hop, sent: Awaitable[None]) -> None:
+    """Each row's request fails if its hop's message cannot go."""
+    try:
+      await sent
     except Exception as e:
       for request_id, _, _ in hop.rows:
         await self.node.lifecycle.fail_request(request_id, f"could not forward to node {hop.to.node_id}: {e}")
 
-  async def send_tensor(self, to: Stage, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> None:
+  def send_tensor(self, to: Stage, shard: Shard, tensor: np.ndarray, request_id: str, state: Optional[dict]) -> Awaitable[None]:
+    """Awaitable; a peer's call may start at once (GRPCPeerHandle.start_tensor)."""
     node = self.node
     log.log(level_of(5), "forward tensor %s to %s (%s) for %s", tensor.shape, to.node_id, shard, request_id)
     if to.node_id == node.id:
-      await node.process_tensor(shard, tensor, request_id, state)
-    else:
-      await self._peer(to.node_id).send_tensor(shard, tensor, request_id=request_id, inference_state=state)
+      return node.process_tensor(shard, tensor, request_id, state)
+    peer = self._peer(to.node_id)
+    return getattr(peer, "start_tensor", peer.send_tensor)(shard, tensor, request_id, state)
 
   def _peer(self, node_id: str):
     peer = next((p for p in self.node.peers if p.id() == node_id), None)
@@ -284,6 +291,10 @@ class Forwarding:
   def _heard_load(self, request_id: str, status: statuses.GroupLoad, sender_host: Optional[str]) -> None:
     if sender_host is not None and status.node_id in self.node.peers_at(sender_host):
       self.router.report(status.group, status.loads)
+
+
+async def _raise(error: Exception) -> None:
+  raise error
 
 
 def _layers(shard: Optional[Shard]) -> str:
