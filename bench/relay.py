@@ -4,66 +4,83 @@ to `target`, both directions delayed.
 
   python bench/relay.py --delay-ms 1 41001:40001 41002:40002
 
-It prints "ready" once every port listens, and runs until terminated or its stdin closes."""
+It prints "ready" once every port listens, and runs until terminated or its stdin closes.
+
+Each direction is two threads, one reading and one writing each chunk at its due time (a thread's sleep wakes within
+~0.1 ms). An asyncio relay added ~0.4 ms of its own to each 1 ms (its event loop's turns and epoll's millisecond
+timeouts): a gRPC call's one-way time through it was 2.0-2.2 ms against 0.6-0.7 ms direct."""
 import argparse
-import asyncio
+import collections
 import os
+import socket
 import sys
 import threading
 import time
 from typing import List, Tuple
 
 
-async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
-  """Copy reader to writer, each chunk written `delay_s` after it was read; order is kept."""
-  queue: asyncio.Queue = asyncio.Queue()
+def pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+  """Copy source to sink, each chunk written `delay_s` after it was read; order is kept."""
+  chunks: collections.deque = collections.deque()
+  arrived = threading.Condition()
 
-  async def deliver():
+  def deliver():
     while True:
-      due, data = await queue.get()
+      with arrived:
+        while not chunks:
+          arrived.wait()
+        due, data = chunks.popleft()
       if data is None:
         break
       wait = due - time.monotonic()
       if wait > 0:
-        await asyncio.sleep(wait)
-      writer.write(data)
-      await writer.drain()
-
-  delivering = asyncio.create_task(deliver())
-  try:
-    while data := await reader.read(1 << 16):
-      queue.put_nowait((time.monotonic() + delay_s, data))
-  except (ConnectionError, OSError):
-    pass
-  finally:
-    queue.put_nowait((0.0, None))
+        time.sleep(wait)
+      try:
+        sink.sendall(data)
+      except OSError:
+        break
     try:
-      await delivering
-    except (ConnectionError, OSError):
-      pass
-    writer.close()
-
-
-async def relay(listen: int, target: int, delay_s: float) -> asyncio.AbstractServer:
-  async def connected(client_reader, client_writer):
-    try:
-      server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
+      sink.shutdown(socket.SHUT_WR)
     except OSError:
-      client_writer.close()
-      return
-    await asyncio.gather(pump(client_reader, server_writer, delay_s), pump(server_reader, client_writer, delay_s))
-  return await asyncio.start_server(connected, "127.0.0.1", listen)
+      pass
+
+  threading.Thread(target=deliver, daemon=True).start()
+  try:
+    while data := source.recv(1 << 16):
+      with arrived:
+        chunks.append((time.monotonic() + delay_s, data))
+        arrived.notify()
+  except OSError:
+    pass
+  with arrived:
+    chunks.append((0.0, None))
+    arrived.notify()
 
 
-async def main(pairs: List[Tuple[int, int]], delay_s: float) -> None:
-  servers = [await relay(listen, target, delay_s) for listen, target in pairs]
+def relay(listen: int, target: int, delay_s: float) -> socket.socket:
+  server = socket.create_server(("127.0.0.1", listen))
+
+  def accept():
+    while True:
+      client, _ = server.accept()
+      try:
+        upstream = socket.create_connection(("127.0.0.1", target))
+      except OSError:
+        client.close()
+        continue
+      for s in (client, upstream):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      threading.Thread(target=pump, args=(client, upstream, delay_s), daemon=True).start()
+      threading.Thread(target=pump, args=(upstream, client, delay_s), daemon=True).start()
+  threading.Thread(target=accept, daemon=True).start()
+  return server
+
+
+def main(pairs: List[Tuple[int, int]], delay_s: float) -> None:
+  for listen, target in pairs:
+    relay(listen, target, delay_s)
   print("ready", flush=True)
-  await asyncio.gather(*[server.serve_forever() for server in servers])
-
-
-def exit_when_stdin_closes() -> None:
-  """The bench that started the relay holds its stdin: once that closes (the bench has gone), so does the relay."""
-  sys.stdin.read()
+  sys.stdin.read()  # the bench that started the relay holds its stdin: once that closes (the bench has gone), so does the relay
   os._exit(0)
 
 
@@ -72,8 +89,7 @@ if __name__ == "__main__":
   parser.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay added to every byte")
   parser.add_argument("pairs", nargs="+", help="listen:target port pairs on 127.0.0.1")
   args = parser.parse_args()
-  threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
   try:
-    asyncio.run(main([tuple(int(p) for p in pair.split(":")) for pair in args.pairs], args.delay_ms / 1000))
+    main([tuple(int(p) for p in pair.split(":")) for pair in args.pairs], args.delay_ms / 1000)
   except KeyboardInterrupt:
     sys.exit(0)
