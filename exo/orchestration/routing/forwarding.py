@@ -125,7 +125,7 @@ class Forwarding:
 
   def send(self, output: StepOutput) -> None:
     """A step's output, sent at once: finished requests end, each next hop gets one message, each origin one token
-    message (this node's own clients on the next turn of the event loop), and failed rows fail their requests."""
+    message (this node's own clients a turn after the hops' calls start), and failed rows fail their requests."""
     node = self.node
     for request_id in output.finished:
       node.lifecycle.end_request(request_id, Status.FINISHED)
