@@ -3,11 +3,14 @@ quantized tiles widened for BLAS, in one process, steps alternated, so that a sh
 
   python bench/panel_speed.py --rows 8,16,32 --steps 20
   python bench/panel_speed.py --products   # each of SmolLM2's products alone on one core, every layer's in turn
+  python bench/panel_speed.py --fused      # the fused step (one C call, OpenMP's threads) against llama.py's layers
 
 Whole steps: the embedded SmolLM2 (GGUF Q4_1 layers, Q8_0 head), each stream's cache holding --context tokens; the
 median ms of each way's steps and the ratio, and the same of the CPU time the process spent (all its threads), which
 other processes on a shared machine disturb less. --products: one core, each matrix of every layer in turn (so that they
-come from memory as in a step), for the direct kernel (up to 16 rows), the panels and the tiles."""
+come from memory as in a step), for the direct kernel (up to 16 rows), the panels and the tiles. --fused: whole steps
+through fused_decode.py's one call, shared among OpenMP's threads (decoder.c's phases), against llama.py's layers with
+their products' columns shared among the engine's threads, both with the panels."""
 import argparse
 import statistics
 import sys
@@ -19,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo.download.shard_files import embedded_model_path  # noqa: E402
-from exo.inference.numpy import llama, packed  # noqa: E402
+from exo.inference.numpy import kernels, llama, packed  # noqa: E402
 from exo.inference.numpy.engine import GIL_SWITCH_S  # noqa: E402
 from exo.inference.numpy.kernels import single_threaded_blas  # noqa: E402
 from exo.inference.shard import Shard  # noqa: E402
@@ -55,6 +58,37 @@ def steps(model: llama.Llama, args) -> None:
     print(f"{rows:>3} rows: panels {p:.1f} ms, tiles {t:.1f} ms a step: {t / p:.2f}x ({rows * 1000 / p:.0f} against "
           f"{rows * 1000 / t:.0f} tokens/s); CPU time a step {p_cpu:.1f} against {t_cpu:.1f} ms, {t_cpu / p_cpu:.2f}x", flush=True)
     del caches
+
+
+def fused(model: llama.Llama, args) -> None:
+  """Ways alternated step by step: "fused" (shared), "fused, one core" (the same call on the calling thread),
+  "layers" (llama.py, its columns shared among the engine's threads)."""
+  own, model.shared_decode = model.fused_decode, None  # each way forced, not timed and chosen
+  one_core = type(own)(model)
+  one_core.takes_rows = lambda rows: True  # (unshared, a multi-row step is otherwise llama.py's)
+  ways = {"fused": (own, True), "fused, one core": (one_core, False), "layers": (None, False)}
+  rng = np.random.default_rng(0)
+  for rows in args.rows:
+    caches = [model.new_cache() for _ in range(rows)]
+    model.forward([rng.integers(100, 10000, args.context) for _ in range(rows)], caches)
+    times, cpu = {way: [] for way in ways}, {way: [] for way in ways}
+    for step in range(args.steps + 1):
+      for way, (pass_, shared) in ways.items():
+        model.fused_decode = pass_
+        kernels.set_step_shared(shared)
+        tokens = [rng.integers(100, 10000, 1) for _ in range(rows)]
+        started, started_cpu = time.perf_counter(), time.process_time()
+        model.forward(tokens, caches)
+        if step:
+          times[way].append(time.perf_counter() - started)
+          cpu[way].append(time.process_time() - started_cpu)
+    kernels.set_step_shared(False)
+    layers = statistics.median(times["layers"])
+    print(f"{rows:>3} rows, ms a step (CPU ms), speed against the layers: " + ", ".join(
+      f"{way} {1000 * statistics.median(times[way]):.1f} ({1000 * statistics.median(cpu[way]):.1f}) "
+      f"{layers / statistics.median(times[way]):.2f}x" for way in ways), flush=True)
+    del caches
+  model.fused_decode = own
 
 
 def products(model: llama.Llama, args) -> None:
@@ -96,8 +130,9 @@ if __name__ == "__main__":
   parser.add_argument("--repeats", type=int, default=3, help="--products: runs of each way, the best counted")
   parser.add_argument("--context", type=int, default=24, help="tokens each stream's cache holds before the timed steps")
   parser.add_argument("--products", action="store_true", help="each product alone on one core, not whole steps")
+  parser.add_argument("--fused", action="store_true", help="the fused step against llama.py's layers")
   args = parser.parse_args()
   single_threaded_blas()
   sys.setswitchinterval(GIL_SWITCH_S)  # as the engine runs its steps
   model = load(args.model or str(embedded_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")))
-  (products if args.products else steps)(model, args)
+  (products if args.products else fused if args.fused else steps)(model, args)

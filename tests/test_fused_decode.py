@@ -1,6 +1,6 @@
 """The fused decode pass (exo/inference/numpy/fused_decode.py, kernels_c/decoder.c) gives the logits llama.py's
-layers give, step after step, for 1, 3 and 8 decode rows of requests at different cache lengths, on one core and
-shared among OpenMP's threads, taking the step whole (embedding to logits in one call) where the shard's ends are
+layers give, step after step, for 1, 3 and 8 decode rows of requests at different cache lengths (the direct
+products) and 16 (the panels), on one core and shared among OpenMP's threads, taking the step whole (embedding to logits in one call) where the shard's ends are
 quantized; and a model with a feature it does not compute is left to llama.py's layers.
 
 Both passes do the same float32 operations but sum in other orders (the RMS norms, SiLU's exp from libm rather than
@@ -96,8 +96,7 @@ def fused_against_layers(model: Llama, rows: int, shared: bool, seed: int = 0, f
   return worst
 
 
-@pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows, shared", [(1, False), (1, True), (3, False), (3, True), (8, False), (8, True), (16, True)])
 def test_smollm2_decode_steps_fused_equal_the_layers(smollm2, rows, shared):
   assert smollm2.fused_decode is not None, "the embedded SmolLM2 (plain Llama layers, quantized) is the fused pass's model"
   assert smollm2.fused_decode.whole and smollm2.fused_decode.embeds, "its tied 8-bit embedding and head are compiled: whole steps"
@@ -111,7 +110,7 @@ def test_more_threads_than_cores_take_each_others_tasks_and_still_equal_the_laye
   script = textwrap.dedent(f"""
     from tests.test_fused_decode import fused_against_layers, whole_model
     model = whole_model({str(smollm2_path)!r})
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8, 11):
       fused_against_layers(model, rows, shared=True, seed=rows)
     print("equal")
   """)
@@ -145,7 +144,7 @@ def test_biases_and_other_group_sizes_fused_equal_the_layers(bits):
   """Llama with q/k/v and output biases, quantized as it loads (groups of 64: the kernels' multi-vector groups)."""
   model = whole_model(FIXTURES / "llama_attention_bias", quantize=bits)
   assert any(layer["o_bias"] is not None for layer in model.layers)
-  for rows, shared in ((1, False), (3, True)):
+  for rows, shared in ((1, False), (3, True), (10, True)):
     fused_against_layers(model, rows, shared)
 
 
@@ -170,19 +169,25 @@ def test_float_weights_and_a_float16_cache_run_the_layers():
   assert Llama(model.config, model.shard, weights, kv_dtype=np.float16).fused_decode is None
 
 
-def test_only_few_decode_rows_take_the_fused_pass(smollm2):
-  """A prompt's rows, or more than DIRECT_ROWS decode rows, take the layers; one decode row the fused pass."""
+def test_only_few_decode_rows_take_the_fused_pass(smollm2, monkeypatch):
+  """A prompt's rows, or more than MOST_ROWS decode rows, take the layers; one decode row the fused pass, and up to
+  MOST_ROWS shared (more than DIRECT_ROWS: by the panels)."""
   model, calls = smollm2, []
+  monkeypatch.setattr(FusedDecode, "MOST_ROWS", packed.DIRECT_ROWS + 1)  # (few rows: a quick test)
   undo = recording(model.fused_decode, calls)
   shared_decode, model.shared_decode = model.shared_decode, None
   kernels.set_step_shared(True)
   try:
-    caches = [model.new_cache() for _ in range(packed.DIRECT_ROWS + 1)]
+    caches = [model.new_cache() for _ in range(packed.DIRECT_ROWS + 2)]
     model.forward([np.arange(3, 10) for _ in caches], caches)
     model.forward([np.array([7]) for _ in caches], caches)
     assert calls == []
     model.forward([np.array([7])], caches[:1])
-    assert calls == [("whole", 1)]
+    model.forward([np.array([7]) for _ in caches[1:]], caches[1:])
+    assert calls == [("whole", 1), ("whole", packed.DIRECT_ROWS + 1)]
+    kernels.set_step_shared(False)  # several rows on one core: llama.py's layers share them among the engine's threads
+    model.forward([np.array([7]) for _ in caches[1:]], caches[1:])
+    assert calls == [("whole", 1), ("whole", packed.DIRECT_ROWS + 1)]
   finally:
     kernels.set_step_shared(False)
     undo()

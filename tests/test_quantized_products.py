@@ -161,10 +161,10 @@ class FakeSteps:
     self.now, self.cost, self.ways = 0.0, {False: serial, True: shared}, []
     self.decode = packed.SharedDecode(clock=lambda: self.now)
 
-  def run(self, steps: int, rows: int = 1) -> list:
+  def run(self, steps: int, rows: int = 1, most: int = packed.DIRECT_ROWS) -> list:
     ways = []
     for _ in range(steps):
-      with self.decode.step(rows):
+      with self.decode.step(rows, most):
         ways.append(kernels.step_is_shared())
         self.now += self.cost[ways[-1]]
     return ways
@@ -194,6 +194,8 @@ def test_a_step_of_many_rows_a_slice_of_the_cores_work_or_a_process_without_open
   monkeypatch.setitem(packed._parallel, "usable", True)
   steps = FakeSteps(serial=0.020, shared=0.001)
   assert steps.run(8, rows=packed.DIRECT_ROWS + 1) == [False] * 8 and not steps.decode.times
+  # up to `most` rows (a step of decode rows the fused pass takes whole), timed both ways and shared, the faster
+  assert steps.run(8, rows=packed.DIRECT_ROWS + 1, most=packed.DIRECT_ROWS + 1) == [False, False, True, True] + [True] * 4
   # Inside Workers.split (a step's columns on both cores) OpenMP's threads would be a second team on the same cores.
   seen = []
   with steps.decode.step(1):

@@ -11,9 +11,12 @@ heads, a float32 cache that every query sees whole, softmax attention, the outpu
 SiLU-gated MLP; every matrix kept quantized for the compiled kernels. A model with anything more (query/key norms,
 post norms, sliding windows, softcaps, sinks, experts, latent attention, GELU, residual scaling, a float16 cache,
 float weights) is told apart once, as it is built (`FusedDecode.build` answers None), and runs llama.py's layers. A
-step runs here only when every row is one new position of its request, there are at most DIRECT_ROWS of them, and
+step runs here only when every row is one new position of its request, there are at most MOST_ROWS of them, and
 either the step is shared or it has one row (unshared, llama.py shares a multi-row step's products among the
-engine's worker threads; this runs on one core).
+engine's worker threads; this runs on one core). Up to packed.DIRECT_ROWS rows the products read the codes directly;
+more (batched decode) take the panel kernel (kernels_c/panels.c), by tasks of whole panels. SmolLM2 at 16 rows,
+alternated in one process (bench/panel_speed.py --fused): 1.47x llama.py's layers, their columns shared among the
+engine's threads, and the shared step 0.57x the wall time of the same call on one core.
 
 Such a step is taken whole where the shard's ends are quantized too (`step`): the token embeddings looked up, the
 layers, the final norm and the head's product (SmolLM2's tied 8-bit embedding, 49,152 outputs: a third of the
@@ -31,7 +34,7 @@ from exo.inference.numpy import native, packed
 from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache
 from exo.inference.numpy.kernels import PARALLEL_ROWS, weight_rows
-from exo.inference.numpy.packed import DIRECT_ROWS, PackedMatrix
+from exo.inference.numpy.packed import PANEL_ROWS, PackedMatrix
 
 _lib = native.library()
 PANEL = 64  # decoder.c's: gate/up's outputs a task, one pair of llama.PAIR gate and PAIR up outputs
@@ -124,10 +127,12 @@ class FusedDecode:
     """The fused pass for `model` (a llama.Llama), or None where it does not cover the model."""
     return cls(model) if _covers(model) else None
 
-  @staticmethod
-  def takes_rows(rows: int) -> bool:
+  MOST_ROWS = PANEL_ROWS  # decode rows a step here takes at most: up to DIRECT_ROWS by the direct kernel, then the panels
+
+  @classmethod
+  def takes_rows(cls, rows: int) -> bool:
     """Whether `rows` decode rows are few enough for this pass, and shared or one (see the module's doc)."""
-    return rows <= DIRECT_ROWS and (rows < PARALLEL_ROWS or packed._shares())
+    return rows <= cls.MOST_ROWS and (rows < PARALLEL_ROWS or packed._shares())
 
   @classmethod
   def takes(cls, step: Step) -> bool:
@@ -183,7 +188,7 @@ class FusedDecode:
     cos, sin = rope_angles(positions, self.inv_freq)  # (rows, 1, head_dim // 2), contiguous: rows of head_dim // 2
     status = _lib.decode_step(self._layers, self._shape, self._ends, None if ids is None else ids.ctypes.data, h.ctypes.data,
                               None if logits is None else logits.ctypes.data, len(h), slots.ctypes.data, positions.ctypes.data,
-                              cos.ctypes.data, sin.ctypes.data, packed._shares())
+                              cos.ctypes.data, sin.ctypes.data, packed._shares(), len(h) > packed.DIRECT_ROWS)
     if status == -2:
       raise IndexError(f"row ids out of range 0..{self.embedding.shape[0] - 1}")
     if status:

@@ -9,7 +9,7 @@ them: RoPE and the cache write after q/k/v, the residual add after the output an
 after gate/up (whose columns are interleaved in 32-column pairs so that each slice holds both halves). Only the
 two RMS norms of a layer, over whole rows, run between the slices.
 
-A step of a few decode rows of a plain model (quantized, none of the other families' features) runs every layer in
+A step of decode rows (up to fused_decode.MOST_ROWS, shared among OpenMP's threads) of a plain model (quantized, none of the other families' features) runs every layer in
 one compiled call instead, and where the shard's ends are quantized too, the whole step from token ids to logits
 (fused_decode.py)."""
 import math
@@ -23,7 +23,7 @@ from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import Workers, full_product, product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.numpy.fused_decode import FusedDecode
-from exo.inference.numpy.packed import PackedMatrix, SharedDecode
+from exo.inference.numpy.packed import DIRECT_ROWS, PackedMatrix, SharedDecode
 from exo.inference.numpy.latent_attention import LatentAttention, latent_attention
 from exo.inference.numpy.rotary import rope
 from exo.inference.shard import Shard
@@ -118,7 +118,12 @@ class Llama:
       return whole if whole is not None else self._forward(inputs, caches)
 
   def _decode_step(self, inputs: Sequence[np.ndarray]):
-    return nullcontext() if self.shared_decode is None else self.shared_decode.step(sum(len(x) for x in inputs))
+    """Whether the step shares its products among OpenMP's threads (packed.SharedDecode), decided and timed: up to
+    the direct products' rows, or as many as the fused pass takes where each input is one decode row."""
+    if self.shared_decode is None:
+      return nullcontext()
+    decode = self.fused_decode is not None and all(len(x) == 1 for x in inputs)
+    return self.shared_decode.step(sum(len(x) for x in inputs), self.fused_decode.MOST_ROWS if decode else DIRECT_ROWS)
 
   def _forward(self, inputs: Sequence[np.ndarray], caches: Sequence[KVCache]) -> List[np.ndarray]:
     c = self.config

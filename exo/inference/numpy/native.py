@@ -54,7 +54,7 @@ SIGNATURES = {
   "widen_halves": (None, [array, array]),
   "rope": (None, [array, array, array, ctypes.c_float, array]),
   "attend_decode": (ctypes.c_int, [array, i64, i64, array, i64, array, i64, ctypes.c_float, array, array]),
-  "decode_step": (ctypes.c_int, [p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_int]),
+  "decode_step": (ctypes.c_int, [p, p, p, p, p, p, i64, p, p, p, p, ctypes.c_int, ctypes.c_int]),
 }
 
 

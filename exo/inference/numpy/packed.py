@@ -121,8 +121,10 @@ class SharedDecode:
     return faster != tried, tried
 
   @contextmanager
-  def step(self, rows: int):
-    if rows > DIRECT_ROWS or not _parallel["usable"]:
+  def step(self, rows: int, most: int = DIRECT_ROWS):
+    """The step of `rows` rows run as chosen (shared or not), and timed; left unshared above `most` rows (a step the
+    fused decode takes whole goes on to more rows than the direct products: fused_decode.MOST_ROWS)."""
+    if rows > most or not _parallel["usable"]:
       yield
       return
     shared, tried = self.choose(rows)

@@ -7,7 +7,8 @@
    Shared, the whole call is one OpenMP parallel region: the threads take each product's weight rows by slices and
    the attention by (row, head), task by task, and wait for each phase's tasks to be done before the next (`phase`),
    so a step pays one fork and join, not one per product, and no Python runs between the phases (the head's 49,152
-   outputs are one more such phase). Not shared, the same code runs on the calling thread alone. */
+   outputs are one more such phase). Not shared, the same code runs on the calling thread alone. A few rows' products
+   read the codes directly (quantized.c); more rows' take the panel kernel (panels.c), each task whole panels. */
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
@@ -28,6 +29,10 @@ static int omp_get_num_threads(void) { return 1; }
 /* weight rows a task of the other products: half a PANEL, so that their tasks split evenly between two threads
    (SmolLM2's output and down products are 9 panels of 64 rows, 5 against 4; 18 of 32 split 9 and 9) */
 #define SLICE 32
+/* With the panel kernel (more rows than the direct one takes), tasks of whole panels: 96 weight rows (a multiple of
+   every panel width, panels.c's NR), gate/up's three PANELs; SmolLM2's output and down products are 6 such tasks */
+#define PANEL_SLICE 96
+#define PANEL_PAIRS 3
 
 typedef struct {
   matrix qkv, o, gate_up, down;
@@ -61,6 +66,7 @@ typedef struct {
 } cursor;
 #define PHASES 6 /* a layer's */
 #define HEAD_ROWS 256 /* the head's weight rows a task: 192 of SmolLM2's, few enough that taking them costs little */
+#define PANEL_HEAD_ROWS 192 /* with the panels, whole ones (a multiple of every panel width) */
 #define SPINS 4000 /* waits a thread spins (each a pause) before it yields its core to whichever thread the kernel picks */
 
 typedef struct {
@@ -107,21 +113,48 @@ static void rms_norm_row(const float *x, const float *weight, int64_t n, float e
   for (int64_t i = 0; i < n; i++) out[i] = x[i] * weight[i] * scale;
 }
 
+/* A product's inputs as its kernel reads them: the direct kernel's (prepare_into), or transposed for the panels. */
+typedef struct {
+  inputs in;
+  const float *xt;
+  int64_t rows;
+  int panels;
+} product_inputs;
+
+static int64_t product_floats(const matrix *m, int64_t rows, int panels) {
+  return panels ? panel_inputs_floats(m, rows) : prepared_floats(m, rows);
+}
+
+static void prepare_product(const matrix *m, const float *x, int64_t rows, int panels, product_inputs *p, float *scratch) {
+  p->rows = rows, p->panels = panels, p->xt = scratch;
+  if (panels)
+    panel_inputs(m, x, rows, scratch);
+  else
+    prepare_into(m, x, rows, &p->in, scratch);
+}
+
+/* out[r * os + j - lo] = x[r] . w[j] for weight rows j in [j0, j1); nonzero where the panels lacked memory */
+static int product_range(const matrix *m, const product_inputs *p, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t os) {
+  if (p->panels) return panel_range(m, p->xt, p->rows, lo, j0, j1, out, os);
+  rows_range(m, &p->in, p->rows, lo, j0, j1, out, os);
+  return 0;
+}
+
 static void norm_and_prepare(const decoder_shape *d, const float *h, const float *weight, int64_t rows, float *x, const matrix *m,
-                             inputs *in, float *scratch) {
+                             int panels, product_inputs *in, float *scratch) {
   for (int64_t r = 0; r < rows; r++) rms_norm_row(h + r * d->hidden, weight, d->hidden, d->eps, x + r * d->hidden);
-  prepare_into(m, x, rows, in, scratch);
+  prepare_product(m, x, rows, panels, in, scratch);
 }
 
 /* One decode step for rows that are each one new position: on the first shard (ids not NULL) h is made from the
    rows' token ids, then it goes through layers 0..n_layers, and on the last shard (logits not NULL) the final norm
    and the head's product write logits (rows, head->n_out). Row r's cache slot is at slots[r] ((layers, keys and
    values, kv heads, positions, head dim) float32), its position positions[r], its RoPE cos and sin at cos, sin + r *
-   head_dim / 2. Returns 0; -1 where memory ran out (h then partly updated); -2, computing nothing, where a token id
-   lies outside the embedding. */
+   head_dim / 2. `panels`: the products by the panel kernel (many rows), else by the direct one. Returns 0; -1 where
+   memory ran out (h then partly updated); -2, computing nothing, where a token id lies outside the embedding. */
 int decode_step(const decoder_layer *layers, const decoder_shape *d, const decoder_ends *ends, const int64_t *ids, float *h,
                 float *logits, int64_t rows, float *const *slots, const int64_t *positions, const float *cos, const float *sin,
-                int shared) {
+                int shared, int panels) {
   const int64_t hidden = d->hidden, hd = d->head_dim, half = hd / 2, n_heads = d->n_heads, n_kv = d->n_kv;
   const int64_t qkv_width = (n_heads + 2 * n_kv) * hd, q_width = n_heads * hd, group = n_heads / n_kv;
   const int64_t row_floats = d->positions * hd, layer_floats = 2 * n_kv * row_floats;
@@ -133,11 +166,12 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
     if (ends->embed_scale != 1.0f)
       for (int64_t i = 0; i < rows * hidden; i++) h[i] *= ends->embed_scale;
   }
-  int64_t prepared = head ? prepared_floats(head, rows) : 0, longest = 1;
+  int64_t prepared = head ? product_floats(head, rows, panels) : 0, longest = 1;
   for (int64_t li = 0; li < d->n_layers; li++) {
     const matrix *ms[4] = {&layers[li].qkv, &layers[li].o, &layers[li].gate_up, &layers[li].down};
-    for (int i = 0; i < 4; i++) prepared = prepared_floats(ms[i], rows) > prepared ? prepared_floats(ms[i], rows) : prepared;
+    for (int i = 0; i < 4; i++) prepared = product_floats(ms[i], rows, panels) > prepared ? product_floats(ms[i], rows, panels) : prepared;
   }
+  const int64_t slice = panels ? PANEL_SLICE : SLICE, pairs_a_task = panels ? PANEL_PAIRS : 1, panel_floats = PANEL * pairs_a_task;
   for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
   const int64_t work_floats = rows * (qkv_width + 2 * q_width + d->inter);
   float *work = malloc(sizeof(float) * (size_t)work_floats);
@@ -158,24 +192,32 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
     /* each thread's panel of products (rows, PANEL), attention scores, and a product's inputs as the kernels read
        them: every thread prepares its own copy (a few us) when it takes its first task of a phase, which spares a
        wait a product (a thread that takes a task knows the phase before is done and the next not begun). A thread without memory takes no task: the others do them all. */
-    float *mine = malloc(sizeof(float) * (size_t)(rows * PANEL + longest + hd + rows * hidden + prepared));
+    float *mine = malloc(sizeof(float) * (size_t)(rows * panel_floats + longest + hd + rows * hidden + prepared));
+    /* the panel kernel's own buffers, made ready for every matrix now: a task then never lacks memory half-way */
+    for (int64_t li = 0; li < d->n_layers && mine && panels; li++) {
+      const matrix *ms[4] = {&layers[li].qkv, &layers[li].o, &layers[li].gate_up, &layers[li].down};
+      for (int i = 0; i < 4 && mine; i++)
+        if (panel_reserve(ms[i], rows)) free(mine), mine = NULL;
+    }
+    if (mine && head && panels && panel_reserve(head, rows)) free(mine), mine = NULL;
     if (!mine) {
 #pragma omp atomic write
       failed = 1;
     }
-    float *panel = mine, *scores = mine + rows * PANEL, *x = mine ? scores + longest + hd : NULL, *scratch = mine ? x + rows * hidden : NULL;
-    inputs in;
+    float *panel = mine, *scores = mine + rows * panel_floats, *x = mine ? scores + longest + hd : NULL, *scratch = mine ? x + rows * hidden : NULL;
+    product_inputs in;
     int64_t t, count; /* a task, and how many of the phase's this thread did */
+    int short_of = 0;   /* a panel product lacked memory (never, once panel_reserve has been) */
     int64_t ph = 0;
     for (int64_t li = 0; li < d->n_layers && mine; li++) {
       const decoder_layer *layer = layers + li;
 
-      const int64_t qkv_slices = (qkv_width + SLICE - 1) / SLICE;
+      const int64_t qkv_slices = (qkv_width + slice - 1) / slice;
       count = 0;
       for (int ready = 0; (t = take(&tm, ph, qkv_slices)) >= 0; count++) {
-        if (!ready++) norm_and_prepare(d, h, layer->attn_norm, rows, x, &layer->qkv, &in, scratch);
-        const int64_t j0 = t * SLICE, j1 = j0 + SLICE < qkv_width ? j0 + SLICE : qkv_width;
-        rows_range(&layer->qkv, &in, rows, 0, j0, j1, qkv, qkv_width);
+        if (!ready++) norm_and_prepare(d, h, layer->attn_norm, rows, x, &layer->qkv, panels, &in, scratch);
+        const int64_t j0 = t * slice, j1 = j0 + slice < qkv_width ? j0 + slice : qkv_width;
+        short_of |= product_range(&layer->qkv, &in, 0, j0, j1, qkv, qkv_width);
       }
       end_phase(&tm, ph++, count, qkv_slices);
 
@@ -216,53 +258,60 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
       }
       end_phase(&tm, ph++, count, rows * n_heads);
 
-      const int64_t hidden_slices = (hidden + SLICE - 1) / SLICE;
+      const int64_t hidden_slices = (hidden + slice - 1) / slice;
       count = 0;
       for (int ready = 0; (t = take(&tm, ph, hidden_slices)) >= 0; count++) {
-        if (!ready++) prepare_into(&layer->o, attn, rows, &in, scratch);
-        const int64_t j0 = t * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
-        rows_range(&layer->o, &in, rows, j0, j0, j1, panel, PANEL);
+        if (!ready++) prepare_product(&layer->o, attn, rows, panels, &in, scratch);
+        const int64_t j0 = t * slice, j1 = j0 + slice < hidden ? j0 + slice : hidden;
+        short_of |= product_range(&layer->o, &in, j0, j0, j1, panel, panel_floats);
         for (int64_t r = 0; r < rows; r++)
           for (int64_t j = j0; j < j1; j++) {
-            float v = panel[r * PANEL + j - j0];
+            float v = panel[r * panel_floats + j - j0];
             if (layer->o_bias) v += layer->o_bias[j];
             h[r * hidden + j] += v;
           }
       }
       end_phase(&tm, ph++, count, hidden_slices);
 
-      const int64_t pairs = 2 * d->inter / PANEL;
+      const int64_t pairs = 2 * d->inter / PANEL, pair_tasks = (pairs + pairs_a_task - 1) / pairs_a_task;
       count = 0;
-      for (int ready = 0; (t = take(&tm, ph, pairs)) >= 0; count++) {
-        if (!ready++) norm_and_prepare(d, h, layer->mlp_norm, rows, x, &layer->gate_up, &in, scratch);
-        rows_range(&layer->gate_up, &in, rows, t * PANEL, t * PANEL, (t + 1) * PANEL, panel, PANEL);
+      for (int ready = 0; (t = take(&tm, ph, pair_tasks)) >= 0; count++) {
+        if (!ready++) norm_and_prepare(d, h, layer->mlp_norm, rows, x, &layer->gate_up, panels, &in, scratch);
+        const int64_t p0 = t * pairs_a_task, p1 = p0 + pairs_a_task < pairs ? p0 + pairs_a_task : pairs;
+        short_of |= product_range(&layer->gate_up, &in, p0 * PANEL, p0 * PANEL, p1 * PANEL, panel, panel_floats);
         for (int64_t r = 0; r < rows; r++)
-          for (int64_t i = 0; i < PAIR; i++) {
-            const float gate = panel[r * PANEL + i], up = panel[r * PANEL + PAIR + i];
-            act[r * d->inter + t * PAIR + i] = gate / (1.0f + expf(-gate)) * up;
-          }
+          for (int64_t p = p0; p < p1; p++)
+            for (int64_t i = 0; i < PAIR; i++) {
+              const float *pair = panel + r * panel_floats + (p - p0) * PANEL;
+              const float gate = pair[i], up = pair[PAIR + i];
+              act[r * d->inter + p * PAIR + i] = gate / (1.0f + expf(-gate)) * up;
+            }
       }
-      end_phase(&tm, ph++, count, pairs);
+      end_phase(&tm, ph++, count, pair_tasks);
 
       count = 0;
 
       for (int ready = 0; (t = take(&tm, ph, hidden_slices)) >= 0; count++) {
-        if (!ready++) prepare_into(&layer->down, act, rows, &in, scratch);
-        const int64_t j0 = t * SLICE, j1 = j0 + SLICE < hidden ? j0 + SLICE : hidden;
-        rows_range(&layer->down, &in, rows, j0, j0, j1, panel, PANEL);
+        if (!ready++) prepare_product(&layer->down, act, rows, panels, &in, scratch);
+        const int64_t j0 = t * slice, j1 = j0 + slice < hidden ? j0 + slice : hidden;
+        short_of |= product_range(&layer->down, &in, j0, j0, j1, panel, panel_floats);
         for (int64_t r = 0; r < rows; r++)
-          for (int64_t j = j0; j < j1; j++) h[r * hidden + j] += panel[r * PANEL + j - j0];
+          for (int64_t j = j0; j < j1; j++) h[r * hidden + j] += panel[r * panel_floats + j - j0];
       }
       end_phase(&tm, ph++, count, hidden_slices);
     }
     if (head && mine) {
-      const int64_t head_tasks = (head->n_out + HEAD_ROWS - 1) / HEAD_ROWS;
+      const int64_t head_rows = panels ? PANEL_HEAD_ROWS : HEAD_ROWS, head_tasks = (head->n_out + head_rows - 1) / head_rows;
       count = 0;
       for (int ready = 0; (t = take(&tm, ph, head_tasks)) >= 0; count++) {
-        if (!ready++) norm_and_prepare(d, h, ends->norm, rows, x, head, &in, scratch);
-        const int64_t j0 = t * HEAD_ROWS, j1 = j0 + HEAD_ROWS < head->n_out ? j0 + HEAD_ROWS : head->n_out;
-        rows_range(head, &in, rows, 0, j0, j1, logits, head->n_out);
+        if (!ready++) norm_and_prepare(d, h, ends->norm, rows, x, head, panels, &in, scratch);
+        const int64_t j0 = t * head_rows, j1 = j0 + head_rows < head->n_out ? j0 + head_rows : head->n_out;
+        short_of |= product_range(head, &in, 0, j0, j1, logits, head->n_out);
       }
+    }
+    if (short_of) {
+#pragma omp atomic write
+      failed = 1;
     }
     free(mine);
   }

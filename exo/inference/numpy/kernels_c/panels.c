@@ -138,31 +138,46 @@ static int scratch_for(const matrix *m, int64_t padded, scratch *s) {
   return kept ? 0 : -1;
 }
 
-/* x (rows, in) contiguous @ weight rows lo..hi into out (rows, hi - lo; rows os floats apart); its panels shared among
-   OpenMP's threads where `shared` (and the library has them). Returns 0, or -1 where memory ran out. */
-int panel_product(const matrix *m, const float *x, int64_t rows, int64_t lo, int64_t hi, float *out, int64_t os, int shared) {
-  const int64_t n_in = m->n_in, padded = (rows + 7) / 8 * 8;
-  const int width = padded / 8 < ROW_VECTORS ? (int)(padded / 8) : ROW_VECTORS, nr = PANEL_ROWS[width - 1];
-  float *xt = kept_buffer(0, (size_t)(n_in * padded));
-  if (!xt) return -1;
+static inline int64_t padded_rows(int64_t rows) { return (rows + 7) / 8 * 8; }
+
+int64_t panel_inputs_floats(const matrix *m, int64_t rows) { return m->n_in * padded_rows(rows); }
+
+void panel_inputs(const matrix *m, const float *x, int64_t rows, float *xt) {
+  const int64_t n_in = m->n_in, padded = padded_rows(rows);
   for (int64_t k = 0; k < n_in; k++) {
     for (int64_t r = 0; r < rows; r++) xt[k * padded + r] = x[r * n_in + k];
     for (int64_t r = rows; r < padded; r++) xt[k * padded + r] = 0.0f;
   }
+}
+
+int panel_reserve(const matrix *m, int64_t rows) {
+  scratch s;
+  return scratch_for(m, padded_rows(rows), &s);
+}
+
+int panel_range(const matrix *m, const float *xt, int64_t rows, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t os) {
+  const int64_t padded = padded_rows(rows);
+  const int width = padded / 8 < ROW_VECTORS ? (int)(padded / 8) : ROW_VECTORS, nr = PANEL_ROWS[width - 1];
+  scratch s;
+  if (scratch_for(m, padded, &s)) return -1;
+  for (int64_t j = j0; j < j1; j += nr) panel_rows(m, xt, rows, padded, lo, j, j + nr < j1 ? j + nr : j1, out, os, width, &s);
+  return 0;
+}
+
+/* x (rows, in) contiguous @ weight rows lo..hi into out (rows, hi - lo; rows os floats apart); its panels shared among
+   OpenMP's threads where `shared` (and the library has them). Returns 0, or -1 where memory ran out. */
+int panel_product(const matrix *m, const float *x, int64_t rows, int64_t lo, int64_t hi, float *out, int64_t os, int shared) {
+  const int64_t padded = padded_rows(rows);
+  const int width = padded / 8 < ROW_VECTORS ? (int)(padded / 8) : ROW_VECTORS, nr = PANEL_ROWS[width - 1];
+  float *xt = kept_buffer(0, (size_t)panel_inputs_floats(m, rows));
+  if (!xt) return -1;
+  panel_inputs(m, x, rows, xt);
   const int64_t panels = (hi - lo + nr - 1) / nr;
   int failed = 0;
-#pragma omp parallel if (shared) reduction(| : failed)
-  {
-    scratch s;
-    if (scratch_for(m, padded, &s)) {
-      failed = 1;
-    } else {
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < panels; p++) {
-        const int64_t j0 = lo + p * nr, j1 = j0 + nr < hi ? j0 + nr : hi;
-        panel_rows(m, xt, rows, padded, lo, j0, j1, out, os, width, &s);
-      }
-    }
+#pragma omp parallel for schedule(static) if (shared) reduction(| : failed)
+  for (int64_t p = 0; p < panels; p++) {
+    const int64_t j0 = lo + p * nr, j1 = j0 + nr < hi ? j0 + nr : hi;
+    failed |= panel_range(m, xt, rows, lo, j0, j1, out, os);
   }
   return failed ? -1 : 0;
 }

@@ -35,4 +35,12 @@ void rows_range(const matrix *m, const inputs *in, int64_t rows, int64_t lo, int
 void widen_groups(const matrix *m, int64_t j0, const int64_t *ids, int64_t n, int64_t g0, int64_t g1, float *out, int64_t out_stride);
 /* out[i] = weight row ids[i] as float32, rows n_in floats apart (ids within the matrix: the caller checks) */
 void dequantize_rows(const matrix *m, const int64_t *ids, int64_t n, float *out);
+/* panels.c's product for many input rows, in parts another kernel shares out itself (decoder.c): the inputs
+   transposed for the panels (panel_inputs_floats long), a thread's panel buffers made ready for the matrix
+   (panel_reserve: 0, or -1 where memory ran out; done, panel_range then fails for no lack of memory), and
+   out[r * os + j - lo] = x[r] . w[j] for weight rows j in [j0, j1), on the calling thread (0, or -1 without memory). */
+int64_t panel_inputs_floats(const matrix *m, int64_t rows);
+void panel_inputs(const matrix *m, const float *x, int64_t rows, float *xt);
+int panel_reserve(const matrix *m, int64_t rows);
+int panel_range(const matrix *m, const float *xt, int64_t rows, int64_t lo, int64_t j0, int64_t j1, float *out, int64_t os);
 #endif
