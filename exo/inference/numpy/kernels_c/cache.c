@@ -143,6 +143,77 @@ void attend_contiguous(const float *keys, const float *values, int64_t stride, c
     attend_head(keys, values, stride, 1, query, 1, start, end, head_dim, 0.0f, NULL, scores, scores + (end - start), row, 1);
 }
 
+/* attend_vectors for G query heads (queries and rows head_dim = LANES * chunks floats apart) that share their keys and
+   values: each key and value read once for all of them. Each head's arithmetic is attend_vectors' own, in its order;
+   scores: G * (end - start) floats. */
+static inline __attribute__((always_inline)) void attend_group_vectors(const float *keys, const float *values, int64_t stride,
+                                                                       const float *queries, int64_t start, int64_t end,
+                                                                       float *scores, float *rows, const int chunks, const int G) {
+  const int64_t n = end - start, hd = (int64_t)chunks * LANES;
+  vf q[4][4], out[4][4];
+  float top[4], total[4];
+  for (int g = 0; g < G; g++) {
+    top[g] = -INFINITY, total[g] = 0.0f;
+    for (int c = 0; c < chunks; c++) q[g][c] = load(queries + g * hd + c * LANES), out[g][c] = (vf){0};
+  }
+  for (int64_t p = start; p < end; p++) {
+    const float *key = keys + p * stride;
+    vf k[4];
+    for (int c = 0; c < chunks; c++) k[c] = load(key + c * LANES);
+    for (int g = 0; g < G; g++) {
+      vf products = k[0] * q[g][0];
+      for (int c = 1; c < chunks; c++) products = products + k[c] * q[g][c];
+      const float s = lane_sum(products);
+      scores[g * n + p - start] = s;
+      top[g] = s > top[g] ? s : top[g];
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    float *own = scores + g * n, sum = 0.0f;
+    const float shift = top[g];
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) {
+      float weight = exp_nonpositive(own[i] - shift);
+      own[i] = weight;
+      sum += weight;
+    }
+    total[g] = sum;
+  }
+  for (int64_t p = start; p < end; p++) {
+    const float *value = values + p * stride;
+    vf v[4];
+    for (int c = 0; c < chunks; c++) v[c] = load(value + c * LANES);
+    for (int g = 0; g < G; g++) {
+      const float weight = scores[g * n + p - start];
+      for (int c = 0; c < chunks; c++) out[g][c] = out[g][c] + weight * v[c];
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < chunks; c++) store(rows + g * hd + c * LANES, out[g][c] / total[g]);
+}
+
+#define ATTEND_GROUP(G) \
+  static void attend_64_by_##G(const float *keys, const float *values, int64_t stride, const float *queries, int64_t start, \
+                               int64_t end, float *scores, float *rows) { \
+    attend_group_vectors(keys, values, stride, queries, start, end, scores, rows, 4, G); \
+  }
+ATTEND_GROUP(2)
+ATTEND_GROUP(3)
+ATTEND_GROUP(4)
+
+void attend_heads(const float *keys, const float *values, int64_t stride, const float *queries, int64_t heads, int64_t start,
+                  int64_t end, int64_t head_dim, float *scores, float *rows) {
+  if (head_dim == 64 && heads == 2)
+    attend_64_by_2(keys, values, stride, queries, start, end, scores, rows);
+  else if (head_dim == 64 && heads == 3)
+    attend_64_by_3(keys, values, stride, queries, start, end, scores, rows);
+  else if (head_dim == 64 && heads == 4)
+    attend_64_by_4(keys, values, stride, queries, start, end, scores, rows);
+  else
+    for (int64_t h = 0; h < heads; h++)
+      attend_contiguous(keys, values, stride, queries + h * head_dim, start, end, head_dim, scores, rows + h * head_dim);
+}
+
 /* attn[first + r] (attn: float32 (rows, heads * head dim)) = query row first + r's attention (q: (rows, heads, head dim), scaled) over positions
    [ends[r] - window (0 where window is 0), ends[r]) of slab slot slot + r, layer li: one pass over its cache, the
    softmax shifted by the row's largest score. slab: (slots, layers, planes, kv heads, positions, head dim); a slot of

@@ -192,7 +192,7 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
     /* each thread's panel of products (rows, PANEL), attention scores, and a product's inputs as the kernels read
        them: every thread prepares its own copy (a few us) when it takes its first task of a phase, which spares a
        wait a product (a thread that takes a task knows the phase before is done and the next not begun). A thread without memory takes no task: the others do them all. */
-    float *mine = malloc(sizeof(float) * (size_t)(rows * panel_floats + longest + hd + rows * hidden + prepared));
+    float *mine = malloc(sizeof(float) * (size_t)(rows * panel_floats + group * longest + hd + rows * hidden + prepared));
     /* the panel kernel's own buffers, made ready for every matrix now: a task then never lacks memory half-way */
     for (int64_t li = 0; li < d->n_layers && mine && panels; li++) {
       const matrix *ms[4] = {&layers[li].qkv, &layers[li].o, &layers[li].gate_up, &layers[li].down};
@@ -204,7 +204,7 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
 #pragma omp atomic write
       failed = 1;
     }
-    float *panel = mine, *scores = mine + rows * panel_floats, *x = mine ? scores + longest + hd : NULL, *scratch = mine ? x + rows * hidden : NULL;
+    float *panel = mine, *scores = mine + rows * panel_floats, *x = mine ? scores + group * longest + hd : NULL, *scratch = mine ? x + rows * hidden : NULL;
     product_inputs in;
     int64_t t, count; /* a task, and how many of the phase's this thread did */
     int short_of = 0;   /* a panel product lacked memory (never, once panel_reserve has been) */
@@ -249,14 +249,17 @@ int decode_step(const decoder_layer *layers, const decoder_shape *d, const decod
       }
       end_phase(&tm, ph++, count, rows * (n_heads + n_kv));
 
+      /* by (row, query head); or, with rows enough to keep every thread busy, by (row, kv head), its query heads
+         together (each key and value read once for them) */
+      const int64_t heads_a_task = rows * n_kv >= 4 * tm.threads ? group : 1, attend_tasks = rows * n_heads / heads_a_task;
       count = 0;
-      for (; (t = take(&tm, ph, rows * n_heads)) >= 0; count++) {
-        const int64_t r = t / n_heads, head = t % n_heads;
+      for (; (t = take(&tm, ph, attend_tasks)) >= 0; count++) {
+        const int64_t r = t / (n_heads / heads_a_task), head = t % (n_heads / heads_a_task) * heads_a_task;
         const float *keys = slots[r] + li * layer_floats + (head / group) * row_floats;
-        attend_contiguous(keys, keys + n_kv * row_floats, hd, q + r * q_width + head * hd, 0, positions[r] + 1, hd, scores,
-                          attn + r * q_width + head * hd);
+        attend_heads(keys, keys + n_kv * row_floats, hd, q + r * q_width + head * hd, heads_a_task, 0, positions[r] + 1, hd, scores,
+                     attn + r * q_width + head * hd);
       }
-      end_phase(&tm, ph++, count, rows * n_heads);
+      end_phase(&tm, ph++, count, attend_tasks);
 
       const int64_t hidden_slices = (hidden + slice - 1) / slice;
       count = 0;
