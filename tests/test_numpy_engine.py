@@ -155,16 +155,37 @@ async def test_cache_memory_grows_with_use_and_returns_when_requests_end(engine)
 
 
 async def test_a_step_shared_among_the_cores_matches_each_request_alone(engine, monkeypatch):
-  from exo.inference.numpy import attention, llama
+  """16 requests' decode steps of 16 rows, through llama.py's layers (columns and attention shared among the engine's
+  threads), and, where OpenMP's threads are there to share it, through the fused pass (one compiled call, the panel
+  kernel's products): each request's greedy tokens alone, both ways."""
+  from exo.inference.numpy import attention, llama, packed
   from tests.support.engines import OPENINGS, batched, greedy, prompt_ids
   prompts = prompt_ids(engine, OPENINGS + [f"{opening} (again)" for opening in OPENINGS])  # 16: decode steps of 16 rows
   alone = [await greedy(engine, f"alone-{i}", ids, 6, stop_at_eos=False) for i, ids in enumerate(prompts)]
   steps, original = [], llama.Step
   monkeypatch.setattr(llama, "Step", lambda *args: steps.append(original(*args)) or steps[-1])
+  monkeypatch.setattr(engine.model, "shared_decode", None)  # no step shared among OpenMP's threads: llama.py's layers
   assert await batched(engine, prompts, 6, "cores", join_every=0, stop_at_eos=False) == alone
   if attention.CORES > 1:
     assert len(steps) == 6 and all(len(step.job_groups) == attention.CORES for step in steps), "each step's attention was shared among the cores"
   assert engine.kv_cache_bytes() == 0
+
+  if packed._parallel["usable"]:
+    class Shared(packed.SharedDecode):
+      def choose(self, rows):
+        super().choose(rows)
+        return True, False
+    whole, step = [], engine.model.fused_decode.step
+    monkeypatch.setattr(engine.model, "shared_decode", Shared())
+    def noted(inputs, caches):
+      out = step(inputs, caches)
+      if out is not None:  # (a prompt's step is not the fused pass's: None)
+        whole.append(len(inputs))
+      return out
+    monkeypatch.setattr(engine.model.fused_decode, "step", noted)
+    assert await batched(engine, prompts, 6, "fused", join_every=0, stop_at_eos=False) == alone
+    assert whole.count(len(prompts)) == 5, "each decode step of 16 rows taken by the fused pass"
+    assert engine.kv_cache_bytes() == 0
 
 
 async def test_a_request_past_the_context_is_refused_alone(engine):

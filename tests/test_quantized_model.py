@@ -106,6 +106,8 @@ def test_batched_decode_through_the_panels_gives_each_requests_tokens_alone(engi
   prompts = common.prompt_ids(engine, texts)
   panel_rows = []
   panels = PackedMatrix.panels
+  # steps never shared among OpenMP's threads: llama.py's layers, not the fused pass (test_fused_decode, test_numpy_engine)
+  monkeypatch.setattr(engine.model, "shared_decode", None)
   monkeypatch.setattr(PackedMatrix, "panels", lambda self, x, *args, **kw: panel_rows.append(len(x)) or panels(self, x, *args, **kw))
   together = asyncio.run(common.batched(engine, prompts, 12, f"panels-{streams}", join_every=0, stop_at_eos=False))
   assert panel_rows.count(streams) >= 11 * 30 * 4, "the decode steps' layer products did not run through the panels"
