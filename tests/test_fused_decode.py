@@ -90,7 +90,7 @@ def fused_against_layers(model: Llama, rows: int, shared: bool, seed: int = 0, f
     kernels.set_step_shared(False)
     undo()
     model.fused_decode, model.shared_decode = own, shared_decode
-  takes = rows == 1 or (shared and packed._parallel["usable"])
+  takes = rows == 1 or (shared and packed._parallel["usable"]) or kernels.CORES == 1
   how = "whole" if fused.whole else "layers"
   assert runs == ([(how, rows)] * STEPS if takes else []), "the fused pass ran where it does not take the step, or not where it does"
   return worst
@@ -101,6 +101,12 @@ def test_smollm2_decode_steps_fused_equal_the_layers(smollm2, rows, shared):
   assert smollm2.fused_decode is not None, "the embedded SmolLM2 (plain Llama layers, quantized) is the fused pass's model"
   assert smollm2.fused_decode.whole and smollm2.fused_decode.embeds, "its tied 8-bit embedding and head are compiled: whole steps"
   fused_against_layers(smollm2, rows, shared)
+
+
+def test_on_a_machine_of_one_core_several_rows_take_the_fused_pass_unshared(smollm2, monkeypatch):
+  """One core: no engine threads to share llama.py's columns among, so several decode rows run here on it."""
+  monkeypatch.setattr(kernels, "CORES", 1)
+  fused_against_layers(smollm2, 3, shared=False)
 
 
 def test_more_threads_than_cores_take_each_others_tasks_and_still_equal_the_layers(smollm2_path):

@@ -13,7 +13,8 @@ post norms, sliding windows, softcaps, sinks, experts, latent attention, GELU, r
 float weights) is told apart once, as it is built (`FusedDecode.build` answers None), and runs llama.py's layers. A
 step runs here only when every row is one new position of its request, there are at most MOST_ROWS of them, and
 either the step is shared or it has one row (unshared, llama.py shares a multi-row step's products among the
-engine's worker threads; this runs on one core). Up to packed.DIRECT_ROWS rows the products read the codes directly;
+engine's worker threads; this runs on one core), or the machine has one core (llama.py's layers would run there
+too, with Python and numpy between the products: a 16-row SmolLM2 step took 1.2x this pass's CPU time). Up to packed.DIRECT_ROWS rows the products read the codes directly;
 more (batched decode) take the panel kernel (kernels_c/panels.c), by tasks of whole panels. SmolLM2 at 16 rows,
 alternated in one process (bench/panel_speed.py --fused): 1.47x llama.py's layers, their columns shared among the
 engine's threads, and the shared step 0.57x the wall time of the same call on one core.
@@ -30,7 +31,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from exo.inference.llama_layout import rope_angles, step_input
-from exo.inference.numpy import native, packed
+from exo.inference.numpy import kernels, native, packed
 from exo.inference.numpy.attention import Step, soft_cap
 from exo.inference.numpy.cache import KVCache
 from exo.inference.numpy.kernels import PARALLEL_ROWS, weight_rows
@@ -131,8 +132,9 @@ class FusedDecode:
 
   @classmethod
   def takes_rows(cls, rows: int) -> bool:
-    """Whether `rows` decode rows are few enough for this pass, and shared or one (see the module's doc)."""
-    return rows <= cls.MOST_ROWS and (rows < PARALLEL_ROWS or packed._shares())
+    """Whether `rows` decode rows are few enough for this pass, and shared or one, or the machine has one core (see
+    the module's doc)."""
+    return rows <= cls.MOST_ROWS and (rows < PARALLEL_ROWS or packed._shares() or kernels.CORES == 1)
 
   @classmethod
   def takes(cls, step: Step) -> bool:
