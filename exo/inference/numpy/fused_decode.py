@@ -1,30 +1,22 @@
 """A decode step in one compiled call (kernels_c/decoder.c), for the plain dense decoder with quantized weights.
 
-A one-row step through llama.py's layers is ~7 products and a dozen small numpy operations a layer, each a Python
-call (and, shared among OpenMP's threads, a fork and join a product): for SmolLM2 about a fifth of the step's time
-went to that, not to arithmetic. Here every layer of the step runs in C, in one OpenMP parallel region when the step
-is shared (packed.SharedDecode chooses, as for the direct products), each phase's tasks done before the next
-(decoder.c's `phase`: a thread waits for the tasks, not for a descheduled thread to reach a barrier).
+Through llama.py's layers a decode step is ~7 products and a dozen small numpy operations a layer, each a Python call
+(and, when shared, a fork and join a product): for SmolLM2 a fifth of a one-row step. Here every layer runs in C, in
+one OpenMP parallel region when the step is shared (packed.SharedDecode chooses), each phase's tasks done before the
+next (decoder.c's `phase`: a thread waits for the tasks, not for a descheduled thread to reach a barrier).
 
-It covers what a plain Llama-style layer holds: both input norms, q/k/v (with or without biases), RoPE over whole
-heads, a float32 cache that every query sees whole, softmax attention, the output product (with or without a bias),
-SiLU-gated MLP; every matrix kept quantized for the compiled kernels. A model with anything more (query/key norms,
-post norms, sliding windows, softcaps, sinks, experts, latent attention, GELU, residual scaling, a float16 cache,
-float weights) is told apart once, as it is built (`FusedDecode.build` answers None), and runs llama.py's layers. A
-step runs here only when every row is one new position of its request, there are at most MOST_ROWS of them, and
-either the step is shared or it has one row (unshared, llama.py shares a multi-row step's products among the
-engine's worker threads; this runs on one core), or the machine has one core (llama.py's layers would run there
-too, with Python and numpy between the products: a 16-row SmolLM2 step took 1.2x this pass's CPU time). Up to packed.DIRECT_ROWS rows the products read the codes directly;
-more (batched decode) take the panel kernel (kernels_c/panels.c), by tasks of whole panels. SmolLM2 at 16 rows,
-alternated in one process (bench/panel_speed.py --fused): 1.47x llama.py's layers, their columns shared among the
-engine's threads, and the shared step 0.57x the wall time of the same call on one core.
+It covers a plain Llama-style layer: both input norms, q/k/v (biases or not), RoPE over whole heads, a float32 cache
+every query sees whole, softmax attention, the output product (bias or not), the SiLU-gated MLP, every matrix
+quantized. A model with anything more (query/key norms, post norms, sliding windows, softcaps, sinks, experts, latent
+attention, GELU, residual scaling, a float16 cache, float weights) is told apart as it is built (`build` answers None)
+and runs llama.py's layers. A step runs here when every row is one new position of its request, there are at most
+MOST_ROWS of them, and the step is shared, or has one row, or the machine has one core (llama.py's layers would run
+there with Python between the products: 1.2x this pass's CPU time at 16 rows). Up to packed.DIRECT_ROWS rows the
+products read the codes directly; more take the panel kernel (kernels_c/panels.c), by tasks of whole panels.
 
-Such a step is taken whole where the shard's ends are quantized too (`step`): the token embeddings looked up, the
-layers, the final norm and the head's product (SmolLM2's tied 8-bit embedding, 49,152 outputs: a third of the
-weights a token reads, which llama.py ran after the call, a product and a fork and join of its own) in the same
-call and parallel region, and
-none of the step's bookkeeping (Step: jobs, cache writes by slab) that the layers' path needs. Otherwise the layers
-run here (`run`) and llama.py does the rest."""
+Where the shard's ends are quantized too, the step is taken whole (`step`): the embedding lookup, the layers, the final
+norm and the head's product (SmolLM2's tied 8-bit head is a third of the weights a token reads) in the same call, with
+none of the bookkeeping (Step) the layers' path needs. Otherwise only the layers run here (`run`)."""
 import ctypes
 from typing import List, Optional, Sequence
 
@@ -160,7 +152,7 @@ class FusedDecode:
       return None
     c = self.config
     positions = np.array([cache.length for cache in caches], dtype=np.int64)
-    if rows and positions.max() + 1 > caches[0].capacity:
+    if positions.max() + 1 > caches[0].capacity:
       raise ValueError(f"a request of {positions.max() + 1} positions exceeds the context of {caches[0].capacity}")
     slots = np.array([cache.address for cache in caches], dtype=np.uintp)
     ids = None
