@@ -130,7 +130,10 @@ class Forwarding:
     for request_id in output.finished:
       node.lifecycle.end_request(request_id, Status.FINISHED)
     for hop in output.hops.values():
-      node.spawn(self._send_hop(hop, self._start_hop(hop)))
+      sent = self._start_hop(hop)
+      task = node.spawn(self._send_hop(hop, sent))
+      if asyncio.iscoroutine(sent):  # not awaited where the task is cancelled before it starts (the node stopping)
+        task.add_done_callback(lambda _, sent=sent: sent.close())
     loop = asyncio.get_running_loop()
     for token in output.tokens:  # a turn later: after the hops' calls have sent their messages
       loop.call_soon(loop.call_soon, node.trigger_on_token_callbacks, token.request.id, [token.token], token.finished, token.logprobs and [token.logprobs])
