@@ -31,10 +31,24 @@ def test_the_engine_thread_starts_a_call_before_the_event_loop_runs_its_callback
 def test_a_call_queued_behind_another_does_not_hold_up_the_event_loop():
   async def main():
     e, release, order = engine(), threading.Event(), []
-    first = asyncio.ensure_future(e._run(release.wait, 10))
-    await asyncio.sleep(0)  # the first call has started, and blocks its thread until released
+    loop, began, queued = asyncio.get_running_loop(), asyncio.Event(), asyncio.Event()
+
+    def blocking():  # the first call: started on the thread, which it holds until released
+      loop.call_soon_threadsafe(began.set)
+      release.wait(10)
+
+    queue = e._queue
+    def queue_and_say(fn, *args):
+      future = queue(fn, *args)
+      queued.set()
+      return future
+    e._queue = queue_and_say
+
+    first = asyncio.ensure_future(e._run(blocking))
+    await began.wait()
+    queued.clear()
     second = asyncio.ensure_future(e._run(order.append, "second"))
-    await asyncio.sleep(0)
+    await queued.wait()
     assert e._queued == 2 and order == []  # the second is queued, and the event loop goes on meanwhile
     release.set()
     await asyncio.gather(first, second)
