@@ -38,26 +38,35 @@ def load(path: str) -> llama.Llama:
   return llama.Llama(config, shard, weights)
 
 
-def steps(model: llama.Llama, args) -> None:
+def alternate(model: llama.Llama, rows: int, args, ways: dict) -> tuple:
+  """Each way's median wall and CPU seconds a step at `rows` streams, the ways taking turns step by step (`ways`: name
+  -> what sets it up before its step); the first step of each way warms and is not counted."""
   rng = np.random.default_rng(0)
+  caches = [model.new_cache() for _ in range(rows)]
+  model.forward([rng.integers(100, 10000, args.context) for _ in range(rows)], caches)
+  times, cpu = {way: [] for way in ways}, {way: [] for way in ways}
+  for step in range(args.steps + 1):
+    for way, set_up in ways.items():
+      set_up()
+      tokens = [rng.integers(100, 10000, 1) for _ in range(rows)]
+      started, started_cpu = time.perf_counter(), time.process_time()
+      model.forward(tokens, caches)
+      if step:
+        times[way].append(time.perf_counter() - started)
+        cpu[way].append(time.process_time() - started_cpu)
+  return ({way: statistics.median(t) for way, t in times.items()}, {way: statistics.median(t) for way, t in cpu.items()})
+
+
+def steps(model: llama.Llama, args) -> None:
+  own, model.fused_decode = model.fused_decode, None  # llama.py's layers: the fused pass takes the panels either way
+  ways = {way: (lambda panel_rows=panel_rows: setattr(packed, "PANEL_ROWS", panel_rows)) for way, panel_rows in WAYS.items()}
   for rows in args.rows:
-    caches = [model.new_cache() for _ in range(rows)]
-    model.forward([rng.integers(100, 10000, args.context) for _ in range(rows)], caches)
-    times, cpu = {way: [] for way in WAYS}, {way: [] for way in WAYS}
-    for step in range(args.steps + 1):
-      for way, panel_rows in WAYS.items():
-        packed.PANEL_ROWS = panel_rows
-        tokens = [rng.integers(100, 10000, 1) for _ in range(rows)]
-        started, started_cpu = time.perf_counter(), time.process_time()
-        model.forward(tokens, caches)
-        if step:  # the first of each way warms
-          times[way].append(time.perf_counter() - started)
-          cpu[way].append(time.process_time() - started_cpu)
-    p, t = (1000 * statistics.median(times[way]) for way in WAYS)
-    p_cpu, t_cpu = (1000 * statistics.median(cpu[way]) for way in WAYS)
+    times, cpu = alternate(model, rows, args, ways)
+    p, t = (1000 * times[way] for way in WAYS)
+    p_cpu, t_cpu = (1000 * cpu[way] for way in WAYS)
     print(f"{rows:>3} rows: panels {p:.1f} ms, tiles {t:.1f} ms a step: {t / p:.2f}x ({rows * 1000 / p:.0f} against "
           f"{rows * 1000 / t:.0f} tokens/s); CPU time a step {p_cpu:.1f} against {t_cpu:.1f} ms, {t_cpu / p_cpu:.2f}x", flush=True)
-    del caches
+  packed.PANEL_ROWS, model.fused_decode = WAYS["panels"], own
 
 
 def fused(model: llama.Llama, args) -> None:
@@ -66,28 +75,18 @@ def fused(model: llama.Llama, args) -> None:
   own, model.shared_decode = model.fused_decode, None  # each way forced, not timed and chosen
   one_core = type(own)(model)
   one_core.takes_rows = lambda rows: True  # (unshared, a multi-row step is otherwise llama.py's)
-  ways = {"fused": (own, True), "fused, one core": (one_core, False), "layers": (None, False)}
-  rng = np.random.default_rng(0)
+
+  def way(pass_, shared):
+    def set_up():
+      model.fused_decode = pass_
+      kernels.set_step_shared(shared)
+    return set_up
+  ways = {"fused": way(own, True), "fused, one core": way(one_core, False), "layers": way(None, False)}
   for rows in args.rows:
-    caches = [model.new_cache() for _ in range(rows)]
-    model.forward([rng.integers(100, 10000, args.context) for _ in range(rows)], caches)
-    times, cpu = {way: [] for way in ways}, {way: [] for way in ways}
-    for step in range(args.steps + 1):
-      for way, (pass_, shared) in ways.items():
-        model.fused_decode = pass_
-        kernels.set_step_shared(shared)
-        tokens = [rng.integers(100, 10000, 1) for _ in range(rows)]
-        started, started_cpu = time.perf_counter(), time.process_time()
-        model.forward(tokens, caches)
-        if step:
-          times[way].append(time.perf_counter() - started)
-          cpu[way].append(time.process_time() - started_cpu)
+    times, cpu = alternate(model, rows, args, ways)
     kernels.set_step_shared(False)
-    layers = statistics.median(times["layers"])
     print(f"{rows:>3} rows, ms a step (CPU ms), speed against the layers: " + ", ".join(
-      f"{way} {1000 * statistics.median(times[way]):.1f} ({1000 * statistics.median(cpu[way]):.1f}) "
-      f"{layers / statistics.median(times[way]):.2f}x" for way in ways), flush=True)
-    del caches
+      f"{way} {1000 * times[way]:.1f} ({1000 * cpu[way]:.1f}) {times['layers'] / times[way]:.2f}x" for way in ways), flush=True)
   model.fused_decode = own
 
 
