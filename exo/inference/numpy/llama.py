@@ -9,9 +9,9 @@ them: RoPE and the cache write after q/k/v, the residual add after the output an
 after gate/up (whose columns are interleaved in 32-column pairs so that each slice holds both halves). Only the
 two RMS norms of a layer, over whole rows, run between the slices.
 
-A step of decode rows (up to fused_decode.MOST_ROWS, shared among OpenMP's threads) of a plain model (quantized, none of the other families' features) runs every layer in
-one compiled call instead, and where the shard's ends are quantized too, the whole step from token ids to logits
-(fused_decode.py)."""
+A step of decode rows (up to fused_decode.MOST_ROWS) of a plain quantized model, with none of the other families'
+features, runs every layer in one compiled call instead; where the shard's ends are quantized too, the whole step
+from token ids to logits (fused_decode.py)."""
 import math
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
