@@ -254,7 +254,7 @@ async def test_peers_cannot_grow_the_nodes_tables():
     node.receive_status(f"p{i}", json.dumps({"type": "request_params", "request_id": f"p{i}", "params": {"temperature": 0.5}, "origin": "x"}))
   assert len(node.requests) <= QUEUED_KEPT
   assert node.requests.get("p19999") is not None and node.requests.get("p0") is None  # the oldest went first
-  node.membership.forget_stale(time.monotonic() + QUEUED_KEPT_S + 1)
+  node.lifecycle.forget_stale(time.monotonic() + QUEUED_KEPT_S + 1)
   assert len(node.requests) == 0
   for i in range(100):
     node.receive_status("", json.dumps({"type": "supported_inference_engines", "node_id": f"stranger{i}", "engines": ["numpy"]}))

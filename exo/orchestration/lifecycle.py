@@ -5,7 +5,7 @@ its origin, or failed anywhere (both travel to its route as statuses); every nod
 and frees its KV cache. Its local client (`watch`) hears its tokens and, when it ends otherwise, why."""
 import asyncio
 import logging
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Union
 
 from exo.inference.grammar import CannotConstrain
 from exo.inference.sampling import SamplingParams
@@ -16,12 +16,18 @@ from exo.orchestration.requests import Request, RequestEvent, Status
 
 log = logging.getLogger(__name__)
 
+PEER_LOGPROBS_AHEAD = 64  # a token's logprobs may arrive at most this many tokens before the token itself
+
 
 class Lifecycle:
   def __init__(self, node):
     self.node = node
     self.watchers: Dict[str, asyncio.Queue] = {}  # request id -> its local client's events (see `watch`)
     self.releases: Set[asyncio.Task] = set()  # KV caches being freed: stop() waits for these, never cancels them
+    node.inbox.on_peer(statuses.REQUEST_PARAMS, self._heard_params)
+    node.inbox.on_peer(statuses.TOKEN_LOGPROBS, self._heard_logprobs)
+    for kind in statuses.REQUEST_ENDS:
+      node.inbox.on_peer(kind, self._heard_end)
 
   def open_request(self, request_id: str) -> Optional[Request]:
     return self.node.requests.open(request_id, SamplingParams(temperature=self.node.default_sample_temperature))
@@ -127,3 +133,35 @@ class Lifecycle:
     self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
     if is_finished and request is not None:
       self.end_request(request_id, Status.FINISHED)
+
+  def forget_stale(self, now=None) -> None:
+    """Forget old ended ids, and parameters a peer sent for requests that never came here."""
+    for request in self.node.requests.sweep(now):
+      if request.model is None:
+        self.node.requests.end(request.id, Status.CANCELLED)
+
+  def _heard_params(self, request_id: str, status: statuses.RequestParams, sender_host: Optional[str]) -> None:
+    request = self.open_request(status.request_id)
+    if request is not None and request.model is None:  # parameters can no longer change once it runs here
+      request.params, request.origin = status.params, status.origin
+
+  def _heard_end(self, request_id: str, status: Union[statuses.CancelRequest, statuses.RequestError], sender_host: Optional[str]) -> Optional[bool]:
+    cancel, request = status.type == statuses.CANCEL_REQUEST, self.node.requests.get(status.request_id)
+    if request is not None and sender_host is not None and not self.node.on_path(request, sender_host, origin_only=cancel):
+      log.warning("exo: dropped a %s for %s from %s, which is not its origin or on its path", status.type, status.request_id, sender_host)
+      return False
+    if request is None:
+      self.node.requests.end(status.request_id, Status.FAILED)  # not seen here yet: a late hop must not start it
+    else:
+      self.end_request(status.request_id, Status.CANCELLED if cancel else Status.FAILED, None if cancel else status.error)
+    return None
+
+  def _heard_logprobs(self, request_id: str, status: statuses.TokenLogprobsStatus, sender_host: Optional[str]) -> None:
+    """Keep a token's logprobs until the token arrives (ours, asked for, from its path, at most PEER_LOGPROBS_AHEAD ahead)."""
+    request, position = self.node.requests.get(status.request_id), status.position
+    if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status.top) > request.params.logprobs
+        or not 0 <= position - request.delivered_here().received < PEER_LOGPROBS_AHEAD
+        or (sender_host is not None and not self.node.on_path(request, sender_host))):
+      log.log(VERBOSE, "Ignoring token logprobs for %s (position %s) from %s", status.request_id, position, sender_host)
+      return
+    request.delivered_here().logprobs_ahead[position] = status.logprobs

@@ -1,16 +1,19 @@
-"""Membership and health: what the node does when peers come and go, and how it notices a peer that died.
+"""Membership and health: what the node does when peers come and go, what they say of themselves (engines, grammars,
+prefix reuse, downloads, who is working), and how it notices a peer that died.
 
 When a node of a request's route leaves or stops answering health checks, exactly the requests that need it end with
 an error naming it. A node that joins changes nothing where requests carry their routes; on a derived ring (upstream
 nodes present, or routes off) every request in flight lost its place and ends too."""
 import asyncio
+import functools
 import logging
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+from exo.download.download_progress import RepoProgressEvent
 
 from exo.logs import VERBOSE
 from exo.orchestration import statuses
-from exo.orchestration.requests import Status
 from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -20,6 +23,9 @@ PEER_CHECK_S = 2.0  # how often the peers that live requests need are health-che
 # its 5 s timeout may be a live peer busy for a moment: dead only after SLOW_CHECKS_BEFORE_DEAD in a row.
 ANSWERED_S = 1.0
 SLOW_CHECKS_BEFORE_DEAD = 2
+# What a peer says of itself, kept while it is a peer: status kind -> (the node's table, the status's field)
+PEER_SAYS = {statuses.SUPPORTED_ENGINES: ("peer_engines", "engines"), statuses.STRUCTURED_OUTPUT: ("peer_grammar_engines", "engine"),
+             statuses.PREFIX_CACHE: ("peer_prefix_blocks", "block")}
 
 
 class Membership:
@@ -27,6 +33,14 @@ class Membership:
     self.node = node
     self.slow_checks: Dict[str, int] = {}  # per peer: its failed checks in a row that ran out the timeout
     self.clock = time.monotonic
+    inbox = node.inbox
+    for kind, (table, field) in PEER_SAYS.items():
+      inbox.observe(kind, functools.partial(self._heard_says, table, field))
+    inbox.observe(statuses.NODE_STATUS, self._heard_node_status)
+    inbox.observe(statuses.DOWNLOAD_PROGRESS, self._heard_download_progress)
+    if node.topology_viz:
+      for kind in (statuses.NODE_STATUS, statuses.REQUEST_ERROR, statuses.DOWNLOAD_PROGRESS):
+        inbox.observe(kind, lambda request_id, status, host: node.topology_viz.update_status(status.model_dump()))
 
   def peers_changed(self, added: List, removed: List, moved: List) -> None:
     """End the requests that needed a node that left or moved (and, on a derived ring, every request if one joined)."""
@@ -90,27 +104,26 @@ class Membership:
         if peer.id() in request.ring:
           node.spawn(node.lifecycle.fail_request(request.id, message))
 
-  async def collect_periodically(self, interval: float) -> None:
-    node = self.node
-    while True:
-      await asyncio.sleep(interval)
-      try:
-        if await node.update_peers():
-          await node.broadcast_supported_engines(node.get_supported_inference_engines())
-        # Every round: a peer may have dropped what this node announced before it knew this node.
-        await node.announce()
-        await node.collect_topology(set())
-        self.forget_stale()
-        node.placements.settle()
-      except Exception as e:
-        log.log(VERBOSE, "Error collecting topology: %r", e)
+  def _heard_says(self, table: str, field: str, request_id: str, status: statuses.Status, sender_host: Optional[str]) -> None:
+    if status.node_id in self.node.peer_hosts:
+      getattr(self.node, table)[status.node_id] = getattr(status, field)
 
-  def forget_stale(self, now=None) -> None:
-    """Forget old ended ids, and parameters a peer sent for requests that never came here."""
+  def _heard_node_status(self, request_id: str, status: statuses.NodeStatus, sender_host: Optional[str]) -> None:
     node = self.node
-    for request in node.requests.sweep(now):
-      if request.model is None:
-        node.requests.end(request.id, Status.CANCELLED)
+    if status.status.startswith("start_"):
+      node.topology.active_node_id = status.node_id
+      if status.status == "start_process_prompt" and status.node_id != node.id and node.partitioning_strategy:
+        node.spawn(node.placements.preload(status.shard))
+    elif status.status.startswith("end_") and status.node_id == node.topology.active_node_id:
+      node.topology.active_node_id = None
+
+  def _heard_download_progress(self, request_id: str, status: statuses.DownloadProgress, sender_host: Optional[str]) -> None:
+    if status.node_id in {self.node.id, *self.node.peer_hosts}:
+      try:
+        self.node.node_download_progress[status.node_id] = RepoProgressEvent.from_dict(status.progress)
+        self.node.node_download_sources[status.node_id] = status.sources
+      except (KeyError, TypeError, ValueError) as e:
+        log.log(VERBOSE, "Ignoring malformed download progress: %r", e)
 
 
 async def timed_health_check(peer, clock) -> Tuple[bool, float]:

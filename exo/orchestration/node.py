@@ -13,6 +13,7 @@ from exo.helpers import AsyncCallbackSystem
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference import grammar
 from exo.inference.shard import Shard
+from exo.logs import VERBOSE
 from exo.orchestration import hookspecs, statuses
 from exo.orchestration.steps.scheduler import LONE_PROMPT_CHUNK, Scheduler
 from exo.orchestration.steps.loop import StepLoop
@@ -26,7 +27,6 @@ from exo.orchestration.placements import Placements
 from exo.orchestration.prefixes import PrefixProtocol
 from exo.orchestration.requests import Request, RequestRegistry, Status
 from exo.orchestration.ring_member import RingMember
-from exo.orchestration.status_handlers import StatusHandlers
 from exo.orchestration.steps.core import StepCore
 from exo.orchestration.routing.forwarding import Forwarding
 from exo.topology.device_capabilities import device_capabilities
@@ -79,7 +79,6 @@ class Node(RingMember):
     self.passes = Passes(self)
     self.prefix_protocol = PrefixProtocol(self)
     self.membership = Membership(self)
-    self.status_handlers = StatusHandlers(self)
     self.plugins = pluggy.PluginManager("exo")
     self.plugins.add_hookspecs(hookspecs)
     self.plugins.register(CorePlugin(), name="exo-core")  # installed plugins: exo.main.load_installed_plugins
@@ -194,7 +193,18 @@ class Node(RingMember):
     return changed
 
   async def periodic_topology_collection(self, interval: float) -> None:
-    await self.membership.collect_periodically(interval)
+    while True:
+      await asyncio.sleep(interval)
+      try:
+        if await self.update_peers():
+          await self.broadcast_supported_engines(self.get_supported_inference_engines())
+        # Every round: a peer may have dropped what this node announced before it knew this node.
+        await self.announce()
+        await self.collect_topology(set())
+        self.lifecycle.forget_stale()
+        self.placements.settle()
+      except Exception as e:
+        log.log(VERBOSE, "Error collecting topology: %r", e)
 
   async def announce(self) -> None:
     """Tell the ring what this node does beyond upstream's: prefix reuse, grammars, placement facts."""

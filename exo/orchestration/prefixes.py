@@ -27,7 +27,6 @@ class PrefixProtocol:
     self.filings: Set[asyncio.Task] = set()  # finished answers being filed (see _file_answer)
     node.inbox.on_peer(statuses.PREFIX_MISS, self._heard_miss)
     node.inbox.on_peer(statuses.PREFIX_EXTEND, self._heard_extend)
-    node.inbox.observe(statuses.PREFIX_CACHE, self._heard_cache)
 
   @property
   def engine(self):
@@ -122,7 +121,3 @@ class PrefixProtocol:
     if sender_host is None or self.node.peers_at(sender_host):
       for engine in self.node.model_pool.all_engines():  # (the request has ended here: the engine that holds its entry files it, the others ignore it)
         engine.extend_prefix(status.request_id, status.keys)
-
-  def _heard_cache(self, request_id: str, status: statuses.PrefixCache, sender_host: Optional[str]) -> None:
-    if status.node_id in self.node.peer_hosts:
-      self.node.peer_prefix_blocks[status.node_id] = status.block
