@@ -1,12 +1,15 @@
 """Which models this node's engines serve, and when another may be loaded.
 
 A request holds the gate for its model from its first work here until it ends; `room` says whether a model may be let
-in beside those held (OneModel: only when none is; ModelPool: while memory and its limit allow). Requests wait in line
+in beside those held: by its room (ModelPool: while memory and its limit allow), else only when none is held. Requests wait in line
 in arrival order, whatever their model, so busy models cannot starve another; one that waits longer than `wait_s`
 ends with ModelBusy. A preload holds the gate like a request while it loads."""
 import asyncio
 from collections import deque
-from typing import Collection, Deque, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Set, Tuple
+
+if TYPE_CHECKING:
+  from exo.orchestration.model_pool import ModelPool
 
 DEFAULT_WAIT_S = 300.0
 
@@ -26,24 +29,10 @@ class LeftTheLine(Exception):
   """The request ended while it waited."""
 
 
-class OneModel:
-  """The room of a node whose engine holds one model at a time."""
-
-  def fits(self, model: str, held: Collection[str]) -> bool:
-    """Whether `model` may be loaded while requests hold the models `held` (it is not one of them)."""
-    return not held
-
-  def admit(self, model: str) -> None:
-    """A request (or preload) now holds `model`, and none did before."""
-
-  def release(self, model: str) -> None:
-    """The last request holding `model` has let it go."""
-
-
 class ModelGate:
-  def __init__(self, wait_s: float = DEFAULT_WAIT_S, room: Optional[OneModel] = None):
+  def __init__(self, wait_s: float = DEFAULT_WAIT_S, room: Optional["ModelPool"] = None):
     self.wait_s = wait_s
-    self.room = room or OneModel()
+    self.room = room  # None: one model at a time
     self.serving: Optional[str] = None  # the model let in last
     self.model_of: Dict[str, str] = {}  # holder (a request id, or a preload's) -> its model
     self.preloads: Set[str] = set()  # the holders that are preloads, not requests
@@ -62,7 +51,7 @@ class ModelGate:
     return [request_id for _, request_id, admitted in self._line if not admitted.done()]
 
   def _has_room(self, model: str, held: Set[str]) -> bool:
-    return model in held or self.room.fits(model, held)
+    return model in held or (self.room.fits(model, held) if self.room is not None else not held)
 
   def idle_for(self, model: str) -> bool:
     """Nothing would be disturbed by loading `model` now."""
@@ -103,7 +92,7 @@ class ModelGate:
     """The request has ended here: it lets go of the model, or leaves the line."""
     self.preloads.discard(request_id)
     model = self.model_of.pop(request_id, None)
-    if model is not None and model not in self.model_of.values():
+    if model is not None and model not in self.model_of.values() and self.room is not None:
       self.room.release(model)
     for _, waiting, admitted in self._line:
       if waiting == request_id and not admitted.done():
@@ -111,7 +100,7 @@ class ModelGate:
     self._let_in()
 
   def _admit(self, request_id: str, model: str) -> None:
-    if model not in self.model_of.values():
+    if model not in self.model_of.values() and self.room is not None:
       self.room.admit(model)
     self.serving = model
     self.model_of[request_id] = model

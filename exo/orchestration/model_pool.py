@@ -12,7 +12,7 @@ from exo import settings
 from exo.inference.inference_engine import InferenceEngine, inference_engine_classes
 from exo.inference.shard import Shard
 from exo.keep_alive import KeepAlive, KeptPool
-from exo.orchestration.model_gate import OneModel, gate_key
+from exo.orchestration.model_gate import gate_key
 from exo.topology.placement import MemberFacts, stage_bytes
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def max_loaded_models(args, environ) -> int:
   return DEFAULT_MAX_LOADED_MODELS if value is None else value
 
 
-class ModelPool(OneModel, KeptPool):
+class ModelPool(KeptPool):
   def __init__(self, engine: InferenceEngine, downloader, own_facts: Callable[[], MemberFacts]):
     # own_facts: what this node announces (float width, memory offered), by which a model's size is weighed.
     self.engine, self.downloader, self.own_facts = engine, downloader, own_facts
@@ -89,10 +89,12 @@ class ModelPool(OneModel, KeptPool):
     return not keys or (len(keys) < self.capacity() and sum(map(self.bytes_of, keys)) + self.bytes_of(model) <= self.memory_bytes())
 
   def fits(self, model: str, held: Collection[str]) -> bool:
+    """Whether `model` may be loaded while requests hold the models `held` (it is not one of them)."""
     held = [key for key in self.engines if key in held]
     return not held or (not self._other_layers(model, held) and self._room_for(model, held))
 
   def admit(self, model: str) -> None:
+    """A request (or preload) now holds `model`, and none did before."""
     if model not in self.residents:
       self._make_room(model)
       self.engines[model] = self.free.pop(0) if self.free else self._build_engine()
@@ -102,6 +104,7 @@ class ModelPool(OneModel, KeptPool):
     self.residents.take(model)
 
   def release(self, model: str) -> None:
+    """The last request holding `model` has let it go."""
     shard = self.shards.get(model)
     asked = self.asked_keep_alive.pop(shard.model_id, None) if shard is not None else None
     if asked is None and self.engines.get(model) is self.engine:
