@@ -11,7 +11,7 @@ going to one that contains this node. Nothing here waits or sends: the clock is 
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from exo.inference.prefix_cache import BLOCK, block_keys
 from exo.topology.placement import Group
@@ -122,30 +122,27 @@ class Router:
 
   def own(self, group: str) -> Tuple[int, int, int]:
     """(prompt tokens waiting, requests running, requests waiting) this node sent to `group`."""
-    waiting = running = queued = 0
-    for sent in self.sent.values():
-      if sent.group == group:
-        waiting += sent.waiting
-        running += sent.waiting == 0
-        queued += sent.waiting > 0
-    return waiting, running, queued
+    return _total((sent.waiting, sent.waiting == 0, sent.waiting > 0) for sent in self.sent.values() if sent.group == group)
 
   def others(self, group: str) -> Tuple[int, int, int]:
     """The other origins' share of `group`'s work, as last reported (nothing once the report is stale)."""
     loads, heard = self.reports.get(group, ({}, -REPORT_FRESH_S))
-    if self.clock() - heard > REPORT_FRESH_S:
-      return 0, 0, 0
-    shares = [share for origin, share in loads.items() if origin != self.node_id]
-    return sum(s[0] for s in shares), sum(s[1] for s in shares), sum(s[2] for s in shares)
+    fresh = self.clock() - heard <= REPORT_FRESH_S
+    return _total(share for origin, share in loads.items() if fresh and origin != self.node_id)
 
   def load(self, group: str) -> float:
-    (own_tokens, own_running, own_queued), (other_tokens, other_running, other_queued) = self.own(group), self.others(group)
-    return own_tokens + other_tokens + ROW_TOKENS * (own_running + own_queued + other_running + other_queued)
+    tokens, running, waiting = _total([self.own(group), self.others(group)])
+    return tokens + ROW_TOKENS * (running + waiting)
 
   def groups(self) -> Dict[str, Dict[str, int]]:
     """Each group this node sent to or heard of: its requests running and waiting, as this node knows them."""
     view = {}
     for group in sorted(set(self.reports) | {s.group for s in self.sent.values()}):
-      own, others = self.own(group), self.others(group)
-      view[group] = {"running": own[1] + others[1], "waiting": own[2] + others[2]}
+      _, running, waiting = _total([self.own(group), self.others(group)])
+      view[group] = {"running": running, "waiting": waiting}
     return view
+
+
+def _total(shares: Iterable[Tuple[int, int, int]]) -> Tuple[int, int, int]:
+  """The shares summed, field by field."""
+  return tuple(map(sum, zip(*shares))) or (0, 0, 0)
