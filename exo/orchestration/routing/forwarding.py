@@ -239,13 +239,9 @@ class Forwarding:
 
   async def tell(self, request: Optional[Request], request_id: str, status: str) -> None:
     """A status about a request: to the nodes of its route and its origin (every peer without a travelling route)."""
-    node = self.node
     route = request.route if request is not None else None
-    if route is None or not route.travels:
-      await node.broadcast_opaque_status(request_id, status)
-      return
-    targets = (set(route.node_ids) | {request.origin}) - {node.id}
-    await node.broadcast_opaque_status(request_id, status, to=targets)
+    targets = (set(route.node_ids) | {request.origin}) - {self.node.id} if route is not None and route.travels else None
+    await self.node.broadcast_opaque_status(request_id, status, to=targets)
 
   def _loads_here(self) -> Dict[str, Dict[str, List[int]]]:
     """For each group whose first node this is: each origin's [prompt tokens waiting, requests running, waiting]."""

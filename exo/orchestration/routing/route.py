@@ -42,9 +42,6 @@ class Route:
   def first(self) -> Stage:
     return self.hops[0]
 
-  def stage_of(self, node_id: str) -> Optional[Stage]:
-    return next((hop for hop in self.hops if hop.node_id == node_id), None)
-
   def after(self, node_id: str) -> Stage:
     """The hop after `node_id`'s: from the last layers back to the first (the next token)."""
     ids = self.node_ids
@@ -54,7 +51,7 @@ class Route:
     return Shard(base.model_id, stage.start, stage.end, base.n_layers)
 
   def shard_of(self, node_id: str, base: Shard) -> Optional[Shard]:
-    stage = self.stage_of(node_id)
+    stage = next((hop for hop in self.hops if hop.node_id == node_id), None)
     return None if stage is None else self.shard(stage, base)
 
   @functools.cached_property
