@@ -108,13 +108,6 @@ class Lifecycle:
     if request is not None and request.status is not Status.QUEUED:
       raise ValueError(f"request {request_id} already has its prompt ({request.status.value})")
 
-  def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool, logprobs: Optional[list] = None) -> None:
-    watcher = self.watchers.get(request_id)
-    if watcher is not None:
-      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None, logprobs))
-    self.node.forwarding.router.tokens(request_id, tokens, is_finished)
-    self.node.on_token.trigger_all(request_id, tokens, is_finished)
-
   def on_result(self, request_id: str, result: List[int], is_finished: bool, sender_host: Optional[str] = None) -> None:
     """A peer's SendResult (or a token that reached this node otherwise); the last one ends the request here too."""
     if self.node.requests.ended(request_id) is not None:
@@ -130,7 +123,7 @@ class Lifecycle:
         logprobs = [delivery.logprobs_ahead.pop(delivery.received + i, None) for i in range(len(result))]
       delivery.received += len(result)
       request.advance(Status.DECODING)
-    self.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
+    self.node.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
     if is_finished and request is not None:
       self.end_request(request_id, Status.FINISHED)
 

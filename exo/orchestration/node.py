@@ -25,7 +25,7 @@ from exo.orchestration.model_pool import ModelPool
 from exo.orchestration.passes import Passes
 from exo.orchestration.placements import Placements
 from exo.orchestration.prefixes import PrefixProtocol
-from exo.orchestration.requests import Request, RequestRegistry, Status
+from exo.orchestration.requests import Request, RequestEvent, RequestRegistry, Status
 from exo.orchestration.ring_member import RingMember
 from exo.orchestration.steps.core import StepCore
 from exo.orchestration.routing.forwarding import Forwarding
@@ -240,7 +240,12 @@ class Node(RingMember):
     return self._on_token
 
   def trigger_on_token_callbacks(self, request_id: str, tokens: List[int], is_finished: bool, logprobs: Optional[list] = None) -> None:
-    self.lifecycle.trigger_on_token_callbacks(request_id, tokens, is_finished, logprobs)
+    """New tokens of a request, to its local client (Lifecycle.watch), the router and the on_token callbacks."""
+    watcher = self.lifecycle.watchers.get(request_id)
+    if watcher is not None:
+      watcher.put_nowait(RequestEvent(list(tokens), is_finished, None, logprobs))
+    self.forwarding.router.tokens(request_id, tokens, is_finished)
+    self._on_token.trigger_all(request_id, tokens, is_finished)
 
   def accepts_prompt(self, request_id: str) -> None:
     """Before a peer's SendPrompt (the gRPC server asks): ValueError if the prompt must not start (Lifecycle.accepts_prompt)."""
