@@ -11,7 +11,6 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from exo.download.download_progress import RepoProgressEvent
-
 from exo.logs import VERBOSE
 from exo.orchestration import statuses
 from exo.orchestration.ring_member import PEER_CALL_TIMEOUT_S

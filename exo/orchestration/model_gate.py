@@ -1,8 +1,8 @@
 """Which models this node's engines serve, and when another may be loaded.
 
 A request holds the gate for its model from its first work here until it ends; `room` says whether a model may be let
-in beside those held: by its room (ModelPool: while memory and its limit allow), else only when none is held. Requests wait in line
-in arrival order, whatever their model, so busy models cannot starve another; one that waits longer than `wait_s`
+in beside those held (ModelPool: while memory and its limit allow; without a room, only when none is). Requests wait in
+line in arrival order, whatever their model, so busy models cannot starve another; one that waits longer than `wait_s`
 ends with ModelBusy. A preload holds the gate like a request while it loads."""
 import asyncio
 from collections import deque
