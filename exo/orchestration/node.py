@@ -62,7 +62,6 @@ class Node(RingMember):
     self.node_download_progress: Dict[str, RepoProgressEvent] = {}
     self.node_download_sources: Dict[str, Dict[str, str]] = {}  # node id -> its files arriving now -> "hub" or "peer <id>"
     self.memory_offered_mb: Optional[int] = None  # what this node offers the cluster instead of the machine's memory
-    self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self.requests = RequestRegistry()
     self.model_pool = ModelPool(inference_engine, shard_downloader, lambda: self.placements.own_facts())  # the chat models loaded here, one engine each
     self.model_gate = ModelGate(room=self.model_pool)

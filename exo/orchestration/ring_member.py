@@ -30,6 +30,7 @@ class RingMember:
     self.peer_hosts: Dict[str, Set[str]] = {}  # peer id -> the IP addresses it is reached at (its calls come from there)
     self.peer_engines: Dict[str, List[str]] = {}  # peer id -> the engines it says it runs
     self.peer_prefix_blocks: Dict[str, int] = {}  # peer id -> the block size it reuses prompt prefixes in, if it does
+    self.peer_grammar_engines: Dict[str, str] = {}  # peer id -> the grammar engine it samples requests' grammars with
     self._on_opaque_status = AsyncCallbackSystem[str, Tuple[str, str]]()
     self.inbox = Inbox()
     self._partitions: Tuple[Optional[tuple], List[Partition]] = (None, [])  # (what they were computed from, partitions)
@@ -105,8 +106,9 @@ class RingMember:
     await asyncio.gather(*[connect(p) for p in next_peers])
     if removed or added or moved or set(self.peer_hosts) != set(following):
       self.peer_hosts = {p.id(): await self._hosts_of(p) for p in self.peers}
-      self.peer_engines = {pid: engines for pid, engines in self.peer_engines.items() if pid in following}
-      self.peer_prefix_blocks = {pid: block for pid, block in self.peer_prefix_blocks.items() if pid in following}
+      for said in (self.peer_engines, self.peer_prefix_blocks, self.peer_grammar_engines):  # what peers say of themselves
+        for pid in set(said) - set(following):
+          del said[pid]
     changed = bool(removed or added or moved)
     if changed:
       log.log(VERBOSE, "Peers changed: added %s, removed %s, moved %s", [p.id() for p in added], [p.id() for p in removed], [p.id() for p in moved])
