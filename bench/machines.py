@@ -125,29 +125,52 @@ def clients_of(cluster: Cluster, clients: str):
 
 
 async def one_burst(cluster: Machines, urls, n: int, args, label: str, pair: int, out, idle: List[subprocess.Popen]) -> Dict:
-  """A burst of n streams on one configuration, with its stages' busy fractions; also the core time that the
-  configuration waiting meanwhile (`idle`) took, which should be next to none."""
+  """A burst of n streams on one configuration, with its stages' busy fractions and each node's event-loop core time a
+  step (see loop_seconds); also the core time that the configuration waiting meanwhile (`idle`) took, which should be
+  next to none, and that this process (the clients) and the relays took, which the nodes' cores share."""
   before, start, idle_before = await cluster.scrape(), time.monotonic(), sum(map(cpu_seconds, idle))
+  loops_before, harness_before = [loop_seconds(p) for p in cluster.procs], harness_seconds(cluster)
   results = await burst(urls, make_prompts(n, args.prompt_tokens), args.tokens)
   wall = time.monotonic() - start
+  loops, harness_used = [loop_seconds(p) - b for p, b in zip(cluster.procs, loops_before)], harness_seconds(cluster) - harness_before
   after = await cluster.scrape()
   moved = {key: value - before.get(key, 0.0) for key, value in after.items()}
   stages = [key[5:] for key in after if key.startswith("busy ")]
+  steps = [sum(v for k, v in moved.items() if k.startswith(f"steps {i}:")) for i in range(cluster.nodes)]
   row = {"label": label, "nodes": cluster.nodes, "n": n, "pair": pair, "code": "this" if cluster.root == ROOT else str(cluster.root),
          "texts": [r["text"] for r in results], **summarise(results), "busy": {stage: moved[f"busy {stage}"] / wall for stage in stages},
          "rows_per_step": {stage: moved.get(f"rows {stage}", 0) / max(1, moved.get(f"steps {stage}", 0)) for stage in stages},
-         "idle_other": (sum(map(cpu_seconds, idle)) - idle_before) / wall}
+         "loop_s_per_step": [used / max(1, count) for used, count in zip(loops, steps)],
+         "harness": harness_used / wall, "idle_other": (sum(map(cpu_seconds, idle)) - idle_before) / wall}
   out.write(json.dumps({k: v for k, v in row.items() if k != "texts"}) + "\n")
   out.flush()
   busy = ", ".join(f"{stage} {100 * b:.0f}% ({row['rows_per_step'][stage]:.1f} rows/step)" for stage, b in sorted(row["busy"].items()))
+  loop = " ".join(f"{i}:{1e3 * t:.1f}" for i, t in enumerate(row["loop_s_per_step"]))
   print(f"  pair {pair} {label:<16} N={n:<3} {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:.2f}s  ITL p50 {1e3 * row['itl_p50']:.0f} ms  "
-        f"busy: {busy}; the other side idle: {100 * row['idle_other']:.1f}% of a core", flush=True)
+        f"busy: {busy}; event loop ms/step {loop}; clients and relays {100 * row['harness']:.0f}% of a core; "
+        f"the other side idle: {100 * row['idle_other']:.1f}% of a core", flush=True)
   return row
 
 
 def cpu_seconds(process: subprocess.Popen) -> float:
   """Core seconds a process has used so far (user + system)."""
-  with open(f"/proc/{process.pid}/stat") as f:
+  return _stat_seconds(f"/proc/{process.pid}/stat")
+
+
+def loop_seconds(process: subprocess.Popen) -> float:
+  """Core seconds a node's main thread, its event loop, has used so far: the work beside its engine's thread (sampling,
+  the step's output, statuses, HTTP streams), which on a node of one core lengthens every step by as much."""
+  return _stat_seconds(f"/proc/{process.pid}/task/{process.pid}/stat")
+
+
+def harness_seconds(cluster: "Machines") -> float:
+  """Core seconds this process (the clients) and the cluster's relays have used so far."""
+  own = os.times()
+  return own.user + own.system + sum(map(cpu_seconds, cluster.relays))
+
+
+def _stat_seconds(path: str) -> float:
+  with open(path) as f:
     fields = f.read().rsplit(")", 1)[1].split()
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -334,7 +357,8 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[str, Dict[int,
     print(f"\n{label}: {args.nodes} nodes x {args.cores_per_node} core(s), {args.hop_delay_ms:g} ms each way, vs 1 node x {args.cores_per_node} "
           f"core(s); medians over {len(pairs)} pair(s)")
     print(f"{'N':>4} {'cluster tok/s':>14} {'single tok/s':>13} {'cluster/single':>15} {'each pair':>20} {'ceiling':>8} {'of ceiling':>11} {'busy: ceiling, of it':>21} "
-          f"{'ITL p50 c/s (ms)':>17} {'step c/s (ms)':>14} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's)")
+          f"{'ITL p50 c/s (ms)':>17} {'step c/s (ms)':>14} {'loop ms/step c | s':>19} {'same':>5}  stage busy (cluster)   (same: greedy outputs as one unbatched node's; "
+          f"loop: each node's event-loop core time per step, cluster nodes | the single node)")
     for n in ns:
       ratios = [cluster[n]["tok_s"] / single[n]["tok_s"] for cluster, single in pairs]
       ratio = statistics.median(ratios)
@@ -346,8 +370,10 @@ def report(args, ns: List[int], runs: List[Dict], caps: List[Dict[str, Dict[int,
       steps = (f"{1e3 * statistics.median(c['steps_busy'][-(-n // args.nodes)] for c in caps):.0f}/{1e3 * statistics.median(c['step_alone'][n] for c in caps):.0f}"
                if caps and n in caps[0]["step_alone"] else "-")
       busy = ", ".join(f"{node}:{'/'.join(layers)}: {100 * statistics.median(fractions):.0f}%" for node, (layers, fractions) in stage_busy(pairs, n).items())
+      loops = [" ".join(f"{1e3 * statistics.median(side[n]['loop_s_per_step'][i] for side in sides):.1f}" for i in range(len(sides[0][n]["loop_s_per_step"])))
+               for sides in ([c for c, _ in pairs], [s for _, s in pairs])]
       print(f"{n:>4} {statistics.median(c[n]['tok_s'] for c, _ in pairs):>14.1f} {statistics.median(s[n]['tok_s'] for _, s in pairs):>13.1f} "
-            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {share_busy:>21} {itl:>17} {steps:>14} {'yes' if same else 'NO':>5}  {busy}")
+            f"{ratio:>14.2f}x {' '.join(f'{x:.2f}' for x in ratios):>20} {(f'{cap:7.2f}x' if cap else '-'):>8} {share} {share_busy:>21} {itl:>17} {steps:>14} {' | '.join(loops):>19} {'yes' if same else 'NO':>5}  {busy}")
     if CAPACITY_AT in ns:
       cluster_capacity, single_capacity = [], []
       for cluster, single in pairs:

@@ -87,6 +87,32 @@ async def test_a_steps_output_packs_rows_per_next_hop_and_tokens_per_origin():
   assert not node.requests.is_live("r4") and node.requests.is_live("r1")
 
 
+class TokenRowsPeer(RecordingPeer):
+  """A peer whose client has its own call for a step's token rows (as GRPCPeerHandle.send_token_rows)."""
+
+  def __init__(self, node_id: str):
+    super().__init__(node_id)
+    self.token_calls = 0
+
+  async def send_token_rows(self, status):
+    self.token_calls += 1
+    self.statuses.append(json.loads(status))
+
+
+async def test_a_steps_tokens_go_by_the_peers_own_call_for_token_rows_where_it_has_one():
+  node, peers = routed_node()
+  node.peers = [TokenRowsPeer("o1") if p.id() == "o1" else p for p in node.peers]  # o2 keeps only send_opaque_status
+  origin = node.peers[[p.id() for p in node.peers].index("o1")]
+  a, b = route("p1", "o1", node), route("p1", "o2", node)
+  for request_id, r in (("r1", a), ("r2", a), ("r3", b)):
+    node.forwarding.set_route(node.requests.open(request_id, SamplingParams(max_tokens=10)), r)
+  rows = [(request_id, 1, toy_logits([1])[None], {"route": r.json}) for request_id, r in (("r1", a), ("r2", a), ("r3", b))]
+  node.forwarding.send(await node.step_core.finish_step(LAST, rows, sampled={"r1": 5, "r2": 6, "r3": 7}))
+  await eventually(lambda: token_rows(origin) and token_rows(peers["o2"]), 5)
+  assert origin.token_calls == 1 and token_rows(origin) == [["r1", [5], False, None], ["r2", [6], False, None]]  # one call, both rows
+  assert token_rows(peers["o2"]) == [["r3", [7], False, None]]  # a peer without it: a status as any other
+
+
 async def test_a_row_that_fails_to_sample_fails_alone():
   node, peers = routed_node()
   a = route("p1", "o1", node)

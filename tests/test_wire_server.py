@@ -166,7 +166,7 @@ async def test_a_tensor_is_answered_when_its_forward_pass_starts(served, monkeyp
   gates["stuck"][1].set()
 
 
-async def test_tensors_travel_uncompressed_and_other_calls_gzipped(served):
+async def test_tensors_and_token_rows_travel_uncompressed_and_other_calls_gzipped(served):
   """Counts the bytes on the wire through a loopback relay. (grpc.aio ignores a call's compression=NoCompression on
   a channel whose default is gzip; tensors were silently gzipped, ~6 ms of the sender's loop per prompt message.)"""
   node, _, _, port = served
@@ -198,6 +198,11 @@ async def test_tensors_travel_uncompressed_and_other_calls_gzipped(served):
     await peer.send_opaque_status("r1", status)
     assert await next_call(node) == ("status", "r1", status)
     assert sent - before < zeros.nbytes // 10
+    before = sent  # a step's token rows: uncompressed, as the other calls that carry token ids
+    rows = json.dumps({"type": "tokens", "node_id": "client", "rows": [[f"request-{i}", [0] * 64, False, None] for i in range(4096)]})
+    await peer.send_token_rows(rows)
+    assert await next_call(node) == ("status", "", rows)
+    assert sent - before > len(rows)
   finally:
     await peer.disconnect()
     relay_server.close()

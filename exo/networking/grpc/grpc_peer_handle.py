@@ -50,8 +50,9 @@ SEND_RESULT_TIMEOUT_S = 15.0
 REFUSED_RETRY_WAITS_S = (0.01, 0.05, 0.2, None)  # pauses before resending a refused stream; None: give up
 # Calls are gzip-compressed like upstream's, except those carrying tensors and token ids: float activations hardly
 # compress, and compressing them costs more time than it saves (about 6 ms of the sender's event loop for a 64-token
-# prompt's hidden states). Servers accept both. The channel has no default compression, because a call
-# cannot turn a channel's default off (grpc.aio ignores compression=NoCompression then); the others ask for gzip.
+# prompt's hidden states; a step's token rows are a few hundred bytes: gzip saves them no time and adds ~10% to the
+# call's core time). Servers accept both. The channel has no default compression, because a call cannot turn a
+# channel's default off (grpc.aio ignores compression=NoCompression then); the others ask for gzip.
 GZIP = grpc.Compression.Gzip
 TRAVELLING_STATE = ("prefix", "route", "params", "rows", "prompt_ids")  # the inference state's keys that go on the wire (JSON)
 
@@ -205,6 +206,13 @@ class GRPCPeerHandle(PeerHandle):
     await self._ensure_connected()
     request = pb.SendOpaqueStatusRequest(request_id=request_id, status=status)
     await self.unless_refused(self.stub.SendOpaqueStatus, request, timeout=OPAQUE_STATUS_TIMEOUT_S, compression=GZIP)
+
+  async def send_token_rows(self, status: str) -> None:
+    """A `tokens` status (one a step for each origin, exo/orchestration/routing/forwarding.py): a SendOpaqueStatus
+    uncompressed, as the other calls that carry token ids, and bounded by the call's own deadline."""
+    await self._ensure_connected()
+    request = pb.SendOpaqueStatusRequest(request_id="", status=status)
+    await self.unless_refused(self.stub.SendOpaqueStatus, request, timeout=OPAQUE_STATUS_TIMEOUT_S)
 
   async def collect_topology(self, visited: set, max_depth: int) -> Topology:
     await self._ensure_connected()
