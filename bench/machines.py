@@ -22,7 +22,8 @@ way), each stage's busy fraction (from the nodes' /metrics), and:
   prints that ceiling and its share too: what is left between the cluster and it is the cluster's own cost; and
   beside each ITL p50 (cluster/single) the bare engine step at the same rows ("step c/s": a replica's N/p rows stepped
   with every node's cores busy, the single node's N rows alone), so that the time between tokens spent outside the
-  engine shows;
+  engine shows, and where it goes: each node's event-loop core time a step ("loop ms/step", the work beside its
+  engine's thread on the same cores) and, per burst, the share of a core the clients and the relays took;
 - capacity: the most streams whose inter-token latency p50 stays within the single node's at N=16, for the single
   node and for the cluster, among the Ns run and the extra bursts of --capacity-ns (near twice 16, where two nodes
   should land).
