@@ -121,6 +121,13 @@ class Machines(Cluster):
     return total
 
 
+def run_label(placement: Optional[str], clients: str, root: Path) -> str:
+  """A cluster configuration's name in the tables: its placement and clients, `baseline` for another checkout's ring."""
+  if root != ROOT:
+    return f"baseline{'-' + placement if placement else ''}/{clients}"
+  return f"{placement or 'baseline'}/{clients}"
+
+
 def clients_of(cluster: Cluster, clients: str):
   return cluster.url if clients == "one" else cluster.urls
 
@@ -180,7 +187,7 @@ async def run_pair(args, placement: Optional[str], clients: str, ns: List[int], 
   """One pair: a single node and a cluster up at once, each burst run on one and then on the other (which goes first
   alternates), so that a drift in the machine's speed, minutes long on a shared VM, falls on both alike. The one
   waiting idles; its core time is printed beside each burst. Returns (cluster's rows, single node's rows) by N."""
-  label = f"{placement or 'baseline'}/{clients}"
+  label = run_label(placement, clients, root)
   log_dir = Path(args.log_dir) / f"pair{pair}-{label.replace('/', '-')}"
   (log_dir / "single").mkdir(parents=True, exist_ok=True)
   (log_dir / "cluster").mkdir(parents=True, exist_ok=True)
@@ -423,6 +430,7 @@ async def main() -> None:
   p.add_argument("--batch-timeout-ms", type=float, default=5.0)
   p.add_argument("--prefill-chunk", type=int, default=None)
   p.add_argument("--baseline", default=None, help="another checkout of exo whose ring runs in each pair too (its ring ÷ the same single node)")
+  p.add_argument("--baseline-placement", default=None, help="EXO_PLACEMENT of the baseline's ring (default: its nodes' own)")
   p.add_argument("--out", default=str(ROOT / "bench" / "results"))
   p.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip timing the ceiling")
   p.add_argument("--step-times", default=None, help=argparse.SUPPRESS)  # the ceiling's child: the rows per step to time
@@ -452,10 +460,10 @@ async def main() -> None:
       if args.ceiling:  # once per pair, so that its median spans the same drift as the clusters'
         caps.append(ceiling(args, ns))
         out.write(json.dumps({"pair": pair, "ceiling": caps[-1]}) + "\n")
-      order = [(pl, cl, ROOT) for pl in placements for cl in clients] + ([(None, "one", Path(args.baseline))] if args.baseline else [])
+      order = [(pl, cl, ROOT) for pl in placements for cl in clients] + ([(args.baseline_placement, "one", Path(args.baseline))] if args.baseline else [])
       if pair % 2:
         order.reverse()
-      runs.append({f"{pl or 'baseline'}/{cl}": await run_pair(args, pl, cl, ns, pair, out, root) for pl, cl, root in order})
+      runs.append({run_label(pl, cl, root): await run_pair(args, pl, cl, ns, pair, out, root) for pl, cl, root in order})
   report(args, ns, runs, caps, reference)
   print(f"\nraw figures: {path}")
 
