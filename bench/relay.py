@@ -11,12 +11,25 @@ Each direction is two threads, one reading and one writing each chunk at its due
 timeouts): a gRPC call's one-way time through it was 2.0-2.2 ms against 0.6-0.7 ms direct."""
 import argparse
 import collections
+import ctypes
 import os
 import socket
 import sys
 import threading
 import time
 from typing import List, Tuple
+
+PR_SET_TIMERSLACK = 29  # prctl(2)
+
+
+def precise_sleeps() -> None:
+  """This thread's sleeps end when due: Linux may wake a thread up to its timer slack (50 us by default) late, to
+  batch wake-ups; 1 ns asks for none (Linux only; elsewhere nothing changes). A chunk's read-to-write time for a
+  1 ms delay, in a two-node pipeline's hops: 1.11 -> 1.06 ms p50."""
+  try:
+    ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+  except (OSError, AttributeError):
+    pass
 
 
 def pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
@@ -25,6 +38,7 @@ def pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
   arrived = threading.Condition()
 
   def deliver():
+    precise_sleeps()
     while True:
       with arrived:
         while not chunks:
