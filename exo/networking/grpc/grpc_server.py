@@ -10,7 +10,6 @@ from exo.inference.shard import Shard
 from exo.local_checkpoints import model_card
 from exo.logs import VERBOSE, level_of
 from exo.models import build_base_shard
-from exo.networking.eager_start import start_now
 from exo.networking.grpc import node_service_pb2 as pb
 from exo.networking.grpc import node_service_pb2_grpc as pb_grpc
 from exo.networking.grpc.codec import decode_inference_state, decode_shard, decode_tensor, encode_topology, is_empty_tensor
@@ -105,8 +104,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
   async def _accept(self, work, what: str) -> None:
     """Work on in the background (as upstream's servers do), so each hop is free for the next message and the ring
     pipelines; reply once the node accepts the message (its forward pass has started, see exo/orchestration/steps/loop.py), the work
-    has ended, or REPLY_WAIT_S has passed. `work(accepted)` makes the node's coroutine, which starts in this turn
-    (start_now): a message's rows are in their step's line before the handler yields. Failures end the request
+    has ended, or REPLY_WAIT_S has passed. `work(accepted)` makes the node's coroutine. Failures end the request
     through the Node (Lifecycle.fail_request), not through this reply."""
     loop = asyncio.get_running_loop()
     accepted = loop.create_future()
@@ -119,7 +117,7 @@ class GRPCServer(Server, pb_grpc.NodeServiceServicer):
         raise
       except Exception as e:
         log.log(VERBOSE, "%s failed: %r", what, e)
-    task = start_now(run())
+    task = asyncio.create_task(run())
     self._work.add(task)
     task.add_done_callback(self._work.discard)
     task.add_done_callback(lambda _: accept(accepted))
