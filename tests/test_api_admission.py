@@ -37,7 +37,7 @@ async def chat(session, url, body):
 
 @pytest.mark.asyncio
 async def test_caps_of_two_and_two_give_four_answers_and_four_429s(make_server):
-  s = make_server(SlowEngine(delay=0.1), settings=ApiSettings(max_running=2, max_queued=2))
+  s = make_server(SlowEngine(delay=0.05), settings=ApiSettings(max_running=2, max_queued=2))
   async with aiohttp.ClientSession() as session:
     results = await asyncio.gather(*[chat(session, s.url, {"messages": USER, "stream": i % 2 == 0}) for i in range(8)])
     assert sorted(status for status, _, _ in results) == [200] * 4 + [429] * 4
