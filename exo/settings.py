@@ -98,6 +98,8 @@ SETTINGS: Tuple[Setting, ...] = (
   # Engines, the terminal, diagnostics
   _s(None, "EXO_KV_BITS", int, 32, "the numpy engine's KV cache: `32` (float32) or `16` (float16: half the memory; decode about 0.8-0.85x as "
      "fast, and a prompt's reused prefix may round otherwise than a fresh computation, so a seeded sample can differ)", "`32`"),
+  _s(None, "EXO_RUN_AHEAD", int, 1, "a node holding a model's every layer starts a decoding request's next step as soon as its token is sampled, "
+     "while the token goes to its client (`0`: after)", "`1`"),
   _s(None, "EXO_TINYGRAD_DTYPE", str, None, "the tinygrad engine's precision: `float16` or `float32`", "float32 on CPUs, float16 on GPUs"),
   _s(None, "EXO_MLX_OPENBLAS", str, "1", "the MLX engine on Linux preloads OpenBLAS (`0`: not; or a library's path)", "`1`"),
   _s(None, "OPENBLAS_NUM_THREADS", str, None, "the numpy engine's OpenBLAS threads", "1"),

@@ -53,15 +53,19 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
     raise NotImplementedError
 
   async def _run(self, fn, *args):
+    return await self._start(fn, *args)
+
+  def _start(self, fn, *args) -> asyncio.Future:
+    """`fn(*args)` handed to the engine's thread, started (or queued behind the calls before it) when this returns."""
     if self._queued:  # it runs after them: the thread is not waiting for the GIL to start it
-      return await self._queue(fn, *args)
+      return self._queue(fn, *args)
     started = threading.Event()
     future = self._queue(_started, started, fn, *args)
     # The thread is woken now but must take the GIL before it starts, and this thread holds it while the event loop runs
     # the callbacks due (a step's tokens on their way to their streams): it waited ~0.4 ms of every one-row step.
     # Waiting here lets it go; the callbacks then run while the step runs (its products release the GIL).
     started.wait(HANDOFF_WAIT_S)
-    return await future
+    return future
 
   def _queue(self, fn, *args) -> asyncio.Future:
     self._queued += 1
@@ -137,8 +141,17 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
     await self.ensure_shard(shard)
     return await self._run(self._step, shard, items)
 
-  def _step(self, shard: Shard, items):
-    """One forward for every valid item; an invalid one gets its own error and touches no cache."""
+  def start_ahead(self, shard: Shard, items: List[Tuple[str, np.ndarray, Optional[dict]]]) -> Optional[asyncio.Future]:
+    """A step of requests that hold a KV cache here, started now, before their callers have asked for it (the step
+    loop's run-ahead, steps/ahead.py): None unless `shard` is loaded. A request whose cache is gone by the time the
+    step runs (it ended) gets an error and no new cache."""
+    if self.shard != shard:
+      return None
+    return self._start(self._step, shard, items, True)
+
+  def _step(self, shard: Shard, items, continuing: bool = False):
+    """One forward for every valid item; an invalid one gets its own error and touches no cache (`continuing`: nor
+    does one without a cache, which it would otherwise begin)."""
     if self.shard != shard:  # a load ran in between (see _load)
       return [RuntimeError(f"the engine now holds {self.shard}, not {shard}")] * len(items)
     results: List = [None] * len(items)
@@ -147,6 +160,8 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
       try:
         if request_id in seen:  # one cache cannot take two chunks in one step
           raise ValueError(f"request {request_id} appears twice in one batch")
+        if continuing and request_id not in self.caches:
+          raise ValueError(f"request {request_id} holds no KV cache here (it has ended)")
         x = self._check_input(np.asarray(x))
         held = self.caches[request_id].length if request_id in self.caches else 0
         if held + len(x) > self.model.config.max_position_embeddings:

@@ -81,6 +81,8 @@ class StepCore:
 
     async def finish(done):
       sampled = await self._sample(shard, done, masks) if shard.is_last_layer() else {}
+      if shard.is_first_layer() and shard.is_last_layer():
+        self._run_ahead(shard, done, sampled)
       rows = [(row.request_id, row.received, result[0], result[1]) for row, result in done if not isinstance(result, BaseException)]
       output = await self.finish_step(shard, rows, sampled)
       coming_back = [row[0] for hop in output.hops.values() if hop.to.node_id == node.id for row in hop.rows]
@@ -90,6 +92,29 @@ class StepCore:
         node.forwarding.send(output)
       return send
     return finish
+
+  def _run_ahead(self, shard: Shard, done, sampled: Dict[str, Union[int, Exception]]) -> None:
+    """The next step of the rows that go on decoding here, started now (steps/ahead.py): only where the core's
+    `process_inference_result` is the hook's one implementation (it decides what follows a token), and only if every
+    row that comes back here can go (a row left out would need a step of its own beside the one started)."""
+    node, rows = self.node, []
+    if any(node.plugins.get_name(impl.plugin) != "exo-core" for impl in node.plugins.hook.exo_process_inference_result.get_hookimpls()):
+      return
+    for row, result in done:
+      request, token = node.requests.get(row.request_id), sampled.get(row.request_id)
+      if request is None or isinstance(result, BaseException) or not node.requests.is_live(request.id):
+        continue  # it does not come back
+      route = request.route
+      if route is None or route.after(node.id).node_id != node.id or route.shard(route.after(node.id), shard) != shard:
+        continue  # its next step is another node's
+      if not isinstance(token, (int, np.integer)) or request.params.grammar or request.sampled_here().constraint is not None:
+        return  # (its token is not known, or a grammar decides whether it ends)
+      sampling = request.sampled_here()
+      if self._ends_with(request, node.model_pool.engine_of(shard), int(token), len(sampling.tokens) + 1, request.positions + row.received):
+        continue
+      rows.append((request.id, np.array([[token]], dtype=np.int64)))
+    if rows:
+      node.steps.run_ahead(shard, rows)
 
   async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
     prepared = await constrained.prepare(requests, self.node.model_pool.engine_of(shard).tokenizer)
@@ -197,17 +222,22 @@ class StepCore:
     sampling.tokens.append(token)
     logprobs, sampling.logprobs = sampling.logprobs, None
     engine = node.model_pool.engine_of(shard)  # the engine of the request's model (ModelPool), so its tokenizer is the request's
-    if sampling.eos_ids is None:
-      sampling.eos_ids = eos_ids(engine.tokenizer)
-    limit, context = self.token_limit(request), engine.context_length
-    finished = ((token in sampling.eos_ids and not request.params.ignore_eos) or len(sampling.tokens) >= limit
-                or (context is not None and request.positions >= context) or (sampling.constraint is not None and sampling.constraint.finished))
-    log.debug("[%s] token %d (%d/%d) finished=%s", request_id, token, len(sampling.tokens), limit, finished)  # (the cluster tests read it)
+    finished = self._ends_with(request, engine, token, len(sampling.tokens), request.positions)
+    log.debug("[%s] token %d (%d/%d) finished=%s", request_id, token, len(sampling.tokens), self.token_limit(request), finished)  # (the cluster tests read it)
     if finished:
       output.finished.append(request_id)
     else:
       self._hop(output, shard, request, np.array([[token]], dtype=np.int64), state)
     output.tokens.append(Token(request, token, finished, logprobs))
+
+  def _ends_with(self, request: Request, engine, token: int, tokens: int, positions: int) -> bool:
+    """Whether the request ends with `token`, once it has `tokens` tokens sampled here and `positions` run."""
+    sampling = request.sampled_here()
+    if sampling.eos_ids is None:
+      sampling.eos_ids = eos_ids(engine.tokenizer)
+    context = engine.context_length
+    return ((token in sampling.eos_ids and not request.params.ignore_eos) or tokens >= self.token_limit(request)
+            or (context is not None and positions >= context) or (sampling.constraint is not None and sampling.constraint.finished))
 
   def _hop(self, output: StepOutput, shard: Shard, request: Request, tensor: np.ndarray, state: Optional[dict]) -> None:
     route, forwarding = request.route, self.node.forwarding

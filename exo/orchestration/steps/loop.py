@@ -5,7 +5,8 @@ and hands the results back to the Scheduler and the waiting callers (`run`).
 A request that ends leaves at once (`forget`), its waiter failing with RequestEnded. `finishing_for(scheduler, step)`,
 asked before the engine call, may return what finishes the step's rows (on a Node, the step core); that returns what
 sends their output, run once the waiters have heard None, before the next step. A message's `accepted` future (the
-gRPC server replies once it is resolved) is resolved just before the step that runs its rows."""
+gRPC server replies once it is resolved) is resolved just before the step that runs its rows. `run_ahead` starts a
+step before its rows are back in line (steps/ahead.py)."""
 import asyncio
 import logging
 import time
@@ -13,7 +14,9 @@ from typing import Awaitable, Callable, Dict, Iterable, List, Optional, Set, Tup
 
 import numpy as np
 
+from exo import settings
 from exo.inference.shard import Shard
+from exo.orchestration.steps.ahead import RunAhead
 from exo.orchestration.steps.scheduler import Row, Scheduler, Step
 from exo.orchestration.requests import RequestEnded
 
@@ -82,6 +85,7 @@ class StepLoop:
     self._task: Optional[asyncio.Task] = None
     self._stopped = False
     self._stepped: List[Tuple[Scheduler, Step]] = []  # steps run whose on_step is still to come (see _report_steps)
+    self.ahead = RunAhead(settings.env_int("EXO_RUN_AHEAD") != 0)
 
   def scheduler(self, shard: Shard) -> Scheduler:
     if shard not in self.schedulers:
@@ -147,8 +151,17 @@ class StepLoop:
     for scheduler in self.schedulers.values():
       scheduler.drop(request_id)
     self._coming.discard(request_id)
+    self.ahead.forget(request_id)
     self._fail(request_id, RequestEnded(request_id))
     self._wake.set()
+
+  def run_ahead(self, shard: Shard, rows: List[Tuple[str, np.ndarray]]) -> bool:
+    """Start the next step of `rows` (request id, input: rows a step has just handed back, which come back to this
+    node) on the engine now, if it is the step the loop would run next: nothing else waits for a step here."""
+    scheduler = self.schedulers.get(shard)
+    if self._stopped or scheduler is None or scheduler.ready or self._prefix_starts_queued() > 0:
+      return False
+    return self.ahead.start(self.engine_for(shard), shard, rows)
 
   def _fail(self, request_id: str, error: BaseException) -> None:
     future, _ = self._waiters.pop(request_id, (None, None))
@@ -204,7 +217,7 @@ class StepLoop:
     items = step.items()
     finish = self.finishing_for(scheduler, step)
     try:
-      engine_call = self.engine_for(scheduler.shard).infer_batch(scheduler.shard, items)
+      engine_call = self.ahead.call(self.engine_for(scheduler.shard), scheduler.shard, items)
       if self._stepped:  # the last steps' on_step runs once this step has the engine, not on the way to it
         asyncio.get_running_loop().call_soon(self._report_steps)
       results = list(await engine_call)
@@ -263,6 +276,7 @@ class StepLoop:
     for scheduler in self.schedulers.values():
       for request_id in list(scheduler.ready):
         scheduler.drop(request_id)
+    self.ahead.clear()
     for request_id in list(self._waiters):
       self._fail(request_id, error)
 
