@@ -1,14 +1,17 @@
 """Run-ahead on the real SmolLM2 through the HTTP API of one node (steps/ahead.py): a decoding request's next step
-starts as soon as its token is sampled. The answers are the same tokens as without it, and a request that ends
+starts as soon as its token is sampled, and a greedy one's step after that is chained on the engine's thread
+(inference/chained_steps.py). The answers are the same tokens as without it, and a request that ends
 while a step runs ahead for it (its token limit, a stop string, its end of sequence, its client gone) gets no extra
 token and leaves no KV cache behind."""
 import asyncio
 import threading
+from typing import Optional
 
 import numpy as np
 import openai
 import pytest
 
+from exo.inference.chained_steps import Ticket
 from exo.inference.numpy.engine import NumpyDynamicShardInferenceEngine
 from exo.orchestration.batching.config import BatchingConfig
 from tests.support.api_server import ApiServer
@@ -57,14 +60,17 @@ def streamed(server: ApiServer, messages, **body) -> tuple:
   return text, chunks, reason
 
 
-def with_run_ahead(server: ApiServer, on: bool, ask):
-  """`ask()` with run-ahead on or off on the server's node; returns its answer and the rows whose step ran ahead."""
+def with_run_ahead(server: ApiServer, on: bool, ask, chained: Optional[list] = None):
+  """`ask()` with run-ahead on or off on the server's node; returns its answer and the rows whose step ran ahead
+  (and appends to `chained` the steps the engine chained)."""
   ahead = server.node.steps.ahead
-  ahead.enabled, taken = on, ahead.rows_taken
+  ahead.enabled, taken, chained_before = on, ahead.rows_taken, ahead.steps_chained
   try:
     return ask(), ahead.rows_taken - taken
   finally:
     ahead.enabled = True
+    if chained is not None:
+      chained.append(ahead.steps_chained - chained_before)
 
 
 def holds_nothing(server: ApiServer) -> None:
@@ -76,8 +82,10 @@ def holds_nothing(server: ApiServer) -> None:
 
 def test_run_ahead_gives_the_same_tokens(node_server):
   ask = lambda: client_of(node_server).chat.completions.create(model=MODEL, messages=STORY, temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
-  (off, off_ahead), (on, on_ahead) = with_run_ahead(node_server, False, ask), with_run_ahead(node_server, True, ask)
+  chained = []
+  (off, off_ahead), (on, on_ahead) = with_run_ahead(node_server, False, ask), with_run_ahead(node_server, True, ask, chained)
   assert off_ahead == 0 and on_ahead >= 38  # every decode step but the first (after the prompt) and the last's would-be successor
+  assert chained[0] > 0  # greedy: most of them chained on the engine's thread
   assert on.choices[0].message.content == off.choices[0].message.content and on.usage.completion_tokens == off.usage.completion_tokens == 40
   holds_nothing(node_server)
 
@@ -118,6 +126,38 @@ def test_a_stop_string_mid_run_ahead_cuts_the_answer_as_without_and_frees_the_ca
   holds_nothing(node_server)
 
 
+def test_a_stream_that_joins_mid_run_ahead_and_a_sampled_one_get_the_same_tokens(server):
+  """A second request arrives while the first's steps are chained (it must join the next step, and the chain stops);
+  a sampled request (seeded) never chains: both answers as without run-ahead."""
+  def joined():
+    first, second = [], []
+    started = threading.Event()
+
+    def one():
+      text = ""
+      for n, chunk in enumerate(client_of(server).chat.completions.create(model=MODEL, messages=STORY, stream=True, temperature=0, max_tokens=40,
+                                                                         extra_body={"ignore_eos": True})):
+        text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        if n == 8:
+          started.set()
+      first.append(text)
+
+    def two():
+      started.wait(60)
+      second.append(client_of(server).chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0.8, seed=7, max_tokens=24,
+                                                              extra_body={"ignore_eos": True}).choices[0].message.content)
+    threads = [threading.Thread(target=one), threading.Thread(target=two)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(120)
+    return first + second
+  off, _ = with_run_ahead(server, False, joined)
+  on, on_ahead = with_run_ahead(server, True, joined)
+  assert len(on) == 2 and on == off and on_ahead > 0
+  holds_nothing(server)
+
+
 def test_the_end_of_sequence_mid_run_ahead_ends_the_answer_as_without(node_server):
   ask = lambda: streamed(node_server, CAPITAL, max_tokens=200)
   (off, _), (on, _) = with_run_ahead(node_server, False, ask), with_run_ahead(node_server, True, ask)
@@ -146,5 +186,38 @@ def test_a_step_run_ahead_for_a_request_without_a_cache_begins_none(downloader):
     assert results[0][0].shape == (1, 1, engine.model.config.vocab_size) and engine.caches["live"].length == 4
     assert isinstance(results[1], ValueError) and "ended" not in engine.caches
     await engine.finish_request("live")
+    assert not engine.caches
+  asyncio.run(main())
+
+
+def test_a_granted_step_chains_the_greedy_token_unless_it_ends_the_request(downloader):
+  """On the engine's thread: the step after a granted one runs with the argmax of its logits; a token that ends the
+  request chains nothing; a request whose cache is gone by then gets an error and no cache."""
+  engine, shard = NumpyDynamicShardInferenceEngine(downloader), smollm2_shard()
+
+  async def main():
+    await engine.infer_batch(shard, [("a", np.array([[1, 2, 3]]), None), ("b", np.array([[4, 5]]), None)])
+    ticket = Ticket()
+    assert ticket.grant({"a": frozenset(), "b": frozenset()})
+    results = await engine.start_ahead(shard, [("a", np.array([[6]]), None), ("b", np.array([[6]]), None)], ticket)
+    chained = ticket.chained
+    assert not ticket.grant({"a": frozenset()})  # ended: too late to grant
+    assert [int(t[0, 0]) for _, t, _ in chained.rows] == [int(np.argmax(r[0])) for r in results]
+    following = await asyncio.wrap_future(chained.results)
+    assert engine.caches["a"].length == 5 and engine.caches["b"].length == 4 and len(following) == 2 and chained.ticket.chained is None
+
+    ends = Ticket()
+    ends.grant({"a": frozenset(range(engine.model.config.vocab_size))})  # whatever its next token, it ends the request
+    await engine.start_ahead(shard, [("a", np.array([[int(np.argmax(following[0][0]))]]), None)], ends)
+    assert ends.chained is None and engine.caches["a"].length == 6
+
+    gone = Ticket()
+    gone.grant({"b": frozenset()})
+    step = engine.start_ahead(shard, [("b", np.array([[int(np.argmax(following[1][0]))]]), None)], gone)
+    dropped = engine._start(engine._drop_cache, "b")  # (finish_request's call, queued in this turn: behind the step, before what it chains)
+    await step
+    await dropped
+    assert isinstance((await asyncio.wrap_future(gone.chained.results))[0], ValueError) and "b" not in engine.caches
+    await engine.finish_request("a")
     assert not engine.caches
   asyncio.run(main())

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from exo.inference.chained_steps import Chained, Ticket, greedy_tokens
 from exo.inference.gguf_header import is_gguf
 from exo.inference.inference_engine import InferenceEngine
 from exo.inference.prefix_cache import PrefixReuse
@@ -48,6 +49,7 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
     self.prefixes = self.new_prefix_store()
     self._load_lock = asyncio.Lock()
     self._queued = 0  # calls handed to the thread and not yet finished
+    self._chaining = 0  # steps the thread chained itself and has not finished (only the thread changes it)
 
   def new_model(self, config: LlamaConfig, shard: Shard, weights: Dict[str, np.ndarray]):
     raise NotImplementedError
@@ -57,7 +59,7 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
 
   def _start(self, fn, *args) -> asyncio.Future:
     """`fn(*args)` handed to the engine's thread, started (or queued behind the calls before it) when this returns."""
-    if self._queued:  # it runs after them: the thread is not waiting for the GIL to start it
+    if self._queued or self._chaining:  # it runs after them: the thread is not waiting for the GIL to start it
       return self._queue(fn, *args)
     started = threading.Event()
     future = self._queue(_started, started, fn, *args)
@@ -141,15 +143,30 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
     await self.ensure_shard(shard)
     return await self._run(self._step, shard, items)
 
-  def start_ahead(self, shard: Shard, items: List[Tuple[str, np.ndarray, Optional[dict]]]) -> Optional[asyncio.Future]:
+  def start_ahead(self, shard: Shard, items: List[Tuple[str, np.ndarray, Optional[dict]]], ticket: Optional[Ticket] = None) -> Optional[asyncio.Future]:
     """A step of requests that hold a KV cache here, started now, before their callers have asked for it (the step
     loop's run-ahead, steps/ahead.py): None unless `shard` is loaded. A request whose cache is gone by the time the
-    step runs (it ended) gets an error and no new cache."""
+    step runs (it ended) gets an error and no new cache. `ticket`: what the loop grants to follow the step
+    (chained_steps.py)."""
     if self.shard != shard:
       return None
-    return self._start(self._step, shard, items, True)
+    return self._start(self._step, shard, items, True, ticket)
 
-  def _step(self, shard: Shard, items, continuing: bool = False):
+  def _chain(self, shard: Shard, items, results, ticket: Ticket) -> None:
+    """As a step with a ticket ends, on the engine's thread: the next step of the requests granted, queued now."""
+    rows = greedy_tokens(items, results, ticket.end())
+    if rows:
+      following = Ticket()
+      self._chaining += 1
+      ticket.chained = Chained(rows, self.executor.submit(self._chained_step, shard, rows, following), following)
+
+  def _chained_step(self, shard: Shard, rows, ticket: Ticket):
+    try:
+      return self._step(shard, rows, True, ticket)
+    finally:
+      self._chaining -= 1
+
+  def _step(self, shard: Shard, items, continuing: bool = False, ticket: Optional[Ticket] = None):
     """One forward for every valid item; an invalid one gets its own error and touches no cache (`continuing`: nor
     does one without a cache, which it would otherwise begin)."""
     if self.shard != shard:  # a load ran in between (see _load)
@@ -178,6 +195,8 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
     if rows:
       for i, out in zip(rows, self.model.forward(inputs, caches)):
         results[i] = (out[None], items[i][2])
+    if ticket is not None:
+      self._chain(shard, items, results, ticket)
     return results
 
   def _check_input(self, x: np.ndarray) -> np.ndarray:

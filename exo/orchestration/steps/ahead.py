@@ -4,16 +4,23 @@ thread at once (`start`), before the token goes through the hook, the step's out
 loop's next step then takes its result (`call`) instead of calling the engine. The per-token work of the event loop
 so runs while the engine steps, as vLLM's asynchronous scheduling overlaps its CPU work with the model's.
 
+Greedy requests go further (inference/chained_steps.py): on the step started ahead the loop grants that their next
+step follow it, and the engine's thread draws their greedy token itself and queues that step as the first ends. The
+loop registers such a step as soon as it takes the result of the one before (`call`), whatever it decides next, so
+that no row ever runs twice; a row that then arrives from elsewhere revokes the grants (`revoke`), so that the next
+step takes it in.
+
 A step run ahead is the step the loop would have run: the same rows with the same inputs on the same engine, and only
 when nothing else waits for a step here. A row that finishes instead (its end of sequence or token limit, a stop
 string, a cancel) never takes its result: it goes with its request (`forget`), whose KV cache is freed as at any end,
 the extra position with it; the engine never begins a cache for it. EXO_RUN_AHEAD=0 turns it off."""
 import asyncio
 from dataclasses import dataclass
-from typing import Awaitable, Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
+from exo.inference.chained_steps import Ticket
 from exo.inference.shard import Shard
 
 Item = Tuple[str, np.ndarray, Optional[dict]]  # request id, input, state: a row of an engine step
@@ -26,6 +33,7 @@ class Started:
   tensor: np.ndarray
   index: int
   results: asyncio.Future
+  ticket: Ticket
 
   async def result(self, shard: Shard, tensor: np.ndarray, state: Optional[dict]):
     """The row's (output, state), or its error; the state is the one the loop's step gives it."""
@@ -39,30 +47,52 @@ class Started:
 
 
 class RunAhead:
-  def __init__(self, enabled: bool):
-    self.enabled = enabled
+  def __init__(self, enabled: bool, is_live: Callable[[str], bool] = lambda request_id: True):
+    self.enabled, self.is_live = enabled, is_live
     self.rows: Dict[str, Started] = {}  # request id -> its row of a step started ahead, until a step of the loop takes it
     self.steps_started = 0
+    self.steps_chained = 0  # of them, chained by the engine's thread
     self.rows_taken = 0  # rows whose step of the loop took a result run ahead
 
-  def start(self, engine, shard: Shard, rows: List[Tuple[str, np.ndarray]]) -> bool:
-    """The step of `rows` (request id, input) started on the engine now, where the engine can (`start_ahead`)."""
+  def start(self, engine, shard: Shard, rows: List[Tuple[str, np.ndarray]], follow: Optional[Dict[str, FrozenSet[int]]] = None) -> bool:
+    """The step of `rows` (request id, input) started on the engine now, where the engine can (`start_ahead`), unless
+    the engine has chained it already; `follow` (request id -> the tokens that end it): the greedy rows whose next
+    step may then follow on the engine's thread."""
     start = getattr(engine, "start_ahead", None)
-    if not self.enabled or start is None or not rows or any(request_id in self.rows for request_id, _ in rows):
+    if not self.enabled or start is None or not rows:
       return False
-    results = start(shard, [(request_id, tensor, None) for request_id, tensor in rows])
-    if results is None:
-      return False
-    results.add_done_callback(_retrieved)
-    for index, (request_id, tensor) in enumerate(rows):
-      self.rows[request_id] = Started(shard, tensor, index, results)
-    self.steps_started += 1
+    tickets = {self.rows[request_id].ticket for request_id, _ in rows if request_id in self.rows}
+    if not tickets:
+      ticket = Ticket()
+      results = start(shard, [(request_id, tensor, None) for request_id, tensor in rows], ticket)
+      if results is None:
+        return False
+      self._register(shard, rows, results, ticket)
+      tickets = {ticket}
+    elif len(tickets) > 1 or any(request_id not in self.rows for request_id, _ in rows):
+      return False  # (rows of two steps, or not all chained: they go one step at a time)
+    if follow:
+      next(iter(tickets)).grant(follow)
     return True
 
+  def _register(self, shard: Shard, rows: List[Tuple[str, np.ndarray]], results: asyncio.Future, ticket: Ticket) -> None:
+    results.add_done_callback(_retrieved)
+    for index, (request_id, tensor) in enumerate(rows):
+      self.rows[request_id] = Started(shard, tensor, index, results, ticket)
+    self.steps_started += 1
+
+  def revoke(self) -> None:
+    """No step follows the ones started: another row waits for the next step."""
+    for ticket in {started.ticket for started in self.rows.values()}:
+      ticket.revoke()
+
   def forget(self, request_id: str) -> None:
-    self.rows.pop(request_id, None)
+    started = self.rows.pop(request_id, None)
+    if started is not None:
+      started.ticket.revoke(request_id)
 
   def clear(self) -> None:
+    self.revoke()
     self.rows.clear()
 
   def call(self, engine, shard: Shard, items: List[Item]) -> Awaitable[list]:
@@ -77,8 +107,18 @@ class RunAhead:
   async def _joined(self, shard: Shard, items: List[Item], started: Dict[str, Started], fresh: Optional[Awaitable[list]]) -> list:
     fresh_results = iter(list(await fresh) if fresh is not None else [])
     self.rows_taken += len(started)
-    return [await started[request_id].result(shard, tensor, state) if request_id in started else next(fresh_results, None)
-            for request_id, tensor, state in items]
+    results = [await started[request_id].result(shard, tensor, state) if request_id in started else next(fresh_results, None)
+               for request_id, tensor, state in items]
+    for ticket in {s.ticket for s in started.values()}:  # the step the engine chained to it runs already: its rows must take it
+      chained = ticket.chained
+      if chained is not None:
+        rows = [(request_id, tensor) for request_id, tensor, _ in chained.rows]
+        self._register(shard, rows, asyncio.wrap_future(chained.results), chained.ticket)
+        for request_id, _ in rows:
+          if not self.is_live(request_id):  # it ended meanwhile: it never comes back
+            self.forget(request_id)
+        self.steps_chained += 1
+    return results
 
 
 def _retrieved(results: asyncio.Future) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from exo.inference import constrained
 from exo.inference.grammar import Constraint, MaskTimes
+from exo.inference.penalties import processes
 from exo.inference.sampling import SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import eos_ids
@@ -97,7 +98,7 @@ class StepCore:
     """The next step of the rows that go on decoding here, started now (steps/ahead.py): only where the core's
     `process_inference_result` is the hook's one implementation (it decides what follows a token), and only if every
     row that comes back here can go (a row left out would need a step of its own beside the one started)."""
-    node, rows = self.node, []
+    node, rows, follow = self.node, [], {}
     if any(node.plugins.get_name(impl.plugin) != "exo-core" for impl in node.plugins.hook.exo_process_inference_result.get_hookimpls()):
       return
     for row, result in done:
@@ -109,12 +110,16 @@ class StepCore:
         continue  # its next step is another node's
       if not isinstance(token, (int, np.integer)) or request.params.grammar or request.sampled_here().constraint is not None:
         return  # (its token is not known, or a grammar decides whether it ends)
-      sampling = request.sampled_here()
-      if self._ends_with(request, node.model_pool.engine_of(shard), int(token), len(sampling.tokens) + 1, request.positions + row.received):
+      sampling, engine, positions = request.sampled_here(), node.model_pool.engine_of(shard), request.positions + row.received
+      if self._ends_with(request, engine, int(token), len(sampling.tokens) + 1, positions):
         continue
       rows.append((request.id, np.array([[token]], dtype=np.int64)))
+      params, context = request.params, engine.context_length
+      if (params.temperature <= 0 and params.logprobs is None and not processes(params) and len(sampling.tokens) + 2 < self.token_limit(request)
+              and (context is None or positions + 2 < context)):  # its next token is the engine's argmax, and not its last by count
+        follow[request.id] = frozenset() if params.ignore_eos else frozenset(sampling.eos_ids)
     if rows:
-      node.steps.run_ahead(shard, rows)
+      node.steps.run_ahead(shard, rows, follow if len(follow) == len(rows) else None)
 
   async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
     prepared = await constrained.prepare(requests, self.node.model_pool.engine_of(shard).tokenizer)

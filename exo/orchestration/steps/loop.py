@@ -10,7 +10,7 @@ step before its rows are back in line (steps/ahead.py)."""
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -85,7 +85,7 @@ class StepLoop:
     self._task: Optional[asyncio.Task] = None
     self._stopped = False
     self._stepped: List[Tuple[Scheduler, Step]] = []  # steps run whose on_step is still to come (see _report_steps)
-    self.ahead = RunAhead(settings.env_int("EXO_RUN_AHEAD") != 0)
+    self.ahead = RunAhead(settings.env_int("EXO_RUN_AHEAD") != 0, is_live)
 
   def scheduler(self, shard: Shard) -> Scheduler:
     if shard not in self.schedulers:
@@ -127,6 +127,8 @@ class StepLoop:
       log.warning("exo: dropped a second pass of request %s that arrived while its pass waited or ran here", request_id)
       future.set_result(None)
       return future
+    if request_id not in self.ahead.rows:  # the next step takes it in: no step is chained past the ones started
+      self.ahead.revoke()
     scheduler.add(request_id, tensor, state, self.clock(), whole)
     self._coming.discard(request_id)
     self._waiters[request_id] = (future, accepted)
@@ -155,13 +157,14 @@ class StepLoop:
     self._fail(request_id, RequestEnded(request_id))
     self._wake.set()
 
-  def run_ahead(self, shard: Shard, rows: List[Tuple[str, np.ndarray]]) -> bool:
+  def run_ahead(self, shard: Shard, rows: List[Tuple[str, np.ndarray]], follow: Optional[Dict[str, FrozenSet[int]]] = None) -> bool:
     """Start the next step of `rows` (request id, input: rows a step has just handed back, which come back to this
-    node) on the engine now, if it is the step the loop would run next: nothing else waits for a step here."""
+    node) on the engine now, if it is the step the loop would run next: nothing else waits for a step here. `follow`:
+    the greedy rows whose step after it the engine may chain (steps/ahead.py)."""
     scheduler = self.schedulers.get(shard)
     if self._stopped or scheduler is None or scheduler.ready or self._prefix_starts_queued() > 0:
       return False
-    return self.ahead.start(self.engine_for(shard), shard, rows)
+    return self.ahead.start(self.engine_for(shard), shard, rows, follow)
 
   def _fail(self, request_id: str, error: BaseException) -> None:
     future, _ = self._waiters.pop(request_id, (None, None))
