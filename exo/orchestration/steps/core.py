@@ -12,6 +12,7 @@ import numpy as np
 
 from exo.inference import constrained
 from exo.inference.grammar import Constraint, MaskTimes
+from exo.inference.inference_engine import InferenceEngine
 from exo.inference.penalties import processes
 from exo.inference.sampling import SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
@@ -97,7 +98,8 @@ class StepCore:
   def _run_ahead(self, shard: Shard, done, sampled: Dict[str, Union[int, Exception]]) -> None:
     """The next step of the rows that go on decoding here, started now (steps/ahead.py): only where the core's
     `process_inference_result` is the hook's one implementation (it decides what follows a token), and only if every
-    row that comes back here can go (a row left out would need a step of its own beside the one started)."""
+    row that comes back here can go (a row left out would need a step of its own beside the one started). If every
+    one of them is greedy and far from its token limit, the step after it may be chained on the engine's thread."""
     node, rows, follow = self.node, [], {}
     if any(node.plugins.get_name(impl.plugin) != "exo-core" for impl in node.plugins.hook.exo_process_inference_result.get_hookimpls()):
       return
@@ -119,7 +121,8 @@ class StepCore:
               and (context is None or positions + 2 < context)):  # its next token is the engine's argmax, and not its last by count
         follow[request.id] = frozenset() if params.ignore_eos else frozenset(sampling.eos_ids)
     if rows:
-      node.steps.run_ahead(shard, rows, follow if len(follow) == len(rows) else None)
+      argmax = getattr(engine.sample_batch, "__func__", None) is InferenceEngine.sample_batch  # the engine draws a greedy row as its thread would
+      node.steps.run_ahead(shard, rows, follow if argmax and len(follow) == len(rows) else None)
 
   async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
     prepared = await constrained.prepare(requests, self.node.model_pool.engine_of(shard).tokenizer)
