@@ -49,7 +49,9 @@ def exo_step_done(node, scheduler, step) -> None:
 def exo_process_inference_result(node, shard, result: np.ndarray, request_id: str, inference_state: Optional[dict]) -> Optional[Awaitable[None]]:
   """What follows one request's forward pass (Node.process_inference_result); return an awaitable doing it. The
   core's calls `node.step_core.add`: inside a step the row joins the step's output (past the last layers with the
-  token drawn together with the other rows); outside any step the row is sampled alone and sent at once."""
+  token drawn together with the other rows); outside any step the row is sampled alone and sent at once. While the
+  core's is the only implementation, a one-node decoding row's next step may already run when it is called
+  (steps/ahead.py): what follows a token is then the core's, which run-ahead mirrors; another implementation turns it off."""
 
 
 @hookspec
