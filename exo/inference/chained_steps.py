@@ -55,7 +55,7 @@ def greedy_tokens(items, results, follow: Dict[str, FrozenSet[int]]) -> List[Tup
     ends = follow.get(request_id)
     if ends is None or isinstance(result, BaseException) or result is None:
       continue
-    token = int(np.argmax(np.asarray(result[0]).reshape(-1)))  # ties to the lowest id, as sampling.sample_rows's greedy rows
+    token = int(np.argmax(np.asarray(result[0], dtype=np.float32).reshape(-1)))  # as sampling.sample_rows draws a greedy row (ties: the lowest id)
     if token not in ends:
       rows.append((request_id, np.array([[token]], dtype=np.int64), None))
   return rows

@@ -5,6 +5,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import functools
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
@@ -20,6 +21,8 @@ from exo.inference.shard import Shard
 from exo.inference.tokenizers import resolve_tokenizer
 from exo.inference.weights import LlamaConfig, gguf_reader, load_config, load_shard_weights
 
+
+log = logging.getLogger(__name__)
 
 HANDOFF_WAIT_S = 0.002  # the most the event loop waits for the engine's thread to start a call (see _run)
 
@@ -154,11 +157,18 @@ class LlamaShardEngine(PrefixReuse, InferenceEngine):
 
   def _chain(self, shard: Shard, items, results, ticket: Ticket) -> None:
     """As a step with a ticket ends, on the engine's thread: the next step of the requests granted, queued now."""
-    rows = greedy_tokens(items, results, ticket.end())
-    if rows:
-      following = Ticket()
-      self._chaining += 1
-      ticket.chained = Chained(rows, self.executor.submit(self._chained_step, shard, rows, following), following)
+    follow = ticket.end()
+    if not follow:
+      return
+    try:
+      rows = greedy_tokens(items, results, follow)
+      if rows:
+        following = Ticket()
+        future = self.executor.submit(self._chained_step, shard, rows, following)
+        self._chaining += 1
+        ticket.chained = Chained(rows, future, following)
+    except Exception as e:  # (an executor shutting down): the step's own results stand, the loop steps on as without a grant
+      log.debug("no step chained after a step of %d rows: %r", len(items), e)
 
   def _chained_step(self, shard: Shard, rows, ticket: Ticket):
     try:
