@@ -142,11 +142,16 @@ static inline int64_t padded_rows(int64_t rows) { return (rows + 7) / 8 * 8; }
 
 int64_t panel_inputs_floats(const matrix *m, int64_t rows) { return m->n_in * padded_rows(rows); }
 
+/* The rows transposed, a cache line of each row at a time: reading one input of every row in turn, rows a multiple
+   of 2 KiB apart fall in the same few L1 sets and evict each other (1536 inputs: 5x slower). */
 void panel_inputs(const matrix *m, const float *x, int64_t rows, float *xt) {
-  const int64_t n_in = m->n_in, padded = padded_rows(rows);
-  for (int64_t k = 0; k < n_in; k++) {
-    for (int64_t r = 0; r < rows; r++) xt[k * padded + r] = x[r * n_in + k];
-    for (int64_t r = rows; r < padded; r++) xt[k * padded + r] = 0.0f;
+  const int64_t n_in = m->n_in, padded = padded_rows(rows), line = 16;
+  for (int64_t k0 = 0; k0 < n_in; k0 += line) {
+    const int64_t k1 = k0 + line < n_in ? k0 + line : n_in;
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t k = k0; k < k1; k++) xt[k * padded + r] = x[r * n_in + k];
+    for (int64_t k = k0; k < k1; k++)
+      for (int64_t r = rows; r < padded; r++) xt[k * padded + r] = 0.0f;
   }
 }
 
