@@ -111,13 +111,19 @@ def advance(constraints: Sequence[Optional[Constraint]], tokens: Sequence[int]) 
   return errors
 
 
+def drawn_as_is(params) -> bool:
+  """Whether a request's token is drawn straight from its logits: no grammar masks them, no penalty or bias changes
+  them, no logprobs are asked of them."""
+  return not (params.grammar or params.logprobs is not None or processes(params))
+
+
 async def sample_requests(engine, requests: Sequence, results: Sequence[np.ndarray], sampler: str, masks: Optional[Sequence[Optional[np.ndarray]]] = None,
                           times: Optional[MaskTimes] = None, budgets: Optional[Sequence[Optional[int]]] = None) -> List[Union[int, Exception]]:
   """Each request's next token (exo/orchestration/requests.py's records: their parameters, random streams and
   grammars), its logprobs set on the record when it asked, its matcher advanced; a request whose grammar `sampler`
   (the node, for the error) cannot follow gets an error in place of its token. `budgets`: each request's tokens
   left, this one included (a constrained answer is closed within them)."""
-  if not any(r.params.grammar or r.params.logprobs is not None or processes(r.params) for r in requests):  # the usual rows: drawn as they are
+  if all(drawn_as_is(r.params) for r in requests):  # the usual rows
     drawn = await engine.sample_batch(list(results), [r.params for r in requests], [r.sampled_here().generator for r in requests])
     return [int(t) for t in np.asarray(drawn).reshape(-1)]
   prepared = await prepare(requests, engine.tokenizer)

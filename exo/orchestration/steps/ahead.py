@@ -50,6 +50,7 @@ class RunAhead:
   def __init__(self, enabled: bool, is_live: Callable[[str], bool] = lambda request_id: True):
     self.enabled, self.is_live = enabled, is_live
     self.rows: Dict[str, Started] = {}  # request id -> its row of a step started ahead, until a step of the loop takes it
+    self.taken: Dict[str, Ticket] = {}  # request id -> the ticket of its started step that a step of the loop awaits
     self.steps_started = 0
     self.steps_chained = 0  # of them, chained by the engine's thread
     self.rows_taken = 0  # rows whose step of the loop took a result run ahead
@@ -64,12 +65,14 @@ class RunAhead:
     tickets = {self.rows[request_id].ticket for request_id, _ in rows if request_id in self.rows}
     if not tickets:
       ticket = Ticket()
+      if follow:  # before the step starts: a short step could end before a grant given after
+        ticket.grant(follow)
       results = start(shard, [(request_id, tensor, None) for request_id, tensor in rows], ticket)
       if results is None:
         return False
       self._register(shard, rows, results, ticket)
-      tickets = {ticket}
-    elif len(tickets) > 1 or any(request_id not in self.rows for request_id, _ in rows):
+      return True
+    if len(tickets) > 1 or any(request_id not in self.rows for request_id, _ in rows):
       return False  # (rows of two steps, or not all chained: they go one step at a time)
     if follow:
       next(iter(tickets)).grant(follow)
@@ -82,18 +85,20 @@ class RunAhead:
     self.steps_started += 1
 
   def revoke(self) -> None:
-    """No step follows the ones started: another row waits for the next step."""
-    for ticket in {started.ticket for started in self.rows.values()}:
+    """No step follows the ones started (awaited by the loop's step or not yet): another row waits for the next step."""
+    for ticket in {started.ticket for started in self.rows.values()} | set(self.taken.values()):
       ticket.revoke()
 
   def forget(self, request_id: str) -> None:
     started = self.rows.pop(request_id, None)
-    if started is not None:
-      started.ticket.revoke(request_id)
+    ticket = started.ticket if started is not None else self.taken.get(request_id)
+    if ticket is not None:
+      ticket.revoke(request_id)
 
   def clear(self) -> None:
     self.revoke()
     self.rows.clear()
+    self.taken.clear()
 
   def call(self, engine, shard: Shard, items: List[Item]) -> Awaitable[list]:
     """The results of a step's items: a row started ahead takes its started step's, the others one engine call (queued
@@ -101,14 +106,19 @@ class RunAhead:
     started = {request_id: self.rows.pop(request_id) for request_id, _, _ in items if request_id in self.rows}
     if not started:
       return engine.infer_batch(shard, items)
+    self.taken.update((request_id, s.ticket) for request_id, s in started.items())
     rest = [item for item in items if item[0] not in started]
     return self._joined(shard, items, started, engine.infer_batch(shard, rest) if rest else None)
 
   async def _joined(self, shard: Shard, items: List[Item], started: Dict[str, Started], fresh: Optional[Awaitable[list]]) -> list:
-    fresh_results = iter(list(await fresh) if fresh is not None else [])
-    self.rows_taken += len(started)
-    results = [await started[request_id].result(shard, tensor, state) if request_id in started else next(fresh_results, None)
-               for request_id, tensor, state in items]
+    try:
+      fresh_results = iter(list(await fresh) if fresh is not None else [])
+      self.rows_taken += len(started)
+      results = [await started[request_id].result(shard, tensor, state) if request_id in started else next(fresh_results, None)
+                 for request_id, tensor, state in items]
+    finally:
+      for request_id in started:
+        self.taken.pop(request_id, None)
     for ticket in {s.ticket for s in started.values()}:  # the step the engine chained to it runs already: its rows must take it
       chained = ticket.chained
       if chained is not None:

@@ -13,7 +13,6 @@ import numpy as np
 from exo.inference import constrained
 from exo.inference.grammar import Constraint, MaskTimes
 from exo.inference.inference_engine import InferenceEngine
-from exo.inference.penalties import processes
 from exo.inference.sampling import SamplingParams, TokenLogprobs
 from exo.inference.shard import Shard
 from exo.inference.tokenizers import eos_ids
@@ -84,7 +83,10 @@ class StepCore:
     async def finish(done):
       sampled = await self._sample(shard, done, masks) if shard.is_last_layer() else {}
       if shard.is_first_layer() and shard.is_last_layer():
-        self._run_ahead(shard, done, sampled)
+        try:
+          self._run_ahead(shard, done, sampled)
+        except Exception as e:  # an optimisation: the rows go on as without it
+          log.warning("exo: no step run ahead: %r", e)
       rows = [(row.request_id, row.received, result[0], result[1]) for row, result in done if not isinstance(result, BaseException)]
       output = await self.finish_step(shard, rows, sampled)
       coming_back = [row[0] for hop in output.hops.values() if hop.to.node_id == node.id for row in hop.rows]
@@ -101,8 +103,12 @@ class StepCore:
     row that comes back here can go (a row left out would need a step of its own beside the one started). If every
     one of them is greedy and far from its token limit, the step after it may be chained on the engine's thread."""
     node, rows, follow = self.node, [], {}
+    if not node.steps.can_run_ahead(shard):
+      return
     if any(node.plugins.get_name(impl.plugin) != "exo-core" for impl in node.plugins.hook.exo_process_inference_result.get_hookimpls()):
       return
+    engine = node.model_pool.engine_of(shard)
+    context = engine.context_length
     for row, result in done:
       request, token = node.requests.get(row.request_id), sampled.get(row.request_id)
       if request is None or isinstance(result, BaseException) or not node.requests.is_live(request.id):
@@ -112,12 +118,12 @@ class StepCore:
         continue  # its next step is another node's
       if not isinstance(token, (int, np.integer)) or request.params.grammar or request.sampled_here().constraint is not None:
         return  # (its token is not known, or a grammar decides whether it ends)
-      sampling, engine, positions = request.sampled_here(), node.model_pool.engine_of(shard), request.positions + row.received
+      sampling, positions = request.sampled_here(), request.positions + row.received
       if self._ends_with(request, engine, int(token), len(sampling.tokens) + 1, positions):
         continue
       rows.append((request.id, np.array([[token]], dtype=np.int64)))
-      params, context = request.params, engine.context_length
-      if (params.temperature <= 0 and params.logprobs is None and not processes(params) and len(sampling.tokens) + 2 < self.token_limit(request)
+      params = request.params
+      if (params.temperature <= 0 and constrained.drawn_as_is(params) and len(sampling.tokens) + 2 < self.token_limit(request)
               and (context is None or positions + 2 < context)):  # its next token is the engine's argmax, and not its last by count
         follow[request.id] = frozenset() if params.ignore_eos else frozenset(sampling.eos_ids)
     if rows:

@@ -157,14 +157,17 @@ class StepLoop:
     self._fail(request_id, RequestEnded(request_id))
     self._wake.set()
 
+  def can_run_ahead(self, shard: Shard) -> bool:
+    """Whether a step of `shard`'s could start ahead now: it would be the step the loop runs next, nothing else
+    waiting for a step here (any model's), and the engine can start one."""
+    return (self.ahead.enabled and not self._stopped and shard in self.schedulers and not any(s.ready for s in self.schedulers.values())
+            and self._prefix_starts_queued() == 0 and hasattr(self.engine_for(shard), "start_ahead"))
+
   def run_ahead(self, shard: Shard, rows: List[Tuple[str, np.ndarray]], follow: Optional[Dict[str, FrozenSet[int]]] = None) -> bool:
     """Start the next step of `rows` (request id, input: rows a step has just handed back, which come back to this
-    node) on the engine now, if it is the step the loop would run next: nothing else waits for a step here. `follow`:
-    the greedy rows whose step after it the engine may chain (steps/ahead.py)."""
-    scheduler = self.schedulers.get(shard)
-    if self._stopped or scheduler is None or scheduler.ready or self._prefix_starts_queued() > 0:
-      return False
-    return self.ahead.start(self.engine_for(shard), shard, rows, follow)
+    node) on the engine now, if it can (`can_run_ahead`). `follow`: the greedy rows whose step after it the engine may
+    chain (steps/ahead.py)."""
+    return self.can_run_ahead(shard) and self.ahead.start(self.engine_for(shard), shard, rows, follow)
 
   def _fail(self, request_id: str, error: BaseException) -> None:
     future, _ = self._waiters.pop(request_id, (None, None))
