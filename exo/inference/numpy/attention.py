@@ -39,6 +39,15 @@ def soft_cap(x: np.ndarray, cap: float) -> None:
   x *= np.float32(cap)
 
 
+def finish_logits(logits: np.ndarray, c) -> None:
+  """The head's products made the model's logits, in place: its scale and final soft cap (both ways of running a
+  step end here, llama.py's layers and the fused pass)."""
+  if c.logits_scale != 1.0:
+    logits *= np.float32(c.logits_scale)
+  if c.final_softcap is not None:
+    soft_cap(logits, c.final_softcap)
+
+
 def exact_enough(total: np.ndarray, out: np.ndarray) -> bool:
   """Whether attention computed with exp(score), not exp(score - row max), is as exact as the shifted form.
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from exo.inference.llama_layout import rope_angles, step_input
 from exo.inference.numpy import kernels, native, packed
-from exo.inference.numpy.attention import Step, soft_cap
+from exo.inference.numpy.attention import Step, finish_logits
 from exo.inference.numpy.cache import KVCache
 from exo.inference.numpy.kernels import PARALLEL_ROWS, weight_rows
 from exo.inference.numpy.packed import PANEL_ROWS, PackedMatrix
@@ -171,10 +171,7 @@ class FusedDecode:
       cache.advance(1)
     if not self.last:
       return [h[i:i + 1] for i in range(rows)]
-    if c.logits_scale != 1.0:
-      logits *= np.float32(c.logits_scale)
-    if c.final_softcap is not None:
-      soft_cap(logits, c.final_softcap)
+    finish_logits(logits, c)
     return [logits[i:i + 1] for i in range(rows)]
 
   def _call(self, ids: Optional[np.ndarray], h: np.ndarray, logits: Optional[np.ndarray], positions: np.ndarray, slots: np.ndarray) -> None:

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from exo.inference.llama_layout import in_caller_order, layer_weights, rope_tables, route, shard_ends, step_input
-from exo.inference.numpy.attention import Step, soft_cap
+from exo.inference.numpy.attention import Step, finish_logits
 from exo.inference.numpy.cache import KVCache, KVPool
 from exo.inference.numpy.kernels import Workers, full_product, product, split_columns, split_over_cores, weight_matrix, weight_rows
 from exo.inference.numpy.fused_decode import FusedDecode
@@ -137,10 +137,7 @@ class Llama:
       def head(a: int, b: int) -> None:
         product(last, self.head, a, b, out=logits[:, a:b])
       split_columns(head, c.vocab_size, 256, step.rows)
-      if c.logits_scale != 1.0:
-        logits *= np.float32(c.logits_scale)
-      if c.final_softcap is not None:
-        soft_cap(logits, c.final_softcap)
+      finish_logits(logits, c)
       outputs = [logits[i:i + 1] for i in range(len(inputs))]
     return in_caller_order(order, outputs)
 
