@@ -39,7 +39,7 @@ setup(
   packages=find_packages(include=["exo", "exo.*"]),
   package_data={"exo": ["tinychat/**/*", "networking/grpc/*.proto", "inference/numpy/kernels_c/*.c", "inference/numpy/kernels_c/*.h"]},
   include_package_data=True,
-  python_requires=">=3.10",
+  python_requires=">=3.11",
   install_requires=install_requires,
   extras_require=extras_require,
   entry_points={"console_scripts": ["exo = exo.main:run"]},

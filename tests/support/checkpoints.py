@@ -141,10 +141,19 @@ def mlx_lm_readable_checkpoint(name: str, dest: Path) -> Path:
 
 
 def transformers4_form(config: dict) -> dict:
-  import sys
-  sys.path.insert(0, str(FIXTURE_MODELS.parent))
-  from make_models import transformers4_form as rewrite
-  return rewrite(config)
+  """config.json as transformers 4 wrote it: `rope_theta` and `rope_scaling` in place of `rope_parameters`."""
+  config = json.loads(json.dumps(config))  # a copy, nested dicts included
+  params = dict(config.pop("rope_parameters", None) or {})
+  if "full_attention" in params:  # Gemma 3: the full layers' RoPE, the sliding layers' base, and how often a layer is full
+    sliding = params.pop("sliding_attention")
+    params = params["full_attention"]
+    config["rope_local_base_freq"] = sliding["rope_theta"]
+    config["sliding_window_pattern"] = config["layer_types"].index("full_attention") + 1
+    config.pop("_sliding_window_pattern", None)
+  config["rope_theta"] = params.pop("rope_theta", 10000.0)
+  config["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
+  config.pop("layer_types", None)
+  return config
 
 
 def random_llama(n_layers: int, hidden: int = 64):
