@@ -73,7 +73,6 @@ class Row:
 class Step:
   """What one engine call runs: each row with the positions it takes now."""
   rows: List[Tuple[Row, int]]
-  group: int
   started: float
 
   def items(self) -> List[Tuple[str, np.ndarray, Optional[dict]]]:
@@ -93,23 +92,19 @@ class Scheduler:
     self.stages = 1  # stages of the ring (the plugin keeps it current)
     self.other_stages: List[StepCost] = []  # the other stages' step costs, where known
     self.groups = 1  # micro-batches the first layers' node keeps going
-    self._members: Counter = Counter()
 
-  def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float, whole: bool = False) -> Row:
+  def add(self, request_id: str, tensor: np.ndarray, state: Optional[dict], now: float, whole: bool = False) -> None:
     if request_id in self.ready:
       raise RuntimeError(f"request {request_id} is already waiting for a step on {self.shard}")
     left = self.away.pop(request_id, None)
     if left is not None:
       self.round_trips.append(now - left)
-    row = self.ready[request_id] = Row(request_id, tensor, state, now, received=input_length(tensor), whole=whole)
-    return row
+    self.ready[request_id] = Row(request_id, tensor, state, now, received=input_length(tensor), whole=whole)
 
-  def drop(self, request_id: str) -> Optional[Row]:
-    """The request has ended here, or its caller has gone: it leaves. Returns its row if it was waiting."""
-    self.decodes.pop(request_id, None)
-    self.away.pop(request_id, None)
-    self.group_of.pop(request_id, None)
-    return self.ready.pop(request_id, None)
+  def drop(self, request_id: str) -> None:
+    """The request has ended here, or its caller has gone: it leaves."""
+    for held in (self.decodes, self.away, self.group_of, self.ready):
+      held.pop(request_id, None)
 
   def schedule(self, now: float) -> Optional[Step]:
     """The step to run now, or None (then `due(now)` says when to ask again)."""
@@ -129,7 +124,7 @@ class Scheduler:
     if first_layer:
       for row, _ in rows:
         self.group_of[row.request_id] = key
-    return Step(rows, key, now)
+    return Step(rows, now)
 
   def due(self, now: float) -> float:
     """When the next step can start at the earliest, if nothing changes (math.inf: no work)."""
@@ -179,7 +174,6 @@ class Scheduler:
 
   def _by_group(self) -> Dict[Optional[int], List[Row]]:
     """The ready rows by group (None: newcomers, and every row off the first layers' node)."""
-    self._members = Counter(self.group_of.values())
     groups: Dict[Optional[int], List[Row]] = {}
     for row in self.ready.values():
       groups.setdefault(self.group_of.get(row.request_id), []).append(row)
@@ -187,16 +181,16 @@ class Scheduler:
 
   def _missing(self, key: Optional[int]) -> List[str]:
     """The live members of a group that are not here yet."""
-    return [] if key is None else [r for r, c in self.group_of.items() if c == key and r not in self.ready]
+    return [r for r, c in self.group_of.items() if c == key and r not in self.ready]
 
   def _due_at(self, key: Optional[int], rows: List[Row], now: float) -> float:
     """When the ready rows of one group may start their step."""
     grouped = key is not None and self.shard.is_first_layer()
     if not self.shard.is_first_layer() and all(row.whole for row in rows):
       return now  # each message is a whole batch (see the module's docstring)
-    if len(rows) >= self.batch_size or (self._members[key] == len(rows) if grouped else not self.away):
-      return now
     missing = self._missing(key) if grouped else list(self.away)
+    if len(rows) >= self.batch_size or not missing:
+      return now
     first, latest = min(row.since for row in rows), max(row.since for row in rows)
     start_by = min(latest + self.timeout_s, first + GATHER_LIMIT * self.timeout_s)
     typical = self.typical_round_trip()
@@ -218,7 +212,8 @@ class Scheduler:
     key = min(due, key=lambda k: min(row.since for row in due[k]))
     rows = due[key] if key is not None else []
     if key is None or key >= self.groups:
-      key = self._smallest_group()
+      sizes = self._group_sizes()
+      key = min(sizes, key=sizes.get)
       rows += by_group.get(key, []) if key in due else []
     else:
       moving = self._rebalance(key, rows)
@@ -238,16 +233,12 @@ class Scheduler:
         sizes[c] += 1
     return sizes
 
-  def _smallest_group(self) -> int:
-    sizes = self._group_sizes()
-    return min(sizes, key=lambda g: (sizes[g], g))
-
   def _rebalance(self, key: int, rows: List[Row]) -> List[Row]:
     """A group two or more members larger than the smallest hands its newest ready members over."""
     moving = []
     for row in reversed(rows):
       sizes = self._group_sizes()
-      smallest = self._smallest_group()
+      smallest = min(sizes, key=sizes.get)  # (the lowest-numbered of the smallest)
       if sizes[key] - sizes[smallest] < 2:
         break
       self.group_of[row.request_id] = smallest
