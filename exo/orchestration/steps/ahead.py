@@ -56,18 +56,15 @@ class RunAhead:
     self.rows_taken = 0  # rows whose step of the loop took a result run ahead
 
   def start(self, engine, shard: Shard, rows: List[Tuple[str, np.ndarray]], follow: Optional[Dict[str, FrozenSet[int]]] = None) -> bool:
-    """The step of `rows` (request id, input) started on the engine now, where the engine can (`start_ahead`), unless
-    the engine has chained it already; `follow` (request id -> the tokens that end it): the greedy rows whose next
-    step may then follow on the engine's thread."""
-    start = getattr(engine, "start_ahead", None)
-    if not self.enabled or start is None or not rows:
-      return False
+    """The step of `rows` (request id, input) started on the engine now (the loop has checked that it can: see
+    StepLoop.can_run_ahead), unless the engine has chained it already; `follow` (request id -> the tokens that end
+    it): the greedy rows whose next step may then follow on the engine's thread."""
     tickets = {self.rows[request_id].ticket for request_id, _ in rows if request_id in self.rows}
     if not tickets:
       ticket = Ticket()
       if follow:  # before the step starts: a short step could end before a grant given after
         ticket.grant(follow)
-      results = start(shard, [(request_id, tensor, None) for request_id, tensor in rows], ticket)
+      results = engine.start_ahead(shard, [(request_id, tensor, None) for request_id, tensor in rows], ticket)
       if results is None:
         return False
       self._register(shard, rows, results, ticket)

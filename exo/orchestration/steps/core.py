@@ -128,7 +128,7 @@ class StepCore:
         follow[request.id] = frozenset() if params.ignore_eos else frozenset(sampling.eos_ids)
     if rows:
       argmax = getattr(engine.sample_batch, "__func__", None) is InferenceEngine.sample_batch  # the engine draws a greedy row as its thread would
-      node.steps.run_ahead(shard, rows, follow if argmax and len(follow) == len(rows) else None)
+      node.steps.ahead.start(engine, shard, rows, follow if argmax and len(follow) == len(rows) else None)
 
   async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
     prepared = await constrained.prepare(requests, self.node.model_pool.engine_of(shard).tokenizer)

@@ -5,12 +5,12 @@ and hands the results back to the Scheduler and the waiting callers (`run`).
 A request that ends leaves at once (`forget`), its waiter failing with RequestEnded. `finishing_for(scheduler, step)`,
 asked before the engine call, may return what finishes the step's rows (on a Node, the step core); that returns what
 sends their output, run once the waiters have heard None, before the next step. A message's `accepted` future (the
-gRPC server replies once it is resolved) is resolved just before the step that runs its rows. `run_ahead` starts a
-step before its rows are back in line (steps/ahead.py)."""
+gRPC server replies once it is resolved) is resolved just before the step that runs its rows. A step may start before
+its rows are back in line (`can_run_ahead`, steps/ahead.py)."""
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class Wake:
       self._sleeper = None
 
 
-def _settle(future: Optional[asyncio.Future], result: Optional[bool]) -> None:
+def _settle(future: Optional[asyncio.Future], result) -> None:
   if future is not None and not future.done():
     future.set_result(result)
 
@@ -163,12 +163,6 @@ class StepLoop:
     return (self.ahead.enabled and not self._stopped and shard in self.schedulers and not any(s.ready for s in self.schedulers.values())
             and self._prefix_starts_queued() == 0 and hasattr(self.engine_for(shard), "start_ahead"))
 
-  def run_ahead(self, shard: Shard, rows: List[Tuple[str, np.ndarray]], follow: Optional[Dict[str, FrozenSet[int]]] = None) -> bool:
-    """Start the next step of `rows` (request id, input: rows a step has just handed back, which come back to this
-    node) on the engine now, if it can (`can_run_ahead`). `follow`: the greedy rows whose step after it the engine may
-    chain (steps/ahead.py)."""
-    return self.can_run_ahead(shard) and self.ahead.start(self.engine_for(shard), shard, rows, follow)
-
   def _fail(self, request_id: str, error: BaseException) -> None:
     future, _ = self._waiters.pop(request_id, (None, None))
     if future is not None and not future.done():
@@ -211,7 +205,7 @@ class StepLoop:
     return sum(getattr(e, "prefix_starts_queued", 0) for e in engines.values())
 
   async def _step(self, scheduler: Scheduler, step: Step) -> None:
-    for row, _ in list(step.rows):  # a request may have ended while its step was queued
+    for row, _ in step.rows:  # a request may have ended while its step was queued
       if not self.is_live(row.request_id) or row.request_id not in self._waiters:
         scheduler.drop(row.request_id)
         self._fail(row.request_id, RequestEnded(row.request_id))
@@ -244,13 +238,10 @@ class StepLoop:
       except Exception as e:  # a bug in finishing: the step's rows end with it rather than wait forever
         done = [(row, result if isinstance(result, BaseException) else e) for row, result in done]
     for row, result in done:
-      future, _ = self._waiters.pop(row.request_id, (None, None))
-      if future is None or future.done():
-        continue
       if isinstance(result, BaseException):
-        future.set_exception(result)
+        self._fail(row.request_id, result)
       else:
-        future.set_result(None if send is not None else result)
+        _settle(self._waiters.pop(row.request_id, (None,))[0], None if send is not None else result)
     for row, _ in done:
       if not self.is_live(row.request_id):
         scheduler.drop(row.request_id)
