@@ -20,7 +20,6 @@ from exo.orchestration.routing.packing import ROWS, unpack
 log = logging.getLogger(__name__)
 
 PROMPT_IDS = "prompt_ids"  # in a prompt's inference state: its token ids, so the first layers' node does not tokenise it again
-Row = Tuple[Request, np.ndarray, Optional[dict]]  # a request, its input here, the inference state it came with
 
 
 class Passes:
@@ -28,29 +27,16 @@ class Passes:
     self.node = node
 
   async def process_prompt(self, base_shard: Shard, prompt: str, request_id: Optional[str] = None, inference_state: Optional[dict] = {},
-                           accepted: Optional[asyncio.Future] = None) -> Optional[np.ndarray]:
+                           accepted: Optional[asyncio.Future] = None) -> None:
     request_id = request_id or str(uuid.uuid4())
     self.node.lifecycle.accepts_prompt(request_id)
     request = self.node.lifecycle.open_request(request_id)
+    status, start = None, time.perf_counter_ns()
     try:
       shard = self.node.forwarding.route_of(request, base_shard, inference_state).shard_of(self.node.id, base_shard)
-    except Exception as e:
-      await self.node.lifecycle.fail_request(request.id, e)
-      raise
-    status = {"type": "node_status", "node_id": self.node.id, "status": "start_process_prompt", "base_shard": base_shard.to_dict(),
-              "shard": (shard or base_shard).to_dict(), "prompt": prompt, "request_id": request_id}
-    self.node.spawn(self.node.broadcast_opaque_status(request_id, json.dumps(status)))
-    start = time.perf_counter_ns()
-    try:
-      await self._process_prompt(base_shard, shard, prompt, request, inference_state, accepted)
-    finally:
-      status.update(status="end_process_prompt", elapsed_time_ns=time.perf_counter_ns() - start)
+      status = {"type": "node_status", "node_id": self.node.id, "status": "start_process_prompt", "base_shard": base_shard.to_dict(),
+                "shard": (shard or base_shard).to_dict(), "prompt": prompt, "request_id": request_id}
       self.node.spawn(self.node.broadcast_opaque_status(request_id, json.dumps(status)))
-    return None
-
-  async def _process_prompt(self, base_shard: Shard, shard: Optional[Shard], prompt: str, request: Request, inference_state: Optional[dict],
-                            accepted: Optional[asyncio.Future]) -> None:
-    try:
       if shard is None or not shard.is_first_layer():
         request.advance(Status.PREFILLING)
         accept(accepted)  # no pass here: it goes on
@@ -73,6 +59,10 @@ class Passes:
     except Exception as e:
       await self.node.lifecycle.fail_request(request.id, e)
       raise
+    finally:
+      if status is not None:
+        status.update(status="end_process_prompt", elapsed_time_ns=time.perf_counter_ns() - start)
+        self.node.spawn(self.node.broadcast_opaque_status(request_id, json.dumps(status)))
 
   async def _prompt_tokens(self, shard: Shard, prompt: str, ids) -> np.ndarray:
     """The prompt's token ids, (1, L): those it came with (tokenised once, where it arrived), else its text encoded."""
@@ -108,7 +98,7 @@ class Passes:
     await _together([self._run_batch(shard, batch, accepted, whole) for shard, batch in shards.items()])
 
   async def _arrive(self, base_shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict]) -> Optional[tuple]:
-    """A row of a message, made ready for its pass here: (shard, (request, tensor, state)), or None if it does not run."""
+    """A row of a message, made ready for its pass here: (shard, (request id, tensor, state)), or None if it does not run."""
     request = self.node.lifecycle.open_request(request_id)
     if request is None:  # a hop still in flight when the request ended: going on would revive it
       return None
@@ -121,19 +111,19 @@ class Passes:
         return None
       self.node.prefix_protocol.fed_back(request, tensor)
       self.node.forwarding.fed_back(request, shard, tensor)
-      return shard, (request, tensor, state)
+      return shard, (request.id, tensor, state)
     except RequestEnded:
       return None
     except Exception as e:
       await self.node.lifecycle.fail_request(request.id, e)
       return None
 
-  async def _run_batch(self, shard: Shard, rows: List[Row], accepted: Optional[asyncio.Future], whole: bool) -> None:
+  async def _run_batch(self, shard: Shard, rows: List[Tuple[str, np.ndarray, Optional[dict]]], accepted: Optional[asyncio.Future], whole: bool) -> None:
     """A message's rows into the step loop together (`whole`: a step of the stage before, due at once)."""
-    results = await self.node.steps.run(shard, [(request.id, tensor, state) for request, tensor, state in rows], accepted, whole)
-    for (request, _, _), result in zip(rows, results):
+    results = await self.node.steps.run(shard, rows, accepted, whole)
+    for (request_id, _, _), result in zip(rows, results):
       if isinstance(result, Exception) and not isinstance(result, RequestEnded):
-        await self.node.lifecycle.fail_request(request.id, result)
+        await self.node.lifecycle.fail_request(request_id, result)
 
   async def _enter(self, request: Request, shard: Shard) -> None:
     """Wait until this node's engine serves the request's layers (ModelGate); all its messages wait for its one turn."""
