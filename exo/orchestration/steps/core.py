@@ -24,6 +24,7 @@ from exo.topology.placement import Stage
 log = logging.getLogger(__name__)
 
 PackedRow = Tuple[str, np.ndarray, Optional[dict]]  # request id, its tensor (1, L, ...), the inference state it travels with
+StepRow = Tuple[str, int, np.ndarray, Optional[dict]]  # a row a step finished: request id, positions it ran, result, state
 
 
 @dataclass
@@ -53,11 +54,6 @@ class StepOutput:
   failed: List[Tuple[str, BaseException]] = field(default_factory=list)
   sampled: Dict[str, Union[int, Exception]] = field(default_factory=dict)  # tokens the step drew together, until `add` takes them
 
-  def hop(self, to: Stage, shard: Shard, row: PackedRow, packable: bool) -> None:
-    tensor = np.asarray(row[1])
-    key = (to.node_id, shard, tensor.dtype.str, tensor.shape[2:]) if packable else (to.node_id, shard, row[0])
-    self.hops.setdefault(key, Hop(to, shard, packable)).rows.append(row)
-
 
 # The output of the step under way in this task, while its rows are added (see StepCore.finish_step).
 CURRENT: contextvars.ContextVar[Optional[StepOutput]] = contextvars.ContextVar("exo_step_output", default=None)
@@ -81,13 +77,13 @@ class StepCore:
       masks = asyncio.ensure_future(self._masks(shard, finishing)) if any(r.params.grammar for r in finishing) else None
 
     async def finish(done):
-      sampled = await self._sample(shard, done, masks) if shard.is_last_layer() else {}
+      rows = [(row.request_id, row.received, result[0], result[1]) for row, result in done if not isinstance(result, BaseException)]
+      sampled = await self._sample(shard, rows, masks) if shard.is_last_layer() else {}
       if shard.is_first_layer() and shard.is_last_layer():
         try:
-          self._run_ahead(shard, done, sampled)
+          self._run_ahead(shard, rows, sampled)
         except Exception as e:  # an optimisation: the rows go on as without it
           log.warning("exo: no step run ahead: %r", e)
-      rows = [(row.request_id, row.received, result[0], result[1]) for row, result in done if not isinstance(result, BaseException)]
       output = await self.finish_step(shard, rows, sampled)
       coming_back = [row[0] for hop in output.hops.values() if hop.to.node_id == node.id for row in hop.rows]
 
@@ -97,38 +93,38 @@ class StepCore:
       return send
     return finish
 
-  def _run_ahead(self, shard: Shard, done, sampled: Dict[str, Union[int, Exception]]) -> None:
+  def _run_ahead(self, shard: Shard, rows: List[StepRow], sampled: Dict[str, Union[int, Exception]]) -> None:
     """The next step of the rows that go on decoding here, started now (steps/ahead.py): only where the core's
     `process_inference_result` is the hook's one implementation (it decides what follows a token), and only if every
     row that comes back here can go (a row left out would need a step of its own beside the one started). If every
     one of them is greedy and far from its token limit, the step after it may be chained on the engine's thread."""
-    node, rows, follow = self.node, [], {}
+    node, ahead, follow = self.node, [], {}
     if not node.steps.can_run_ahead(shard):
       return
     if any(node.plugins.get_name(impl.plugin) != "exo-core" for impl in node.plugins.hook.exo_process_inference_result.get_hookimpls()):
       return
     engine = node.model_pool.engine_of(shard)
     context = engine.context_length
-    for row, result in done:
-      request, token = node.requests.get(row.request_id), sampled.get(row.request_id)
-      if request is None or isinstance(result, BaseException) or not node.requests.is_live(request.id):
+    for request_id, received, _, _ in rows:
+      request, token = node.requests.get(request_id), sampled.get(request_id)
+      if request is None or not node.requests.is_live(request_id):
         continue  # it does not come back
       route = request.route
       if route is None or route.after(node.id).node_id != node.id or route.shard(route.after(node.id), shard) != shard:
         continue  # its next step is another node's
       if not isinstance(token, (int, np.integer)) or request.params.grammar or request.sampled_here().constraint is not None:
         return  # (its token is not known, or a grammar decides whether it ends)
-      sampling, positions = request.sampled_here(), request.positions + row.received
+      sampling, positions = request.sampled_here(), request.positions + received
       if self._ends_with(request, engine, int(token), len(sampling.tokens) + 1, positions):
         continue
-      rows.append((request.id, np.array([[token]], dtype=np.int64)))
+      ahead.append((request_id, np.array([[token]], dtype=np.int64)))
       params = request.params
       if (params.temperature <= 0 and constrained.drawn_as_is(params) and len(sampling.tokens) + 2 < self.token_limit(request)
               and (context is None or positions + 2 < context)):  # its next token is the engine's argmax, and not its last by count
-        follow[request.id] = frozenset() if params.ignore_eos else frozenset(sampling.eos_ids)
-    if rows:
+        follow[request_id] = frozenset() if params.ignore_eos else frozenset(sampling.eos_ids)
+    if ahead:
       argmax = getattr(engine.sample_batch, "__func__", None) is InferenceEngine.sample_batch  # the engine draws a greedy row as its thread would
-      node.steps.ahead.start(engine, shard, rows, follow if argmax and len(follow) == len(rows) else None)
+      node.steps.ahead.start(engine, shard, ahead, follow if argmax and len(follow) == len(ahead) else None)
 
   async def _masks(self, shard: Shard, requests) -> Dict[str, np.ndarray]:
     prepared = await constrained.prepare(requests, self.node.model_pool.engine_of(shard).tokenizer)
@@ -136,41 +132,43 @@ class StepCore:
     masks = await constrained.masks_of([c for _, c in ready], self.mask_times)
     return {request_id: mask for (request_id, _), mask in zip(ready, masks)}
 
-  async def _sample(self, shard: Shard, done, masks: Optional[asyncio.Future]) -> Dict[str, Union[int, Exception]]:
-    """The token of each row the step finished, drawn in one vectorised call; if it fails, each row alone, so that a
-    bad row fails alone."""
+  async def _sample(self, shard: Shard, rows: List[StepRow], masks: Optional[asyncio.Future]) -> Dict[str, Union[int, Exception]]:
+    """The token of each live row from its logits, with its own parameters, random stream and grammar
+    (inference/constrained.py; a grammar this node cannot follow gives an error in place of the token), drawn in one
+    vectorised call; if that fails, each row alone, so that a bad row fails alone."""
     # A request that ended while its step ran (error, cancel, stop) must not be revived by its token.
-    rows = [(row.request_id, result[0]) for row, result in done if not isinstance(result, BaseException) and self.node.requests.is_live(row.request_id)]
+    rows = [(request_id, logits) for request_id, _, logits, _ in rows if self.node.requests.is_live(request_id)]
     try:
       ready = await masks if masks is not None else {}
     except Exception:  # whatever failed is met again, and reported per row, when the rows are sampled
       ready = {}
     if not rows:
       return {}
-    request_ids, results = [r for r, _ in rows], [logits for _, logits in rows]
-    masks = [ready.get(r) for r in request_ids]
     self.sampling_stats.record(len(rows))
     log.debug("[batching] sampled %d request(s) together on %s; sampling: %s", len(rows), shard.model_id, self.sampling_stats)
-    states = [self.node.requests.get(request_id).sampled_here() for request_id in request_ids]
-    saved = [state.generator.bit_generator.state for state in states]
+    requests = [self.node.requests.get(request_id) or Request(request_id, SamplingParams()) for request_id, _ in rows]  # (an ended one's token is dropped)
+    engine, saved = self.node.model_pool.engine_of(shard), [r.sampled_here().generator.bit_generator.state for r in requests]
+
+    async def draw(picked: List[int]) -> List[Union[int, Exception]]:
+      return await constrained.sample_requests(engine, [requests[i] for i in picked], [rows[i][1] for i in picked], f"node {self.node.id}",
+                                               [ready.get(rows[i][0]) for i in picked], self.mask_times, [self.tokens_left(requests[i]) for i in picked])
     try:
-      return dict(zip(request_ids, await self.sample_tokens(shard, results, request_ids, masks, self.mask_times)))
+      return dict(zip([r.id for r in requests], await draw(list(range(len(rows))))))
     except Exception as e:
       if len(rows) == 1:
-        return {request_ids[0]: e}
+        return {rows[0][0]: e}
       log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(rows), e)
     tokens: Dict[str, Union[int, Exception]] = {}
-    for state, generator_state, result, request_id, mask in zip(states, saved, results, request_ids, masks):
-      state.generator.bit_generator.state = generator_state  # the failed call must not move anyone's random stream
+    for i, request in enumerate(requests):
+      request.sampled_here().generator.bit_generator.state = saved[i]  # the failed call must not move anyone's random stream
       try:
-        tokens[request_id] = (await self.sample_tokens(shard, [result], [request_id], [mask], self.mask_times))[0]
+        tokens[request.id] = (await draw([i]))[0]
       except Exception as e:
-        tokens[request_id] = e
+        tokens[request.id] = e
     return tokens
 
-  async def finish_step(self, shard: Shard, rows: List[Tuple[str, int, np.ndarray, Optional[dict]]],
-                        sampled: Dict[str, Union[int, Exception]]) -> StepOutput:
-    """Every row a step finished (request id, positions, result, state), through `process_inference_result` into one output."""
+  async def finish_step(self, shard: Shard, rows: List[StepRow], sampled: Dict[str, Union[int, Exception]]) -> StepOutput:
+    """Every row a step finished, through `process_inference_result` into one output."""
     output = StepOutput(sampled=sampled)
     reset = CURRENT.set(output)
     try:
@@ -189,14 +187,6 @@ class StepCore:
       CURRENT.reset(reset)
     return output
 
-  async def sample_tokens(self, shard: Shard, results: List[np.ndarray], request_ids: List[str], masks: Optional[List[Optional[np.ndarray]]] = None,
-                          mask_times: Optional[MaskTimes] = None) -> List[Union[int, Exception]]:
-    """Each request's next token from its logits, with its own parameters, random stream and grammar
-    (inference/constrained.py); a grammar this node cannot follow gives an error in place of the token."""
-    requests = [self.node.requests.get(rid) or Request(rid, SamplingParams()) for rid in request_ids]  # (an ended one's token is dropped)
-    return await constrained.sample_requests(self.node.model_pool.engine_of(shard), requests, results, f"node {self.node.id}", masks, mask_times,
-                                             [self.tokens_left(r) for r in requests])
-
   def token_limit(self, request: Request) -> int:
     return min(request.params.max_tokens or self.node.max_generate_tokens, self.node.max_generate_tokens)
 
@@ -207,9 +197,11 @@ class StepCore:
     return left if context is None else min(left, context - request.positions)
 
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
-    """One row's outcome, into the output of the step under way (outside a step, an output of its own, sent at once)."""
-    in_step = CURRENT.get()
-    output = in_step or StepOutput()
+    """One row's outcome, into the output of the step under way (outside a step, an output of its own, its token drawn
+    as a step's are, sent at once)."""
+    output = in_step = CURRENT.get()
+    if in_step is None:
+      output = StepOutput(sampled=await self._sample(shard, [(request_id, 0, result, state)], None) if shard.is_last_layer() else {})
     await self._add(output, shard, result, request_id, state)
     if in_step is None:
       self.node.forwarding.send(output)
@@ -225,8 +217,8 @@ class StepCore:
       self._hop(output, shard, request, result, state)
       return
     token = output.sampled.pop(request_id, None)
-    if token is None:
-      token = (await self.sample_tokens(shard, [result], [request_id]))[0]
+    if token is None:  # it ended before the step drew its token
+      return
     if isinstance(token, Exception):
       output.failed.append((request_id, token))
       return
@@ -254,9 +246,11 @@ class StepCore:
             or (context is not None and positions >= context) or (sampling.constraint is not None and sampling.constraint.finished))
 
   def _hop(self, output: StepOutput, shard: Shard, request: Request, tensor: np.ndarray, state: Optional[dict]) -> None:
-    route, forwarding = request.route, self.node.forwarding
+    """The row into its next hop's message: rows that travel with their route, or come back here, are packed together."""
+    route = request.route
     if route is None:
       return
-    to = route.after(self.node.id)
-    output.hop(to, route.shard(to, shard), (request.id, tensor, forwarding.outgoing(request, state, to)),
-               packable=route.travels or to.node_id == self.node.id)
+    to, tensor = route.after(self.node.id), np.asarray(tensor)
+    shard, packable = route.shard(to, shard), route.travels or to.node_id == self.node.id
+    key = (to.node_id, shard, tensor.dtype.str, tensor.shape[2:]) if packable else (to.node_id, shard, request.id)
+    output.hops.setdefault(key, Hop(to, shard, packable)).rows.append((request.id, tensor, self.node.forwarding.outgoing(request, state, to)))
