@@ -582,7 +582,7 @@ async def test_stop_lets_the_step_finish_and_fails_the_waiting():
   running = [asyncio.ensure_future(loop.infer(LAST, r, TOKEN, None)) for r in "ab"]
   await asyncio.wait_for(engine.entered.wait(), 5)
   waiting = asyncio.ensure_future(loop.infer(LAST, "c", TOKEN, None))
-  await eventually(lambda: loop.waiting("c"), 5)  # it is in line
+  await eventually(lambda: "c" in loop.schedulers[LAST].ready, 5)  # it is in line
   stopping = asyncio.ensure_future(loop.stop())
   engine.release.set()
   await asyncio.wait_for(stopping, 5)

@@ -1,19 +1,13 @@
-"""Run-ahead: on a node that holds every layer of a model, a decoding row's next step is known as soon as its token is
-sampled (its input is that token, and it comes back to this node). The step core starts that step on the engine's
-thread at once (`start`), before the token goes through the hook, the step's output, its stream and its client; the
-loop's next step then takes its result (`call`) instead of calling the engine. The per-token work of the event loop
-so runs while the engine steps, as vLLM's asynchronous scheduling overlaps its CPU work with the model's.
+"""Run-ahead (EXO_RUN_AHEAD=0 turns it off): on a node that holds every layer of a model, a decoding row's next step
+is known as soon as its token is sampled (its input is that token, and it comes back here). The step core starts that
+step on the engine's thread at once (`start`), and the loop's next step takes its result (`call`) instead of calling
+the engine, so the event loop's per-token work (the hook, the output, the stream) runs while the engine steps. It is
+the step the loop would have run: the same rows and inputs on the same engine, started only when nothing else waits.
 
-Greedy requests go further (inference/chained_steps.py): on the step started ahead the loop grants that their next
-step follow it, and the engine's thread draws their greedy token itself and queues that step as the first ends. The
-loop registers such a step as soon as it takes the result of the one before (`call`), whatever it decides next, so
-that no row ever runs twice; a row that then arrives from elsewhere revokes the grants (`revoke`), so that the next
-step takes it in.
-
-A step run ahead is the step the loop would have run: the same rows with the same inputs on the same engine, and only
-when nothing else waits for a step here. A row that finishes instead (its end of sequence or token limit, a stop
-string, a cancel) never takes its result: it goes with its request (`forget`), whose KV cache is freed as at any end,
-the extra position with it; the engine never begins a cache for it. EXO_RUN_AHEAD=0 turns it off."""
+Greedy rows may be chained further on the engine's thread (inference/chained_steps.py): the loop registers a chained
+step as soon as it takes the result of the one before, so that no row runs twice, and a row that arrives from
+elsewhere revokes the grants (`revoke`), so that the next step takes it in. A row that finishes instead never takes
+its result: it goes with its request (`forget`), whose KV cache is freed as at any end."""
 import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Tuple

@@ -2,11 +2,10 @@
 step, runs it on the engine of that shard's model (one step at a time; the shard that stepped least recently first),
 and hands the results back to the Scheduler and the waiting callers (`run`).
 
-A request that ends leaves at once (`forget`), its waiter failing with RequestEnded. `finishing_for(scheduler, step)`,
-asked before the engine call, may return what finishes the step's rows (on a Node, the step core); that returns what
-sends their output, run once the waiters have heard None, before the next step. A message's `accepted` future (the
-gRPC server replies once it is resolved) is resolved just before the step that runs its rows. A step may start before
-its rows are back in line (`can_run_ahead`, steps/ahead.py)."""
+A request that ends leaves at once (`forget`). `finishing_for(scheduler, step)`, asked before the engine call, may
+return what finishes the step's rows (on a Node, the step core); that returns what sends their output, run once the
+waiters have heard None, before the next step. A message's `accepted` future (the gRPC reply waits for it) is resolved
+just before the step that runs its rows."""
 import asyncio
 import logging
 import time
@@ -139,10 +138,6 @@ class StepLoop:
     self._coming.update(request_ids)
     self._wake.set()
 
-  def waiting(self, request_id: str) -> bool:
-    """Whether the request waits for a step here (its result not yet handed back)."""
-    return request_id in self._waiters
-
   @property
   def running(self) -> bool:
     """Whether the loop's task is running (it starts with the first request and ends at stop)."""
@@ -242,7 +237,6 @@ class StepLoop:
         self._fail(row.request_id, result)
       else:
         _settle(self._waiters.pop(row.request_id, (None,))[0], None if send is not None else result)
-    for row, _ in done:
       if not self.is_live(row.request_id):
         scheduler.drop(row.request_id)
     if send is not None:
