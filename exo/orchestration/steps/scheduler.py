@@ -111,7 +111,6 @@ class Scheduler:
     first_layer = self.shard.is_first_layer()
     if first_layer:
       self._plan_groups()
-    rows = []
     for _ in range(2):  # a second look if the due group handed all its rows over to a smaller one
       if self.due(now) > now:
         return None
@@ -210,14 +209,19 @@ class Scheduler:
     by_group = self._by_group()
     due = {key: rows for key, rows in by_group.items() if self._due_at(key, rows, now) <= now}
     key = min(due, key=lambda k: min(row.since for row in due[k]))
-    rows = due[key] if key is not None else []
+    rows = list(due[key]) if key is not None else []
     if key is None or key >= self.groups:
       sizes = self._group_sizes()
       key = min(sizes, key=sizes.get)
       rows += by_group.get(key, []) if key in due else []
-    else:
-      moving = self._rebalance(key, rows)
-      rows = [row for row in rows if row not in moving]
+    else:  # a group two or more members larger than the smallest hands its newest ready members over
+      for row in reversed(due[key]):
+        sizes = self._group_sizes()
+        smallest = min(sizes, key=sizes.get)  # (the lowest-numbered of the smallest)
+        if sizes[key] - sizes[smallest] < 2:
+          break
+        self.group_of[row.request_id] = smallest
+        rows.remove(row)
     room = math.ceil(self._live() / max(1, self.groups)) - self._group_sizes().get(key, 0)
     newcomers = [row for row in by_group.get(None, []) if row not in rows][:max(1 if not rows else 0, room)]
     take = set(map(id, rows + newcomers))
@@ -227,37 +231,18 @@ class Scheduler:
     return len(set(self.group_of) | set(self.ready))
 
   def _group_sizes(self) -> Dict[int, int]:
-    sizes = {g: 0 for g in range(self.groups)}
-    for c in self.group_of.values():
-      if c in sizes:
-        sizes[c] += 1
-    return sizes
-
-  def _rebalance(self, key: int, rows: List[Row]) -> List[Row]:
-    """A group two or more members larger than the smallest hands its newest ready members over."""
-    moving = []
-    for row in reversed(rows):
-      sizes = self._group_sizes()
-      smallest = min(sizes, key=sizes.get)  # (the lowest-numbered of the smallest)
-      if sizes[key] - sizes[smallest] < 2:
-        break
-      self.group_of[row.request_id] = smallest
-      moving.append(row)
-    return moving
+    members = Counter(self.group_of.values())
+    return {g: members[g] for g in range(self.groups)}
 
   def _plan_groups(self) -> None:
     """m for the live requests, from the measured costs; before there is a fit, one group per stage."""
-    live = self._live()
+    live, own, hops = self._live(), self.times.cost(), self.hop_estimate()
     if self.stages == 1:  # nothing to keep busy while a group is away: a split would only pay the fixed cost twice
       self.groups = 1
-      return
-    own = self.times.cost()
-    hops = self.hop_estimate()
-    if own is None or hops is None:
+    elif own is None or hops is None:
       self.groups = max(1, min(self.stages, live))
-      return
-    others = self.other_stages or [own] * (self.stages - 1)
-    self.groups = best_groups(max(1, live), [own, *others], hops)
+    else:
+      self.groups = best_groups(max(1, live), [own, *(self.other_stages or [own] * (self.stages - 1))], hops)
 
   def _pick(self, candidates: List[Row]) -> List[Tuple[Row, int]]:
     """(row, positions to run now), oldest first: decode rows whole, prompts in chunks within the step's budget. With
