@@ -9,10 +9,9 @@ from typing import Dict, List, Optional, Tuple
 
 from exo.inference.shard import Shard
 from exo.orchestration import statuses
-from exo.orchestration.steps.scheduler import BatchStats
 from exo.orchestration.batching.config import BatchingConfig
 from exo.orchestration.steps.micro_batches import StepCost
-from exo.orchestration.steps.scheduler import Scheduler
+from exo.orchestration.steps.scheduler import BatchStats, Scheduler
 from exo.orchestration.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
@@ -31,9 +30,7 @@ class BatchingPlugin:
 
   @hookimpl
   def exo_scheduler(self, node, shard):
-    scheduler = Scheduler(shard, self.config.batch_size, self.config.timeout_ms / 1000, self.config.prefill_chunk)
-    scheduler.stages = len(self.node.ring_ids(shard))
-    return scheduler
+    return Scheduler(shard, self.config.batch_size, self.config.timeout_ms / 1000, self.config.prefill_chunk, stages=len(node.ring_ids(shard)))
 
   @hookimpl
   def exo_step_done(self, node, scheduler, step):

@@ -80,7 +80,7 @@ class Step:
 
 
 class Scheduler:
-  def __init__(self, shard: Shard, batch_size: int, timeout_s: float, prefill_chunk: int):
+  def __init__(self, shard: Shard, batch_size: int, timeout_s: float, prefill_chunk: int, stages: int = 1):
     self.shard, self.batch_size, self.timeout_s, self.prefill_chunk = shard, batch_size, timeout_s, prefill_chunk
     self.ready: Dict[str, Row] = {}  # insertion order = readiness order
     self.away: Dict[str, float] = {}  # handed back by a step and still going (sampled, or round the ring): since when
@@ -89,7 +89,7 @@ class Scheduler:
     self.round_trips: deque = deque(maxlen=ROUND_TRIPS_KEPT)  # seconds from handed back to ready again
     self.times = StageTimes()
     self.stats = BatchStats()  # requests per engine step
-    self.stages = 1  # stages of the ring (the plugin keeps it current)
+    self.stages = stages  # stages of the ring (the plugin keeps it current)
     self.other_stages: List[StepCost] = []  # the other stages' step costs, where known
     self.groups = 1  # micro-batches the first layers' node keeps going
 
