@@ -215,10 +215,9 @@ class StepLoop:
       engine_call = self.ahead.call(self.engine_for(scheduler.shard), scheduler.shard, items)
       if self._stepped:  # the last steps' on_step runs once this step has the engine, not on the way to it
         asyncio.get_running_loop().call_soon(self._report_steps)
-      results = list(await engine_call)
+      results = [_checked(r) for r in await engine_call]
       if len(results) != len(items):
         raise RuntimeError(f"engine step of {len(items)} requests returned {len(results)} results")
-      results = [_checked(r) for r in results]
     except asyncio.CancelledError:  # only when the event loop itself is torn down
       for row, _ in step.rows:
         self._fail(row.request_id, RequestEnded(row.request_id))
