@@ -137,27 +137,27 @@ class StepCore:
     (inference/constrained.py; a grammar this node cannot follow gives an error in place of the token), drawn in one
     vectorised call; if that fails, each row alone, so that a bad row fails alone."""
     # A request that ended while its step ran (error, cancel, stop) must not be revived by its token.
-    rows = [(request_id, logits) for request_id, _, logits, _ in rows if self.node.requests.is_live(request_id)]
+    live = [(request_id, logits) for request_id, _, logits, _ in rows if self.node.requests.is_live(request_id)]
     try:
       ready = await masks if masks is not None else {}
     except Exception:  # whatever failed is met again, and reported per row, when the rows are sampled
       ready = {}
-    if not rows:
+    if not live:
       return {}
-    self.sampling_stats.record(len(rows))
-    log.debug("[batching] sampled %d request(s) together on %s; sampling: %s", len(rows), shard.model_id, self.sampling_stats)
-    requests = [self.node.requests.get(request_id) or Request(request_id, SamplingParams()) for request_id, _ in rows]  # (an ended one's token is dropped)
+    self.sampling_stats.record(len(live))
+    log.debug("[batching] sampled %d request(s) together on %s; sampling: %s", len(live), shard.model_id, self.sampling_stats)
+    requests = [self.node.requests.get(request_id) or Request(request_id, SamplingParams()) for request_id, _ in live]  # (an ended one's token is dropped)
     engine, saved = self.node.model_pool.engine_of(shard), [r.sampled_here().generator.bit_generator.state for r in requests]
 
     async def draw(picked: List[int]) -> List[Union[int, Exception]]:
-      return await constrained.sample_requests(engine, [requests[i] for i in picked], [rows[i][1] for i in picked], f"node {self.node.id}",
-                                               [ready.get(rows[i][0]) for i in picked], self.mask_times, [self.tokens_left(requests[i]) for i in picked])
+      return await constrained.sample_requests(engine, [requests[i] for i in picked], [live[i][1] for i in picked], f"node {self.node.id}",
+                                               [ready.get(live[i][0]) for i in picked], self.mask_times, [self.tokens_left(requests[i]) for i in picked])
     try:
-      return dict(zip([r.id for r in requests], await draw(list(range(len(rows))))))
+      return dict(zip([r.id for r in requests], await draw(list(range(len(live))))))
     except Exception as e:
-      if len(rows) == 1:
-        return {rows[0][0]: e}
-      log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(rows), e)
+      if len(live) == 1:
+        return {live[0][0]: e}
+      log.log(VERBOSE, "[batching] sampling %d rows together failed (%r); sampling each alone", len(live), e)
     tokens: Dict[str, Union[int, Exception]] = {}
     for i, request in enumerate(requests):
       request.sampled_here().generator.bit_generator.state = saved[i]  # the failed call must not move anyone's random stream
