@@ -45,8 +45,7 @@ class RunAhead:
     self.enabled, self.is_live = enabled, is_live
     self.rows: Dict[str, Started] = {}  # request id -> its row of a step started ahead, until a step of the loop takes it
     self.taken: Dict[str, Ticket] = {}  # request id -> the ticket of its started step that a step of the loop awaits
-    self.steps_started = 0
-    self.steps_chained = 0  # of them, chained by the engine's thread
+    self.steps_chained = 0  # steps the engine's thread chained
     self.rows_taken = 0  # rows whose step of the loop took a result run ahead
 
   def start(self, engine, shard: Shard, rows: List[Tuple[str, np.ndarray]], follow: Optional[Dict[str, FrozenSet[int]]] = None) -> bool:
@@ -73,7 +72,6 @@ class RunAhead:
     results.add_done_callback(_retrieved)
     for index, (request_id, tensor) in enumerate(rows):
       self.rows[request_id] = Started(shard, tensor, index, results, ticket)
-    self.steps_started += 1
 
   def revoke(self) -> None:
     """No step follows the ones started (awaited by the loop's step or not yet): another row waits for the next step."""

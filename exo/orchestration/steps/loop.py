@@ -86,11 +86,6 @@ class StepLoop:
     self._stepped: List[Tuple[Scheduler, Step]] = []  # steps run whose on_step is still to come (see _report_steps)
     self.ahead = RunAhead(settings.env_int("EXO_RUN_AHEAD") != 0, is_live)
 
-  def scheduler(self, shard: Shard) -> Scheduler:
-    if shard not in self.schedulers:
-      self.schedulers[shard] = self.new_scheduler(shard)
-    return self.schedulers[shard]
-
   async def infer(self, shard: Shard, request_id: str, tensor: np.ndarray, state: Optional[dict],
                   accepted: Optional[asyncio.Future] = None) -> Optional[Tuple[np.ndarray, Optional[dict]]]:
     """One row (a prompt's pass), a batch of one: its result (None where a finisher took it), or its error raised."""
@@ -105,7 +100,9 @@ class StepLoop:
     once); each one's result, or its exception, once its step has finished it."""
     if self._stopped:
       raise BatcherStopped("batching has stopped on this node")
-    scheduler = self.scheduler(shard)
+    if shard not in self.schedulers:
+      self.schedulers[shard] = self.new_scheduler(shard)
+    scheduler = self.schedulers[shard]
     futures = [self._line_up(scheduler, *row, accepted, whole) for row in rows]
     if self._task is None:
       self._task = asyncio.get_running_loop().create_task(self._run())
