@@ -23,23 +23,6 @@ async def generate(node: Node, base_shard: Shard, prompt: str, params: SamplingP
       yield event.tokens, event.finished
 
 
-async def _next(events: asyncio.Queue, timeout: float) -> RequestEvent:
-  """The queue's next event, asyncio.TimeoutError after `timeout`. Not asyncio.wait_for: before Python 3.12 it drops a
-  cancellation that lands as the item arrives. asyncio.timeout (3.11+) cancels this task itself: no task per token."""
-  if hasattr(asyncio, "timeout"):
-    async with asyncio.timeout(timeout):
-      return await events.get()
-  getter = asyncio.ensure_future(events.get())
-  try:
-    done, _ = await asyncio.wait({getter}, timeout=timeout)
-  finally:
-    if not getter.done():
-      getter.cancel()
-  if not done:
-    raise asyncio.TimeoutError
-  return getter.result()
-
-
 async def generate_events(node: Node, base_shard: Shard, prompt: str, params: SamplingParams = SamplingParams(),
                           request_id: Optional[str] = None, timeout: float = 900.0, prompt_ids: Optional[List[int]] = None) -> AsyncIterator[RequestEvent]:
   """Yield one request's token events until it finishes (`prompt_ids`, where the caller has them, travel instead of
@@ -59,7 +42,9 @@ async def generate_events(node: Node, base_shard: Shard, prompt: str, params: Sa
     prefill = asyncio.ensure_future(node.process_prompt(base_shard, prompt, request_id=request_id, inference_state=state))
     prefill.add_done_callback(prefill_done)
     while not finished:
-      event = await _next(events, timeout)
+      # Not asyncio.wait_for: before Python 3.12 it drops a cancellation that lands as the event arrives.
+      async with asyncio.timeout(timeout):
+        event = await events.get()
       if event.error is not None:
         raise GenerationError(event.error)
       finished = event.finished
