@@ -1,12 +1,9 @@
-"""How a node passes requests on: the route it gives a new request (at its origin), the route it follows for every
-message, the next hop's message, and the tokens back to the origin.
+"""How a node passes requests on along their routes, and their tokens back to their origins.
 
 A routed request's prompt goes once to its first hop, then its hidden states hop to hop with the route in the inference
 state, one SendTensor per hop per step (packing.py). Its tokens go to the origin only: on the tensor that feeds the
-first hop when the origin is that hop, else as one `tokens` status per origin per step. Its last token and statuses
-about it go to the nodes of its route and its origin. A request without a travelling route behaves as exo always did.
-
-Each group's first node reports how much of its work each origin sent (`group_load`), so every router sees it all."""
+first hop when the origin is that hop, else as one `tokens` status per origin per step. A request without a travelling
+route behaves as exo always did. Each group's first node reports each origin's share of its work (`group_load`)."""
 import asyncio
 import logging
 import time
@@ -189,10 +186,13 @@ class Forwarding:
 
   def send_token(self, request: Request, token: int, finished: bool, logprobs: Optional[TokenLogprobs]) -> None:
     """After sampling: the token to the request's origin, the last one to every node of its route."""
-    node = self.node
-    route = request.route
-    if route is None or not route.travels:
-      self._send_result(request, token, finished, logprobs)
+    node, route = self.node, request.route
+    if route is None or not route.travels:  # as exo always did: SendResult to the origin, the last one to every peer
+      to = None if finished or request.origin is None else request.origin  # (an upstream origin is unknown)
+      if any(to is None or peer.id() == to for peer in node.peers):
+        preface = {request.origin: statuses.TokenLogprobsStatus.build(request_id=request.id, position=len(request.sampled_here().tokens) - 1,
+                                                                      logprob=logprobs.logprob, top=logprobs.top)} if logprobs and request.origin else None
+        node.spawn(node.broadcast_result(request.id, [token], finished, to, preface))
       return
     if not finished and self.rides_the_ring(request):
       return  # it rides back to the origin on the next hop's tensor
@@ -200,15 +200,6 @@ class Forwarding:
     to = {request.origin} | (set(route.node_ids) if finished else set())
     for destination in to - {node.id}:
       self._post(destination, [request.id, [token], finished, top if destination == request.origin else None])
-
-  def _send_result(self, request: Request, token: int, finished: bool, logprobs: Optional[TokenLogprobs]) -> None:
-    """As exo always did: SendResult to the origin, the last one to every peer (an upstream origin is unknown)."""
-    node = self.node
-    to = None if finished or request.origin is None else request.origin
-    if any(to is None or peer.id() == to for peer in node.peers):
-      preface = {request.origin: statuses.TokenLogprobsStatus.build(request_id=request.id, position=len(request.sampled_here().tokens) - 1, logprob=logprobs.logprob,
-                                                                                  top=logprobs.top)} if logprobs and request.origin else None
-      node.spawn(node.broadcast_result(request.id, [token], finished, to, preface))
 
   def _post(self, destination: str, row: list) -> None:
     self._outbox.setdefault(destination, []).append(row)
@@ -221,19 +212,15 @@ class Forwarding:
       while self._outbox.get(destination):
         rows = self._outbox.pop(destination)
         try:
-          await self._send_token_rows(self._peer(destination), statuses.Tokens.build(node_id=self.node.id, rows=rows))
+          peer, status = self._peer(destination), statuses.Tokens.build(node_id=self.node.id, rows=rows)
+          # gRPC's own call for token rows (uncompressed; each origin takes one a step, so no task of its own around it)
+          send = getattr(peer, "send_token_rows", None)
+          await (send(status) if send is not None else asyncio.wait_for(peer.send_opaque_status("", status), PEER_CALL_TIMEOUT_S))
         except Exception as e:
           log.log(VERBOSE, "Error sending %d token(s) to %s: %r", len(rows), destination, e)
     finally:
       self._senders.pop(destination, None)
       self._outbox.pop(destination, None)
-
-  @staticmethod
-  def _send_token_rows(peer, status: str) -> Awaitable[None]:
-    """A peer's own way for a step's token rows where it has one (gRPC: uncompressed, its deadline the call's: no task
-    of its own around it, as each origin takes one such call a step), else a status as any other."""
-    send = getattr(peer, "send_token_rows", None)
-    return send(status) if send is not None else asyncio.wait_for(peer.send_opaque_status("", status), PEER_CALL_TIMEOUT_S)
 
   def _heard_tokens(self, request_id: str, status: statuses.Tokens, sender_host: Optional[str]) -> None:
     node = self.node
@@ -250,8 +237,9 @@ class Forwarding:
     targets = (set(route.node_ids) | {request.origin}) - {self.node.id} if route is not None and route.travels else None
     await self.node.broadcast_opaque_status(request_id, status, to=targets)
 
-  def _loads_here(self) -> Dict[str, Dict[str, List[int]]]:
-    """For each group whose first node this is: each origin's [prompt tokens waiting, requests running, waiting]."""
+  def _see_loads_here(self) -> Dict[str, Dict[str, List[int]]]:
+    """For each group whose first node this is: each origin's [prompt tokens waiting, requests running, waiting]. This
+    node's router sees them as they are now, not as last reported."""
     loads: Dict[str, Dict[str, List[int]]] = {}
     for request in self.node.requests:
       route = request.route
@@ -264,35 +252,28 @@ class Forwarding:
       else:
         share[0] += max(1, prompt_tokens - request.positions)
         share[2] += 1
-    return loads
-
-  def _see_loads_here(self) -> Dict[str, Dict[str, List[int]]]:
-    """This node's router sees its own groups' load as it is now, not as last reported."""
-    loads = self._loads_here()
     for group in self._here | set(loads):
       self.router.report(group, {origin: tuple(share) for origin, share in loads.get(group, {}).items()})
     self._here = set(loads)
     return loads
 
   async def report_loads_periodically(self) -> None:
+    """Each origin's share of the groups led here, when it changed (at most every REPORT_S, and before it goes stale)."""
+    node = self.node
     while True:
       await asyncio.sleep(REPORT_S)
-      if self.node.placements.active:
-        self.report_loads()
-
-  def report_loads(self) -> None:
-    """Each origin's share of the groups led here, when it changed (at most every REPORT_S, and before it goes stale)."""
-    node, now = self.node, time.monotonic()
-    loads = self._see_loads_here()
-    for group in set(self._reported) | set(loads):
-      current = loads.get(group, {})
-      last, when = self._reported.get(group, ({}, -REPORT_FRESH_S))
-      if now - when < REPORT_S or (current == last and now - when < REPORT_FRESH_S / 2):
+      if not node.placements.active:
         continue
-      self._reported[group] = (current, now)
-      node.spawn(node.broadcast_opaque_status("", statuses.GroupLoad.build(node_id=node.id, group=group, loads=current)))
-      if not current:
-        del self._reported[group]
+      now, loads = time.monotonic(), self._see_loads_here()
+      for group in set(self._reported) | set(loads):
+        current = loads.get(group, {})
+        last, when = self._reported.get(group, ({}, -REPORT_FRESH_S))
+        if now - when < REPORT_S or (current == last and now - when < REPORT_FRESH_S / 2):
+          continue
+        self._reported[group] = (current, now)
+        node.spawn(node.broadcast_opaque_status("", statuses.GroupLoad.build(node_id=node.id, group=group, loads=current)))
+        if not current:
+          del self._reported[group]
 
   def _heard_load(self, request_id: str, status: statuses.GroupLoad, sender_host: Optional[str]) -> None:
     if sender_host is not None and status.node_id in self.node.peers_at(sender_host):
