@@ -6,13 +6,13 @@ import functools
 from dataclasses import dataclass
 from typing import Annotated, Any, List, Optional, Tuple
 
-from pydantic import BaseModel, Field, StrictInt, StrictStr, StringConstraints, ValidationError
+from pydantic import BaseModel, Field, StrictInt, ValidationError
 
 from exo.inference.shard import Shard
+from exo.orchestration.statuses import MAX_ID_CHARS, Id
 from exo.topology.placement import Stage
 
 MAX_HOPS = 64
-MAX_ID_CHARS = 256
 
 
 class InvalidRoute(ValueError):
@@ -78,11 +78,8 @@ class Route:
     return cls(stages, wire.v, wire.origin)
 
 
-NodeId = Annotated[StrictStr, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
-
-
 class _Wire(BaseModel):
   """A route as it travels: the placement version, the origin, and [node id, first layer, last layer] per hop."""
-  v: NodeId
-  origin: NodeId
-  hops: Annotated[List[Tuple[NodeId, StrictInt, StrictInt]], Field(min_length=1, max_length=MAX_HOPS)]
+  v: Id
+  origin: Id
+  hops: Annotated[List[Tuple[Id, StrictInt, StrictInt]], Field(min_length=1, max_length=MAX_HOPS)]
