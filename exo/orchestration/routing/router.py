@@ -1,13 +1,10 @@
-"""The choice of a group for each new request, at the node where it arrives (its origin).
+"""The choice of a group for each new request, at its origin. Nothing here waits or sends: the clock is a parameter.
 
-Load: the prompt tokens a group still has to compute (less its cached prefix) plus ROW_TOKENS per request, waiting or
-running (a row takes a share of every step until its answer ends). Own requests count the moment they are sent; the
-other origins' come from each group's first node (`group_load`, kept REPORT_FRESH_S).
-
-Prefix affinity: a prompt goes to the group that was sent most of its blocks (at least PREFIX_MIN_SHARE, and
-PREFIX_MIN_TOKENS more than the least loaded group: a short shared system prompt is no reason) unless its load exceeds
-the least one's by more than PREFIX_SLACK plus the tokens its cache spares. Otherwise the least loaded group, ties
-going to one that contains this node. Nothing here waits or sends: the clock is a parameter."""
+Load: a group's prompt tokens still to compute (less cached prefixes) plus ROW_TOKENS per request, waiting or running
+(a row takes a share of every step until its answer ends). Own requests count once sent; other origins' come from
+each group's first node (`group_load`). A prompt goes to the group that was sent most of its blocks (see PREFIX_*)
+unless that group is loaded past the least loaded one by more than PREFIX_SLACK plus the tokens its cache spares;
+otherwise to the least loaded group, ties going to one that contains this node."""
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -78,12 +75,8 @@ class Router:
 
   def _held(self, group: str, keys: List[str]) -> int:
     """Leading blocks of `keys` that were sent to `group`."""
-    known, held = self.keys.get(group, {}), 0
-    for key in keys:
-      if key not in known:
-        break
-      held += 1
-    return held
+    known = self.keys.get(group, {})
+    return next((i for i, key in enumerate(keys) if key not in known), len(keys))
 
   def sent_to(self, request_id: str, choice: Choice, model: str, prompt_ids: Optional[List[int]], prompt_tokens: int) -> None:
     """Count a request on its group from now on; its prompt's blocks are that group's from now on."""
