@@ -82,7 +82,7 @@ class Membership:
     """Health-check the peers live requests need; a dead one ends them. One that fails a check gets no new request."""
     node = self.node
     needed = {n for request in node.requests for n in request.ring} - {node.id}
-    peers = [p for p in node.peers if p.id() in needed or node.placements.is_suspect(p.id())]
+    peers = [p for p in node.peers if p.id() in needed or p.id() in node.placements.suspects]
     checks = await asyncio.gather(*[timed_health_check(p, self.clock) for p in peers])
     for peer, (ok, seconds) in zip(peers, checks):
       if ok:

@@ -150,9 +150,6 @@ class Placements:
     if added and self.mode is not None:
       self.node.spawn(self.announce())  # the newcomers hear of this node at once
 
-  def is_suspect(self, node_id: str) -> bool:
-    return node_id in self.suspects
-
   def settle(self) -> None:
     """Load this node's layers of the model in use (its engine's, else the one most peers hold, else the expected one)
     once placed, unless that would disturb a request; not before every peer has announced (a placement without them
