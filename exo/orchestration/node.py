@@ -177,7 +177,9 @@ class Node(RingMember):
     """The node ids of the ring (or, given one of this node's shards, of the group that holds it), first layers first."""
     placement = self.placements.placement(shard) if shard is not None else None
     group = placement.group_of(self.id) if placement is not None else None
-    return group.node_ids if group is not None else super().ring_ids()
+    if group is not None:
+      return group.node_ids
+    return tuple(p.node_id for p in self.partitions()) if self.partitioning_strategy else (self.id,)
 
   def on_path(self, request: Request, host: str, origin_only: bool = False) -> bool:
     """Whether a call from `host` comes from the request's origin (or, unless origin_only, a node it runs on)."""

@@ -46,10 +46,6 @@ class RingMember:
       self._shards.clear()
     return self._partitions[1]
 
-  def ring_ids(self) -> Tuple[str, ...]:
-    """The ring's node ids, first layers first."""
-    return tuple(p.node_id for p in self.partitions()) if self.partitioning_strategy else (self.id,)
-
   def get_partition_index(self, offset: int = 0) -> Optional[int]:
     if not self.partitioning_strategy:
       return None
