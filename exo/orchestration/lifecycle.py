@@ -146,7 +146,6 @@ class Lifecycle:
       self.node.requests.end(status.request_id, Status.FAILED)  # not seen here yet: a late hop must not start it
     else:
       self.end_request(status.request_id, Status.CANCELLED if cancel else Status.FAILED, None if cancel else status.error)
-    return None
 
   def _heard_logprobs(self, request_id: str, status: statuses.TokenLogprobsStatus, sender_host: Optional[str]) -> None:
     """Keep a token's logprobs until the token arrives (ours, asked for, from its path, at most PEER_LOGPROBS_AHEAD ahead)."""

@@ -75,10 +75,6 @@ class ModelPool(KeptPool):
     shard = self.shards.get(key)
     return 0.0 if shard is None else stage_bytes(self.own_facts(), shard)
 
-  def memory_bytes(self) -> float:
-    memory_mb = self.own_facts().memory_mb
-    return memory_mb * 2**20 if memory_mb > 0 else math.inf
-
   def _other_layers(self, key: str, keys: Collection[str]) -> List[str]:
     """Those of `keys` that are other layers of the same model (never held beside each other)."""
     shard = self.shards.get(key)
@@ -86,12 +82,16 @@ class ModelPool(KeptPool):
 
   def _room_for(self, model: str, keys: Collection[str]) -> bool:
     """Whether `model` fits beside the models `keys`: fewer than the limit, and their weight with it within memory."""
-    return not keys or (len(keys) < self.capacity() and sum(map(self.bytes_of, keys)) + self.bytes_of(model) <= self.memory_bytes())
+    if not keys:
+      return True
+    memory_mb = self.own_facts().memory_mb  # (none known: any weight fits)
+    weight = sum(map(self.bytes_of, keys)) + self.bytes_of(model)
+    return len(keys) < self.capacity() and (memory_mb <= 0 or weight <= memory_mb * 2**20)
 
   def fits(self, model: str, held: Collection[str]) -> bool:
     """Whether `model` may be loaded while requests hold the models `held` (it is not one of them)."""
     held = [key for key in self.engines if key in held]
-    return not held or (not self._other_layers(model, held) and self._room_for(model, held))
+    return not self._other_layers(model, held) and self._room_for(model, held)
 
   def admit(self, model: str) -> None:
     """A request (or preload) now holds `model`, and none did before."""

@@ -24,14 +24,10 @@ FILING_TIMEOUT_S = 2.0  # the longest a finished answer's blocks wait for a peer
 class PrefixProtocol:
   def __init__(self, node):
     self.node = node
+    self.engine = node.inference_engine  # the node's own (whether it reuses prefixes says for every engine of its class)
     self.filings: Set[asyncio.Task] = set()  # finished answers being filed (see _file_answer)
     node.inbox.on_peer(statuses.PREFIX_MISS, self._heard_miss)
     node.inbox.on_peer(statuses.PREFIX_EXTEND, self._heard_extend)
-
-  @property
-  def engine(self):
-    """The node's own engine (whether it reuses prefixes says for every engine of its class)."""
-    return self.node.inference_engine
 
   async def announce(self) -> None:
     """Tell the ring whether this node reuses prompt prefixes (block 0: it does not). Upstream nodes never say."""
