@@ -77,7 +77,7 @@ async def test_the_gate_lets_another_model_in_only_when_the_loaded_ones_requests
   assert gate.serving == "B" and not later_a.done()
   gate.leave("b1")
   await later_a
-  assert gate.serving == "A" and gate.holders == {"a2"}
+  assert gate.serving == "A" and set(gate.model_of) == {"a2"}
 
 
 async def test_a_request_that_waits_too_long_for_the_gate_gets_a_clear_error_and_one_that_ends_leaves_the_line():
@@ -161,7 +161,7 @@ async def test_a_preload_holds_the_gate_while_it_loads_but_not_while_it_download
     request = asyncio.ensure_future(node.model_gate.enter("r", DUMMY.model_id))
     engine.load.cue.set()
     await request  # let in once the preload has loaded its model and left the gate
-    assert node.model_gate.serving == DUMMY.model_id and node.model_gate.holders == {"r"}
+    assert node.model_gate.serving == DUMMY.model_id and set(node.model_gate.model_of) == {"r"}
     assert not node.model_gate.hold_if_idle("another-preload", "llama-3.2-1b")  # and none starts while "r" holds it
   finally:
     await node.stop()

@@ -38,10 +38,6 @@ class ModelGate:
     self.preloads: Set[str] = set()  # the holders that are preloads, not requests
     self._line: Deque[Tuple[str, str, asyncio.Future]] = deque()  # (model, request id, admitted)
 
-  @property
-  def holders(self) -> Set[str]:
-    return set(self.model_of)
-
   def held(self, besides_preloads: bool = False) -> Set[str]:
     """The models requests (and preloads, unless `besides_preloads`) hold now."""
     return {m for h, m in self.model_of.items() if not (besides_preloads and h in self.preloads)}
