@@ -117,7 +117,7 @@ def references(smollm2_path):
 
 
 def groups_ready(node: Node, count: int) -> bool:
-  view = node.placement_view([BASE])
+  view = node.placements.to_json([BASE])
   model = view.get("models", {}).get(BASE.model_id)
   return model is not None and len(model["groups"]) == count and all(model["ready"])
 
@@ -194,7 +194,7 @@ async def test_a_ring_with_a_node_that_never_announces_runs_as_one_pipeline_over
     a.placements.grace_s = 1.0
     states = record_inference_states(b)
     await eventually(lambda: not a.placements.active, 10)
-    assert a.placement_view()["undeclared"] == ["mix-b"]
+    assert a.placements.to_json()["undeclared"] == ["mix-b"]
     assert a.placements.heard_all_peers()  # an upstream node, taken for one after the grace, is not waited for
     assert await asyncio.gather(*[answer(a, p) for p in PROMPTS[:3]]) == references[:3]
     # The layers every node derives from its own view, split by memory; nothing of routes on the wire.

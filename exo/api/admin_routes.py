@@ -136,7 +136,7 @@ class AdminRoutes:
     the one its engine holds) with each node's layers."""
     models = [build_base_shard(self.core.default_model, self.engine_classname), *self.node.model_pool.shards_loaded()]
     bases = list({(s.model_id, s.n_layers): s for s in models if s is not None}.values())
-    return json_reply({**self.node.current_topology.to_json(), "placement": self.node.placement_view(bases)})
+    return json_reply({**self.node.current_topology.to_json(), "placement": self.node.placements.to_json(bases)})
 
   async def handle_healthcheck(self, request: web.Request) -> web.Response:
     return json_reply({"status": "ok"})

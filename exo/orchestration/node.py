@@ -217,13 +217,8 @@ class Node(RingMember):
   async def collect_topology(self, visited: Set[str], max_depth: int = 4):
     topology = await super().collect_topology(visited, max_depth)
     if self.topology_viz:
-      self.topology_viz.update_visualization(self.topology, self.partitions(), self.id, self.node_download_progress, self.placement_view())
+      self.topology_viz.update_visualization(self.topology, self.partitions(), self.id, self.node_download_progress, self.placements.to_json())
     return topology
-
-  def placement_view(self, bases: Optional[List[Shard]] = None) -> dict:
-    """The placement as /v1/topology and the TUI show it: the members, and each model's groups with their layers."""
-    loaded = self.placements.loaded(self.id)
-    return self.placements.to_json(bases if bases is not None else ([loaded] if loaded is not None else []))
 
   def get_supported_inference_engines(self) -> List[str]:
     name = self.inference_engine.__class__.__name__

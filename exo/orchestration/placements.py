@@ -174,9 +174,14 @@ class Placements:
     (model_id, n_layers), _ = min(counts.items(), key=lambda item: (-item[1], item[0]))
     return Shard(model_id, 0, 0, n_layers)
 
-  def to_json(self, bases: List[Shard]) -> dict:
+  def to_json(self, bases: Optional[List[Shard]] = None) -> dict:
+    """The placement as /v1/topology and the TUI show it: the members, and the groups of each model of `bases` (the
+    one loaded here by default) with their layers."""
     if self.mode is None:
       return {"mode": "off", "active": False}
+    if bases is None:
+      loaded = self.loaded(self.node.id)
+      bases = [loaded] if loaded is not None else []
     members = self.members()
     view = {"mode": self.mode, "active": self.active, "version": facts_version(members), "undeclared": self.undeclared(),
             "members": {f.node_id: {"memory_mb": f.memory_mb, "speed": f.speed, "engine": f.engine, "placement": f.mode,
