@@ -1,14 +1,14 @@
-"""A node's place in the ring: its peers, the topology, the partition of layers, and sending to the others (nothing
-here knows of requests)."""
+"""A node's place in the ring: its peers, the topology, the partition of layers, sending to the others and the inbox
+of what they send (nothing here knows of requests)."""
 import asyncio
 import ipaddress
 import logging
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from exo.helpers import AsyncCallbackSystem
 from exo.inference.shard import Shard
 from exo.logs import VERBOSE
-from exo.orchestration.inbox import Inbox
+from exo.orchestration import statuses
 from exo.topology.device_capabilities import UNKNOWN_DEVICE_CAPABILITIES, DeviceCapabilities
 from exo.topology.partitioning_strategy import Partition, PartitioningStrategy, map_partitions_to_shards
 from exo.topology.topology import Topology
@@ -16,6 +16,56 @@ from exo.topology.topology import Topology
 log = logging.getLogger(__name__)
 
 PEER_CALL_TIMEOUT_S = 15.0
+
+# (request id, the checked status, the sender's address or None for this node) -> False to drop it
+Handler = Callable[[str, statuses.Status, Optional[str]], Optional[bool]]
+
+
+class Inbox:
+  """The statuses the others send, each parsed and checked once (statuses.parse), then handed to its kind's handlers.
+  Peer handlers act on what other nodes say (never on this node's own statuses) and may drop a status by returning
+  False; observers see every status of their kind, this node's own included."""
+
+  def __init__(self) -> None:
+    self._peer: Dict[str, List[Handler]] = {}
+    self._observers: Dict[str, List[Handler]] = {}
+
+  def on_peer(self, kind: str, handler: Handler) -> None:
+    self._peer.setdefault(kind, []).append(handler)
+
+  def observe(self, kind: str, handler: Handler) -> None:
+    self._observers.setdefault(kind, []).append(handler)
+
+  def from_peer(self, request_id: str, raw: str, sender_host: Optional[str]) -> bool:
+    """A status a peer sent. False if it was invalid or dropped."""
+    parsed = self._parse(raw, sender_host)
+    if parsed is None:
+      return False
+    kind, status = parsed
+    for handler in self._peer.get(kind, ()):
+      if handler(request_id, status, sender_host) is False:
+        return False
+    self._notify(kind, request_id, status, sender_host)
+    return True
+
+  def from_self(self, request_id: str, raw: str, quiet: bool = False) -> None:
+    """A status this node sent (or one handed to the built-in observer): observers only."""
+    parsed = self._parse(raw, None, quiet)
+    if parsed is not None:
+      self._notify(parsed[0], request_id, parsed[1], None)
+
+  def _notify(self, kind: str, request_id: str, status: statuses.Status, sender_host: Optional[str]) -> None:
+    for handler in self._observers.get(kind, ()):
+      handler(request_id, status, sender_host)
+
+  @staticmethod
+  def _parse(raw: str, sender_host: Optional[str], quiet: bool = False) -> Optional[Tuple[Optional[str], statuses.Status]]:
+    try:
+      return statuses.parse(raw)
+    except statuses.InvalidStatus as e:
+      if not quiet:
+        log.warning("exo: dropped an invalid status from %s: %s", sender_host or "a peer", e)
+      return None
 
 
 class RingMember:
