@@ -293,9 +293,7 @@ class PeerFiles(Status):
   repos: Annotated[Dict[Id, RepoHoldings], Field(max_length=MAX_REPOS)]
 
 
-_KINDS = {model.model_fields["type"].default: model for model in (
-  NodeStatus, DownloadProgress, SupportedEngines, RequestParams, CancelRequest, RequestError, StageTiming, TokenLogprobsStatus,
-  PrefixCache, PrefixMiss, PrefixExtend, PlacementMember, GroupLoad, Tokens, StructuredOutput, PeerFiles)}
+_KINDS = {model.model_fields["type"].default: model for model in Status.__subclasses__() if model is not Unknown}  # every type above
 
 
 def _kind_of(data: Any) -> str:
