@@ -1,11 +1,9 @@
-"""This node's part in placement: the facts the members that follow routes announced (`placement_member`), each
-model's placement derived from them (topology/placement.py), which groups have their layers loaded, and loading this
-node's own layers as soon as it is placed.
+"""This node's part in placement: the members' announced facts (`placement_member`), each model's placement derived
+from them (topology/placement.py), which groups have their layers loaded, and loading this node's own layers once placed.
 
-Every node derives the placement itself from the announced facts, versioned by their hash: nothing is elected, and a
-node that leaves takes nothing with it. Two nodes may briefly derive different placements; a request carries the route
-its origin planned, and a node that cannot run the layers a route gives it refuses it. A peer that has not announced
-within ANNOUNCE_GRACE_S of joining (an upstream node) turns routing off: the ring is then one pipeline, as exo's."""
+Every node derives the placement itself, versioned by the facts' hash: nothing is elected, and a node that leaves takes
+nothing with it. Nodes may briefly disagree: a request carries its origin's route, and a node refuses layers it cannot
+run. A peer silent for ANNOUNCE_GRACE_S after joining (an upstream node) turns routing off: one pipeline, as exo's."""
 import asyncio
 import logging
 import time
