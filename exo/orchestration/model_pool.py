@@ -62,9 +62,6 @@ class ModelPool(KeptPool):
       engine.set_prefix_budget(prefixes.budget_bytes)
     return engine
 
-  def capacity(self) -> int:
-    return max(1, self.max_models) if self._engine_name() is not None else 1
-
   def expect(self, shard: Shard) -> None:
     """A request (or preload) is about to ask the gate for `shard`: its size is known from here on."""
     if len(self.shards) >= SHARDS_KEPT:
@@ -84,9 +81,10 @@ class ModelPool(KeptPool):
     """Whether `model` fits beside the models `keys`: fewer than the limit, and their weight with it within memory."""
     if not keys:
       return True
+    most = max(1, self.max_models) if self._engine_name() is not None else 1  # (an engine exo cannot build: one model)
     memory_mb = self.own_facts().memory_mb  # (none known: any weight fits)
     weight = sum(map(self.bytes_of, keys)) + self.bytes_of(model)
-    return len(keys) < self.capacity() and (memory_mb <= 0 or weight <= memory_mb * 2**20)
+    return len(keys) < most and (memory_mb <= 0 or weight <= memory_mb * 2**20)
 
   def fits(self, model: str, held: Collection[str]) -> bool:
     """Whether `model` may be loaded while requests hold the models `held` (it is not one of them)."""
