@@ -118,9 +118,10 @@ class Lifecycle:
       return
     logprobs = None
     if request is not None:
+      delivery = request.delivered_here()
       if request.params.logprobs is not None:
-        logprobs = [request.logprobs_ahead.pop(request.received + i, None) for i in range(len(result))]
-      request.received += len(result)
+        logprobs = [delivery.logprobs_ahead.pop(delivery.received + i, None) for i in range(len(result))]
+      delivery.received += len(result)
       request.advance(Status.DECODING)
     self.node.trigger_on_token_callbacks(request_id, result, is_finished, logprobs)
     if is_finished and request is not None:
@@ -151,8 +152,8 @@ class Lifecycle:
     """Keep a token's logprobs until the token arrives (ours, asked for, from its path, at most PEER_LOGPROBS_AHEAD ahead)."""
     request, position = self.node.requests.get(status.request_id), status.position
     if (request is None or request.origin != self.node.id or request.params.logprobs is None or len(status.top) > request.params.logprobs
-        or not 0 <= position - request.received < PEER_LOGPROBS_AHEAD
+        or not 0 <= position - request.delivered_here().received < PEER_LOGPROBS_AHEAD
         or (sender_host is not None and not self.node.on_path(request, sender_host))):
       log.log(VERBOSE, "Ignoring token logprobs for %s (position %s) from %s", status.request_id, position, sender_host)
       return
-    request.logprobs_ahead[position] = status.logprobs
+    request.delivered_here().logprobs_ahead[position] = status.logprobs

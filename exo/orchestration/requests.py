@@ -69,6 +69,13 @@ class Sampling:
 
 
 @dataclass
+class Delivery:
+  """What the node its tokens are delivered to (its origin, whose client asked) keeps of a request."""
+  received: int = 0  # tokens a peer has sent here
+  logprobs_ahead: Dict[int, TokenLogprobs] = field(default_factory=dict)  # token position -> logprobs sent ahead of it
+
+
+@dataclass
 class FirstStage:
   """What the node with a request's first layers keeps of its prompt."""
   prompt_tokens: int  # its prompt's length
@@ -78,7 +85,7 @@ class FirstStage:
 
 @dataclass(eq=False)
 class Request:
-  """What every node on its path knows of a request; the sampler's and the first node's own state only there."""
+  """What every node on its path knows of a request; a role's own state only where the role is."""
   id: str
   params: SamplingParams
   origin: Optional[str] = None  # the node whose client asked (None for requests from upstream nodes)
@@ -90,8 +97,7 @@ class Request:
   told_next: bool = False  # this node has sent it on along its route once (its parameters went with it)
   positions: int = 0  # positions of it this node's layers have computed (its KV cache length here)
   sampling: Optional[Sampling] = None  # on the node that samples it, from its first step there (sampled_here)
-  received: int = 0  # at its origin: the tokens a peer has sent here
-  logprobs_ahead: Dict[int, TokenLogprobs] = field(default_factory=dict)  # at its origin: token position -> logprobs sent ahead of it
+  delivery: Optional[Delivery] = None  # where its tokens are delivered, from the first (delivered_here)
   first_stage: Optional[FirstStage] = None  # on the node with its first layers, once its prompt is tokenised there
   created: float = field(default_factory=time.monotonic)
 
@@ -108,6 +114,10 @@ class Request:
   def sampled_here(self) -> Sampling:
     self.sampling = self.sampling or Sampling(make_generator(self.params.seed))
     return self.sampling
+
+  def delivered_here(self) -> Delivery:
+    self.delivery = self.delivery or Delivery()
+    return self.delivery
 
   def advance(self, status: Status) -> None:
     """Move forward to `status`; never back, and never out of an end."""

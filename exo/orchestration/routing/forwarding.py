@@ -227,7 +227,8 @@ class Forwarding:
     for rid, tokens, finished, top in status.rows:
       request = node.requests.get(rid)
       if top is not None and request is not None and request.origin == node.id and request.params.logprobs is not None:
-        request.logprobs_ahead[request.received] = TokenLogprobs(float(top[0]), [(int(t), float(lp)) for t, lp in top[1]])
+        delivery = request.delivered_here()
+        delivery.logprobs_ahead[delivery.received] = TokenLogprobs(float(top[0]), [(int(t), float(lp)) for t, lp in top[1]])
       node.on_result(rid, tokens, finished, sender_host)
 
   async def tell(self, request: Optional[Request], request_id: str, status: str) -> None:
