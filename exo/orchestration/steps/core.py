@@ -199,9 +199,8 @@ class StepCore:
   async def add(self, shard: Shard, result: np.ndarray, request_id: str, state: Optional[dict]) -> None:
     """One row's outcome, into the output of the step under way (outside a step, an output of its own, its token drawn
     as a step's are, sent at once)."""
-    output = in_step = CURRENT.get()
-    if in_step is None:
-      output = StepOutput(sampled=await self._sample(shard, [(request_id, 0, result, state)], None) if shard.is_last_layer() else {})
+    in_step = CURRENT.get()
+    output = in_step or StepOutput(sampled=await self._sample(shard, [(request_id, 0, result, state)], None) if shard.is_last_layer() else {})
     await self._add(output, shard, result, request_id, state)
     if in_step is None:
       self.node.forwarding.send(output)
