@@ -78,6 +78,28 @@ def test_looking_at_few_candidates_samples_exactly_as_sorting_everything(monkeyp
   assert (run(64) == run(5000)).all()
 
 
+def test_a_temperature_alone_draws_from_the_softmax_over_the_whole_vocabulary():
+  # A row that keeps every token draws without sorting (block by block): its frequencies are still the softmax's.
+  logits = np.random.default_rng(1).normal(size=(1, 700)).astype(np.float32) * 1.5
+  expected = np.exp(logits[0] / 0.8 - (logits[0] / 0.8).max())
+  expected /= expected.sum()
+  picked = draws(SamplingParams(temperature=0.8, seed=3), n=40000, logits=logits)
+  frequencies = np.bincount(picked, minlength=700) / len(picked)
+  assert 0.5 * np.abs(frequencies - expected).sum() < 0.05  # total variation (sampling noise here is ~0.03)
+
+
+def test_a_temperature_alone_never_draws_a_token_of_weight_zero():
+  logits = np.full((1, 3000), -np.inf, dtype=np.float32)  # as a grammar's mask leaves a row
+  allowed = [0, 255, 256, 1999, 2999]
+  logits[0, allowed] = [1.0, 0.5, 2.0, 0.1, 3.0]
+  assert set(draws(SamplingParams(temperature=2.0), n=3000, logits=logits)) == set(allowed)
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+  picked = draws(SamplingParams(temperature=5.0, top_k=10**6))
+  assert picked.min() >= 0 and picked.max() < LOGITS.shape[1] and len(set(picked)) > 50
+
+
 def log_softmax(row, temperature):
   scaled = np.asarray(row, dtype=np.float64) / (temperature if temperature > 0 else 1.0)
   return scaled - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())
