@@ -47,9 +47,10 @@ def make_generator(seed: Optional[int]) -> np.random.Generator:
   return np.random.Generator(np.random.PCG64(seed))
 
 
-# Most of a distribution's mass sits in a few hundred tokens: look there first, then among eight times as many, and
-# sort the whole vocabulary only for rows whose kept set (top-k, top-p, min-p) might reach beyond those.
-CANDIDATES = 512
+# Most of a distribution's mass sits in its tokens within a small factor of the best one: a row with top-k, top-p or
+# min-p looks among those first (a value threshold, so they are exactly the first tokens of the sorted vocabulary),
+# then below a lower floor, and sorts its whole vocabulary only when its kept set might reach past those.
+WEIGHT_FLOORS = (1e-4, 1e-9)  # exp(scaled logit - the best's)
 SAMPLING_BLOCK = 256  # tokens a whole-vocabulary draw sums at once (_inverse_cdf)
 
 
@@ -82,15 +83,9 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], generators
   whole = (top_k <= 0) & (top_p[:, 0] >= 1.0) & (min_p[:, 0] <= 0.0)
   for i in np.nonzero(whole)[0]:
     picks[i] = _inverse_cdf(full_weights[i], generators[sampled[i]].random())
-  rest = np.nonzero(~whole)[0]
-  for n in sorted({min(CANDIDATES, vocab), min(8 * CANDIDATES, vocab), vocab}):  # a row whose kept set may reach past n looks again
-    if not len(rest):
-      break
-    drawn = np.empty(len(rest), dtype=np.int64)
-    short = _sample_candidates(rows[rest], temps[rest], top_k[rest], top_p[rest], min_p[rest], full_mass[rest], n,
-                               generators, [sampled[i] for i in rest], drawn)
-    picks[rest[~short]] = drawn[~short]
-    rest = rest[short]
+  for i in np.nonzero(~whole)[0]:
+    picks[i] = _draw_among_best(rows[i], full_weights[i], int(top_k[i]), float(top_p[i, 0]), float(min_p[i, 0]), full_mass[i, 0],
+                                generators[sampled[i]].random())
   tokens[sampled] = picks
   return tokens
 
@@ -108,34 +103,31 @@ def _inverse_cdf(weights: np.ndarray, fraction: float) -> int:
   return int(starts[b]) + min(j, int(np.flatnonzero(block)[-1]))
 
 
-def _sample_candidates(rows, temps, top_k, top_p, min_p, full_mass, n, generators, gen_index, picks) -> np.ndarray:
-  """Sample each row among its `n` best tokens (ties by id), unless the kept set might extend past them: those rows
-  draw nothing and are returned as True, so that a row's result never depends on how many candidates were looked at."""
-  vocab = rows.shape[-1]
-  cand = np.argpartition(-rows, n - 1, axis=-1)[:, :n] if n < vocab else np.broadcast_to(np.arange(vocab), rows.shape)
-  cand = np.sort(cand, axis=-1)  # ties in the logits go to the lower id, as a full stable sort would
-  order = np.argsort(-np.take_along_axis(rows, cand, axis=-1), axis=-1, kind="stable")
-  cand = np.take_along_axis(cand, order, axis=-1)
-  scaled = np.take_along_axis(rows, cand, axis=-1) / temps
-  weights = np.exp(scaled - scaled[:, :1])  # relative to the row's best token, like full_mass
-  rank = np.arange(n)[None, :]
-  weights = np.where((top_k[:, None] <= 0) | (rank < top_k[:, None]), weights, 0.0)
-  cum = np.cumsum(weights, axis=-1)
-  with_k = top_k[:, None] > 0
-  mass = np.where(with_k & (top_k[:, None] <= n), cum[:, -1:], full_mass)
-  keep = weights >= min_p * weights[:, :1]
-  keep &= cum - weights < top_p * mass  # top-p: the smallest prefix whose mass reaches top_p
-  keep[:, 0] = True
-  # Complete only if the kept set ends before the last candidate (or every token is a candidate).
-  short = keep[:, -1] & (weights[:, -1] > 0) if n < vocab else np.zeros(len(rows), dtype=bool)
-  if n < vocab and with_k.any():
-    short |= (with_k[:, 0] & (top_k > n))
-  probs = np.where(keep, weights, 0.0)
-  cdf = np.cumsum(probs, axis=-1)
-  for r in np.nonzero(~short)[0]:
-    u = generators[gen_index[r]].random() * cdf[r, -1]
-    picks[r] = cand[r, min(int((cdf[r] <= u).sum()), n - 1)]
-  return short
+def _draw_among_best(row: np.ndarray, weights: np.ndarray, top_k: int, top_p: float, min_p: float, full_mass: float, fraction: float) -> int:
+  """A row's token by top-k, then min-p, then top-p, drawn at `fraction` of its kept set's mass, best first (ties by
+  id), as if its whole vocabulary were sorted: the tokens above a weight floor are the sorted order's first ones, and a
+  floor is lowered until the kept set ends before its last candidate."""
+  vocab = len(weights)
+  for floor in (*WEIGHT_FLOORS, 0.0):
+    candidates = np.flatnonzero(weights >= floor) if floor > 0 else np.arange(vocab)
+    if floor > 0 and top_k > len(candidates):
+      continue  # the k best reach below the floor
+    if 0 < top_k < len(candidates):  # only the k best can be kept (with any tied with the k-th, for the order's sake)
+      values = row[candidates]
+      candidates = candidates[values >= np.partition(values, len(values) - top_k)[len(values) - top_k]]
+    candidates = candidates[np.argsort(-row[candidates], kind="stable")]
+    kept_weights = weights[candidates]
+    if 0 < top_k < len(candidates):
+      kept_weights[top_k:] = 0.0
+    cumulative = np.cumsum(kept_weights)
+    mass = cumulative[-1] if 0 < top_k <= len(candidates) else full_mass  # top-p measures against the k best, or everything
+    keep = (kept_weights >= min_p * kept_weights[0]) & (cumulative - kept_weights < top_p * mass)
+    keep[0] = True
+    if floor > 0 and keep[-1] and kept_weights[-1] > 0 and not 0 < top_k <= len(candidates):
+      continue  # the kept set may go on below the floor
+    cdf = np.cumsum(np.where(keep, kept_weights, 0.0))
+    return int(candidates[min(int((cdf <= fraction * cdf[-1]).sum()), len(candidates) - 1)])
+  raise AssertionError("unreachable: the last floor holds every token")
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
