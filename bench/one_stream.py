@@ -5,7 +5,7 @@ the engine" (target: 1/ITL at least 95% of 1/step for one stream).
   python bench/one_stream.py                       # the node on every core, 1 stream, 3 repeats of 128 tokens
   python bench/one_stream.py --cores 1 --streams 8
   python bench/one_stream.py --ab EXO_RUN_AHEAD=0   # A/B: a second node with this setting, the repeats alternating between the two
-  python bench/one_stream.py --temperature 0.7      # sampled rows (the bare step does not sample: what sampling costs shows)
+  python bench/one_stream.py --temperature 0.7 --top-p 0.9   # sampled rows (the bare step does not sample: sampling's cost shows)
 
 Each repeat is a burst of --streams streams; ITL p50 is the median over the repeats. The bare step is
 bench/machines.py's step_times (the whole model, the same rows, a context of the prompt and half the reply), timed in
@@ -42,6 +42,7 @@ async def main() -> None:
   p.add_argument("--tokens", type=int, default=128)
   p.add_argument("--prompt-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0, help="each request's temperature (seeded; 0: greedy)")
+  p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--ab", default=None, metavar="NAME=VALUE", help="also a node with this environment variable set; the repeats alternate between the two")
   args = p.parse_args()
   args.core_set = {int(c) for c in args.cores.split(",")} if args.cores else os.sched_getaffinity(0)
@@ -59,7 +60,7 @@ async def main() -> None:
       await burst(nodes[way].url, make_prompts(2, 48, salt=99), 8)  # warm-up: the model's first steps, allocations
     for repeat in range(args.repeats):
       for way, node in nodes.items():
-        sampling = [{"temperature": args.temperature, "seed": i} for i in range(args.streams)]
+        sampling = [{"temperature": args.temperature, "top_p": args.top_p, "seed": i} for i in range(args.streams)]
         result = summarise(await burst(node.url, make_prompts(args.streams, args.prompt_tokens, salt=repeat), args.tokens, sampling))
         itls[way].append(result["itl_p50"])
         print(f"  repeat {repeat} ({way}): ITL p50 {1e3 * result['itl_p50']:.2f} ms, {result['tok_s']:.1f} tok/s", flush=True)
