@@ -122,6 +122,14 @@ def test_token_logprobs_are_the_log_softmax_each_row_was_sampled_from():
   assert out[0].top[0][0] == tokens[0] and out[0].top[0][1] == out[0].logprob  # greedy: the token is top-1
 
 
+def test_token_logprobs_best_tokens_go_by_value_then_id_and_masked_ones_come_last():
+  row = np.full((1, 5000), -np.inf, dtype=np.float32)  # a grammar's mask leaves three tokens
+  row[0, [4000, 7, 9]] = [2.0, 2.0, -30.0]  # (the third far below the others: beyond any window around the best)
+  [lp] = token_logprobs(row, [SamplingParams(logprobs=5)], [7])
+  assert [t for t, _ in lp.top] == [7, 4000, 9, 0, 1]
+  assert lp.top[3][1] == -9999.0 and lp.top[0][1] == lp.top[1][1] == lp.logprob
+
+
 def test_temperature_sharpens_or_flattens_the_reported_distribution():
   row = np.random.default_rng(3).normal(size=(1, 50)).astype(np.float32)
   best = int(np.argmax(row))

@@ -155,8 +155,7 @@ def token_logprobs(logits: np.ndarray, params: Sequence[SamplingParams], tokens:
   top_max = scaled.max(axis=-1, keepdims=True)
   log_total = top_max + np.log(np.exp(scaled - top_max).sum(axis=-1, keepdims=True))  # >= top_max, so every logprob <= 0
   k = min(max(params[i].logprobs for i in wanted), scaled.shape[-1])
-  best = np.sort(np.argpartition(-scaled, k - 1, axis=-1)[:, :k], axis=-1) if k else np.zeros((len(wanted), 0), dtype=np.int64)
-  best = np.take_along_axis(best, np.argsort(-np.take_along_axis(scaled, best, axis=-1), axis=-1, kind="stable"), axis=-1)
+  best = np.array([_best_tokens(row, k) for row in scaled], dtype=np.int64).reshape(len(wanted), k)
   # A token a grammar rules out has -inf: reported as OpenAI reports impossible tokens, -9999 (JSON has no infinity).
   best_logprobs = np.clip(np.take_along_axis(scaled, best, axis=-1) - log_total, IMPOSSIBLE_LOGPROB, 0.0)
   chosen = np.clip(scaled[np.arange(len(wanted)), [int(tokens[i]) for i in wanted]] - log_total[:, 0], IMPOSSIBLE_LOGPROB, 0.0)
@@ -164,6 +163,20 @@ def token_logprobs(logits: np.ndarray, params: Sequence[SamplingParams], tokens:
     n = params[i].logprobs
     out[i] = TokenLogprobs(float(chosen[row]), [(int(t), float(lp)) for t, lp in zip(best[row, :n], best_logprobs[row, :n])])
   return out
+
+
+def _best_tokens(row: np.ndarray, k: int) -> np.ndarray:
+  """The k best tokens of a row, best first, ties by id: looked for among those within a few nats of the best (a
+  model's 20 best nearly always are), where a partition of the whole vocabulary took ~0.5 ms a row."""
+  for window in (5.0, 10.0, 20.0, np.inf):
+    pool = np.flatnonzero(row >= row.max() - window)
+    if len(pool) >= k:
+      break
+  values = row[pool]
+  if len(pool) > k:  # down to the k-th best's value, those tied with it included (ties go by id)
+    kept = values >= np.partition(values, len(values) - k)[len(values) - k]
+    pool, values = pool[kept], values[kept]
+  return pool[np.argsort(-values, kind="stable")[:k]]
 
 
 def draw_then_check(params: SamplingParams) -> bool:
