@@ -128,6 +128,8 @@ def test_token_logprobs_best_tokens_go_by_value_then_id_and_masked_ones_come_las
   [lp] = token_logprobs(row, [SamplingParams(logprobs=5)], [7])
   assert [t for t, _ in lp.top] == [7, 4000, 9, 0, 1]
   assert lp.top[3][1] == -9999.0 and lp.top[0][1] == lp.top[1][1] == lp.logprob
+  [lp] = token_logprobs(row, [SamplingParams(logprobs=0)], [9])  # the token's own logprob, no alternatives
+  assert lp.top == [] and lp.logprob < -30
 
 
 def test_temperature_sharpens_or_flattens_the_reported_distribution():

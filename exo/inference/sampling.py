@@ -155,7 +155,7 @@ def token_logprobs(logits: np.ndarray, params: Sequence[SamplingParams], tokens:
   top_max = scaled.max(axis=-1, keepdims=True)
   log_total = top_max + np.log(np.exp(scaled - top_max).sum(axis=-1, keepdims=True))  # >= top_max, so every logprob <= 0
   k = min(max(params[i].logprobs for i in wanted), scaled.shape[-1])
-  best = np.array([_best_tokens(row, k) for row in scaled], dtype=np.int64).reshape(len(wanted), k)
+  best = np.array([_best_tokens(row, k) if k else [] for row in scaled], dtype=np.int64).reshape(len(wanted), k)
   # A token a grammar rules out has -inf: reported as OpenAI reports impossible tokens, -9999 (JSON has no infinity).
   best_logprobs = np.clip(np.take_along_axis(scaled, best, axis=-1) - log_total, IMPOSSIBLE_LOGPROB, 0.0)
   chosen = np.clip(scaled[np.arange(len(wanted)), [int(tokens[i]) for i in wanted]] - log_total[:, 0], IMPOSSIBLE_LOGPROB, 0.0)
