@@ -4,6 +4,7 @@ from that peer; nodes downloading at once fetch each file from the hub once betw
 from the hub is served by its peers; a peer that dies mid-transfer or sends bad bytes costs a resume elsewhere; and a
 client that is not a ring member gets 403 from a node's files (under /exo/files on its API server), whatever it asks."""
 import asyncio
+import os
 import re
 from contextlib import asynccontextmanager
 
@@ -134,7 +135,9 @@ async def test_a_peer_that_sends_bad_bytes_is_named_and_the_file_fetched_elsewhe
     held = a.home / "downloads" / FOLDER / BIG
     data = bytearray(held.read_bytes())
     data[1000] ^= 0xFF  # rotted on a's disk: the same size, so a still announces it verified
-    held.write_bytes(bytes(data))
+    rotted = held.with_name(held.name + ".rotted")
+    rotted.write_bytes(bytes(data))
+    os.replace(rotted, held)  # at once: an announcement made while a write truncated the file would leave it out
     await download(cluster, "b")
     await downloaded(cluster, "b")
     assert hub.fetches(BIG) == [None, None], hub.fetches(BIG)  # a's, then b's whole file after a's bytes were thrown away
