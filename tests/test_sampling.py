@@ -20,6 +20,14 @@ def test_greedy_is_argmax():
   assert (sample_rows(logits, [SamplingParams()] * 4, [make_generator(0)] * 4) == logits.argmax(-1)).all()
 
 
+def test_an_engines_greedy_batch_is_each_rows_last_position_argmax():
+  import asyncio
+  from exo.inference.inference_engine import InferenceEngine
+  logits = [rng.normal(size=(1, length, 50)).astype(np.float32) for length in (1, 3, 1)]  # a prompt's last chunk among decode rows
+  drawn = asyncio.run(InferenceEngine.sample_batch(None, logits, [SamplingParams()] * 3, [make_generator(0)] * 3))
+  assert drawn.dtype == np.int64 and list(drawn) == [int(np.argmax(x[0, -1])) for x in logits]
+
+
 def test_top_k_limits_candidates():
   top5 = set(np.argsort(-LOGITS[0])[:5])
   picked = set(draws(SamplingParams(temperature=5.0, top_k=5)))
