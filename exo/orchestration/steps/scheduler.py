@@ -236,10 +236,11 @@ class Scheduler:
 
   def _plan_groups(self) -> None:
     """m for the live requests, from the measured costs; before there is a fit, one group per stage."""
-    live, own, hops = self._live(), self.times.cost(), self.hop_estimate()
     if self.stages == 1:  # nothing to keep busy while a group is away: a split would only pay the fixed cost twice
       self.groups = 1
-    elif own is None or hops is None:
+      return
+    live, own, hops = self._live(), self.times.cost(), self.hop_estimate()  # (a fit over the steps kept: not on every one-node step)
+    if own is None or hops is None:
       self.groups = max(1, min(self.stages, live))
     else:
       self.groups = best_groups(max(1, live), [own, *(self.other_stages or [own] * (self.stages - 1))], hops)
