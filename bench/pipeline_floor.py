@@ -40,25 +40,25 @@ async def step_seconds(stages, engine: str, context: int, rounds: int):
   shards = [Shard(MODEL, 0, n_layers - 1, n_layers)] + [Shard(MODEL, start, end, n_layers) for start, end in stages]
   prompt = np.random.default_rng(0).integers(100, 1000, (1, context))
 
-  async def chain(token_input, i):
-    """Stage by stage from layer 0 (the whole model alone: i == 0), each one's output the next one's input."""
-    x, times = token_input, []
-    for shard, engine in ([(shards[0], engines[0])] if i == 0 else list(zip(shards[1:], engines[1:]))):
+  async def chain(x, split: bool):
+    """Each step's seconds, stage by stage from layer 0 (or the whole model alone), each output the next one's input."""
+    times = []
+    for shard, engine in (list(zip(shards[1:], engines[1:])) if split else [(shards[0], engines[0])]):
       start = time.perf_counter()
       [(out, _)] = await engine.infer_batch(shard, [("stream", x, None)])
       times.append(time.perf_counter() - start)
       x = out
     return times
 
-  await chain(prompt, 0)
-  await chain(prompt, 1)
+  await chain(prompt, False)
+  await chain(prompt, True)
   whole, split = [], []
   for r in range(rounds + 2):
     token = np.array([[100 + r]])
-    for i in ((0, 1) if r % 2 else (1, 0)):
-      times = await chain(token, i)
+    for staged in ((False, True) if r % 2 else (True, False)):
+      times = await chain(token, staged)
       if r >= 2:  # the first two: allocations, caches warming
-        (whole if i == 0 else split).append(times)
+        (split if staged else whole).append(times)
   return statistics.median(t[0] for t in whole), [statistics.median(t[k] for t in split) for k in range(len(stages))]
 
 
